@@ -1,0 +1,3 @@
+//! The `miles` command.
+
+fn main() {}

@@ -1,0 +1,9 @@
+//! The core of miles: settings, devices, the memory manager with its backup stores, and
+//! everything the training backends and the rollout engine share.
+
+pub mod device;
+
+pub use device::{
+    AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
+    HostBuffer, MemoryInfo, PendingWork,
+};
