@@ -2,6 +2,8 @@
 //! everything the training backends and the rollout engine share.
 
 pub mod device;
+pub mod model;
+pub mod ops;
 
 pub use device::{
     AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,

@@ -9,8 +9,10 @@
 //!
 //! All `unsafe` code of miles lives under this module.
 
+mod cpu_gemm;
 mod error;
 
+pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use error::DeviceError;
 
 use std::fmt;

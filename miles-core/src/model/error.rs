@@ -1,0 +1,86 @@
+//! Errors of the model: its config, its buffers, its checkpoints.
+
+use std::path::PathBuf;
+
+use crate::device::GemmShapeError;
+
+/// What went wrong in the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A config.json that is not a Llama config this model computes.
+    #[error("invalid model config: {0}")]
+    Config(String),
+    /// A preset name that is not one of the built-in presets.
+    #[error("unknown preset `{name}`: the presets are {known}")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The valid names, comma separated.
+        known: String,
+    },
+    /// A buffer of the wrong length for its layout.
+    #[error(
+        "{buffer} buffer has {len} elements, its layout needs {need}; allocate it from the layout"
+    )]
+    BufferLength {
+        /// Which buffer (`params`, `grads`, `activations`, ...).
+        buffer: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length its layout needs.
+        need: usize,
+    },
+    /// A batch whose shape does not fit the model or its activation buffer.
+    #[error("invalid batch: {0}")]
+    Batch(String),
+    /// A token id outside the vocabulary.
+    #[error("token id {id} at position {position} is outside the vocabulary of {vocab} ids")]
+    TokenOutOfRange {
+        /// The token id.
+        id: u32,
+        /// Its flat position in the batch.
+        position: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A KV cache asked for a sequence or position it does not hold.
+    #[error("kv cache: {0}")]
+    KvCache(String),
+    /// A matrix product on operands of the wrong size (a bug in a caller's shapes).
+    #[error(transparent)]
+    Gemm(#[from] GemmShapeError),
+    /// A file of a checkpoint could not be read or written.
+    #[error("cannot {action} {path}: {source}")]
+    Io {
+        /// `read` or `write`.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// A config.json that is not valid JSON.
+    #[error("cannot parse {path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        source: serde_json::Error,
+    },
+    /// A safetensors file that could not be parsed or written.
+    #[error("safetensors file {path}: {reason}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What the library said.
+        reason: String,
+    },
+    /// A checkpoint whose tensors do not match the config's layout.
+    #[error("checkpoint {path} does not match its config: {problems}")]
+    CheckpointMismatch {
+        /// The safetensors file.
+        path: PathBuf,
+        /// Every mismatch, one per tensor, separated by `; `.
+        problems: String,
+    },
+}

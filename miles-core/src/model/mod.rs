@@ -1,0 +1,26 @@
+//! The Llama-style transformer: config, parameter and activation tables, forward and backward,
+//! AdamW training, KV-cache decoding, the byte tokenizer and Hugging Face checkpoints.
+
+mod checkpoint;
+mod config;
+mod decode;
+mod error;
+mod init;
+mod layout;
+#[cfg(test)]
+mod tests;
+mod tokenizer;
+mod train;
+mod transformer;
+
+pub use checkpoint::{
+    CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, load_config, load_params, save_checkpoint,
+};
+pub use config::LlamaConfig;
+pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
+pub use error::ModelError;
+pub use init::init_params;
+pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
+pub use tokenizer::ByteTokenizer;
+pub use train::{ModelBuffers, StepReport, Trainer, score_tokens};
+pub use transformer::{TrainBatch, Transformer};

@@ -1,0 +1,552 @@
+//! The Llama decoder's forward and backward passes over flat parameter, gradient and activation
+//! buffers.
+//!
+//! The model owns no storage: the caller hands it `params`, `grads` and `acts` as slices (today
+//! `Vec<f32>`, later views of memory-manager regions), cut by [`ParamLayout`] and
+//! [`ActivationLayout`].
+
+use std::sync::Arc;
+
+use super::layout::{carve, layer_block};
+use super::{ActivationLayout, LlamaConfig, ModelError, ParamKind, ParamLayout};
+use crate::ops::{
+    AttentionShape, MatmulProfile, RopeTable, attention_backward, attention_forward,
+    crossentropy_backward, crossentropy_forward, embedding_backward, embedding_forward,
+    matmul_backward, matmul_forward, residual_forward, rmsnorm_backward, rmsnorm_forward,
+    rope_backward, rope_forward, swiglu_backward, swiglu_forward,
+};
+
+/// One training (or scoring) batch of `B` sequences of `T` positions.
+#[derive(Clone, Copy, Debug)]
+pub struct TrainBatch<'a> {
+    /// `B`.
+    pub batch: usize,
+    /// `T`.
+    pub seq: usize,
+    /// Input token ids `(B, T)`.
+    pub inputs: &'a [u32],
+    /// Target token ids `(B, T)`: the token each position predicts.
+    pub targets: &'a [u32],
+    /// Weight of each target in the loss `(B, T)`: 0 masks it, an advantage scales it.
+    pub weights: &'a [f32],
+    /// The loss is the weighted sum of negative log-probs divided by this.
+    pub normaliser: f32,
+}
+
+/// The weights of one decoder layer, as views of the parameter buffer.
+pub(crate) struct LayerWeights<'a> {
+    pub input_norm: &'a [f32],
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub o: &'a [f32],
+    pub post_norm: &'a [f32],
+    pub gate: &'a [f32],
+    pub up: &'a [f32],
+    pub down: &'a [f32],
+}
+
+/// The Llama decoder: config, parameter table and rotary tables; no storage.
+#[derive(Clone, Debug)]
+pub struct Transformer {
+    config: LlamaConfig,
+    layout: ParamLayout,
+    rope: RopeTable,
+    profile: Option<Arc<MatmulProfile>>,
+}
+
+impl Transformer {
+    /// The model of `config`.
+    pub fn new(config: LlamaConfig) -> Self {
+        let layout = ParamLayout::new(&config);
+        let rope = RopeTable::new(
+            config.head_dim,
+            config.rope_theta,
+            config.max_position_embeddings,
+        );
+        Self {
+            config,
+            layout,
+            rope,
+            profile: None,
+        }
+    }
+
+    /// Records every matrix product's shape and time into `profile` from now on.
+    pub fn with_profile(mut self, profile: Arc<MatmulProfile>) -> Self {
+        self.profile = Some(profile);
+        self
+    }
+
+    /// The config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The parameter table (also the layout of gradients and optimizer moments).
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    pub(crate) fn rope(&self) -> &RopeTable {
+        &self.rope
+    }
+
+    pub(crate) fn profile(&self) -> Option<&MatmulProfile> {
+        self.profile.as_deref()
+    }
+
+    /// The activation table for `batch` sequences of `seq` positions.
+    ///
+    /// # Errors
+    /// [`ModelError::Batch`] when `seq` exceeds `max_position_embeddings` or a size is zero.
+    pub fn activation_layout(
+        &self,
+        batch: usize,
+        seq: usize,
+    ) -> Result<ActivationLayout, ModelError> {
+        if batch == 0 || seq == 0 {
+            return Err(ModelError::Batch(format!(
+                "batch {batch} x seq {seq} is empty; give at least one sequence of one token"
+            )));
+        }
+        if seq > self.config.max_position_embeddings {
+            return Err(ModelError::Batch(format!(
+                "sequence of {seq} positions exceeds max_position_embeddings {}; shorten it",
+                self.config.max_position_embeddings
+            )));
+        }
+        Ok(ActivationLayout::new(&self.config, batch, seq))
+    }
+
+    pub(crate) fn weight<'a>(&self, params: &'a [f32], kind: ParamKind, layer: usize) -> &'a [f32] {
+        &params[self.layout.range(kind, layer)]
+    }
+
+    pub(crate) fn layer_weights<'a>(&self, params: &'a [f32], l: usize) -> LayerWeights<'a> {
+        let w = |k| self.weight(params, k, l);
+        LayerWeights {
+            input_norm: w(ParamKind::InputNorm),
+            q: w(ParamKind::QProj),
+            k: w(ParamKind::KProj),
+            v: w(ParamKind::VProj),
+            o: w(ParamKind::OProj),
+            post_norm: w(ParamKind::PostAttentionNorm),
+            gate: w(ParamKind::GateProj),
+            up: w(ParamKind::UpProj),
+            down: w(ParamKind::DownProj),
+        }
+    }
+
+    /// Checks token ids against the vocabulary.
+    pub(crate) fn check_tokens(&self, ids: &[u32]) -> Result<(), ModelError> {
+        match ids
+            .iter()
+            .position(|&id| id as usize >= self.config.vocab_size)
+        {
+            Some(position) => Err(ModelError::TokenOutOfRange {
+                id: ids[position],
+                position,
+                vocab: self.config.vocab_size,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn check_batch(&self, al: &ActivationLayout, b: &TrainBatch<'_>) -> Result<(), ModelError> {
+        let n = b.batch * b.seq;
+        if al.batch != b.batch || al.seq != b.seq {
+            return Err(ModelError::Batch(format!(
+                "batch is {} x {} but the activation layout is {} x {}; build the layout for this batch",
+                b.batch, b.seq, al.batch, al.seq
+            )));
+        }
+        for (what, len) in [
+            ("inputs", b.inputs.len()),
+            ("targets", b.targets.len()),
+            ("weights", b.weights.len()),
+        ] {
+            if len != n {
+                return Err(ModelError::Batch(format!(
+                    "{what} has {len} entries, batch {} x seq {} needs {n}",
+                    b.batch, b.seq
+                )));
+            }
+        }
+        if !(b.normaliser.is_finite() && b.normaliser > 0.0) {
+            return Err(ModelError::Batch(format!(
+                "normaliser {} must be positive and finite",
+                b.normaliser
+            )));
+        }
+        self.check_tokens(b.inputs)?;
+        self.check_tokens(b.targets)
+    }
+
+    /// Runs the forward pass and returns the loss; logits, per-token log-probs and everything the
+    /// backward pass needs are left in `acts`.
+    ///
+    /// # Errors
+    /// [`ModelError::BufferLength`] for buffers of the wrong length, [`ModelError::Batch`] or
+    /// [`ModelError::TokenOutOfRange`] for a bad batch.
+    pub fn forward(
+        &self,
+        params: &[f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+    ) -> Result<f32, ModelError> {
+        self.layout.check("params", params)?;
+        al.check(acts)?;
+        self.check_batch(al, batch)?;
+        let c = &self.config;
+        let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
+        let (qd, kvd, f, v) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+        let positions: Vec<usize> = (0..n).map(|i| i % batch.seq).collect();
+        let shape = self.attention_shape(batch);
+        let prof = self.profile();
+        let bad = || ModelError::Batch("activation ranges overlap".into());
+
+        let emb = self.weight(params, ParamKind::Embedding, 0);
+        embedding_forward(
+            &mut acts[layer_block(&al.residual, 0, l_n + 1)],
+            batch.inputs,
+            emb,
+            h,
+        );
+        for l in 0..l_n {
+            let w = self.layer_weights(params, l);
+            let [
+                res_in,
+                ln1,
+                rstd1,
+                q,
+                k,
+                vv,
+                att,
+                att_out,
+                res_mid,
+                ln2,
+                rstd2,
+                gate,
+                up,
+                sw,
+                res_out,
+            ] = carve(
+                acts,
+                [
+                    &layer_block(&al.residual, l, l_n + 1),
+                    &layer_block(&al.ln1, l, l_n),
+                    &layer_block(&al.ln1_rstd, l, l_n),
+                    &layer_block(&al.q, l, l_n),
+                    &layer_block(&al.k, l, l_n),
+                    &layer_block(&al.v, l, l_n),
+                    &layer_block(&al.att, l, l_n),
+                    &layer_block(&al.att_out, l, l_n),
+                    &layer_block(&al.residual_mid, l, l_n),
+                    &layer_block(&al.ln2, l, l_n),
+                    &layer_block(&al.ln2_rstd, l, l_n),
+                    &layer_block(&al.gate, l, l_n),
+                    &layer_block(&al.up, l, l_n),
+                    &layer_block(&al.swiglu, l, l_n),
+                    &layer_block(&al.residual, l + 1, l_n + 1),
+                ],
+            )
+            .ok_or_else(bad)?;
+            rmsnorm_forward(ln1, rstd1, res_in, w.input_norm, c.rms_norm_eps); // (B, T, C)
+            matmul_forward(q, ln1, w.q, n, h, qd, prof)?; // (B, T, H*D)
+            matmul_forward(k, ln1, w.k, n, h, kvd, prof)?; // (B, T, K*D)
+            matmul_forward(vv, ln1, w.v, n, h, kvd, prof)?; // (B, T, K*D)
+            rope_forward(q, &positions, c.num_heads, &self.rope);
+            rope_forward(k, &positions, c.num_kv_heads, &self.rope);
+            attention_forward(att_out, att, q, k, vv, shape); // (B, T, H*D), (B, T, H, T)
+            matmul_forward(res_mid, att_out, w.o, n, qd, h, prof)?; // (B, T, C)
+            residual_forward(res_mid, res_in);
+            rmsnorm_forward(ln2, rstd2, res_mid, w.post_norm, c.rms_norm_eps);
+            matmul_forward(gate, ln2, w.gate, n, h, f, prof)?; // (B, T, F)
+            matmul_forward(up, ln2, w.up, n, h, f, prof)?; // (B, T, F)
+            swiglu_forward(sw, gate, up);
+            matmul_forward(res_out, sw, w.down, n, f, h, prof)?; // (B, T, C)
+            residual_forward(res_out, res_mid);
+        }
+        let [res_last, lnf, lnf_rstd, logits, probs, logprobs] = carve(
+            acts,
+            [
+                &layer_block(&al.residual, l_n, l_n + 1),
+                &al.lnf,
+                &al.lnf_rstd,
+                &al.logits,
+                &al.probs,
+                &al.logprobs,
+            ],
+        )
+        .ok_or_else(bad)?;
+        let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
+        rmsnorm_forward(lnf, lnf_rstd, res_last, norm_w, c.rms_norm_eps);
+        let head = self.weight(params, ParamKind::LmHead, 0);
+        matmul_forward(logits, lnf, head, n, h, v, prof)?; // (B, T, V)
+        let loss = crossentropy_forward(
+            probs,
+            logprobs,
+            logits,
+            batch.targets,
+            batch.weights,
+            batch.normaliser,
+        );
+        Ok(loss as f32)
+    }
+
+    /// Runs the backward pass of the last [`forward`](Self::forward) on the same batch,
+    /// accumulating into `grads` (`+=`: zero them first for a fresh step).
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward).
+    pub fn backward(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+    ) -> Result<(), ModelError> {
+        self.layout.check("params", params)?;
+        self.layout.check("grads", grads)?;
+        al.check(acts)?;
+        self.check_batch(al, batch)?;
+        let c = &self.config;
+        let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
+        let (qd, kvd, f, v) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+        let positions: Vec<usize> = (0..n).map(|i| i % batch.seq).collect();
+        let shape = self.attention_shape(batch);
+        let prof = self.profile();
+        let bad = || ModelError::Batch("activation ranges overlap".into());
+        let lay = &self.layout;
+
+        {
+            let [res_last, lnf, lnf_rstd, probs, d_logits, d_ln, d_res] = carve(
+                acts,
+                [
+                    &layer_block(&al.residual, l_n, l_n + 1),
+                    &al.lnf,
+                    &al.lnf_rstd,
+                    &al.probs,
+                    &al.d_logits,
+                    &al.d_ln,
+                    &al.d_residual,
+                ],
+            )
+            .ok_or_else(bad)?;
+            d_logits.fill(0.0);
+            crossentropy_backward(
+                d_logits,
+                probs,
+                batch.targets,
+                batch.weights,
+                batch.normaliser,
+            );
+            d_ln.fill(0.0);
+            let head = self.weight(params, ParamKind::LmHead, 0);
+            let dhead = &mut grads[lay.range(ParamKind::LmHead, 0)];
+            matmul_backward(d_ln, dhead, d_logits, lnf, head, n, h, v, prof)?;
+            d_res.fill(0.0);
+            let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
+            let dnorm = &mut grads[lay.range(ParamKind::FinalNorm, 0)];
+            rmsnorm_backward(d_res, dnorm, d_ln, res_last, norm_w, lnf_rstd);
+        }
+        for l in (0..l_n).rev() {
+            let w = self.layer_weights(params, l);
+            let [
+                res_in,
+                ln1,
+                rstd1,
+                q,
+                k,
+                vv,
+                att,
+                att_out,
+                res_mid,
+                ln2,
+                rstd2,
+                gate,
+                up,
+                sw,
+                d_res,
+                d_ln,
+                d_att_out,
+                d_q,
+                d_k,
+                d_v,
+                d_att,
+                d_gate,
+                d_up,
+                d_sw,
+            ] = carve(
+                acts,
+                [
+                    &layer_block(&al.residual, l, l_n + 1),
+                    &layer_block(&al.ln1, l, l_n),
+                    &layer_block(&al.ln1_rstd, l, l_n),
+                    &layer_block(&al.q, l, l_n),
+                    &layer_block(&al.k, l, l_n),
+                    &layer_block(&al.v, l, l_n),
+                    &layer_block(&al.att, l, l_n),
+                    &layer_block(&al.att_out, l, l_n),
+                    &layer_block(&al.residual_mid, l, l_n),
+                    &layer_block(&al.ln2, l, l_n),
+                    &layer_block(&al.ln2_rstd, l, l_n),
+                    &layer_block(&al.gate, l, l_n),
+                    &layer_block(&al.up, l, l_n),
+                    &layer_block(&al.swiglu, l, l_n),
+                    &al.d_residual,
+                    &al.d_ln,
+                    &al.d_att_out,
+                    &al.d_q,
+                    &al.d_k,
+                    &al.d_v,
+                    &al.d_att,
+                    &al.d_gate,
+                    &al.d_up,
+                    &al.d_swiglu,
+                ],
+            )
+            .ok_or_else(bad)?;
+            let g = |k: ParamKind| lay.range(k, l);
+            // MLP: res_out = res_mid + down(swiglu(gate(ln2), up(ln2))); d_res holds d res_out.
+            d_sw.fill(0.0);
+            matmul_backward(
+                d_sw,
+                &mut grads[g(ParamKind::DownProj)],
+                d_res,
+                sw,
+                w.down,
+                n,
+                f,
+                h,
+                prof,
+            )?;
+            d_gate.fill(0.0);
+            d_up.fill(0.0);
+            swiglu_backward(d_gate, d_up, d_sw, gate, up);
+            d_ln.fill(0.0);
+            matmul_backward(
+                d_ln,
+                &mut grads[g(ParamKind::GateProj)],
+                d_gate,
+                ln2,
+                w.gate,
+                n,
+                h,
+                f,
+                prof,
+            )?;
+            matmul_backward(
+                d_ln,
+                &mut grads[g(ParamKind::UpProj)],
+                d_up,
+                ln2,
+                w.up,
+                n,
+                h,
+                f,
+                prof,
+            )?;
+            rmsnorm_backward(
+                d_res,
+                &mut grads[g(ParamKind::PostAttentionNorm)],
+                d_ln,
+                res_mid,
+                w.post_norm,
+                rstd2,
+            );
+            // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
+            d_att_out.fill(0.0);
+            matmul_backward(
+                d_att_out,
+                &mut grads[g(ParamKind::OProj)],
+                d_res,
+                att_out,
+                w.o,
+                n,
+                qd,
+                h,
+                prof,
+            )?;
+            d_q.fill(0.0);
+            d_k.fill(0.0);
+            d_v.fill(0.0);
+            attention_backward(d_q, d_k, d_v, d_att, d_att_out, q, k, vv, att, shape);
+            rope_backward(d_q, &positions, c.num_heads, &self.rope);
+            rope_backward(d_k, &positions, c.num_kv_heads, &self.rope);
+            d_ln.fill(0.0);
+            matmul_backward(
+                d_ln,
+                &mut grads[g(ParamKind::QProj)],
+                d_q,
+                ln1,
+                w.q,
+                n,
+                h,
+                qd,
+                prof,
+            )?;
+            matmul_backward(
+                d_ln,
+                &mut grads[g(ParamKind::KProj)],
+                d_k,
+                ln1,
+                w.k,
+                n,
+                h,
+                kvd,
+                prof,
+            )?;
+            matmul_backward(
+                d_ln,
+                &mut grads[g(ParamKind::VProj)],
+                d_v,
+                ln1,
+                w.v,
+                n,
+                h,
+                kvd,
+                prof,
+            )?;
+            rmsnorm_backward(
+                d_res,
+                &mut grads[g(ParamKind::InputNorm)],
+                d_ln,
+                res_in,
+                w.input_norm,
+                rstd1,
+            );
+        }
+        let d_res = &acts[al.d_residual.clone()];
+        embedding_backward(
+            &mut grads[lay.range(ParamKind::Embedding, 0)],
+            d_res,
+            batch.inputs,
+            h,
+        );
+        Ok(())
+    }
+
+    fn attention_shape(&self, batch: &TrainBatch<'_>) -> AttentionShape {
+        AttentionShape {
+            batch: batch.batch,
+            seq: batch.seq,
+            heads: self.config.num_heads,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// The per-token log-probs the last forward pass left in `acts`, `(B, T)`.
+    pub fn logprobs<'a>(al: &ActivationLayout, acts: &'a [f32]) -> &'a [f32] {
+        &acts[al.logprobs.clone()]
+    }
+
+    /// The logits the last forward pass left in `acts`, `(B, T, V)`.
+    pub fn logits<'a>(al: &ActivationLayout, acts: &'a [f32]) -> &'a [f32] {
+        &acts[al.logits.clone()]
+    }
+}

@@ -1,0 +1,29 @@
+//! CPU kernels of the transformer, in `<op>_forward` / `<op>_backward` pairs over plain slices.
+//!
+//! Outputs come first, gradients carry a `d` prefix and are accumulated with `+=`. Matrix
+//! products run on the `gemm` crate; everything else on rayon.
+
+mod adamw;
+mod attention;
+mod crossentropy;
+mod embedding;
+mod matmul;
+mod residual;
+mod rmsnorm;
+mod rope;
+mod swiglu;
+#[cfg(test)]
+mod testing;
+
+pub use adamw::{AdamWConfig, AdamWStepStats, adamw_step, global_grad_norm};
+pub use attention::{AttentionShape, attention_backward, attention_forward};
+pub use crossentropy::{crossentropy_backward, crossentropy_forward};
+pub use embedding::{embedding_backward, embedding_forward};
+pub use matmul::{
+    GemmCall, MatmulProfile, matmul_backward, matmul_backward_naive, matmul_forward,
+    matmul_forward_naive,
+};
+pub use residual::residual_forward;
+pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use rope::{RopeTable, rope_backward, rope_forward};
+pub use swiglu::{swiglu_backward, swiglu_forward};
