@@ -192,6 +192,17 @@ impl LlamaConfig {
         text
     }
 
+    /// This config with weight matrices initialised from `N(0, std²)` instead (kept in the
+    /// written config.json as `initializer_range`).
+    pub fn with_initializer_range(mut self, std: f32) -> Self {
+        self.initializer_range = std;
+        if let Some(n) = serde_json::Number::from_f64(f64::from(std)) {
+            self.raw
+                .insert("initializer_range".into(), Value::Number(n));
+        }
+        self
+    }
+
     /// An integer token id of the config (`bos_token_id`, `eos_token_id`, `pad_token_id`), if set.
     pub fn token_id(&self, key: &str) -> Option<u32> {
         self.raw

@@ -1,0 +1,155 @@
+//! `miles bench train`: forward + backward + AdamW tokens/s, and how much of the step is matrix
+//! products, against the `gemm` crate's own speed on the same shapes measured in the same run.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use miles_core::model::{
+    ByteTokenizer, LlamaConfig, TrainBatch, Trainer, Transformer, init_params,
+};
+use miles_core::ops::{AdamWConfig, MatmulProfile};
+
+use crate::model_cmd::parse_preset;
+
+/// Where the benchmark runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchDevice {
+    /// The CPU: gemm + rayon kernels.
+    Cpu,
+}
+
+/// `miles bench train`.
+#[derive(Args, Debug)]
+pub struct BenchTrainArgs {
+    /// Preset config: tiny, small, 0.5b, 1b or 3b.
+    #[arg(long, default_value = "small", value_parser = parse_preset)]
+    pub preset: LlamaConfig,
+    /// Device to train on.
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    pub device: BenchDevice,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+}
+
+/// Runs the benchmark and prints its figures.
+///
+/// # Errors
+/// Bad sizes, or a failure of the model.
+pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
+    if args.batch == 0 || args.seq == 0 || args.steps == 0 {
+        bail!("--batch, --seq and --steps must be positive");
+    }
+    let config = args.preset;
+    let tokenizer = ByteTokenizer::from_config(&config)?;
+    let profile = Arc::new(MatmulProfile::default());
+    let model = Transformer::new(config.clone()).with_profile(Arc::clone(&profile));
+    let mut params = vec![0.0; model.layout().len()];
+    init_params(model.layout(), &config, 0, &mut params)?;
+    let n_params = params.len();
+
+    // Deterministic text: a paragraph repeated to fill every sequence, shifted per sequence.
+    let text = "Reinforcement learning alternates rollout and training on the same devices. ";
+    let corpus = tokenizer.encode(&text.repeat(args.seq / text.len() + 2), false);
+    let (b, t) = (args.batch, args.seq);
+    let mut inputs = Vec::with_capacity(b * t);
+    let mut targets = Vec::with_capacity(b * t);
+    for s in 0..b {
+        let start = s % text.len();
+        inputs.extend_from_slice(&corpus[start..start + t]);
+        targets.extend_from_slice(&corpus[start + 1..start + t + 1]);
+    }
+    let weights = vec![1.0; b * t];
+    let batch = TrainBatch {
+        batch: b,
+        seq: t,
+        inputs: &inputs,
+        targets: &targets,
+        weights: &weights,
+        normaliser: (b * t) as f32,
+    };
+    let mut trainer = Trainer::new(model, params, AdamWConfig::default())?;
+    for _ in 0..args.warmup {
+        trainer.train_step(&batch).context("warmup step")?;
+    }
+    profile.clear();
+    let start = Instant::now();
+    let mut loss = 0.0;
+    for _ in 0..args.steps {
+        loss = trainer.train_step(&batch)?.loss;
+    }
+    let step_seconds = start.elapsed().as_secs_f64();
+    let tokens = (args.steps * b * t) as f64;
+
+    // The same shapes, each called as often, on fresh buffers outside the model.
+    let shapes = profile.shapes();
+    let mut ours = (0.0f64, 0.0f64);
+    let mut base = (0.0f64, 0.0f64);
+    let mut rows = Vec::new();
+    for (call, calls, seconds) in &shapes {
+        let lhs = vec![0.5f32; call.m * call.k];
+        let rhs = vec![0.25f32; call.k * call.n];
+        let mut dst = vec![1.0f32; call.m * call.n];
+        call.run(&mut dst, &lhs, &rhs)?;
+        let t0 = Instant::now();
+        for _ in 0..*calls {
+            call.run(&mut dst, &lhs, &rhs)?;
+        }
+        let baseline = t0.elapsed().as_secs_f64();
+        let flops = call.flops() * *calls as f64;
+        ours = (ours.0 + flops, ours.1 + seconds);
+        base = (base.0 + flops, base.1 + baseline);
+        rows.push((*call, *calls, flops / seconds / 1e9, flops / baseline / 1e9));
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "bench train: {} parameters, batch {b} x seq {t}, {} timed steps on {:?} ({} cores), last loss {loss:.4}",
+        n_params,
+        args.steps,
+        args.device,
+        std::thread::available_parallelism().map_or(1, usize::from)
+    )?;
+    writeln!(
+        out,
+        "  forward+backward+AdamW: {:.1} tokens/s ({:.3} s/step)",
+        tokens / step_seconds,
+        step_seconds / args.steps as f64
+    )?;
+    writeln!(
+        out,
+        "  matrix products: {:.1}% of step time, {:.2} GFLOP/s in the step",
+        100.0 * ours.1 / step_seconds,
+        ours.0 / ours.1 / 1e9
+    )?;
+    writeln!(
+        out,
+        "  gemm crate alone on the same shapes: {:.2} GFLOP/s; ratio in-step / alone: {:.3}",
+        base.0 / base.1 / 1e9,
+        (ours.0 / ours.1) / (base.0 / base.1)
+    )?;
+    writeln!(
+        out,
+        "  per shape (m x n x k, lhsT, rhsT, acc, calls, in-step GFLOP/s, alone GFLOP/s):"
+    )?;
+    for (c, calls, in_step, alone) in rows {
+        writeln!(
+            out,
+            "    {:>5} x {:>5} x {:>5}  {:<5} {:<5} {:<5} {calls:>4}  {in_step:>8.2}  {alone:>8.2}",
+            c.m, c.n, c.k, c.lhs_transposed, c.rhs_transposed, c.accumulate
+        )?;
+    }
+    Ok(())
+}
