@@ -6,7 +6,9 @@
 # Needs python3 with torch and transformers (the GPU machine has them). For each case it writes a
 # checkpoint with `miles model init`, scores a text with miles and with bench/hf_logprobs.py, and
 # fails when any log-prob differs by more than 1e-4. Cases with a large --init-std have sharp
-# distributions, so a wrong rotary convention or norm shows far above the tolerance. The HF
+# distributions, so a wrong rotary convention or norm shows far above the tolerance (sharper
+# still, and float32 itself drifts past 1e-4: with --init-std 0.2 the small preset's HF float32
+# and float64 log-probs differ by 2.6e-4, and miles lies as close to float64 as HF float32 does). The HF
 # outputs of the two "hello world" cases are the golden fixtures in miles-cli/tests/fixtures/.
 set -euo pipefail
 miles=$1
@@ -26,5 +28,6 @@ run_case() {
 run_case tiny 1 "hello world" tiny_seed1_hello
 run_case tiny 1 "hello world" tiny_seed1_std05_hello --init-std 0.5
 run_case tiny 2 "$long" tiny_seed2_std05_long --init-std 0.5
-run_case small 3 "$long" small_seed3_std02_long --init-std 0.2
+run_case small 3 "$long" small_seed3_long
+run_case small 4 "$long" small_seed4_std01_long --init-std 0.1
 exit $status

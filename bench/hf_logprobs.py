@@ -30,11 +30,17 @@ def main() -> int:
     parser.add_argument("--text", required=True, help="text to score")
     parser.add_argument("--compare", help="JSON output of `miles model score --json` to check")
     parser.add_argument("--tol", type=float, default=1e-4, help="largest allowed log-prob difference")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="precision HF computes in (float64 shows how far float32 itself drifts)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = LlamaForCausalLM.from_pretrained(
-        args.checkpoint, dtype=torch.float32, attn_implementation="eager"
+        args.checkpoint, dtype=getattr(torch, args.dtype), attn_implementation="eager"
     )
     model.eval()
     bos = model.config.bos_token_id
