@@ -1,6 +1,9 @@
 //! `miles model init` + `miles model score --json` against log-probs that Hugging Face
 //! transformers computed on the same checkpoints (fixtures made with `bench/hf_check.sh`).
 
+// Test helpers outside #[test] functions: a failing step should stop the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::Path;
 use std::process::Command;
 
