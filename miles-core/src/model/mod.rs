@@ -22,5 +22,5 @@ pub use error::ModelError;
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
 pub use tokenizer::ByteTokenizer;
-pub use train::{ModelBuffers, StepReport, Trainer, score_tokens};
+pub use train::{ModelBuffers, StepBuffers, StepReport, Trainer, score_tokens, train_step};
 pub use transformer::{TrainBatch, Transformer};

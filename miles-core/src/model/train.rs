@@ -33,6 +33,51 @@ impl ModelBuffers {
     }
 }
 
+/// The buffers one training step works on, as slices: `Vec`s today, views of memory-manager
+/// regions (which deref to slices) when the tensors live in tagged regions.
+#[derive(Debug)]
+pub struct StepBuffers<'a> {
+    /// Parameters (fp32 master weights), updated in place.
+    pub params: &'a mut [f32],
+    /// Gradients, zeroed then filled.
+    pub grads: &'a mut [f32],
+    /// AdamW first moment.
+    pub m: &'a mut [f32],
+    /// AdamW second moment.
+    pub v: &'a mut [f32],
+    /// Activations, laid out by the step's [`ActivationLayout`].
+    pub acts: &'a mut [f32],
+}
+
+/// One training step over `bufs`: zero the gradients, forward, backward, AdamW step `step`
+/// (counting from 1).
+///
+/// # Errors
+/// As [`Transformer::forward`], and [`ModelError::BufferLength`] for moments of the wrong length.
+pub fn train_step(
+    model: &Transformer,
+    bufs: StepBuffers<'_>,
+    al: &ActivationLayout,
+    batch: &TrainBatch<'_>,
+    adamw: &AdamWConfig,
+    step: u64,
+) -> Result<StepReport, ModelError> {
+    let StepBuffers {
+        params,
+        grads,
+        m,
+        v,
+        acts,
+    } = bufs;
+    model.layout().check("adamw m", m)?;
+    model.layout().check("adamw v", v)?;
+    grads.fill(0.0);
+    let loss = model.forward(params, acts, al, batch)?;
+    model.backward(params, grads, acts, al, batch)?;
+    let optimizer = adamw_step(params, grads, m, v, step, adamw);
+    Ok(StepReport { loss, optimizer })
+}
+
 /// What one training step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepReport {
@@ -42,7 +87,8 @@ pub struct StepReport {
     pub optimizer: AdamWStepStats,
 }
 
-/// A model with its buffers and optimizer: forward, backward and AdamW, one step at a time.
+/// A model with its own `Vec` buffers and optimizer: forward, backward and AdamW, one step at a
+/// time (a backend whose tensors live in memory-manager regions calls [`train_step`] itself).
 #[derive(Clone, Debug)]
 pub struct Trainer {
     model: Transformer,
