@@ -227,4 +227,37 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn bfloat16_tensors_load_widened_to_float32() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, layout, params) = tiny_checkpoint(dir.path());
+        let bytes: Vec<Vec<u8>> = layout
+            .specs()
+            .iter()
+            .map(|s| {
+                params[s.range()]
+                    .iter()
+                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                    .collect()
+            })
+            .collect();
+        let views: Vec<_> = layout
+            .specs()
+            .iter()
+            .zip(&bytes)
+            .map(|(s, d)| {
+                (
+                    s.name.clone(),
+                    TensorView::new(Dtype::BF16, s.shape.clone(), d).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join(WEIGHTS_FILE)).unwrap();
+        let (c2, loaded) = load_checkpoint(dir.path()).unwrap();
+        assert_eq!(c, c2);
+        for (a, b) in params.iter().zip(&loaded) {
+            assert_eq!(half::bf16::from_f32(*a).to_f32().to_bits(), b.to_bits());
+        }
+    }
 }

@@ -220,3 +220,56 @@ fn a_batch_with_an_out_of_vocabulary_token_is_refused_naming_it() {
         .to_string();
     assert!(err.contains("300"), "{err}");
 }
+
+#[test]
+fn loss_is_the_weighted_sum_of_log_probs_over_the_normaliser_and_zero_weights_mask() {
+    let model = Transformer::new(tiny(true));
+    let params = spread_params(&model, 41);
+    let (b, t) = (2, 9);
+    let v = model.config().vocab_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    let inputs = random_tokens(&mut rng, b * t, v);
+    let mut targets = random_tokens(&mut rng, b * t, v);
+    let mut weights: Vec<f32> = (0..b * t)
+        .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+        .collect();
+    weights[4] = 0.0;
+    let al = model.activation_layout(b, t).unwrap();
+    let mut acts = vec![0.0; al.len()];
+    let mut run = |targets: &[u32], grads: &mut Vec<f32>| {
+        let batch = TrainBatch {
+            batch: b,
+            seq: t,
+            inputs: &inputs,
+            targets,
+            weights: &weights,
+            normaliser: 3.5,
+        };
+        let loss = model.forward(&params, &mut acts, &al, &batch).unwrap();
+        let lp = Transformer::logprobs(&al, &acts).to_vec();
+        grads.iter_mut().for_each(|g| *g = 0.0);
+        model
+            .backward(&params, grads, &mut acts, &al, &batch)
+            .unwrap();
+        (loss, lp)
+    };
+    let mut g1 = vec![0.0; params.len()];
+    let (loss, lp) = run(&targets, &mut g1);
+    let want: f64 = lp
+        .iter()
+        .zip(&weights)
+        .map(|(l, w)| -f64::from(*l) * f64::from(*w))
+        .sum::<f64>()
+        / 3.5;
+    // Tolerance 1e-5 relative: the same f32 log-probs summed in f64 both ways.
+    assert!(
+        (f64::from(loss) - want).abs() < 1e-5 * want.abs().max(1.0),
+        "loss {loss} vs {want}"
+    );
+    // Changing the target of a zero-weight position changes neither loss nor gradients.
+    targets[4] = (targets[4] + 1) % v as u32;
+    let mut g2 = vec![0.0; params.len()];
+    let (loss2, _) = run(&targets, &mut g2);
+    assert_eq!(loss.to_bits(), loss2.to_bits());
+    assert_eq!(g1, g2);
+}
