@@ -6,7 +6,8 @@
 
 use rayon::prelude::*;
 
-use super::{LlamaConfig, ModelError, ParamKind, Transformer};
+use super::layout::layer_block;
+use super::{LlamaConfig, ModelError, ParamKind, TrainBatch, Transformer};
 use crate::ops::{
     embedding_forward, matmul_forward, residual_forward, rmsnorm_forward, rope_forward,
     swiglu_forward,
@@ -303,6 +304,62 @@ impl Transformer {
             v,
             prof,
         )?;
+        Ok(())
+    }
+}
+
+impl Transformer {
+    /// Runs a prompt through the full forward pass, stores every position's keys and values in
+    /// the empty sequence `seq` of `cache`, and writes the last position's logits `(V)`.
+    ///
+    /// Decoding then continues with [`decode_step`](Self::decode_step) from the next position.
+    ///
+    /// # Errors
+    /// [`ModelError::KvCache`] when the sequence is not empty or too short for the prompt;
+    /// as [`forward`](Self::forward).
+    pub fn prefill<K: KvCache>(
+        &self,
+        params: &[f32],
+        cache: &mut K,
+        seq: usize,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let c = self.config();
+        let (t, v, kvd, l_n) = (tokens.len(), c.vocab_size, c.kv_dim(), c.num_layers);
+        if cache.len(seq)? != 0 {
+            return Err(ModelError::KvCache(format!(
+                "prefill needs an empty sequence, {seq} already holds {} positions",
+                cache.len(seq)?
+            )));
+        }
+        if logits.len() != v {
+            return Err(ModelError::Batch(format!(
+                "prefill writes {v} logits, got a buffer of {}",
+                logits.len()
+            )));
+        }
+        let al = self.activation_layout(1, t)?;
+        let mut acts = vec![0.0; al.len()];
+        let weights = vec![0.0; t];
+        let batch = TrainBatch {
+            batch: 1,
+            seq: t,
+            inputs: tokens,
+            targets: tokens,
+            weights: &weights,
+            normaliser: 1.0,
+        };
+        self.forward(params, &mut acts, &al, &batch)?;
+        for pos in 0..t {
+            cache.grow(seq)?;
+            for l in 0..l_n {
+                let (k, vv) = (layer_block(&al.k, l, l_n), layer_block(&al.v, l, l_n));
+                let at = |r: std::ops::Range<usize>| r.start + pos * kvd..r.start + (pos + 1) * kvd;
+                cache.write(l, seq, pos, &acts[at(k)], &acts[at(vv)])?;
+            }
+        }
+        logits.copy_from_slice(&Transformer::logits(&al, &acts)[(t - 1) * v..t * v]);
         Ok(())
     }
 }

@@ -273,3 +273,53 @@ fn loss_is_the_weighted_sum_of_log_probs_over_the_normaliser_and_zero_weights_ma
     assert_eq!(loss.to_bits(), loss2.to_bits());
     assert_eq!(g1, g2);
 }
+
+#[test]
+fn prefill_then_decoding_gives_the_full_forward_logits() {
+    let model = Transformer::new(tiny(true));
+    let params = spread_params(&model, 51);
+    let t = 10;
+    let v = model.config().vocab_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(52);
+    let inputs = random_tokens(&mut rng, t, v);
+    let weights = vec![1.0; t];
+    let batch = TrainBatch {
+        batch: 1,
+        seq: t,
+        inputs: &inputs,
+        targets: &inputs,
+        weights: &weights,
+        normaliser: 1.0,
+    };
+    let al = model.activation_layout(1, t).unwrap();
+    let mut acts = vec![0.0; al.len()];
+    model.forward(&params, &mut acts, &al, &batch).unwrap();
+    let full = Transformer::logits(&al, &acts);
+
+    let prompt = 4;
+    let mut cache = ContiguousKvCache::new(model.config(), 1, t);
+    let mut scratch = DecodeScratch::new(model.config(), 1, t);
+    let mut logits = vec![0.0; v];
+    model
+        .prefill(&params, &mut cache, 0, &inputs[..prompt], &mut logits)
+        .unwrap();
+    let mut worst = crate::ops::testing::max_abs_diff(&logits, &full[(prompt - 1) * v..prompt * v]);
+    for (pos, &token) in inputs.iter().enumerate().skip(prompt) {
+        model
+            .decode_step(
+                &params,
+                &mut cache,
+                &[0],
+                &[token],
+                &mut logits,
+                &mut scratch,
+            )
+            .unwrap();
+        let d = crate::ops::testing::max_abs_diff(&logits, &full[pos * v..(pos + 1) * v]);
+        worst = worst.max(d);
+    }
+    // Tolerance: 1e-4 absolute, as for token-by-token decoding.
+    assert!(worst < 1e-4, "worst logit difference {worst}");
+    let err = model.prefill(&params, &mut cache, 0, &inputs[..2], &mut logits);
+    assert!(matches!(err, Err(ModelError::KvCache(_))), "{err:?}");
+}

@@ -13,7 +13,7 @@ mod rmsnorm;
 mod rope;
 mod swiglu;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 pub use adamw::{AdamWConfig, AdamWStepStats, adamw_step, global_grad_norm};
 pub use attention::{AttentionShape, attention_backward, attention_forward};
