@@ -1,5 +1,9 @@
 //! `miles bench train`: forward + backward + AdamW tokens/s, and how much of the step is matrix
 //! products, against the `gemm` crate's own speed on the same shapes measured in the same run.
+//!
+//! The profiled products are the linear layers' (projections, MLP, LM head; forward and both
+//! backward products); attention's per-head products run inside the attention kernel and count
+//! as the rest of the step.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -130,7 +134,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "  matrix products: {:.1}% of step time, {:.2} GFLOP/s in the step",
+        "  linear-layer matrix products: {:.1}% of step time, {:.2} GFLOP/s in the step",
         100.0 * ours.1 / step_seconds,
         ours.0 / ours.1 / 1e9
     )?;

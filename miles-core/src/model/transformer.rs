@@ -259,7 +259,7 @@ impl Transformer {
             matmul_forward(vv, ln1, w.v, n, h, kvd, prof)?; // (B, T, K*D)
             rope_forward(q, &positions, c.num_heads, &self.rope);
             rope_forward(k, &positions, c.num_kv_heads, &self.rope);
-            attention_forward(att_out, att, q, k, vv, shape); // (B, T, H*D), (B, T, H, T)
+            attention_forward(att_out, att, q, k, vv, shape)?; // (B, T, H*D), (B, T, H, T)
             matmul_forward(res_mid, att_out, w.o, n, qd, h, prof)?; // (B, T, C)
             residual_forward(res_mid, res_in);
             rmsnorm_forward(ln2, rstd2, res_mid, w.post_norm, c.rms_norm_eps);
@@ -474,7 +474,7 @@ impl Transformer {
             d_q.fill(0.0);
             d_k.fill(0.0);
             d_v.fill(0.0);
-            attention_backward(d_q, d_k, d_v, d_att, d_att_out, q, k, vv, att, shape);
+            attention_backward(d_q, d_k, d_v, d_att, d_att_out, q, k, vv, att, shape)?;
             rope_backward(d_q, &positions, c.num_heads, &self.rope);
             rope_backward(d_k, &positions, c.num_kv_heads, &self.rope);
             d_ln.fill(0.0);

@@ -16,7 +16,10 @@ mod swiglu;
 pub(crate) mod testing;
 
 pub use adamw::{AdamWConfig, AdamWStepStats, adamw_step, global_grad_norm};
-pub use attention::{AttentionShape, attention_backward, attention_forward};
+pub use attention::{
+    AttentionShape, attention_backward, attention_backward_naive, attention_forward,
+    attention_forward_naive,
+};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use matmul::{
