@@ -9,8 +9,10 @@
 //!
 //! All `unsafe` code of miles lives under this module.
 
+mod cuda;
 mod error;
 
+pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 
 use std::fmt;
