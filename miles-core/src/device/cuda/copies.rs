@@ -37,11 +37,12 @@ impl InFlight {
     /// Whether a new copy must run after this one: they share device bytes and one writes them,
     /// or share host bytes and one writes those.
     fn conflicts(&self, direction: Direction, device: AddressRange, host: (usize, usize)) -> bool {
-        let host_overlap = self.host_start < host.0 + host.1 && host.0 < self.host_start + self.host_len;
+        let host_overlap =
+            self.host_start < host.0 + host.1 && host.0 < self.host_start + self.host_len;
         let device_conflict = self.touches_device(device)
             && (self.direction == Direction::FromHost || direction == Direction::FromHost);
-        let host_conflict = host_overlap
-            && (self.direction == Direction::ToHost || direction == Direction::ToHost);
+        let host_conflict =
+            host_overlap && (self.direction == Direction::ToHost || direction == Direction::ToHost);
         device_conflict || host_conflict
     }
 }
@@ -76,7 +77,10 @@ impl InFlightCopies {
 
     /// The work of every copy queued, done or not.
     pub(crate) fn all(&self) -> Vec<Arc<EventWork>> {
-        self.queue.iter().map(|copy| Arc::clone(&copy.work)).collect()
+        self.queue
+            .iter()
+            .map(|copy| Arc::clone(&copy.work))
+            .collect()
     }
 
     /// Forget the oldest copies while they are done (cheap: stops at the first that is not).
@@ -157,9 +161,15 @@ impl CopyEngine {
             .map(|i| &set.streams[(first + i) % set.streams.len()])
             .collect();
         let host_range = (host as usize, device.len);
-        for earlier in in_flight.queue.iter().filter(|copy| copy.conflicts(direction, device, host_range)) {
+        for earlier in in_flight
+            .queue
+            .iter()
+            .filter(|copy| copy.conflicts(direction, device, host_range))
+        {
             for event in earlier.work.events() {
-                streams.iter().try_for_each(|stream| event.make_wait(stream))?;
+                streams
+                    .iter()
+                    .try_for_each(|stream| event.make_wait(stream))?;
             }
         }
         let queued = (0..chunks).try_for_each(|index| {

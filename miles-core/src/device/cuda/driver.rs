@@ -67,7 +67,9 @@ pub(crate) fn init() -> Result<(), DeviceError> {
 pub(crate) fn device_get_count() -> Result<i32, DeviceError> {
     let mut count = 0;
     // SAFETY: writes one int to a live local.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
+    check("cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&mut count)
+    })?;
     Ok(count)
 }
 
@@ -75,7 +77,9 @@ pub(crate) fn device_get_count() -> Result<i32, DeviceError> {
 pub(crate) fn device_get(ordinal: i32) -> Result<sys::CUdevice, DeviceError> {
     let mut device = 0;
     // SAFETY: writes one device handle to a live local.
-    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut device, ordinal)
+    })?;
     Ok(device)
 }
 
@@ -186,7 +190,9 @@ pub(crate) unsafe fn mem_address_free(
     len: usize,
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller owns the whole, unmapped reservation.
-    check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(start, len) })
+    check("cuMemAddressFree", unsafe {
+        sys::cuMemAddressFree(start, len)
+    })
 }
 
 /// `cuMemCreate`: `len` bytes of physical device memory, as a handle.
@@ -223,7 +229,9 @@ pub(crate) unsafe fn mem_map(
     handle: sys::CUmemGenericAllocationHandle,
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller owns the unmapped addresses and the handle.
-    check("cuMemMap", unsafe { sys::cuMemMap(start, len, 0, handle, 0) })
+    check("cuMemMap", unsafe {
+        sys::cuMemMap(start, len, 0, handle, 0)
+    })
 }
 
 /// `cuMemSetAccess`: make `[start, start + len)` readable and writable from `device`.
@@ -277,6 +285,30 @@ pub(crate) unsafe fn mem_free_host(host: *mut u8) -> Result<(), DeviceError> {
     check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(host.cast()) })
 }
 
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`: pin `len` bytes of existing host
+/// memory for every context.
+///
+/// # Safety
+/// `host..host + len` is page-aligned memory of the caller that stays mapped until
+/// [`mem_host_unregister`].
+pub(crate) unsafe fn mem_host_register(host: *mut u8, len: usize) -> Result<(), DeviceError> {
+    // SAFETY: the caller owns the mapped memory.
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(host.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+    })
+}
+
+/// `cuMemHostUnregister`: unpin memory pinned by [`mem_host_register`].
+///
+/// # Safety
+/// `host` was registered and no copy uses it any more.
+pub(crate) unsafe fn mem_host_unregister(host: *mut u8) -> Result<(), DeviceError> {
+    // SAFETY: the caller has waited for the copies of the registered memory.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(host.cast())
+    })
+}
+
 /// `cuStreamCreate` with `CU_STREAM_NON_BLOCKING`: a stream that never waits on the legacy
 /// default stream.
 pub(crate) fn stream_create() -> Result<sys::CUstream, DeviceError> {
@@ -297,7 +329,9 @@ pub(crate) fn stream_create() -> Result<sys::CUstream, DeviceError> {
 /// `stream` came from [`stream_create`] and is destroyed once.
 pub(crate) unsafe fn stream_destroy(stream: sys::CUstream) -> Result<(), DeviceError> {
     // SAFETY: the caller owns the stream and destroys it once.
-    check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(stream) })
+    check("cuStreamDestroy", unsafe {
+        sys::cuStreamDestroy_v2(stream)
+    })
 }
 
 /// `cuStreamWaitEvent`: make later work on `stream` wait, on the device, for `event`.
@@ -345,7 +379,9 @@ pub(crate) unsafe fn event_record(
     stream: sys::CUstream,
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller keeps both handles alive.
-    check("cuEventRecord", unsafe { sys::cuEventRecord(event, stream) })
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event, stream)
+    })
 }
 
 /// `cuEventSynchronize`: block until `event` completes.
@@ -416,7 +452,9 @@ pub(crate) unsafe fn memcpy_dtod(
     len: usize,
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller owns both mapped ranges.
-    check("cuMemcpyDtoD", unsafe { sys::cuMemcpyDtoD_v2(dst, src, len) })
+    check("cuMemcpyDtoD", unsafe {
+        sys::cuMemcpyDtoD_v2(dst, src, len)
+    })
 }
 
 /// `cuMemcpyDtoH`: one plain synchronous copy, the baseline the benchmarks compare against.

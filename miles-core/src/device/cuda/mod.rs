@@ -52,14 +52,21 @@ pub struct CudaOptions {
     pub copy_chunk: usize,
     /// Streams per copy direction that a copy's chunks are spread over.
     pub streams_per_direction: usize,
+    /// Threads that unmap and release a range's pieces at once (1: the calling thread alone).
+    pub release_threads: usize,
+    /// Host memory: 0 pins with `cuMemHostAlloc`; n > 0 maps it, faults it in on n threads,
+    /// then pins it with `cuMemHostRegister` (faster for large buffers on many cores).
+    pub pin_threads: usize,
 }
 
 impl Default for CudaOptions {
     fn default() -> CudaOptions {
         CudaOptions {
             commit_chunk: 1 << 30,
-            copy_chunk: 16 << 20,
+            copy_chunk: 64 << 20,
             streams_per_direction: 2,
+            release_threads: 1,
+            pin_threads: 0,
         }
     }
 }
@@ -123,12 +130,10 @@ impl CudaDevice {
             commit_chunk: options.commit_chunk.max(1).next_multiple_of(granularity),
             copy_chunk: options.copy_chunk.max(1),
             streams_per_direction: options.streams_per_direction.max(1),
+            release_threads: options.release_threads.max(1),
+            pin_threads: options.pin_threads,
         };
-        let engine = CopyEngine::new(
-            &context,
-            options.streams_per_direction,
-            options.copy_chunk,
-        )?;
+        let engine = CopyEngine::new(&context, options.streams_per_direction, options.copy_chunk)?;
         let name = driver::device_get_name(device)?;
         tracing::info!(ordinal, %name, granularity, ?options, "opened cuda device");
         Ok(CudaDevice {
@@ -254,14 +259,87 @@ impl CudaDevice {
         }
     }
 
-    /// Unmap and release one mapping no copy uses any more.
+    /// Unmap and release one mapping no copy uses any more, and forget it.
     fn unmap(&self, book: &mut Reservations, mapping: Mapping) -> Result<(), DeviceError> {
+        let (unmapped, result) = self.unmap_raw(mapping);
+        if unmapped {
+            book.forget(mapping);
+        }
+        result
+    }
+
+    /// Unmap and release one mapping; says whether it is unmapped, even when the release failed.
+    fn unmap_raw(&self, mapping: Mapping) -> (bool, Result<(), DeviceError>) {
         // SAFETY: the mapping is one whole `cuMemMap` of ours; the caller holds the state lock
         // taken by `quiet`, so no queued copy uses it.
-        unsafe { driver::mem_unmap(mapping.start, mapping.len) }?;
-        book.forget(mapping);
+        if let Err(error) = unsafe { driver::mem_unmap(mapping.start, mapping.len) } {
+            return (false, Err(error));
+        }
         // SAFETY: the handle is ours, now unmapped, and released once.
-        unsafe { driver::mem_release(mapping.handle) }
+        (true, unsafe { driver::mem_release(mapping.handle) })
+    }
+
+    /// Unmap and release whole mappings, on up to `release_threads` threads at once.
+    fn unmap_many(&self, book: &mut Reservations, mappings: &[Mapping]) -> Result<(), DeviceError> {
+        let threads = self.options.release_threads.min(mappings.len());
+        let outcomes: Vec<(bool, Result<(), DeviceError>)> = if threads <= 1 {
+            mappings
+                .iter()
+                .map(|mapping| self.unmap_raw(*mapping))
+                .collect()
+        } else {
+            let per_thread = mappings.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                let workers: Vec<_> = mappings
+                    .chunks(per_thread)
+                    .map(|group| {
+                        scope.spawn(move || match self.context.bind() {
+                            Ok(()) => group
+                                .iter()
+                                .map(|mapping| self.unmap_raw(*mapping))
+                                .collect(),
+                            Err(error) => group
+                                .iter()
+                                .map(|_| {
+                                    let message = error.to_string();
+                                    (
+                                        false,
+                                        Err(DeviceError::Cuda {
+                                            call: "cuCtxSetCurrent",
+                                            message,
+                                        }),
+                                    )
+                                })
+                                .collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                workers
+                    .into_iter()
+                    .flat_map(|worker| {
+                        worker.join().unwrap_or_else(|_| {
+                            vec![(
+                                false,
+                                Err(DeviceError::Cuda {
+                                    call: "cuMemUnmap",
+                                    message: "a release thread panicked".to_string(),
+                                }),
+                            )]
+                        })
+                    })
+                    .collect()
+            })
+        };
+        let mut first_error = None;
+        for (mapping, (unmapped, result)) in mappings.iter().zip(outcomes) {
+            if unmapped {
+                book.forget(*mapping);
+            }
+            if let (Err(error), None) = (result, &first_error) {
+                first_error = Some(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Map the handle `handle` of `range.len` bytes at `range` and grant access.
@@ -345,7 +423,11 @@ impl CudaDevice {
                 }
             }
         }
-        tracing::debug!(start = whole.start, len = whole.len, "split a mapping to release part of it");
+        tracing::debug!(
+            start = whole.start,
+            len = whole.len,
+            "split a mapping to release part of it"
+        );
         self.unmap(book, mapping)?;
         for (part, handle) in fresh {
             self.map(part, handle)?;
@@ -359,16 +441,18 @@ impl CudaDevice {
     }
 
     /// Release every byte of `range` that is mapped, with the state lock of `quiet(range)`.
-    fn release_locked(&self, book: &mut Reservations, range: AddressRange) -> Result<(), DeviceError> {
-        for mapping in book.overlapping(range) {
-            let whole = mapping.range();
-            if range.start <= whole.start && whole.end() <= range.end() {
-                self.unmap(book, mapping)?;
-            } else {
-                self.split(book, mapping, range)?;
-            }
-        }
-        Ok(())
+    fn release_locked(
+        &self,
+        book: &mut Reservations,
+        range: AddressRange,
+    ) -> Result<(), DeviceError> {
+        let (inside, cut): (Vec<Mapping>, Vec<Mapping>) =
+            book.overlapping(range).into_iter().partition(|mapping| {
+                range.start <= mapping.start && mapping.range().end() <= range.end()
+            });
+        cut.into_iter()
+            .try_for_each(|mapping| self.split(book, mapping, range))?;
+        self.unmap_many(book, &inside)
     }
 
     /// Undo the pieces of a commit that failed.
@@ -408,7 +492,10 @@ impl CudaDevice {
         // SAFETY: `device` is committed, and a release waits for this copy (it is remembered in
         // `state.copies`); the host window lies in `buffer`, which waits for the fence recorded
         // on it below before its bytes are handed out or freed.
-        let work = unsafe { self.engine.queue(&mut state.copies, direction, device, host) }?;
+        let work = unsafe {
+            self.engine
+                .queue(&mut state.copies, direction, device, host)
+        }?;
         let fence = Fence::pending(work);
         buffer.record_copy(fence.clone());
         Ok(fence)
@@ -500,7 +587,9 @@ impl Device for CudaDevice {
         }
         if failure.is_none() {
             // SAFETY: the whole range was just mapped by this commit.
-            if let Err(error) = unsafe { driver::mem_set_access(range.start, range.len, self.device) } {
+            if let Err(error) =
+                unsafe { driver::mem_set_access(range.start, range.len, self.device) }
+            {
                 failure = Some((error, None));
             }
         }
@@ -516,7 +605,9 @@ impl Device for CudaDevice {
             }
             return Err(error);
         }
-        created.into_iter().try_for_each(|mapping| state.book.add(mapping))
+        created
+            .into_iter()
+            .try_for_each(|mapping| state.book.add(mapping))
     }
 
     fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
@@ -539,7 +630,8 @@ impl Device for CudaDevice {
     }
 
     fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
-        Ok(HostBuffer::new(Box::new(PinnedMemory::new(&self.context, len)?)))
+        let memory = PinnedMemory::new(&self.context, len, self.options.pin_threads)?;
+        Ok(HostBuffer::new(Box::new(memory)))
     }
 
     fn copy_to_host(

@@ -26,6 +26,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemUnmap",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamWaitEvent",

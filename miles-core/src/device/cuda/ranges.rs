@@ -63,7 +63,9 @@ impl Reservations {
     /// Forget the reservation that is exactly `range`, which must have no mappings left.
     pub(crate) fn remove(&mut self, range: AddressRange) -> Result<(), DeviceError> {
         match self.by_start.get(&range.start) {
-            Some(reservation) if reservation.len == range.len && reservation.mappings.is_empty() => {
+            Some(reservation)
+                if reservation.len == range.len && reservation.mappings.is_empty() =>
+            {
                 self.by_start.remove(&range.start);
                 Ok(())
             }
@@ -226,7 +228,10 @@ mod tests {
         map(&mut book, base + (2 * MIB) as u64, 2 * MIB, 1);
         assert!(book.check_uncommitted(range(base, 2 * MIB)).is_ok());
         assert!(book.check_uncommitted(range(base, 4 * MIB)).is_err());
-        assert!(book.check_uncommitted(range(base + (63 * MIB) as u64, 2 * MIB)).is_err());
+        assert!(
+            book.check_uncommitted(range(base + (63 * MIB) as u64, 2 * MIB))
+                .is_err()
+        );
         assert!(book.check_uncommitted(range(0x10, 2 * MIB)).is_err());
     }
 

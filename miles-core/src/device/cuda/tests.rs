@@ -66,7 +66,15 @@ fn cuda_round_trip_through_pinned_memory_is_bit_exact_at_the_same_address() {
         return;
     };
     let granule = device.granularity();
-    let sizes = [1, 4099, granule, 3 * granule + 12345, 64 * MIB + 7, GIB, 3 * GIB];
+    let sizes = [
+        1,
+        4099,
+        granule,
+        3 * granule + 12345,
+        64 * MIB + 7,
+        GIB,
+        3 * GIB,
+    ];
     for (index, &len) in sizes.iter().enumerate() {
         let data = random_bytes(len, 17 + index as u64);
         let range = committed(&device, len);
@@ -74,17 +82,29 @@ fn cuda_round_trip_through_pinned_memory_is_bit_exact_at_the_same_address() {
         let mut host = ok(device.alloc_host(len), "alloc_host");
         assert!(host.is_pinned());
         ok(host.as_mut_slice(), "host bytes").copy_from_slice(&data);
-        ok(ok(device.copy_from_host(&mut host, 0, bytes), "copy in").wait(), "wait in");
+        ok(
+            ok(device.copy_from_host(&mut host, 0, bytes), "copy in").wait(),
+            "wait in",
+        );
         // Pause: copy out, release; resume: commit the same addresses, copy back.
         let mut backup = ok(device.alloc_host(len), "alloc_host");
-        ok(ok(device.copy_to_host(bytes, &mut backup, 0), "copy out").wait(), "wait out");
+        ok(
+            ok(device.copy_to_host(bytes, &mut backup, 0), "copy out").wait(),
+            "wait out",
+        );
         ok(device.release(range), "release");
         ok(device.commit(range), "commit again");
-        ok(ok(device.copy_from_host(&mut backup, 0, bytes), "copy back").wait(), "wait back");
+        ok(
+            ok(device.copy_from_host(&mut backup, 0, bytes), "copy back").wait(),
+            "wait back",
+        );
         let mut back = vec![0u8; len];
         ok(device.read(bytes, &mut back), "read");
         let worst = first_difference(&back, &data);
-        assert!(worst.is_none(), "{len} bytes: first difference at byte {worst:?} (tolerance: none)");
+        assert!(
+            worst.is_none(),
+            "{len} bytes: first difference at byte {worst:?} (tolerance: none)"
+        );
         ok(device.unreserve(range), "unreserve");
     }
 }
@@ -123,25 +143,39 @@ fn cuda_commit_beyond_capacity_is_out_of_memory_and_commits_nothing() {
     assert!(lost < 64 * MIB as u64, "a failed commit kept {lost} bytes");
     let granule = ok(range.slice(0, device.granularity()), "slice");
     let mut byte = [0u8; 1];
-    assert!(device.read(ok(granule.slice(0, 1), "slice"), &mut byte).is_err());
-    ok(device.commit(granule), "a small commit after the failed one");
+    assert!(
+        device
+            .read(ok(granule.slice(0, 1), "slice"), &mut byte)
+            .is_err()
+    );
+    ok(
+        device.commit(granule),
+        "a small commit after the failed one",
+    );
     ok(device.unreserve(range), "unreserve");
 }
 
 #[test]
 fn cuda_copies_of_uncommitted_or_released_ranges_are_errors() {
-    let Some((_gpu, device)) = gpu("cuda_copies_of_uncommitted_or_released_ranges_are_errors") else {
+    let Some((_gpu, device)) = gpu("cuda_copies_of_uncommitted_or_released_ranges_are_errors")
+    else {
         return;
     };
     let granule = device.granularity();
     let range = ok(device.reserve(4 * granule), "reserve");
     let mut bytes = vec![0u8; granule];
     let first = ok(range.slice(0, granule), "slice");
-    assert!(matches!(device.read(first, &mut bytes), Err(DeviceError::BadRange { .. })));
+    assert!(matches!(
+        device.read(first, &mut bytes),
+        Err(DeviceError::BadRange { .. })
+    ));
     let mut host = ok(device.alloc_host(granule), "alloc_host");
     assert!(device.copy_to_host(first, &mut host, 0).is_err());
     ok(device.commit(first), "commit");
-    ok(device.read(first, &mut bytes), "read of a committed granule");
+    ok(
+        device.read(first, &mut bytes),
+        "read of a committed granule",
+    );
     let straddling = ok(range.slice(granule / 2, granule), "slice");
     assert!(device.read(straddling, &mut bytes).is_err());
     ok(device.release(first), "release");
@@ -167,16 +201,24 @@ fn cuda_one_range_goes_out_while_another_comes_in() {
         let going = scope.spawn(|| device.copy_to_host(a, &mut out, 0));
         let coming = scope.spawn(|| device.copy_from_host(&mut into, 0, b));
         for handle in [going, coming] {
-            let fence = handle.join().unwrap_or_else(|_| panic!("copy thread panicked"));
+            let fence = handle
+                .join()
+                .unwrap_or_else(|_| panic!("copy thread panicked"));
             ok(ok(fence, "copy").wait(), "wait");
         }
     });
     let worst = first_difference(ok(out.as_slice(), "out"), &outgoing);
-    assert!(worst.is_none(), "copy out differs at byte {worst:?} (tolerance: none)");
+    assert!(
+        worst.is_none(),
+        "copy out differs at byte {worst:?} (tolerance: none)"
+    );
     let mut back = vec![0u8; len];
     ok(device.read(b, &mut back), "read b");
     let worst = first_difference(&back, &incoming);
-    assert!(worst.is_none(), "copy in differs at byte {worst:?} (tolerance: none)");
+    assert!(
+        worst.is_none(),
+        "copy in differs at byte {worst:?} (tolerance: none)"
+    );
 }
 
 #[test]
@@ -190,10 +232,19 @@ fn cuda_release_waits_for_a_copy_still_reading_the_range() {
     ok(device.write(&data, range), "write");
     let mut backup = ok(device.alloc_host(len), "alloc_host");
     let fence = ok(device.copy_to_host(range, &mut backup, 0), "copy out");
-    ok(device.release(range), "release right after queuing the copy");
-    assert!(ok(fence.is_done(), "fence"), "release returned before the copy finished");
+    ok(
+        device.release(range),
+        "release right after queuing the copy",
+    );
+    assert!(
+        ok(fence.is_done(), "fence"),
+        "release returned before the copy finished"
+    );
     let worst = first_difference(ok(backup.as_slice(), "backup"), &data);
-    assert!(worst.is_none(), "backup differs at byte {worst:?} (tolerance: none)");
+    assert!(
+        worst.is_none(),
+        "backup differs at byte {worst:?} (tolerance: none)"
+    );
 }
 
 #[test]
@@ -209,12 +260,22 @@ fn cuda_releasing_part_of_a_commit_keeps_the_rest_intact() {
     let middle = ok(range.slice(3 * granule, 2 * granule), "slice");
     ok(device.release(middle), "release the middle");
     let mut byte = [0u8; 1];
-    assert!(device.read(ok(middle.slice(0, 1), "slice"), &mut byte).is_err());
+    assert!(
+        device
+            .read(ok(middle.slice(0, 1), "slice"), &mut byte)
+            .is_err()
+    );
     for (offset, part_len) in [(0, 3 * granule), (5 * granule, 3 * granule)] {
         let mut back = vec![0u8; part_len];
-        ok(device.read(ok(range.slice(offset, part_len), "slice"), &mut back), "read");
+        ok(
+            device.read(ok(range.slice(offset, part_len), "slice"), &mut back),
+            "read",
+        );
         let worst = first_difference(&back, &data[offset..offset + part_len]);
-        assert!(worst.is_none(), "kept part at {offset} differs at {worst:?} (tolerance: none)");
+        assert!(
+            worst.is_none(),
+            "kept part at {offset} differs at {worst:?} (tolerance: none)"
+        );
     }
     ok(device.commit(middle), "commit the middle again");
     ok(device.unreserve(range), "unreserve");
@@ -232,7 +293,65 @@ fn cuda_a_copy_in_then_out_of_the_same_range_is_ordered_without_waiting() {
     ok(source.as_mut_slice(), "host bytes").copy_from_slice(&data);
     let mut sink = ok(device.alloc_host(len), "alloc_host");
     let _in = ok(device.copy_from_host(&mut source, 0, range), "copy in");
-    ok(ok(device.copy_to_host(range, &mut sink, 0), "copy out").wait(), "wait");
+    ok(
+        ok(device.copy_to_host(range, &mut sink, 0), "copy out").wait(),
+        "wait",
+    );
     let worst = first_difference(ok(sink.as_slice(), "sink"), &data);
-    assert!(worst.is_none(), "out-after-in differs at byte {worst:?} (tolerance: none)");
+    assert!(
+        worst.is_none(),
+        "out-after-in differs at byte {worst:?} (tolerance: none)"
+    );
+}
+
+#[test]
+fn cuda_registered_host_memory_and_threaded_release_round_trip() {
+    let Some((_gpu, _default)) = gpu("cuda_registered_host_memory_and_threaded_release_round_trip")
+    else {
+        return;
+    };
+    let options = CudaOptions {
+        commit_chunk: 64 * MIB,
+        release_threads: 4,
+        pin_threads: 4,
+        ..CudaOptions::default()
+    };
+    let device = ok(CudaDevice::open_with(0, options), "open_with");
+    let len = 640 * MIB + 5;
+    let data = random_bytes(len, 2024);
+    let range = committed(&device, len);
+    let bytes = ok(range.slice(0, len), "slice");
+    let mut host = ok(device.alloc_host(len), "alloc_host");
+    ok(host.as_mut_slice(), "host bytes").copy_from_slice(&data);
+    ok(
+        ok(device.copy_from_host(&mut host, 0, bytes), "copy in").wait(),
+        "wait in",
+    );
+    let mut backup = ok(device.alloc_host(len), "alloc_host");
+    ok(
+        ok(device.copy_to_host(bytes, &mut backup, 0), "copy out").wait(),
+        "wait out",
+    );
+    let before = ok(device.memory_info(), "memory_info").free;
+    ok(device.release(range), "release on four threads");
+    let freed = ok(device.memory_info(), "memory_info")
+        .free
+        .saturating_sub(before);
+    assert!(
+        freed as f64 >= 0.995 * range.len as f64,
+        "freed {freed} of {}",
+        range.len
+    );
+    ok(device.commit(range), "commit again");
+    ok(
+        ok(device.copy_from_host(&mut backup, 0, bytes), "copy back").wait(),
+        "wait back",
+    );
+    let mut back = vec![0u8; len];
+    ok(device.read(bytes, &mut back), "read");
+    let worst = first_difference(&back, &data);
+    assert!(
+        worst.is_none(),
+        "first difference at byte {worst:?} (tolerance: none)"
+    );
 }
