@@ -100,15 +100,15 @@ fn bench_commit(args: &Args, len: usize) -> Result<(), Box<dyn Error>> {
         "commit_chunk_mib  handles  release_threads  commit_ms  release_ms  freed_on_release_pct"
     );
     let configurations = [
-        (2, 1),
         (64, 1),
         (256, 1),
         (256, 4),
-        (256, 8),
         (1024, 1),
-        (1024, 2),
         (1024, 4),
-        (1024, 8),
+        (2048, 1),
+        (2048, 4),
+        (8192, 1),
+        (1024, 1),
         (8192, 1),
     ];
     for (chunk_mib, release_threads) in configurations {
@@ -120,7 +120,7 @@ fn bench_commit(args: &Args, len: usize) -> Result<(), Box<dyn Error>> {
         let device = CudaDevice::open_with(0, options)?;
         let range = device.reserve(len)?;
         let (mut commits, mut releases, mut freed) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..args.reps {
+        for _ in 0..args.reps.max(7) {
             let start = Instant::now();
             device.commit(range)?;
             commits.push(start.elapsed().as_secs_f64());
@@ -151,7 +151,7 @@ fn bench_pinning(len: usize) -> Result<(), Box<dyn Error>> {
         len / GIB
     );
     println!("pin_threads  seconds  gbps");
-    for pin_threads in [0, 0, 16, 16, 8, 4] {
+    for pin_threads in [0, 16, 0, 16] {
         let device = CudaDevice::open_with(
             0,
             CudaOptions {
@@ -191,23 +191,15 @@ fn pinned_buffers(device: &CudaDevice, len: usize) -> Result<Buffers, Box<dyn Er
 }
 
 fn bench_copies(args: &Args, len: usize, buffers: &mut Buffers) -> Result<(), Box<dyn Error>> {
-    let device = CudaDevice::open(0)?;
-    let range = committed(&device, len)?;
-    let plain_in = timed(args.reps, || {
-        Ok(device.plain_copy_from_host(&mut buffers.source, 0, range)?)
-    })?;
-    let plain_out = timed(args.reps, || {
-        Ok(device.plain_copy_to_host(range, &mut buffers.sink, 0)?)
-    })?;
     println!(
-        "\n## copies of {} GiB; baseline: one plain pinned cuMemcpy, out {:.1} GB/s, in {:.1} GB/s",
-        args.gib,
-        gbps(len, plain_out),
-        gbps(len, plain_in)
+        "\n## copies of {} GiB; baseline: one plain pinned cuMemcpy of the same bytes, timed \
+         alternately with ours",
+        args.gib
     );
-    println!("copy_chunk_mib  streams  out_gbps  out_ratio  in_gbps  in_ratio");
-    drop(device);
-    for chunk_mib in [4, 16, 32, 64, 128] {
+    println!(
+        "copy_chunk_mib  streams  out_gbps  plain_out_gbps  out_ratio  in_gbps  plain_in_gbps  in_ratio"
+    );
+    for chunk_mib in [16, 64, 128] {
         for streams in [1, 2, 4] {
             let options = CudaOptions {
                 copy_chunk: chunk_mib * MIB,
@@ -216,20 +208,37 @@ fn bench_copies(args: &Args, len: usize, buffers: &mut Buffers) -> Result<(), Bo
             };
             let device = CudaDevice::open_with(0, options)?;
             let range = committed(&device, len)?;
-            let copy_in = timed(args.reps, || {
-                Ok(device
-                    .copy_from_host(&mut buffers.source, 0, range)?
-                    .wait()?)
-            })?;
-            let copy_out = timed(args.reps, || {
-                Ok(device.copy_to_host(range, &mut buffers.sink, 0)?.wait()?)
-            })?;
+            device
+                .copy_from_host(&mut buffers.source, 0, range)?
+                .wait()?;
+            let (mut ours_in, mut plain_in, mut ours_out, mut plain_out) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..args.reps {
+                plain_in.push(timed(1, || {
+                    Ok(device.plain_copy_from_host(&mut buffers.source, 0, range)?)
+                })?);
+                ours_in.push(timed(1, || {
+                    Ok(device
+                        .copy_from_host(&mut buffers.source, 0, range)?
+                        .wait()?)
+                })?);
+                plain_out.push(timed(1, || {
+                    Ok(device.plain_copy_to_host(range, &mut buffers.sink, 0)?)
+                })?);
+                ours_out.push(timed(1, || {
+                    Ok(device.copy_to_host(range, &mut buffers.sink, 0)?.wait()?)
+                })?);
+            }
+            let (ours_in, plain_in) = (median(ours_in), median(plain_in));
+            let (ours_out, plain_out) = (median(ours_out), median(plain_out));
             println!(
-                "{chunk_mib:>14}  {streams:>7}  {:>8.1}  {:>9.3}  {:>7.1}  {:>8.3}",
-                gbps(len, copy_out),
-                plain_out / copy_out,
-                gbps(len, copy_in),
-                plain_in / copy_in
+                "{chunk_mib:>14}  {streams:>7}  {:>8.1}  {:>14.1}  {:>9.3}  {:>7.1}  {:>13.1}  {:>8.3}",
+                gbps(len, ours_out),
+                gbps(len, plain_out),
+                plain_out / ours_out,
+                gbps(len, ours_in),
+                gbps(len, plain_in),
+                plain_in / ours_in
             );
         }
     }
@@ -238,6 +247,31 @@ fn bench_copies(args: &Args, len: usize, buffers: &mut Buffers) -> Result<(), Bo
     if !same {
         return Err("the copied bytes differ from the source".into());
     }
+    Ok(())
+}
+
+/// A first cycle with nothing pinned yet: pin a buffer with the default options, copy a range
+/// out into it, and time both together.
+fn bench_first_cycle(len: usize) -> Result<(), Box<dyn Error>> {
+    let device = CudaDevice::open(0)?;
+    let range = committed(&device, len)?;
+    let start = Instant::now();
+    let mut backup = device.alloc_host(len)?;
+    let pinned = start.elapsed().as_secs_f64();
+    device.copy_to_host(range, &mut backup, 0)?.wait()?;
+    let total = start.elapsed().as_secs_f64();
+    println!(
+        "\n## first cycle, {} GiB out into a buffer pinned on the spot (default options {:?})",
+        len / GIB,
+        device.options()
+    );
+    println!(
+        "pin {:.3} s + copy {:.3} s = {:.3} s: {:.1} GB/s",
+        pinned,
+        total - pinned,
+        total,
+        gbps(len, total)
+    );
     Ok(())
 }
 
@@ -323,5 +357,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     bench_commit(&args, len)?;
     bench_copies(&args, len, &mut buffers)?;
     bench_both_ways(&args, len, &mut buffers)?;
+    drop(buffers);
+    bench_first_cycle(len)?;
     Ok(())
 }

@@ -42,7 +42,8 @@ use super::{
     AddressRange, Device, DeviceError, DeviceKind, Fence, HostBuffer, MemoryInfo, PendingWork,
 };
 
-/// How a [`CudaDevice`] cuts its work; the defaults are the fastest measured on an H200.
+/// How a [`CudaDevice`] cuts its work; the defaults are the fastest measured on an H200 (see
+/// `bench/RESULTS.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
     /// Bytes of physical memory per `cuMemCreate` handle when committing (rounded up to the
@@ -66,7 +67,7 @@ impl Default for CudaOptions {
             copy_chunk: 64 << 20,
             streams_per_direction: 2,
             release_threads: 1,
-            pin_threads: 0,
+            pin_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
         }
     }
 }
