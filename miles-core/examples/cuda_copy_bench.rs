@@ -92,35 +92,21 @@ fn committed(device: &CudaDevice, len: usize) -> Result<AddressRange, Box<dyn Er
 }
 
 fn bench_commit(args: &Args, len: usize) -> Result<(), Box<dyn Error>> {
+    let cycles = args.reps.max(7);
     println!(
-        "\n## commit / release of {} GiB (pause/resume without backup)",
+        "\n## commit / release of {} GiB (pause/resume without backup), median of {cycles} cycles",
         args.gib
     );
-    println!(
-        "commit_chunk_mib  handles  release_threads  commit_ms  release_ms  freed_on_release_pct"
-    );
-    let configurations = [
-        (64, 1),
-        (256, 1),
-        (256, 4),
-        (1024, 1),
-        (1024, 4),
-        (2048, 1),
-        (2048, 4),
-        (8192, 1),
-        (1024, 1),
-        (8192, 1),
-    ];
-    for (chunk_mib, release_threads) in configurations {
+    println!("commit_chunk_mib  handles  commit_ms  release_ms  freed_on_release_pct");
+    for chunk_mib in [64, 256, 1024, 2048, 8192, 1024] {
         let options = CudaOptions {
             commit_chunk: chunk_mib * MIB,
-            release_threads,
             ..CudaOptions::default()
         };
         let device = CudaDevice::open_with(0, options)?;
         let range = device.reserve(len)?;
         let (mut commits, mut releases, mut freed) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..args.reps.max(7) {
+        for _ in 0..cycles {
             let start = Instant::now();
             device.commit(range)?;
             commits.push(start.elapsed().as_secs_f64());
@@ -134,7 +120,7 @@ fn bench_commit(args: &Args, len: usize) -> Result<(), Box<dyn Error>> {
         device.unreserve(range)?;
         let handles = len.div_ceil(device.options().commit_chunk);
         println!(
-            "{chunk_mib:>16}  {handles:>7}  {release_threads:>15}  {:>9.3}  {:>10.3}  {:>20.2}",
+            "{chunk_mib:>16}  {handles:>7}  {:>9.3}  {:>10.3}  {:>20.2}",
             median(commits) * 1e3,
             median(releases) * 1e3,
             median(freed)

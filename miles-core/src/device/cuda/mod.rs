@@ -53,8 +53,6 @@ pub struct CudaOptions {
     pub copy_chunk: usize,
     /// Streams per copy direction that a copy's chunks are spread over.
     pub streams_per_direction: usize,
-    /// Threads that unmap and release a range's pieces at once (1: the calling thread alone).
-    pub release_threads: usize,
     /// Host memory: 0 pins with `cuMemHostAlloc`; n > 0 maps it, faults it in on n threads,
     /// then pins it with `cuMemHostRegister` (faster for large buffers on many cores).
     pub pin_threads: usize,
@@ -66,7 +64,6 @@ impl Default for CudaOptions {
             commit_chunk: 1 << 30,
             copy_chunk: 64 << 20,
             streams_per_direction: 2,
-            release_threads: 1,
             pin_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
         }
     }
@@ -131,7 +128,6 @@ impl CudaDevice {
             commit_chunk: options.commit_chunk.max(1).next_multiple_of(granularity),
             copy_chunk: options.copy_chunk.max(1),
             streams_per_direction: options.streams_per_direction.max(1),
-            release_threads: options.release_threads.max(1),
             pin_threads: options.pin_threads,
         };
         let engine = CopyEngine::new(&context, options.streams_per_direction, options.copy_chunk)?;
@@ -260,87 +256,22 @@ impl CudaDevice {
         }
     }
 
-    /// Unmap and release one mapping no copy uses any more, and forget it.
+    /// Unmap and release one mapping no copy uses any more, and forget it once unmapped.
     fn unmap(&self, book: &mut Reservations, mapping: Mapping) -> Result<(), DeviceError> {
-        let (unmapped, result) = self.unmap_raw(mapping);
-        if unmapped {
-            book.forget(mapping);
-        }
-        result
-    }
-
-    /// Unmap and release one mapping; says whether it is unmapped, even when the release failed.
-    fn unmap_raw(&self, mapping: Mapping) -> (bool, Result<(), DeviceError>) {
         // SAFETY: the mapping is one whole `cuMemMap` of ours; the caller holds the state lock
         // taken by `quiet`, so no queued copy uses it.
-        if let Err(error) = unsafe { driver::mem_unmap(mapping.start, mapping.len) } {
-            return (false, Err(error));
-        }
+        unsafe { driver::mem_unmap(mapping.start, mapping.len) }?;
+        book.forget(mapping);
         // SAFETY: the handle is ours, now unmapped, and released once.
-        (true, unsafe { driver::mem_release(mapping.handle) })
+        unsafe { driver::mem_release(mapping.handle) }
     }
 
-    /// Unmap and release whole mappings, on up to `release_threads` threads at once.
+    /// Unmap and release whole mappings, one after the other (threads measured no faster on
+    /// an H200: the driver serialises them), forgetting each one that is unmapped.
     fn unmap_many(&self, book: &mut Reservations, mappings: &[Mapping]) -> Result<(), DeviceError> {
-        let threads = self.options.release_threads.min(mappings.len());
-        let outcomes: Vec<(bool, Result<(), DeviceError>)> = if threads <= 1 {
-            mappings
-                .iter()
-                .map(|mapping| self.unmap_raw(*mapping))
-                .collect()
-        } else {
-            let per_thread = mappings.len().div_ceil(threads);
-            std::thread::scope(|scope| {
-                let workers: Vec<_> = mappings
-                    .chunks(per_thread)
-                    .map(|group| {
-                        scope.spawn(move || match self.context.bind() {
-                            Ok(()) => group
-                                .iter()
-                                .map(|mapping| self.unmap_raw(*mapping))
-                                .collect(),
-                            Err(error) => group
-                                .iter()
-                                .map(|_| {
-                                    let message = error.to_string();
-                                    (
-                                        false,
-                                        Err(DeviceError::Cuda {
-                                            call: "cuCtxSetCurrent",
-                                            message,
-                                        }),
-                                    )
-                                })
-                                .collect::<Vec<_>>(),
-                        })
-                    })
-                    .collect();
-                workers
-                    .into_iter()
-                    .flat_map(|worker| {
-                        worker.join().unwrap_or_else(|_| {
-                            vec![(
-                                false,
-                                Err(DeviceError::Cuda {
-                                    call: "cuMemUnmap",
-                                    message: "a release thread panicked".to_string(),
-                                }),
-                            )]
-                        })
-                    })
-                    .collect()
-            })
-        };
-        let mut first_error = None;
-        for (mapping, (unmapped, result)) in mappings.iter().zip(outcomes) {
-            if unmapped {
-                book.forget(*mapping);
-            }
-            if let (Err(error), None) = (result, &first_error) {
-                first_error = Some(error);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        mappings
+            .iter()
+            .try_for_each(|mapping| self.unmap(book, *mapping))
     }
 
     /// Map the handle `handle` of `range.len` bytes at `range` and grant access.

@@ -96,6 +96,8 @@ fn map_and_register(len: usize, threads: usize) -> Result<NonNull<u8>, DeviceErr
     unsafe { libc::madvise(raw, len, libc::MADV_HUGEPAGE) };
     let base = raw as usize;
     let page = 4096;
+    // A thread per 64 MiB at most: small buffers are not worth a thread each.
+    let threads = threads.min(len.div_ceil(64 << 20)).max(1);
     let per_thread = len.div_ceil(threads).next_multiple_of(page);
     std::thread::scope(|scope| {
         for first in (0..len).step_by(per_thread) {
