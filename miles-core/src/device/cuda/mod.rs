@@ -176,6 +176,7 @@ impl CudaDevice {
         dst: &mut HostBuffer,
         offset: usize,
     ) -> Result<(), DeviceError> {
+        dst.wait()?;
         let host = self.host_window(dst, offset, src.len)?;
         let state = self.quiet(src)?;
         state.book.check_committed(src)?;
@@ -195,6 +196,7 @@ impl CudaDevice {
         offset: usize,
         dst: AddressRange,
     ) -> Result<(), DeviceError> {
+        src.wait()?;
         let host = self.host_window(src, offset, dst.len)?;
         let state = self.quiet(dst)?;
         state.book.check_committed(dst)?;
@@ -264,14 +266,6 @@ impl CudaDevice {
         book.forget(mapping);
         // SAFETY: the handle is ours, now unmapped, and released once.
         unsafe { driver::mem_release(mapping.handle) }
-    }
-
-    /// Unmap and release whole mappings, one after the other (threads measured no faster on
-    /// an H200: the driver serialises them), forgetting each one that is unmapped.
-    fn unmap_many(&self, book: &mut Reservations, mappings: &[Mapping]) -> Result<(), DeviceError> {
-        mappings
-            .iter()
-            .try_for_each(|mapping| self.unmap(book, *mapping))
     }
 
     /// Map the handle `handle` of `range.len` bytes at `range` and grant access.
@@ -384,7 +378,10 @@ impl CudaDevice {
             });
         cut.into_iter()
             .try_for_each(|mapping| self.split(book, mapping, range))?;
-        self.unmap_many(book, &inside)
+        // One after the other: threads measured no faster (bench/RESULTS.md, round 3).
+        inside
+            .into_iter()
+            .try_for_each(|mapping| self.unmap(book, mapping))
     }
 
     /// Undo the pieces of a commit that failed.
@@ -519,11 +516,8 @@ impl Device for CudaDevice {
         }
         if failure.is_none() {
             // SAFETY: the whole range was just mapped by this commit.
-            if let Err(error) =
-                unsafe { driver::mem_set_access(range.start, range.len, self.device) }
-            {
-                failure = Some((error, None));
-            }
+            let access = unsafe { driver::mem_set_access(range.start, range.len, self.device) };
+            failure = access.err().map(|error| (error, None));
         }
         if let Some((error, unmapped)) = failure {
             self.undo_commit(&created, unmapped);
