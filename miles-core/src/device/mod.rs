@@ -10,9 +10,11 @@
 //! All `unsafe` code of miles lives under this module.
 
 mod cpu_gemm;
+mod cuda;
 mod error;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
+pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 
 use std::fmt;
