@@ -10,6 +10,7 @@
 //! All `unsafe` code of miles lives under this module.
 
 mod error;
+pub mod probe;
 
 pub use error::DeviceError;
 
