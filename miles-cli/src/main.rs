@@ -1,3 +1,77 @@
-//! The `miles` command.
+//! The `miles` command: settings from flags and a TOML file, then the chosen command.
+//!
+//! Exit status: 0 on success, 2 for bad settings (every broken rule is printed), 1 for any other
+//! failure.
 
-fn main() {}
+#![forbid(unsafe_code)]
+
+mod check_config;
+mod doctor;
+mod settings_args;
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// RL post-training with training and rollout colocated on the same devices.
+#[derive(Parser, Debug)]
+#[command(name = "miles", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The commands of `miles`; each lives in its own module.
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print the resolved settings, each with where its value came from.
+    CheckConfig(check_config::CheckConfigArgs),
+    /// Print what this machine offers: CPU, memory, CUDA driver and GPUs, NCCL, a disk directory.
+    Doctor(doctor::DoctorArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let result = match cli.command {
+        Command::CheckConfig(args) => check_config::run(args),
+        Command::Doctor(args) => doctor::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => report(&error),
+    }
+}
+
+/// Logs go to stderr through `tracing`; RUST_LOG filters them (default `info`).
+fn init_logging() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Prints the error (every broken rule on its own line) and picks the exit status.
+fn report(error: &anyhow::Error) -> ExitCode {
+    let bad_settings = settings_args::is_bad_settings(error);
+    let mut stderr = std::io::stderr().lock();
+    // Printing can only fail when stderr is gone; the exit status still tells what happened.
+    let _ = if bad_settings {
+        writeln!(stderr, "error: invalid settings")
+    } else {
+        writeln!(stderr, "error: {error:#}")
+    };
+    if bad_settings {
+        for line in error.to_string().lines() {
+            let _ = writeln!(stderr, "  {line}");
+        }
+        ExitCode::from(2)
+    } else {
+        ExitCode::FAILURE
+    }
+}

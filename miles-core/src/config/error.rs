@@ -72,7 +72,7 @@ impl fmt::Display for InvalidSettings {
 pub enum SettingsError {
     /// Rule 1: `--colocate` with one of the offloads turned off.
     #[error(
-        "--colocate requires --{switch}, but --no-{switch} was given: colocated training and rollout share the devices and must move out of each other's way; drop --no-{switch} or --colocate"
+        "--colocate requires --{switch}, but it was turned off (--no-{switch}, or false in the config file): colocated training and rollout share the devices and must move out of each other's way; drop --no-{switch} or --colocate"
     )]
     ColocateWithoutOffload {
         /// `offload-train` or `offload-rollout`.

@@ -273,7 +273,7 @@ fn open_first(names: &[&'static str]) -> Result<(Library, &'static str), String>
         // libraries whose initialisers are safe to run in any process.
         match unsafe { Library::open(Some(name), RTLD_NOW | RTLD_LOCAL | libc::RTLD_NODELETE) } {
             Ok(library) => return Ok((library, name)),
-            Err(error) => failures.push(format!("{name}: {error}")),
+            Err(error) => failures.push(with_cause(&error)),
         }
     }
     Err(failures.join("; "))
@@ -286,7 +286,17 @@ fn symbol<T: Copy>(library: &Library, name: &str, symbol: &str) -> Result<T, Dev
     let found = unsafe { library.get::<T>(symbol.as_bytes()) };
     found
         .map(|s| *s)
-        .map_err(|error| DeviceError::CudaUnavailable(format!("{name} lacks {symbol}: {error}")))
+        .map_err(|error| {
+            DeviceError::CudaUnavailable(format!("{name} lacks {symbol}: {}", with_cause(&error)))
+        })
+}
+
+/// The loader's own words (`dlerror`, which names the file) when libloading kept them.
+fn with_cause(error: &libloading::Error) -> String {
+    match std::error::Error::source(error) {
+        Some(cause) => cause.to_string(),
+        None => error.to_string(),
+    }
 }
 
 /// Type, free and total space of the filesystem under a directory.
