@@ -83,7 +83,11 @@ fn describe(found: &Probe, asked: Option<&Path>) -> String {
         let place = if probed == asked {
             asked.display().to_string()
         } else {
-            format!("{} (not created yet; probed {})", asked.display(), probed.display())
+            format!(
+                "{} (not created yet; probed {})",
+                asked.display(),
+                probed.display()
+            )
         };
         out.push(match stats {
             Ok(stats) => describe_disk(&place, stats),

@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Print the resolved settings, each with where its value came from.
-    CheckConfig(check_config::CheckConfigArgs),
+    CheckConfig(Box<check_config::CheckConfigArgs>),
     /// Print what this machine offers: CPU, memory, CUDA driver and GPUs, NCCL, a disk directory.
     Doctor(doctor::DoctorArgs),
 }
@@ -36,7 +36,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
     let result = match cli.command {
-        Command::CheckConfig(args) => check_config::run(args),
+        Command::CheckConfig(args) => check_config::run(*args),
         Command::Doctor(args) => doctor::run(args),
     };
     match result {

@@ -202,7 +202,8 @@ impl std::error::Error for BackendNotBuilt {}
 
 /// Whether an error means bad settings (exit status 2) rather than a failure (exit status 1).
 pub fn is_bad_settings(error: &anyhow::Error) -> bool {
-    error.downcast_ref::<ConfigError>().is_some() || error.downcast_ref::<BackendNotBuilt>().is_some()
+    error.downcast_ref::<ConfigError>().is_some()
+        || error.downcast_ref::<BackendNotBuilt>().is_some()
 }
 
 #[cfg(test)]
@@ -230,26 +231,79 @@ mod tests {
 
     #[test]
     fn the_last_of_a_switch_and_its_negation_wins() {
-        assert_eq!(raw(&["--offload-train", "--no-offload-train"]).offload_train, Some(false));
-        assert_eq!(raw(&["--no-offload-train", "--offload-train"]).offload_train, Some(true));
+        assert_eq!(
+            raw(&["--offload-train", "--no-offload-train"]).offload_train,
+            Some(false)
+        );
+        assert_eq!(
+            raw(&["--no-offload-train", "--offload-train"]).offload_train,
+            Some(true)
+        );
         assert_eq!(raw(&["--no-offload-rollout"]).offload_rollout, Some(false));
     }
 
     #[test]
     fn every_config_key_has_a_flag_of_the_same_name() {
         let layer = raw(&[
-            "--train-backend", "fsdp", "--colocate", "--offload", "--offload-train",
-            "--offload-rollout", "--offload-rollout-level", "kv_cache", "weight",
-            "--offload-train-target", "disk", "--offload-train-disk-dir", "d",
-            "--offload-train-disk-chunk-mb", "8", "--stream-optimizer-state-to-disk",
-            "--stream-optimizer-state-moment-dtype", "bf16", "--train-memory-margin-bytes", "5",
-            "--fsdp-cpu-offload", "--device", "cpu", "--device-memory-gib", "2", "--preset", "p",
-            "--steps", "3", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--global-batch-size", "4", "--lr", "0.1", "--seed", "1", "--save", "s",
-            "--save-interval", "2", "--load", "l", "--tensor-model-parallel-size", "2",
-            "--data-parallel-size", "2", "--rollout-mem-fraction", "0.5",
-            "--update-weight-buffer-size", "9", "--advantage-estimator", "ppo", "--metrics", "m",
-            "--memory-timeline", "t",
+            "--train-backend",
+            "fsdp",
+            "--colocate",
+            "--offload",
+            "--offload-train",
+            "--offload-rollout",
+            "--offload-rollout-level",
+            "kv_cache",
+            "weight",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            "d",
+            "--offload-train-disk-chunk-mb",
+            "8",
+            "--stream-optimizer-state-to-disk",
+            "--stream-optimizer-state-moment-dtype",
+            "bf16",
+            "--train-memory-margin-bytes",
+            "5",
+            "--fsdp-cpu-offload",
+            "--device",
+            "cpu",
+            "--device-memory-gib",
+            "2",
+            "--preset",
+            "p",
+            "--steps",
+            "3",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--lr",
+            "0.1",
+            "--seed",
+            "1",
+            "--save",
+            "s",
+            "--save-interval",
+            "2",
+            "--load",
+            "l",
+            "--tensor-model-parallel-size",
+            "2",
+            "--data-parallel-size",
+            "2",
+            "--rollout-mem-fraction",
+            "0.5",
+            "--update-weight-buffer-size",
+            "9",
+            "--advantage-estimator",
+            "ppo",
+            "--metrics",
+            "m",
+            "--memory-timeline",
+            "t",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value

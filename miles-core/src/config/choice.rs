@@ -220,7 +220,10 @@ mod tests {
             assert_eq!(level.as_str().parse::<RolloutOffloadLevel>(), Ok(*level));
             let json = serde_json::to_string(level).unwrap();
             assert_eq!(json, format!("\"{}\"", level.as_str()));
-            assert_eq!(serde_json::from_str::<RolloutOffloadLevel>(&json).unwrap(), *level);
+            assert_eq!(
+                serde_json::from_str::<RolloutOffloadLevel>(&json).unwrap(),
+                *level
+            );
         }
         assert_eq!("fsdp".parse::<TrainBackend>(), Ok(TrainBackend::Fsdp));
         assert_eq!("bf16".parse::<MomentDtype>(), Ok(MomentDtype::Bf16));

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
-use super::{AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, TrainBackend};
+use super::{
+    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, TrainBackend,
+};
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
 /// was. [`Settings::resolve`](super::Settings::resolve) turns the layers into [`Settings`](super::Settings).
@@ -147,7 +149,12 @@ mod tests {
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
         assert_eq!(keys.len(), 32);
-        for key in ["offload", "offload_train", "offload_rollout_level", "memory_timeline"] {
+        for key in [
+            "offload",
+            "offload_train",
+            "offload_rollout_level",
+            "memory_timeline",
+        ] {
             assert!(keys.iter().any(|k| k == key), "{key} missing from {keys:?}");
         }
     }
@@ -184,16 +191,28 @@ mod tests {
             other => panic!("expected UnknownKey, got {other:?}"),
         }
         let message = error.to_string();
-        assert!(message.contains("`offload_trian`") && message.contains("line 3"), "{message}");
+        assert!(
+            message.contains("`offload_trian`") && message.contains("line 3"),
+            "{message}"
+        );
     }
 
     #[test]
     fn wrong_value_type_and_bad_enum_name_are_parse_errors_with_the_line() {
         let error = parse("steps = 3\ncolocate = \"yes\"\n").unwrap_err();
-        assert!(matches!(error, ConfigError::Parse { line: 2, .. }), "{error:?}");
+        assert!(
+            matches!(error, ConfigError::Parse { line: 2, .. }),
+            "{error:?}"
+        );
         let error = parse("train_backend = \"fsdpp\"\n").unwrap_err();
-        assert!(matches!(error, ConfigError::Parse { line: 1, .. }), "{error:?}");
-        assert!(error.to_string().contains("did you mean `fsdp`?"), "{error}");
+        assert!(
+            matches!(error, ConfigError::Parse { line: 1, .. }),
+            "{error:?}"
+        );
+        assert!(
+            error.to_string().contains("did you mean `fsdp`?"),
+            "{error}"
+        );
     }
 
     #[test]

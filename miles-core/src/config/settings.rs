@@ -264,7 +264,10 @@ impl Settings {
             "offload_rollout_level",
             flags.offload_rollout_level,
             file.offload_rollout_level,
-            d.offload_rollout_level.iter().map(|l| l.as_str().to_owned()).collect(),
+            d.offload_rollout_level
+                .iter()
+                .map(|l| l.as_str().to_owned())
+                .collect(),
         );
         let (offload_rollout_level, mut violations) = parse_rollout_levels(&level_names);
 

@@ -106,11 +106,12 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
 
 /// Rule 3: the disk directory can be created and written; a warning when it is on tmpfs.
 fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
-    let unusable = |action: &'static str, source: std::io::Error| SettingsError::DiskDirNotWritable {
-        dir: dir.to_path_buf(),
-        action,
-        source,
-    };
+    let unusable =
+        |action: &'static str, source: std::io::Error| SettingsError::DiskDirNotWritable {
+            dir: dir.to_path_buf(),
+            action,
+            source,
+        };
     std::fs::create_dir_all(dir).map_err(|source| unusable("create it", source))?;
     let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
     std::fs::File::create(&probe)
@@ -123,7 +124,9 @@ fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
             "--offload-train-disk-dir is on tmpfs: offloaded training state stays in RAM, not on disk"
         ),
         Ok(_) => {}
-        Err(error) => tracing::warn!(dir = %dir.display(), %error, "cannot tell the filesystem type"),
+        Err(error) => {
+            tracing::warn!(dir = %dir.display(), %error, "cannot tell the filesystem type")
+        }
     }
     Ok(())
 }
@@ -142,7 +145,12 @@ fn check_ranges(s: &Settings) -> Vec<SettingsError> {
     };
     let positive = "a number above 0";
     let g = s.device_memory_gib;
-    require(g.is_finite() && g > 0.0, "device-memory-gib", g.to_string(), positive);
+    require(
+        g.is_finite() && g > 0.0,
+        "device-memory-gib",
+        g.to_string(),
+        positive,
+    );
     require(s.steps > 0, "steps", s.steps.to_string(), "at least 1");
     for (flag, value) in [
         ("rollout-batch-size", s.rollout_batch_size),
@@ -153,16 +161,36 @@ fn check_ranges(s: &Settings) -> Vec<SettingsError> {
     ] {
         require(value > 0, flag, value.to_string(), "at least 1");
     }
-    require(s.lr.is_finite() && s.lr > 0.0, "lr", s.lr.to_string(), positive);
+    require(
+        s.lr.is_finite() && s.lr > 0.0,
+        "lr",
+        s.lr.to_string(),
+        positive,
+    );
     let f = s.rollout_mem_fraction;
-    require(f > 0.0 && f <= 1.0, "rollout-mem-fraction", f.to_string(), "above 0 and at most 1");
+    require(
+        f > 0.0 && f <= 1.0,
+        "rollout-mem-fraction",
+        f.to_string(),
+        "above 0 and at most 1",
+    );
     let u = s.update_weight_buffer_size;
-    require(u > 0, "update-weight-buffer-size", u.to_string(), "at least 1 byte");
+    require(
+        u > 0,
+        "update-weight-buffer-size",
+        u.to_string(),
+        "at least 1 byte",
+    );
     if let Some(interval) = s.save_interval {
-        require(interval > 0, "save-interval", interval.to_string(), "at least 1");
+        require(
+            interval > 0,
+            "save-interval",
+            interval.to_string(),
+            "at least 1",
+        );
     }
     let samples = s.rollout_batch_size * s.n_samples_per_prompt;
-    if s.global_batch_size > 0 && samples % s.global_batch_size != 0 {
+    if s.global_batch_size > 0 && !samples.is_multiple_of(s.global_batch_size) {
         errors.push(SettingsError::BatchNotDivisible {
             rollout_batch_size: s.rollout_batch_size,
             n_samples_per_prompt: s.n_samples_per_prompt,

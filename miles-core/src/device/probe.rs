@@ -183,11 +183,15 @@ pub fn probe_cuda() -> Result<CudaProbe, DeviceError> {
         check("cuInit", init)?;
         let mut count: c_int = 0;
         // SAFETY: the driver is initialised and the out-pointer is valid.
-        check("cuDeviceGetCount", unsafe { cu_device_get_count(&mut count) })?;
+        check("cuDeviceGetCount", unsafe {
+            cu_device_get_count(&mut count)
+        })?;
         for ordinal in 0..count {
             let mut device: c_int = 0;
             // SAFETY: `ordinal` is below the count the driver reported; out-pointer valid.
-            check("cuDeviceGet", unsafe { cu_device_get(&mut device, ordinal) })?;
+            check("cuDeviceGet", unsafe {
+                cu_device_get(&mut device, ordinal)
+            })?;
             let mut name_buf: [c_char; 256] = [0; 256];
             // SAFETY: the buffer holds `len` bytes and the driver NUL-terminates within them.
             check("cuDeviceGetName", unsafe {
@@ -284,11 +288,9 @@ fn symbol<T: Copy>(library: &Library, name: &str, symbol: &str) -> Result<T, Dev
     // SAFETY: every caller names `T` as the C signature the CUDA or NCCL headers declare for
     // `symbol`.
     let found = unsafe { library.get::<T>(symbol.as_bytes()) };
-    found
-        .map(|s| *s)
-        .map_err(|error| {
-            DeviceError::CudaUnavailable(format!("{name} lacks {symbol}: {}", with_cause(&error)))
-        })
+    found.map(|s| *s).map_err(|error| {
+        DeviceError::CudaUnavailable(format!("{name} lacks {symbol}: {}", with_cause(&error)))
+    })
 }
 
 /// The loader's own words (`dlerror`, which names the file) when libloading kept them.
@@ -325,15 +327,14 @@ impl FsStats {
 /// [`DeviceError::Os`] when the path does not exist or cannot be examined.
 pub fn filesystem(path: &Path) -> Result<FsStats, DeviceError> {
     use std::os::unix::ffi::OsStrExt;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        DeviceError::Os {
+    let c_path =
+        std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| DeviceError::Os {
             call: "statfs",
             source: std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 format!("path {} contains a NUL byte", path.display()),
             ),
-        }
-    })?;
+        })?;
     let mut stats = std::mem::MaybeUninit::<libc::statfs>::zeroed();
     // SAFETY: `c_path` is NUL-terminated and `stats` is valid, writable storage for one statfs.
     let rc = unsafe { libc::statfs(c_path.as_ptr(), stats.as_mut_ptr()) };
@@ -346,12 +347,12 @@ pub fn filesystem(path: &Path) -> Result<FsStats, DeviceError> {
     // SAFETY: statfs returned 0, so it filled the whole struct (which started zeroed anyway).
     let stats = unsafe { stats.assume_init() };
     let block = stats.f_bsize as u64;
-    let magic = stats.f_type as i64;
+    let magic = stats.f_type;
     Ok(FsStats {
         magic,
         kind: filesystem_name(magic),
-        free_bytes: stats.f_bavail as u64 * block,
-        total_bytes: stats.f_blocks as u64 * block,
+        free_bytes: stats.f_bavail * block,
+        total_bytes: stats.f_blocks * block,
     })
 }
 
@@ -408,7 +409,12 @@ mod tests {
     fn dev_shm_is_recognised_as_tmpfs() {
         let shm = Path::new("/dev/shm");
         if let Ok(stats) = filesystem(shm) {
-            assert!(stats.is_tmpfs(), "/dev/shm is {} ({:#x})", stats.kind, stats.magic);
+            assert!(
+                stats.is_tmpfs(),
+                "/dev/shm is {} ({:#x})",
+                stats.kind,
+                stats.magic
+            );
         }
     }
 
@@ -416,7 +422,10 @@ mod tests {
     fn filesystem_of_a_missing_path_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("absent");
-        assert!(matches!(filesystem(&missing), Err(DeviceError::Os { call: "statfs", .. })));
+        assert!(matches!(
+            filesystem(&missing),
+            Err(DeviceError::Os { call: "statfs", .. })
+        ));
     }
 
     #[test]
