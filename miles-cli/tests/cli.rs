@@ -277,3 +277,33 @@ fn doctor_exits_0_and_reports_cuda_either_way() {
     assert_eq!(json["cuda"]["available"], driver_loads);
     assert!(json["host"]["cpu_cores"].as_u64().unwrap() >= 1);
 }
+
+#[test]
+fn offload_sets_both_switches_without_colocate() {
+    let (out, _) = expect(&["check-config", "--offload", "--json"], 0);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["offload_train"], true);
+    assert_eq!(json["offload_rollout"], true);
+    assert_eq!(json["colocate"], false);
+}
+
+#[test]
+fn disk_directory_on_tmpfs_is_accepted_with_a_warning() {
+    let shm = Path::new("/dev/shm");
+    let on_tmpfs = miles_core::device::probe::filesystem(shm).is_ok_and(|fs| fs.is_tmpfs());
+    if !on_tmpfs {
+        return;
+    }
+    let scratch = tempfile::tempdir_in(shm).unwrap();
+    let dir = scratch.path().to_str().unwrap();
+    let args = [
+        "check-config",
+        "--colocate",
+        "--offload-train-target",
+        "disk",
+    ];
+    let (_, err) = expect(&[&args[..], &["--offload-train-disk-dir", dir]].concat(), 0);
+    assert!(err.contains("WARN") && err.contains("tmpfs"), "{err}");
+    let (out, _) = expect(&["doctor", "--offload-train-disk-dir", dir], 0);
+    assert!(out.contains("tmpfs is RAM, not disk"), "{out}");
+}
