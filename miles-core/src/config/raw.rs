@@ -103,9 +103,8 @@ impl RawSettings {
     pub fn from_toml_str(text: &str, origin: &Path) -> Result<RawSettings, ConfigError> {
         toml::from_str(text).map_err(|error| {
             let span = error.span();
-            let line = span
-                .as_ref()
-                .map_or(0, |span| text[..span.start].matches('\n').count() + 1);
+            let before = span.as_ref().and_then(|span| text.get(..span.start));
+            let line = before.map_or(0, |before| before.matches('\n').count() + 1);
             let spanned = span.and_then(|span| text.get(span)).unwrap_or_default();
             let key = spanned.trim().trim_matches(|c| c == '"' || c == '\'');
             if error.message().starts_with("unknown field") && !key.is_empty() {

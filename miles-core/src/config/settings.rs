@@ -325,3 +325,51 @@ impl Settings {
         self.offload_train_target == OffloadTarget::Disk || self.stream_optimizer_state_to_disk
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offload_switch_resolves_flag_over_file_explicit_over_shorthand_then_colocate() {
+        let (on, off, unset) = (Some(true), Some(false), None);
+        // (explicit flag, explicit file), (shorthand flag, shorthand file), colocate -> result
+        let table = [
+            (
+                (unset, unset),
+                (unset, unset),
+                false,
+                (false, Source::Default),
+            ),
+            (
+                (unset, unset),
+                (unset, unset),
+                true,
+                (true, Source::ImpliedByColocate),
+            ),
+            ((off, unset), (unset, unset), true, (false, Source::Flag)),
+            ((unset, off), (unset, unset), true, (false, Source::File)),
+            ((unset, off), (on, unset), false, (true, Source::Flag)),
+            ((off, unset), (on, unset), false, (false, Source::Flag)),
+            ((unset, unset), (unset, on), false, (true, Source::File)),
+            ((on, off), (unset, unset), false, (true, Source::Flag)),
+            ((unset, on), (unset, off), false, (true, Source::File)),
+        ];
+        for (explicit, shorthand, colocate, expected) in table {
+            assert_eq!(
+                resolve_offload_switch(explicit, shorthand, colocate),
+                expected,
+                "{explicit:?} {shorthand:?} colocate={colocate}"
+            );
+        }
+    }
+
+    #[test]
+    fn device_memory_bytes_follow_the_gib_setting() {
+        let settings = Settings {
+            device_memory_gib: 1.5,
+            ..Settings::default()
+        };
+        assert_eq!(settings.device_memory_bytes(), 3 << 29);
+    }
+}
