@@ -1,11 +1,15 @@
-//! The `miles` command.
+//! The `miles` command: settings from flags and a TOML file, then the chosen command.
 //!
-//! Exit status: 0 on success, 2 for bad usage (clap), 1 for any other failure.
+//! Exit status: 0 on success, 2 for bad settings (every broken rule is printed), 1 for any other
+//! failure.
 
 #![forbid(unsafe_code)]
 
 mod bench_train;
+mod check_config;
+mod doctor;
 mod model_cmd;
+mod settings_args;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -24,6 +28,10 @@ struct Cli {
 /// The commands of `miles`; each lives in its own module.
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Print the resolved settings, each with where its value came from.
+    CheckConfig(Box<check_config::CheckConfigArgs>),
+    /// Print what this machine offers: CPU, memory, CUDA driver and GPUs, NCCL, a disk directory.
+    Doctor(doctor::DoctorArgs),
     /// Make, inspect and score models.
     Model(model_cmd::ModelArgs),
     /// Benchmarks that print our figure next to a baseline measured in the same run.
@@ -45,6 +53,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
     let result = match cli.command {
+        Command::CheckConfig(args) => check_config::run(*args),
+        Command::Doctor(args) => doctor::run(args),
         Command::Model(args) => model_cmd::run(args),
         Command::Bench {
             bench: BenchCommand::Train(args),
@@ -52,11 +62,7 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            // Printing can only fail when stderr is gone; the exit status still tells.
-            let _ = writeln!(std::io::stderr().lock(), "error: {error:#}");
-            ExitCode::FAILURE
-        }
+        Err(error) => report(&error),
     }
 }
 
@@ -69,4 +75,24 @@ fn init_logging() {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// Prints the error (every broken rule on its own line) and picks the exit status.
+fn report(error: &anyhow::Error) -> ExitCode {
+    let bad_settings = settings_args::is_bad_settings(error);
+    let mut stderr = std::io::stderr().lock();
+    // Printing can only fail when stderr is gone; the exit status still tells what happened.
+    let _ = if bad_settings {
+        writeln!(stderr, "error: invalid settings")
+    } else {
+        writeln!(stderr, "error: {error:#}")
+    };
+    if bad_settings {
+        for line in error.to_string().lines() {
+            let _ = writeln!(stderr, "  {line}");
+        }
+        ExitCode::from(2)
+    } else {
+        ExitCode::FAILURE
+    }
 }

@@ -1,10 +1,16 @@
 //! The core of miles: settings, devices, the memory manager with its backup stores, and
 //! everything the training backends and the rollout engine share.
 
+pub mod config;
 pub mod device;
 pub mod model;
 pub mod ops;
 
+pub use config::{
+    AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
+    RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, TrainBackend,
+    UnknownChoice,
+};
 pub use device::{
     AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
     HostBuffer, MemoryInfo, PendingWork,

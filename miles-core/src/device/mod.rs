@@ -12,6 +12,7 @@
 mod cpu_gemm;
 mod cuda;
 mod error;
+pub mod probe;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::{CudaDevice, CudaOptions};

@@ -1,0 +1,328 @@
+//! The settings flags, shared by every command that runs with [`Settings`] (flattened into its
+//! arguments with `#[command(flatten)]`).
+
+use std::fmt;
+use std::path::PathBuf;
+
+use clap::Args;
+use miles_core::config::{
+    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, RawSettings,
+    Settings, TrainBackend,
+};
+
+/// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
+/// `--config` file, then to the default.
+#[derive(Args, Debug, Default, Clone)]
+pub struct SettingsArgs {
+    /// TOML file with the same keys (underscores); flags override it
+    #[arg(long, value_name = "FILE", help_heading = "Settings")]
+    pub config: Option<PathBuf>,
+    /// Which training backend runs [default: megatron]
+    #[arg(long, value_name = "megatron|fsdp", help_heading = "Settings")]
+    pub train_backend: Option<TrainBackend>,
+    /// Training and rollout share the same devices (turns both offloads on unless set)
+    #[arg(long, help_heading = "Settings")]
+    pub colocate: bool,
+    /// Shorthand for --offload-train --offload-rollout
+    #[arg(long, help_heading = "Settings")]
+    pub offload: bool,
+    /// Move training tensors off the device between train steps [default: on with --colocate]
+    #[arg(long, overrides_with = "no_offload_train", help_heading = "Settings")]
+    pub offload_train: bool,
+    /// Keep training tensors on the device
+    #[arg(long, overrides_with = "offload_train", help_heading = "Settings")]
+    pub no_offload_train: bool,
+    /// Move rollout tensors off the device between rollouts [default: on with --colocate]
+    #[arg(long, overrides_with = "no_offload_rollout", help_heading = "Settings")]
+    pub offload_rollout: bool,
+    /// Keep rollout tensors on the device
+    #[arg(long, overrides_with = "offload_rollout", help_heading = "Settings")]
+    pub no_offload_rollout: bool,
+    /// Rollout tags that leave the device: kv_cache, weight, cuda_graph [default: kv_cache weight]
+    #[arg(long, num_args = 1.., value_name = "LEVEL", help_heading = "Settings")]
+    pub offload_rollout_level: Option<Vec<String>>,
+    /// Where training tensors go [default: cpu]
+    #[arg(long, value_name = "cpu|disk", help_heading = "Settings")]
+    pub offload_train_target: Option<OffloadTarget>,
+    /// Directory for disk offload (one subdirectory per rank)
+    #[arg(long, value_name = "DIR", help_heading = "Settings")]
+    pub offload_train_disk_dir: Option<PathBuf>,
+    /// Granularity of disk writes and reads in MiB [default: 64]
+    #[arg(long, value_name = "N", help_heading = "Settings")]
+    pub offload_train_disk_chunk_mb: Option<u64>,
+    /// Optimizer state lives on disk and streams through the step
+    #[arg(long, help_heading = "Settings")]
+    pub stream_optimizer_state_to_disk: bool,
+    /// Storage type of Adam moments on disk [default: fp32]
+    #[arg(long, value_name = "fp32|bf16|fp16", help_heading = "Settings")]
+    pub stream_optimizer_state_moment_dtype: Option<MomentDtype>,
+    /// Resume refuses unless free memory >= need + this margin [default: 1 GiB]
+    #[arg(long, value_name = "N", help_heading = "Settings")]
+    pub train_memory_margin_bytes: Option<u64>,
+    /// FSDP's own (native) CPU offload; yields to --offload-train
+    #[arg(long, help_heading = "Settings")]
+    pub fsdp_cpu_offload: bool,
+    /// Which device runs [default: auto]
+    #[arg(long, value_name = "auto|cpu|cuda", help_heading = "Run")]
+    pub device: Option<DeviceChoice>,
+    /// Capacity of the CPU device in GiB [default: 8]
+    #[arg(long, value_name = "GIB", help_heading = "Run")]
+    pub device_memory_gib: Option<f64>,
+    /// Model preset [default: tiny]
+    #[arg(long, value_name = "NAME", help_heading = "Run")]
+    pub preset: Option<String>,
+    /// RL steps to run [default: 10]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub steps: Option<u64>,
+    /// Prompts per rollout [default: 8]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub rollout_batch_size: Option<usize>,
+    /// Samples generated per prompt [default: 4]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub n_samples_per_prompt: Option<usize>,
+    /// Samples per optimizer step [default: 32]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub global_batch_size: Option<usize>,
+    /// Learning rate [default: 1e-4]
+    #[arg(long, value_name = "LR", help_heading = "Run")]
+    pub lr: Option<f64>,
+    /// Seed of every random choice [default: 42]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub seed: Option<u64>,
+    /// Checkpoint directory to save to
+    #[arg(long, value_name = "DIR", help_heading = "Run")]
+    pub save: Option<PathBuf>,
+    /// Save every N steps (and at the end)
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub save_interval: Option<u64>,
+    /// Checkpoint directory to start from
+    #[arg(long, value_name = "DIR", help_heading = "Run")]
+    pub load: Option<PathBuf>,
+    /// Tensor-parallel ranks [default: 1]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub tensor_model_parallel_size: Option<usize>,
+    /// Data-parallel ranks [default: 1]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub data_parallel_size: Option<usize>,
+    /// Fraction of device memory the rollout engine may take [default: 0.8]
+    #[arg(long, value_name = "F", help_heading = "Run")]
+    pub rollout_mem_fraction: Option<f64>,
+    /// Bytes per bucket of the weight update [default: 512 MiB]
+    #[arg(long, value_name = "BYTES", help_heading = "Run")]
+    pub update_weight_buffer_size: Option<u64>,
+    /// How advantages are estimated [default: grpo]
+    #[arg(long, value_name = "grpo|ppo", help_heading = "Run")]
+    pub advantage_estimator: Option<AdvantageEstimator>,
+    /// JSON-lines file for per-phase metrics
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
+    pub metrics: Option<PathBuf>,
+    /// File for the device-memory timeline
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
+    pub memory_timeline: Option<PathBuf>,
+}
+
+impl SettingsArgs {
+    /// Reads `--config`, lays the flags over it, and resolves and checks the settings.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] for a bad file or broken rules, or [`BackendNotBuilt`]; both are bad
+    /// settings (see [`is_bad_settings`]).
+    pub fn load(&self) -> anyhow::Result<Settings> {
+        let settings = Settings::load(self.to_raw(), self.config.as_deref())?;
+        let built = match settings.train_backend {
+            TrainBackend::Megatron => cfg!(feature = "megatron"),
+            TrainBackend::Fsdp => cfg!(feature = "fsdp"),
+        };
+        if !built {
+            return Err(BackendNotBuilt(settings.train_backend).into());
+        }
+        Ok(settings)
+    }
+
+    /// The flag layer: a switch left out is `None`, so the file can set it.
+    pub fn to_raw(&self) -> RawSettings {
+        let switch = |on: bool, off: bool| match (on, off) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        };
+        let flag = |given: bool| given.then_some(true);
+        RawSettings {
+            train_backend: self.train_backend,
+            colocate: flag(self.colocate),
+            offload: flag(self.offload),
+            offload_train: switch(self.offload_train, self.no_offload_train),
+            offload_rollout: switch(self.offload_rollout, self.no_offload_rollout),
+            offload_rollout_level: self.offload_rollout_level.clone(),
+            offload_train_target: self.offload_train_target,
+            offload_train_disk_dir: self.offload_train_disk_dir.clone(),
+            offload_train_disk_chunk_mb: self.offload_train_disk_chunk_mb,
+            stream_optimizer_state_to_disk: flag(self.stream_optimizer_state_to_disk),
+            stream_optimizer_state_moment_dtype: self.stream_optimizer_state_moment_dtype,
+            train_memory_margin_bytes: self.train_memory_margin_bytes,
+            fsdp_cpu_offload: flag(self.fsdp_cpu_offload),
+            device: self.device,
+            device_memory_gib: self.device_memory_gib,
+            preset: self.preset.clone(),
+            steps: self.steps,
+            rollout_batch_size: self.rollout_batch_size,
+            n_samples_per_prompt: self.n_samples_per_prompt,
+            global_batch_size: self.global_batch_size,
+            lr: self.lr,
+            seed: self.seed,
+            save: self.save.clone(),
+            save_interval: self.save_interval,
+            load: self.load.clone(),
+            tensor_model_parallel_size: self.tensor_model_parallel_size,
+            data_parallel_size: self.data_parallel_size,
+            rollout_mem_fraction: self.rollout_mem_fraction,
+            update_weight_buffer_size: self.update_weight_buffer_size,
+            advantage_estimator: self.advantage_estimator,
+            metrics: self.metrics.clone(),
+            memory_timeline: self.memory_timeline.clone(),
+        }
+    }
+}
+
+/// `--train-backend` names a backend this binary was built without.
+#[derive(Debug)]
+pub struct BackendNotBuilt(pub TrainBackend);
+
+impl fmt::Display for BackendNotBuilt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "--train-backend {0} is not built into this binary; rebuild with `--features {0}` or choose another backend",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for BackendNotBuilt {}
+
+/// Whether an error means bad settings (exit status 2) rather than a failure (exit status 1).
+pub fn is_bad_settings(error: &anyhow::Error) -> bool {
+    error.downcast_ref::<ConfigError>().is_some()
+        || error.downcast_ref::<BackendNotBuilt>().is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Probe {
+        #[command(flatten)]
+        settings: SettingsArgs,
+    }
+
+    fn raw(args: &[&str]) -> RawSettings {
+        let mut argv = vec!["miles"];
+        argv.extend_from_slice(args);
+        Probe::try_parse_from(argv).unwrap().settings.to_raw()
+    }
+
+    #[test]
+    fn switches_left_out_stay_unset_for_the_file() {
+        let layer = raw(&[]);
+        assert_eq!(layer, RawSettings::default());
+    }
+
+    #[test]
+    fn the_last_of_a_switch_and_its_negation_wins() {
+        assert_eq!(
+            raw(&["--offload-train", "--no-offload-train"]).offload_train,
+            Some(false)
+        );
+        assert_eq!(
+            raw(&["--no-offload-train", "--offload-train"]).offload_train,
+            Some(true)
+        );
+        assert_eq!(raw(&["--no-offload-rollout"]).offload_rollout, Some(false));
+    }
+
+    #[test]
+    fn every_config_key_has_a_flag_of_the_same_name() {
+        let layer = raw(&[
+            "--train-backend",
+            "fsdp",
+            "--colocate",
+            "--offload",
+            "--offload-train",
+            "--offload-rollout",
+            "--offload-rollout-level",
+            "kv_cache",
+            "weight",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            "d",
+            "--offload-train-disk-chunk-mb",
+            "8",
+            "--stream-optimizer-state-to-disk",
+            "--stream-optimizer-state-moment-dtype",
+            "bf16",
+            "--train-memory-margin-bytes",
+            "5",
+            "--fsdp-cpu-offload",
+            "--device",
+            "cpu",
+            "--device-memory-gib",
+            "2",
+            "--preset",
+            "p",
+            "--steps",
+            "3",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--lr",
+            "0.1",
+            "--seed",
+            "1",
+            "--save",
+            "s",
+            "--save-interval",
+            "2",
+            "--load",
+            "l",
+            "--tensor-model-parallel-size",
+            "2",
+            "--data-parallel-size",
+            "2",
+            "--rollout-mem-fraction",
+            "0.5",
+            "--update-weight-buffer-size",
+            "9",
+            "--advantage-estimator",
+            "ppo",
+            "--metrics",
+            "m",
+            "--memory-timeline",
+            "t",
+        ]);
+        let value = serde_json::to_value(&layer).unwrap();
+        let unset: Vec<&String> = value
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(_, v)| v.is_null())
+            .map(|(k, _)| k)
+            .collect();
+        assert!(unset.is_empty(), "keys without a flag: {unset:?}");
+        assert_eq!(RawSettings::keys().len(), value.as_object().unwrap().len());
+    }
+
+    #[test]
+    fn bad_enum_names_are_usage_errors() {
+        let error = Probe::try_parse_from(["miles", "--train-backend", "fsdpp"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("did you mean `fsdp`?"), "{error}");
+    }
+}

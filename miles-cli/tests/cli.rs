@@ -1,0 +1,309 @@
+//! The acceptance lines of issue 2, run against the built `miles` binary.
+
+// Helpers of a test crate are test code: they may unwrap and panic (clippy.toml covers only
+// `#[test]` functions and `#[cfg(test)]` modules).
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn miles(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_miles"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Runs `miles args`, asserts the exit status, and returns stdout and stderr.
+fn expect(args: &[&str], code: i32) -> (String, String) {
+    let output = miles(args);
+    let (out, err) = (stdout(&output), stderr(&output));
+    assert_eq!(
+        output.status.code(),
+        Some(code),
+        "miles {args:?}\nstdout:\n{out}\nstderr:\n{err}"
+    );
+    (out, err)
+}
+
+#[test]
+fn colocate_prints_every_setting_with_its_source() {
+    let (out, _) = expect(&["check-config", "--colocate"], 0);
+    assert!(
+        out.contains("colocate = true") && out.contains("# flag"),
+        "{out}"
+    );
+    let train = out
+        .lines()
+        .find(|l| l.starts_with("offload_train "))
+        .unwrap();
+    assert!(
+        train.contains("true") && train.ends_with("# implied by --colocate"),
+        "{train}"
+    );
+    let level = out
+        .lines()
+        .find(|l| l.starts_with("offload_rollout_level "))
+        .unwrap();
+    assert!(level.contains("[\"kv_cache\", \"weight\"]") && level.ends_with("# default"));
+    assert!(
+        out.contains("# offload_train_disk_dir = none  (default)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn colocate_with_offload_train_off_exits_2_naming_both_flags() {
+    let (_, err) = expect(&["check-config", "--colocate", "--no-offload-train"], 2);
+    assert!(
+        err.contains("--colocate") && err.contains("--offload-train"),
+        "{err}"
+    );
+}
+
+#[test]
+fn disk_target_without_offload_train_exits_2_naming_it() {
+    let (_, err) = expect(&["check-config", "--offload-train-target", "disk"], 2);
+    assert!(err.contains("requires --offload-train:"), "{err}");
+}
+
+#[test]
+fn colocated_disk_target_needs_a_directory_and_a_chunk_size() {
+    let (_, err) = expect(
+        &[
+            "check-config",
+            "--colocate",
+            "--offload-train-target",
+            "disk",
+        ],
+        2,
+    );
+    assert!(err.contains("--offload-train-disk-dir"), "{err}");
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("offload");
+    let dir = dir.to_str().unwrap();
+    let args = [
+        "check-config",
+        "--colocate",
+        "--offload-train-target",
+        "disk",
+    ];
+    let (_, err) = expect(
+        &[
+            &args[..],
+            &[
+                "--offload-train-disk-dir",
+                dir,
+                "--offload-train-disk-chunk-mb",
+                "0",
+            ],
+        ]
+        .concat(),
+        2,
+    );
+    assert!(err.contains("--offload-train-disk-chunk-mb"), "{err}");
+    assert!(!err.contains("requires --offload-train-disk-dir"), "{err}");
+    expect(&[&args[..], &["--offload-train-disk-dir", dir]].concat(), 0);
+    assert!(
+        Path::new(dir).is_dir(),
+        "the disk directory is created while checking"
+    );
+}
+
+#[test]
+fn plural_rollout_level_exits_2_suggesting_the_singular() {
+    let args = [
+        "check-config",
+        "--colocate",
+        "--offload-rollout-level",
+        "weights",
+    ];
+    let (_, err) = expect(&args, 2);
+    assert!(
+        err.contains("`weights`") && err.contains("did you mean `weight`?"),
+        "{err}"
+    );
+}
+
+#[test]
+fn fsdp_cpu_offload_yields_to_colocate_with_one_warning() {
+    let args = [
+        "check-config",
+        "--train-backend",
+        "fsdp",
+        "--fsdp-cpu-offload",
+        "--colocate",
+    ];
+    let (out, err) = expect(&args, 0);
+    assert_eq!(err.matches("WARN").count(), 1, "{err}");
+    assert!(err.contains("--fsdp-cpu-offload"), "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("fsdp_cpu_offload "))
+        .unwrap();
+    assert!(line.contains("false"), "{line}");
+    let (out, _) = expect(&[&args[..], &["--json"]].concat(), 0);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["fsdp_cpu_offload"], false);
+}
+
+#[test]
+fn fsdp_cpu_offload_with_megatron_exits_2() {
+    let args = [
+        "check-config",
+        "--train-backend",
+        "megatron",
+        "--fsdp-cpu-offload",
+        "--colocate",
+    ];
+    let (_, err) = expect(&args, 2);
+    assert!(
+        err.contains("--fsdp-cpu-offload") && err.contains("--train-backend"),
+        "{err}"
+    );
+}
+
+#[test]
+fn colocate_json_shows_both_offloads_and_the_default_level() {
+    let (out, _) = expect(&["check-config", "--colocate", "--json"], 0);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["offload_train"], true);
+    assert_eq!(json["offload_rollout"], true);
+    assert_eq!(
+        json["offload_rollout_level"],
+        serde_json::json!(["kv_cache", "weight"])
+    );
+    assert_eq!(json["train_backend"], "megatron");
+    assert!(json["offload_train_disk_dir"].is_null());
+}
+
+#[test]
+fn unknown_toml_key_exits_2_naming_the_key_and_line() {
+    let scratch = tempfile::tempdir().unwrap();
+    let file = scratch.path().join("run.toml");
+    std::fs::write(&file, "colocate = true\noffload_trian = true\n").unwrap();
+    let (_, err) = expect(&["check-config", "--config", file.to_str().unwrap()], 2);
+    assert!(
+        err.contains("`offload_trian`") && err.contains("line 2"),
+        "{err}"
+    );
+    assert!(err.contains("did you mean `offload_train`?"), "{err}");
+}
+
+#[test]
+fn flags_override_the_config_file() {
+    let scratch = tempfile::tempdir().unwrap();
+    let file = scratch.path().join("run.toml");
+    std::fs::write(&file, "steps = 5\nseed = 3\ncolocate = true\n").unwrap();
+    let config = file.to_str().unwrap();
+    let (out, _) = expect(&["check-config", "--config", config, "--steps", "7"], 0);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("steps = 7 ") && l.ends_with("# flag")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("seed = 3 ") && l.ends_with("# file")),
+        "{out}"
+    );
+    let (out, _) = expect(&["check-config", "--config", config, "--json"], 0);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["offload_train"], true);
+}
+
+#[test]
+fn check_config_output_is_itself_a_valid_config_file() {
+    let (out, _) = expect(&["check-config", "--colocate", "--steps", "4"], 0);
+    let scratch = tempfile::tempdir().unwrap();
+    let file = scratch.path().join("resolved.toml");
+    std::fs::write(&file, &out).unwrap();
+    let (again, _) = expect(
+        &["check-config", "--json", "--config", file.to_str().unwrap()],
+        0,
+    );
+    let json: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(json["steps"], 4);
+    assert_eq!(json["colocate"], true);
+}
+
+#[test]
+fn every_broken_rule_is_printed_at_once() {
+    let args = [
+        "check-config",
+        "--colocate",
+        "--no-offload-rollout",
+        "--offload-rollout-level",
+        "weights",
+        "--fsdp-cpu-offload",
+    ];
+    let (_, err) = expect(&args, 2);
+    assert!(err.contains("--offload-rollout,"), "{err}");
+    assert!(err.contains("did you mean `weight`?"), "{err}");
+    assert!(err.contains("--fsdp-cpu-offload requires"), "{err}");
+}
+
+#[test]
+fn unknown_flag_value_is_a_usage_error_with_status_2() {
+    let (_, err) = expect(&["check-config", "--train-backend", "fsdpp"], 2);
+    assert!(err.contains("did you mean `fsdp`?"), "{err}");
+}
+
+#[test]
+fn doctor_exits_0_and_reports_cuda_either_way() {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().to_str().unwrap();
+    let (out, _) = expect(&["doctor", "--offload-train-disk-dir", dir], 0);
+    assert!(out.contains("cpu cores"), "{out}");
+    assert!(out.contains(&format!("disk {dir}:")), "{out}");
+    let cuda = out.lines().find(|l| l.starts_with("cuda: ")).unwrap();
+    let driver_loads = miles_core::device::probe::probe_cuda().is_ok();
+    assert_eq!(
+        cuda.starts_with("cuda: no CUDA driver found"),
+        !driver_loads,
+        "{cuda}"
+    );
+    let (out, _) = expect(&["doctor", "--json"], 0);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["cuda"]["available"], driver_loads);
+    assert!(json["host"]["cpu_cores"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn offload_sets_both_switches_without_colocate() {
+    let (out, _) = expect(&["check-config", "--offload", "--json"], 0);
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["offload_train"], true);
+    assert_eq!(json["offload_rollout"], true);
+    assert_eq!(json["colocate"], false);
+}
+
+#[test]
+fn disk_directory_on_tmpfs_is_accepted_with_a_warning() {
+    let shm = Path::new("/dev/shm");
+    let on_tmpfs = miles_core::device::probe::filesystem(shm).is_ok_and(|fs| fs.is_tmpfs());
+    if !on_tmpfs {
+        return;
+    }
+    let scratch = tempfile::tempdir_in(shm).unwrap();
+    let dir = scratch.path().to_str().unwrap();
+    let args = [
+        "check-config",
+        "--colocate",
+        "--offload-train-target",
+        "disk",
+    ];
+    let (_, err) = expect(&[&args[..], &["--offload-train-disk-dir", dir]].concat(), 0);
+    assert!(err.contains("WARN") && err.contains("tmpfs"), "{err}");
+    let (out, _) = expect(&["doctor", "--offload-train-disk-dir", dir], 0);
+    assert!(out.contains("tmpfs is RAM, not disk"), "{out}");
+}

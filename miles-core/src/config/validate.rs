@@ -1,0 +1,202 @@
+//! The rules of DESIGN section 3, checked on resolved settings. Every check runs, so a user sees
+//! every broken rule at once.
+
+use std::io::Write;
+use std::path::Path;
+
+use super::choice::nearest;
+use super::{OffloadTarget, RolloutOffloadLevel, Settings, SettingsError, Source, TrainBackend};
+use crate::device::probe::filesystem;
+
+/// Rule 5: parses rollout offload levels (each value may hold several names separated by spaces
+/// or commas), dropping repeats; unknown names become errors with the nearest valid name.
+pub(crate) fn parse_rollout_levels(
+    names: &[String],
+) -> (Vec<RolloutOffloadLevel>, Vec<SettingsError>) {
+    let valid = RolloutOffloadLevel::names();
+    let mut levels = Vec::new();
+    let mut errors = Vec::new();
+    let words = names
+        .iter()
+        .flat_map(|name| name.split(|c: char| c == ',' || c.is_whitespace()))
+        .filter(|word| !word.is_empty());
+    for word in words {
+        match word.parse::<RolloutOffloadLevel>() {
+            Ok(level) if !levels.contains(&level) => levels.push(level),
+            Ok(_) => {}
+            Err(_) => errors.push(SettingsError::UnknownRolloutLevel {
+                value: word.to_owned(),
+                suggestion: nearest(word, &valid),
+            }),
+        }
+    }
+    (levels, errors)
+}
+
+/// Rule 6: FSDP's native CPU offload yields to core training offload, with one warning.
+pub(crate) fn resolve_fsdp_cpu_offload(settings: &mut Settings) {
+    if settings.train_backend == TrainBackend::Fsdp
+        && settings.fsdp_cpu_offload
+        && settings.offload_train
+    {
+        tracing::warn!(
+            "--fsdp-cpu-offload is disabled because --offload-train is on: core offload moves the \
+             training state off the device, and native CPU offload would move the same bytes twice"
+        );
+        settings.fsdp_cpu_offload = false;
+        settings
+            .sources
+            .set("fsdp_cpu_offload", Source::DisabledByOffloadTrain);
+    }
+}
+
+/// Every rule the resolved settings break (rules 1-4 and 7; rule 5 is checked while parsing and
+/// rule 6 is a warning; rule 8 allows offload without `--colocate`), then the ranges of the numbers.
+pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
+    let mut errors = Vec::new();
+    // Rule 1.
+    if s.colocate && !s.offload_train {
+        errors.push(SettingsError::ColocateWithoutOffload {
+            switch: "offload-train",
+        });
+    }
+    if s.colocate && !s.offload_rollout {
+        errors.push(SettingsError::ColocateWithoutOffload {
+            switch: "offload-rollout",
+        });
+    }
+    let disk_target = s.offload_train_target == OffloadTarget::Disk;
+    // Rule 2.
+    if disk_target && !s.offload_train {
+        errors.push(SettingsError::DiskTargetWithoutOffloadTrain);
+    }
+    // Rule 3.
+    if disk_target && s.offload_train_disk_dir.is_none() {
+        errors.push(SettingsError::DiskTargetWithoutDir);
+    }
+    // Rule 4.
+    if s.stream_optimizer_state_to_disk {
+        if s.offload_train && !disk_target {
+            errors.push(SettingsError::StreamNeedsDiskTarget {
+                target: s.offload_train_target,
+            });
+        }
+        if !disk_target && s.offload_train_disk_dir.is_none() {
+            errors.push(SettingsError::StreamWithoutDiskDir);
+        }
+    }
+    // Rule 3, for every use of the disk.
+    if s.uses_disk() {
+        if s.offload_train_disk_chunk_mb == 0 {
+            errors.push(SettingsError::ZeroDiskChunk);
+        }
+        if let Some(dir) = &s.offload_train_disk_dir
+            && let Err(error) = check_disk_dir(dir)
+        {
+            errors.push(error);
+        }
+    }
+    // Rule 7.
+    if s.fsdp_cpu_offload && s.train_backend == TrainBackend::Megatron {
+        errors.push(SettingsError::FsdpCpuOffloadWithMegatron);
+    }
+    errors.extend(check_ranges(s));
+    errors
+}
+
+/// Rule 3: the disk directory can be created and written; a warning when it is on tmpfs.
+fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
+    let unusable =
+        |action: &'static str, source: std::io::Error| SettingsError::DiskDirNotWritable {
+            dir: dir.to_path_buf(),
+            action,
+            source,
+        };
+    std::fs::create_dir_all(dir).map_err(|source| unusable("create it", source))?;
+    let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
+    std::fs::File::create(&probe)
+        .and_then(|mut file| file.write_all(b"miles"))
+        .map_err(|source| unusable("write a probe file in it", source))?;
+    std::fs::remove_file(&probe).map_err(|source| unusable("remove its probe file", source))?;
+    match filesystem(dir) {
+        Ok(stats) if stats.is_tmpfs() => tracing::warn!(
+            dir = %dir.display(),
+            "--offload-train-disk-dir is on tmpfs: offloaded training state stays in RAM, not on disk"
+        ),
+        Ok(_) => {}
+        Err(error) => {
+            tracing::warn!(dir = %dir.display(), %error, "cannot tell the filesystem type")
+        }
+    }
+    Ok(())
+}
+
+/// The numbers outside their ranges, and batch sizes that do not split.
+fn check_ranges(s: &Settings) -> Vec<SettingsError> {
+    let mut errors = Vec::new();
+    let mut require = |ok: bool, flag: &'static str, value: String, expected: &'static str| {
+        if !ok {
+            errors.push(SettingsError::OutOfRange {
+                flag,
+                value,
+                expected,
+            });
+        }
+    };
+    let positive = "a number above 0";
+    let g = s.device_memory_gib;
+    require(
+        g.is_finite() && g > 0.0,
+        "device-memory-gib",
+        g.to_string(),
+        positive,
+    );
+    require(s.steps > 0, "steps", s.steps.to_string(), "at least 1");
+    for (flag, value) in [
+        ("rollout-batch-size", s.rollout_batch_size),
+        ("n-samples-per-prompt", s.n_samples_per_prompt),
+        ("global-batch-size", s.global_batch_size),
+        ("tensor-model-parallel-size", s.tensor_model_parallel_size),
+        ("data-parallel-size", s.data_parallel_size),
+    ] {
+        require(value > 0, flag, value.to_string(), "at least 1");
+    }
+    require(
+        s.lr.is_finite() && s.lr > 0.0,
+        "lr",
+        s.lr.to_string(),
+        positive,
+    );
+    let f = s.rollout_mem_fraction;
+    require(
+        f > 0.0 && f <= 1.0,
+        "rollout-mem-fraction",
+        f.to_string(),
+        "above 0 and at most 1",
+    );
+    let u = s.update_weight_buffer_size;
+    require(
+        u > 0,
+        "update-weight-buffer-size",
+        u.to_string(),
+        "at least 1 byte",
+    );
+    if let Some(interval) = s.save_interval {
+        require(
+            interval > 0,
+            "save-interval",
+            interval.to_string(),
+            "at least 1",
+        );
+    }
+    let samples = s.rollout_batch_size * s.n_samples_per_prompt;
+    if s.global_batch_size > 0 && !samples.is_multiple_of(s.global_batch_size) {
+        errors.push(SettingsError::BatchNotDivisible {
+            rollout_batch_size: s.rollout_batch_size,
+            n_samples_per_prompt: s.n_samples_per_prompt,
+            samples,
+            global_batch_size: s.global_batch_size,
+        });
+    }
+    errors
+}
