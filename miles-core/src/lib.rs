@@ -5,5 +5,5 @@ pub mod device;
 
 pub use device::{
     AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
-    HostBuffer, MemoryInfo, PendingWork,
+    HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess, ViewClaim,
 };
