@@ -2,8 +2,15 @@
 //! everything the training backends and the rollout engine share.
 
 pub mod device;
+pub mod memory;
+pub mod store;
 
 pub use device::{
     AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
     HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess, ViewClaim,
 };
+pub use memory::{
+    BackupPolicy, Buffer, BufferView, BufferViewMut, DiskSettings, FreeError, ManagerSettings,
+    MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
+};
+pub use store::{DiskBackup, DiskStore, HostPool, StoreError};

@@ -1,0 +1,202 @@
+//! The memory manager: one region per tag, each with its own arena and backup policy.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::device::{AddressRange, Device};
+use crate::store::{DiskStore, HostPool};
+
+use super::region::{Region, Stores};
+use super::{BackupPolicy, Buffer, MemoryError, MemoryTag, OffloadReport, RegionState};
+
+/// Where disk-policy regions go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskSettings {
+    /// The offload directory (`--offload-train-disk-dir`); the store writes under `rank-<rank>/`.
+    pub dir: PathBuf,
+    /// This process's rank.
+    pub rank: usize,
+    /// Bytes per chunk (`--offload-train-disk-chunk-mb` MiB).
+    pub chunk_bytes: usize,
+}
+
+/// How a [`MemoryManager`] runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ManagerSettings {
+    /// Device memory that must stay free after a resume (`--train-memory-margin-bytes`).
+    pub margin_bytes: u64,
+    /// The disk store, for regions with [`BackupPolicy::Disk`].
+    pub disk: Option<DiskSettings>,
+}
+
+/// Tagged device memory that pauses to a backup and resumes at the same addresses.
+///
+/// Thread-safe: each tag has its own lock, and no lock shared by all tags is held while bytes
+/// move, so one tag may pause while another is in use or resuming.
+#[derive(Debug)]
+pub struct MemoryManager {
+    device: Arc<dyn Device>,
+    margin_bytes: u64,
+    stores: Arc<Stores>,
+    regions: Mutex<HashMap<MemoryTag, Arc<Region>>>,
+}
+
+impl MemoryManager {
+    /// A manager of `device` memory.
+    ///
+    /// # Errors
+    /// [`MemoryError::Store`] when the disk directory cannot be created or the chunk size is
+    /// unusable.
+    pub fn new(
+        device: Arc<dyn Device>,
+        settings: ManagerSettings,
+    ) -> Result<MemoryManager, MemoryError> {
+        let pool = Arc::new(HostPool::new(Arc::clone(&device)));
+        let disk = settings
+            .disk
+            .map(|disk| DiskStore::new(&disk.dir, disk.rank, disk.chunk_bytes, Arc::clone(&pool)))
+            .transpose()
+            .map_err(|source| MemoryError::Store {
+                tag: MemoryTag::Named("disk".to_string()),
+                source,
+            })?;
+        Ok(MemoryManager {
+            device,
+            margin_bytes: settings.margin_bytes,
+            stores: Arc::new(Stores { pool, disk }),
+            regions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// The pool of host buffers that host backups and disk staging use.
+    pub fn host_pool(&self) -> &HostPool {
+        &self.stores.pool
+    }
+
+    /// Free the pool's host buffers that no paused region holds; returns the bytes freed.
+    pub fn release_host_pool(&self) -> u64 {
+        self.stores.pool.release()
+    }
+
+    /// Create the region of `tag`: reserve an arena of `arena_bytes` (rounded up to the device
+    /// granularity) that only this tag's buffers use.
+    ///
+    /// # Errors
+    /// [`MemoryError::RegionExists`], [`MemoryError::InvalidTagName`],
+    /// [`MemoryError::NoDiskStore`] for a disk policy without a disk directory, or the device's
+    /// error when the range cannot be reserved.
+    pub fn create_region(
+        &self,
+        tag: MemoryTag,
+        policy: BackupPolicy,
+        arena_bytes: usize,
+    ) -> Result<(), MemoryError> {
+        if let MemoryTag::Named(name) = &tag {
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+            if !valid {
+                return Err(MemoryError::InvalidTagName { name: name.clone() });
+            }
+        }
+        if policy == BackupPolicy::Disk && self.stores.disk.is_none() {
+            return Err(MemoryError::NoDiskStore { tag });
+        }
+        let mut regions = self.lock();
+        if regions.contains_key(&tag) {
+            return Err(MemoryError::RegionExists { tag });
+        }
+        let len = arena_bytes.max(1).next_multiple_of(self.device.granularity());
+        let range = self
+            .device
+            .reserve(len)
+            .map_err(|source| MemoryError::Device {
+                tag: tag.clone(),
+                source,
+            })?;
+        let region = Region::new(
+            tag.clone(),
+            policy,
+            Arc::clone(&self.device),
+            range,
+            Arc::clone(&self.stores),
+        );
+        regions.insert(tag, Arc::new(region));
+        Ok(())
+    }
+
+    /// Allocate a buffer of `len` bytes in the region of `tag` (aligned to 256 bytes).
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`], [`MemoryError::TagPaused`], [`MemoryError::ArenaFull`], or
+    /// [`MemoryError::Device`] with the device's out-of-memory.
+    pub fn alloc(&self, tag: &MemoryTag, len: usize) -> Result<Buffer, MemoryError> {
+        let region = self.region(tag)?;
+        let (offset, size) = region.alloc(len)?;
+        Ok(Buffer::new(region, offset, size, len))
+    }
+
+    /// Pause `tag`: wait until no view of it is alive, copy its memory to its backup, verify
+    /// the backup, then release the memory. Addresses stay reserved.
+    ///
+    /// # Errors
+    /// [`MemoryError::AlreadyPaused`], [`MemoryError::TagBusy`]; [`MemoryError::Store`] or
+    /// [`MemoryError::Device`] when the backup fails, and the tag is then active and intact.
+    pub fn pause(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
+        self.region(tag)?.pause()
+    }
+
+    /// Resume `tag`: check that free device memory covers its bytes plus the margin, commit
+    /// memory at the same addresses, copy the bytes back (verifying disk checksums).
+    ///
+    /// # Errors
+    /// [`MemoryError::InsufficientMemory`] (nothing changes), [`MemoryError::NotPaused`],
+    /// [`MemoryError::TagBusy`]; [`MemoryError::Store`] or [`MemoryError::Device`] when the
+    /// restore fails, and the tag then stays paused with its backup.
+    pub fn resume(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
+        self.region(tag)?.resume(self.margin_bytes)
+    }
+
+    /// Where `tag` stands.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn state(&self, tag: &MemoryTag) -> Result<RegionState, MemoryError> {
+        Ok(self.region(tag)?.state())
+    }
+
+    /// Device bytes `tag` holds (active) or needs to resume (paused).
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn region_bytes(&self, tag: &MemoryTag) -> Result<u64, MemoryError> {
+        Ok(self.region(tag)?.committed_bytes())
+    }
+
+    /// The reserved address range of `tag`'s arena.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn arena(&self, tag: &MemoryTag) -> Result<AddressRange, MemoryError> {
+        Ok(self.region(tag)?.range)
+    }
+
+    fn region(&self, tag: &MemoryTag) -> Result<Arc<Region>, MemoryError> {
+        self.lock()
+            .get(tag)
+            .cloned()
+            .ok_or_else(|| MemoryError::UnknownTag { tag: tag.clone() })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<MemoryTag, Arc<Region>>> {
+        self.regions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
