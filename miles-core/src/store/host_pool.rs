@@ -101,9 +101,10 @@ mod tests {
         assert_eq!(pool.allocated_bytes(), size);
         let held = pool.take(1 << 20).unwrap();
         let second = pool.take(1 << 20).unwrap();
-        assert_eq!(pool.allocated_bytes(), size * 2);
+        let grown = pool.allocated_bytes() - size;
+        assert!(grown >= 1 << 20, "a second buffer must be allocated");
         pool.put(second);
-        assert_eq!(pool.release(), size);
+        assert_eq!(pool.release(), grown);
         assert_eq!(pool.allocated_bytes(), size);
         drop(held);
     }
