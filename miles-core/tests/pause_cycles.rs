@@ -1,6 +1,10 @@
 //! Many pause/resume cycles of one tag keep host memory bounded (a process of its own, so the
 //! resident set is not disturbed by other tests).
 
+// Helpers of a test crate are test code: they may unwrap (clippy.toml covers only `#[test]`
+// functions and `#[cfg(test)]` modules).
+#![allow(clippy::unwrap_used)]
+
 use std::sync::Arc;
 
 use miles_core::{BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager, MemoryTag};
@@ -24,7 +28,9 @@ fn a_thousand_pause_resume_cycles_do_not_grow_resident_memory_past_the_pool() {
     };
     let memory = MemoryManager::new(device, settings).unwrap();
     let tag = MemoryTag::Weights;
-    memory.create_region(tag.clone(), BackupPolicy::Host, 8 * MIB).unwrap();
+    memory
+        .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+        .unwrap();
     let mut buffer = memory.alloc(&tag, 4 * MIB - 100).unwrap();
     let mut data = vec![0u8; buffer.len()];
     ChaCha8Rng::seed_from_u64(23).fill_bytes(&mut data);

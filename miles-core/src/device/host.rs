@@ -362,7 +362,8 @@ impl Device for HostDevice {
         // SAFETY: the range is committed inside a live mapping (checked by `claim`), and the
         // read claim keeps it mapped and keeps every writer (views, copies, releases) out until
         // the copy is done.
-        let device = unsafe { std::slice::from_raw_parts(src.start as usize as *const u8, src.len) };
+        let device =
+            unsafe { std::slice::from_raw_parts(src.start as usize as *const u8, src.len) };
         copy_bytes(dst, device);
         Ok(())
     }
@@ -392,7 +393,9 @@ impl Device for HostDevice {
         // SAFETY: the range is committed inside a live mapping; the claim keeps it mapped (the
         // `Shared` it holds unmaps only when dropped) and keeps out releases, writes and
         // conflicting views until the view drops.
-        Ok(Some(unsafe { HostView::new(range, access, Box::new(claim)) }))
+        Ok(Some(unsafe {
+            HostView::new(range, access, Box::new(claim))
+        }))
     }
 
     fn resident_bytes(&self) -> Result<u64, DeviceError> {
@@ -660,7 +663,11 @@ mod tests {
         let device = device();
         let range = device.reserve(4 * MIB).unwrap();
         let mut bytes = vec![0u8; 16];
-        assert!(device.read(range.slice(0, 16).unwrap(), &mut bytes).is_err());
+        assert!(
+            device
+                .read(range.slice(0, 16).unwrap(), &mut bytes)
+                .is_err()
+        );
         assert!(device.release(range).is_err());
         let elsewhere = AddressRange {
             start: range.end() + GRANULE as u64 * 1000,

@@ -88,7 +88,11 @@ impl Arena {
 
     /// Runs of granules that have users (the committed memory).
     pub(crate) fn committed(&self) -> Vec<Range<usize>> {
-        runs_of((0..self.users.len()).filter(|&g| self.users[g] > 0).collect())
+        runs_of(
+            (0..self.users.len())
+                .filter(|&g| self.users[g] > 0)
+                .collect(),
+        )
     }
 
     fn granules_of(&self, offset: usize, size: usize) -> Range<usize> {

@@ -21,9 +21,7 @@ pub enum MemoryError {
         tag: MemoryTag,
     },
     /// A named tag that cannot serve as a directory name.
-    #[error(
-        "tag name {name:?} is invalid: use 1 to 64 lowercase letters, digits, `_` or `-`"
-    )]
+    #[error("tag name {name:?} is invalid: use 1 to 64 lowercase letters, digits, `_` or `-`")]
     InvalidTagName {
         /// The name.
         name: String,

@@ -100,9 +100,9 @@ impl MemoryManager {
         if let MemoryTag::Named(name) = &tag {
             let valid = !name.is_empty()
                 && name.len() <= 64
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+                && name.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
             if !valid {
                 return Err(MemoryError::InvalidTagName { name: name.clone() });
             }
@@ -114,7 +114,9 @@ impl MemoryManager {
         if regions.contains_key(&tag) {
             return Err(MemoryError::RegionExists { tag });
         }
-        let len = arena_bytes.max(1).next_multiple_of(self.device.granularity());
+        let len = arena_bytes
+            .max(1)
+            .next_multiple_of(self.device.granularity());
         let range = self
             .device
             .reserve(len)
@@ -261,11 +263,20 @@ mod tests {
     fn round_trips_are_bit_exact_at_the_same_addresses_for_every_policy() {
         let dir = tempfile::tempdir().unwrap();
         let (_, memory) = manager(2048 * MIB, Some(dir.path()));
-        let sizes = [1, 255, 3 * 4096 + 5, 2 * MIB + 1, 37 * MIB + 7, 300 * MIB + 13];
+        let sizes = [
+            1,
+            255,
+            3 * 4096 + 5,
+            2 * MIB + 1,
+            37 * MIB + 7,
+            300 * MIB + 13,
+        ];
         let data = random_bytes(7, sizes[sizes.len() - 1]);
         for policy in [BackupPolicy::Host, BackupPolicy::Disk, BackupPolicy::None] {
             let tag = MemoryTag::Named(format!("round-trip-{policy}"));
-            memory.create_region(tag.clone(), policy, 512 * MIB).unwrap();
+            memory
+                .create_region(tag.clone(), policy, 512 * MIB)
+                .unwrap();
             let mut buffers: Vec<Buffer> = sizes
                 .iter()
                 .map(|&len| memory.alloc(&tag, len).unwrap())
@@ -290,7 +301,12 @@ mod tests {
                 }
             }
         }
-        assert_eq!(std::fs::read_dir(dir.path().join("rank-0")).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("rank-0"))
+                .unwrap()
+                .count(),
+            0
+        );
     }
 
     #[test]
@@ -365,7 +381,10 @@ mod tests {
                 if let (false, Some(expected)) = (paused[*bt], expected) {
                     let back = contents(buffer);
                     let diff = first_difference(&back, expected);
-                    assert_eq!(diff, None, "step {step}: tag {bt} differs first at {diff:?}");
+                    assert_eq!(
+                        diff, None,
+                        "step {step}: tag {bt} differs first at {diff:?}"
+                    );
                 }
             }
         }
@@ -377,7 +396,9 @@ mod tests {
         let (device, memory) = manager(1024 * MIB, Some(dir.path()));
         for policy in [BackupPolicy::Host, BackupPolicy::Disk, BackupPolicy::None] {
             let tag = MemoryTag::Named(format!("resident-{policy}"));
-            memory.create_region(tag.clone(), policy, 256 * MIB).unwrap();
+            memory
+                .create_region(tag.clone(), policy, 256 * MIB)
+                .unwrap();
             let mut buffer = memory.alloc(&tag, 256 * MIB).unwrap();
             buffer.write(0, &random_bytes(3, 256 * MIB)).unwrap();
             let arena = memory.arena(&tag).unwrap();
@@ -396,41 +417,74 @@ mod tests {
     #[test]
     fn pausing_one_tag_leaves_another_tags_bytes_intact() {
         let (_, memory) = manager(64 * MIB, None);
-        memory.create_region(MemoryTag::KvCache, BackupPolicy::None, 8 * MIB).unwrap();
-        memory.create_region(MemoryTag::Weights, BackupPolicy::Host, 8 * MIB).unwrap();
+        memory
+            .create_region(MemoryTag::KvCache, BackupPolicy::None, 8 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::Weights, BackupPolicy::Host, 8 * MIB)
+            .unwrap();
         let mut kv = memory.alloc(&MemoryTag::KvCache, 1000).unwrap();
         let mut weights = memory.alloc(&MemoryTag::Weights, 1000).unwrap();
         let data = random_bytes(5, 1000);
         kv.write(0, &data).unwrap();
         weights.write(0, &data).unwrap();
-        let (a, b) = (memory.arena(&MemoryTag::KvCache).unwrap(), memory.arena(&MemoryTag::Weights).unwrap());
+        let (a, b) = (
+            memory.arena(&MemoryTag::KvCache).unwrap(),
+            memory.arena(&MemoryTag::Weights).unwrap(),
+        );
         assert!(a.end() <= b.start || b.end() <= a.start, "arenas overlap");
         memory.pause(&MemoryTag::KvCache).unwrap();
         assert_eq!(contents(&weights), data);
-        assert!(matches!(kv.read(0, &mut [0u8; 4]), Err(MemoryError::TagPaused { .. })));
+        assert!(matches!(
+            kv.read(0, &mut [0u8; 4]),
+            Err(MemoryError::TagPaused { .. })
+        ));
     }
 
     #[test]
     fn misuse_of_the_state_machine_is_a_clear_error() {
         let (_, memory) = manager(64 * MIB, None);
         let tag = MemoryTag::Params;
-        memory.create_region(tag.clone(), BackupPolicy::Host, 8 * MIB).unwrap();
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+            .unwrap();
         let mut buffer = memory.alloc(&tag, 4096).unwrap();
         let data = random_bytes(9, 4096);
         buffer.view_mut::<u8>().unwrap().copy_from_slice(&data);
-        assert!(matches!(memory.resume(&tag), Err(MemoryError::NotPaused { .. })));
+        assert!(matches!(
+            memory.resume(&tag),
+            Err(MemoryError::NotPaused { .. })
+        ));
         memory.pause(&tag).unwrap();
-        assert!(matches!(memory.pause(&tag), Err(MemoryError::AlreadyPaused { .. })));
-        assert!(matches!(buffer.view::<f32>(), Err(MemoryError::TagPaused { .. })));
-        assert!(matches!(buffer.write(0, &data), Err(MemoryError::TagPaused { .. })));
-        assert!(matches!(memory.alloc(&tag, 16), Err(MemoryError::TagPaused { .. })));
+        assert!(matches!(
+            memory.pause(&tag),
+            Err(MemoryError::AlreadyPaused { .. })
+        ));
+        assert!(matches!(
+            buffer.view::<f32>(),
+            Err(MemoryError::TagPaused { .. })
+        ));
+        assert!(matches!(
+            buffer.write(0, &data),
+            Err(MemoryError::TagPaused { .. })
+        ));
+        assert!(matches!(
+            memory.alloc(&tag, 16),
+            Err(MemoryError::TagPaused { .. })
+        ));
         let error = buffer.free().unwrap_err();
-        assert!(matches!(error.error, MemoryError::TagPaused { .. }), "{error}");
+        assert!(
+            matches!(error.error, MemoryError::TagPaused { .. }),
+            "{error}"
+        );
         let buffer = error.buffer;
         memory.resume(&tag).unwrap();
         assert_eq!(&*buffer.view::<u8>().unwrap(), data.as_slice());
         buffer.free().unwrap();
-        assert!(matches!(memory.state(&MemoryTag::Grads), Err(MemoryError::UnknownTag { .. })));
+        assert!(matches!(
+            memory.state(&MemoryTag::Grads),
+            Err(MemoryError::UnknownTag { .. })
+        ));
         assert!(matches!(
             memory.create_region(MemoryTag::Named("../x".into()), BackupPolicy::None, MIB),
             Err(MemoryError::InvalidTagName { .. })
@@ -445,7 +499,9 @@ mod tests {
     fn pause_waits_for_views_and_refuses_new_ones_meanwhile() {
         let (_, memory) = manager(64 * MIB, None);
         let tag = MemoryTag::Activations;
-        memory.create_region(tag.clone(), BackupPolicy::Host, 8 * MIB).unwrap();
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+            .unwrap();
         let mut first = memory.alloc(&tag, 4096).unwrap();
         let second = memory.alloc(&tag, 4096).unwrap();
         let values: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5 + 1.0).collect();
@@ -456,8 +512,14 @@ mod tests {
             while memory.state(&tag).unwrap() != RegionState::Pausing {
                 std::thread::yield_now();
             }
-            assert!(matches!(second.view::<f32>(), Err(MemoryError::TagBusy { .. })));
-            assert!(!pauser.is_finished(), "pause finished while a view was alive");
+            assert!(matches!(
+                second.view::<f32>(),
+                Err(MemoryError::TagBusy { .. })
+            ));
+            assert!(
+                !pauser.is_finished(),
+                "pause finished while a view was alive"
+            );
             assert_eq!(&view[..], values.as_slice());
             drop(view);
             pauser.join().unwrap().unwrap();
@@ -470,8 +532,12 @@ mod tests {
     #[test]
     fn resume_without_memory_changes_nothing_and_succeeds_after_another_tag_pauses() {
         let (_, memory) = manager(64 * MIB, None);
-        memory.create_region(MemoryTag::Weights, BackupPolicy::Host, 64 * MIB).unwrap();
-        memory.create_region(MemoryTag::KvCache, BackupPolicy::None, 64 * MIB).unwrap();
+        memory
+            .create_region(MemoryTag::Weights, BackupPolicy::Host, 64 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::KvCache, BackupPolicy::None, 64 * MIB)
+            .unwrap();
         let mut weights = memory.alloc(&MemoryTag::Weights, 32 * MIB).unwrap();
         let data = random_bytes(11, 32 * MIB);
         weights.write(0, &data).unwrap();
@@ -482,7 +548,10 @@ mod tests {
             matches!(error, MemoryError::InsufficientMemory { need, free, .. } if need == 32 * MIB as u64 && free == 24 * MIB as u64),
             "{error}"
         );
-        assert_eq!(memory.state(&MemoryTag::Weights).unwrap(), RegionState::Paused);
+        assert_eq!(
+            memory.state(&MemoryTag::Weights).unwrap(),
+            RegionState::Paused
+        );
         memory.pause(&MemoryTag::KvCache).unwrap();
         memory.resume(&MemoryTag::Weights).unwrap();
         assert_eq!(first_difference(&contents(&weights), &data), None);
@@ -495,7 +564,9 @@ mod tests {
         let (_, mut memory) = manager(64 * MIB, Some(dir.path()));
         memory.inject_disk_write_fault(2);
         let tag = MemoryTag::Optimizer;
-        memory.create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB).unwrap();
+        memory
+            .create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB)
+            .unwrap();
         let mut buffer = memory.alloc(&tag, 6 * MIB + 3).unwrap();
         let data = random_bytes(13, 6 * MIB + 3);
         buffer.write(0, &data).unwrap();
@@ -507,7 +578,11 @@ mod tests {
         assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
         assert_eq!(first_difference(&contents(&buffer), &data), None);
         let tag_dir = dir.path().join("rank-0").join("optimizer");
-        assert_eq!(std::fs::read_dir(tag_dir).unwrap().count(), 0, "partial files left");
+        assert_eq!(
+            std::fs::read_dir(tag_dir).unwrap().count(),
+            0,
+            "partial files left"
+        );
     }
 
     #[test]
@@ -525,7 +600,9 @@ mod tests {
         let outcome = std::panic::catch_unwind(|| {
             let (_, memory) = manager(64 * MIB, Some(dir.path()));
             let tag = MemoryTag::Params;
-            memory.create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB).unwrap();
+            memory
+                .create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB)
+                .unwrap();
             let mut buffer = memory.alloc(&tag, 8 * MIB).unwrap();
             let data = random_bytes(17, 8 * MIB);
             buffer.write(0, &data).unwrap();
@@ -539,9 +616,15 @@ mod tests {
             assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
             assert_eq!(first_difference(&contents(&buffer), &data), None);
             let tag_dir = dir.path().join("rank-0").join("params");
-            assert_eq!(std::fs::read_dir(tag_dir).unwrap().count(), 0, "partial files left");
+            assert_eq!(
+                std::fs::read_dir(tag_dir).unwrap().count(),
+                0,
+                "partial files left"
+            );
         });
-        let _ = std::process::Command::new("umount").arg(dir.path()).status();
+        let _ = std::process::Command::new("umount")
+            .arg(dir.path())
+            .status();
         if let Err(panic) = outcome {
             std::panic::resume_unwind(panic);
         }
@@ -552,7 +635,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (_, memory) = manager(64 * MIB, Some(dir.path()));
         let tag = MemoryTag::Weights;
-        memory.create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB).unwrap();
+        memory
+            .create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB)
+            .unwrap();
         let mut buffer = memory.alloc(&tag, 3 * MIB).unwrap();
         let data = random_bytes(19, 3 * MIB);
         buffer.write(0, &data).unwrap();
@@ -580,9 +665,12 @@ mod tests {
     fn buffers_dropped_while_paused_are_freed_on_resume() {
         let (_, memory) = manager(64 * MIB, None);
         let tag = MemoryTag::Grads;
-        memory.create_region(tag.clone(), BackupPolicy::None, 16 * MIB).unwrap();
-        let buffers: HashMap<usize, Buffer> =
-            (0..4).map(|i| (i, memory.alloc(&tag, 3 * MIB).unwrap())).collect();
+        memory
+            .create_region(tag.clone(), BackupPolicy::None, 16 * MIB)
+            .unwrap();
+        let buffers: HashMap<usize, Buffer> = (0..4)
+            .map(|i| (i, memory.alloc(&tag, 3 * MIB).unwrap()))
+            .collect();
         memory.pause(&tag).unwrap();
         drop(buffers);
         memory.resume(&tag).unwrap();

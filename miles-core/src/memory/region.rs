@@ -282,11 +282,7 @@ impl Region {
         if let Some(error) = release_error {
             return Err(error);
         }
-        let free_after = self
-            .device
-            .memory_info()
-            .map_err(self.device_error())?
-            .free;
+        let free_after = self.device.memory_info().map_err(self.device_error())?.free;
         let seconds = started.elapsed().as_secs_f64();
         tracing::info!(tag = %self.tag, policy = %self.policy, bytes, seconds, "paused");
         Ok(OffloadReport::new(
@@ -365,15 +361,15 @@ impl Region {
             let backup = std::mem::replace(&mut core.backup, Backup::Nothing);
             (core.released.clone(), core.saved.clone(), backup, free)
         };
-        let restored = self
-            .commit_all(&released)
-            .and_then(|()| match self.restore(&saved, &mut backup) {
-                Ok(()) => Ok(()),
-                Err(error) => {
-                    released.iter().for_each(|run| self.release_logged(*run));
-                    Err(error)
-                }
-            });
+        let restored =
+            self.commit_all(&released)
+                .and_then(|()| match self.restore(&saved, &mut backup) {
+                    Ok(()) => Ok(()),
+                    Err(error) => {
+                        released.iter().for_each(|run| self.release_logged(*run));
+                        Err(error)
+                    }
+                });
         if let Err(error) = restored {
             self.lock().backup = backup;
             self.settle(RegionState::Paused);
@@ -387,11 +383,7 @@ impl Region {
         }
         self.settle(RegionState::Active);
         let bytes = released.iter().map(|r| r.len as u64).sum();
-        let free_after = self
-            .device
-            .memory_info()
-            .map_err(self.device_error())?
-            .free;
+        let free_after = self.device.memory_info().map_err(self.device_error())?.free;
         let seconds = started.elapsed().as_secs_f64();
         tracing::info!(tag = %self.tag, policy = %self.policy, bytes, seconds, "resumed");
         Ok(OffloadReport::new(

@@ -10,9 +10,9 @@ use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -24,8 +24,12 @@ use super::{HostPool, StoreError};
 /// every common filesystem.
 const DIRECT_ALIGN: usize = 4096;
 
-/// Staging buffers in flight: one being filled, one being written, one spare.
-const PIPELINE_DEPTH: usize = 3;
+/// Threads writing (pause) or reading (resume) chunks at once: two requests in flight keep a
+/// virtio or NVMe queue busier than one.
+const IO_THREADS: usize = 2;
+
+/// Staging buffers: one per I/O thread, one being filled or drained, one spare.
+const PIPELINE_DEPTH: usize = IO_THREADS + 2;
 
 const DATA_FILE: &str = "data.bin";
 const MANIFEST_FILE: &str = "manifest.json";
@@ -72,7 +76,11 @@ impl DiskBackup {
     }
 }
 
-type ChunkDone = (usize, HostBuffer, Result<u32, StoreError>);
+/// A staging buffer back from a writer, with the outcome of its write.
+type ChunkDone = (HostBuffer, Result<(), StoreError>);
+
+/// A chunk read into a staging buffer: its index, the buffer and the outcome of the read.
+type ChunkRead = (usize, HostBuffer, Result<(), StoreError>);
 
 impl DiskStore {
     /// A store writing under `dir/rank-<rank>/<tag>/` in chunks of `chunk_bytes`, staging
@@ -155,8 +163,8 @@ impl DiskStore {
         })
     }
 
-    /// The pipelined copy-out: this thread fills staging buffers from the device, a writer
-    /// thread checksums and writes them. Returns each chunk's CRC32C.
+    /// The pipelined copy-out: this thread fills staging buffers from the device and checksums
+    /// them, [`IO_THREADS`] writer threads write them. Returns each chunk's CRC32C.
     #[allow(clippy::too_many_arguments)]
     fn write_chunks(
         &self,
@@ -173,34 +181,46 @@ impl DiskStore {
         let mut crcs = vec![0u32; chunks];
         let mut first_error: Option<StoreError> = None;
         let (job_tx, job_rx) = mpsc::channel::<(usize, HostBuffer, usize)>();
+        let job_rx = Mutex::new(job_rx);
         let (done_tx, done_rx) = mpsc::channel::<ChunkDone>();
         let chunk_bytes = self.chunk_bytes;
         let fail_at = self.fail_write_at;
         std::thread::scope(|scope| {
-            scope.spawn(move || {
-                for (index, mut buffer, len) in job_rx {
-                    let result = if fail_at == Some(index) {
-                        Err(StoreError::Io {
-                            action: format!("write chunk {index} of"),
-                            path: path.to_path_buf(),
-                            source: std::io::Error::other("injected write fault"),
-                        })
-                    } else {
-                        write_chunk(file, path, index, chunk_bytes, &mut buffer, len, direct)
-                    };
-                    if done_tx.send((index, buffer, result)).is_err() {
-                        return;
+            for _ in 0..IO_THREADS {
+                let done_tx = done_tx.clone();
+                let job_rx = &job_rx;
+                scope.spawn(move || {
+                    loop {
+                        let job = job_rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                        let Ok((index, mut buffer, len)) = job else {
+                            return;
+                        };
+                        let result = if fail_at == Some(index) {
+                            Err(StoreError::Io {
+                                action: format!("write chunk {index} of"),
+                                path: path.to_path_buf(),
+                                source: std::io::Error::other("injected write fault"),
+                            })
+                        } else {
+                            write_chunk(file, path, index, chunk_bytes, &mut buffer, len, direct)
+                        };
+                        if done_tx.send((buffer, result)).is_err() {
+                            return;
+                        }
                     }
-                }
-            });
+                });
+            }
+            drop(done_tx);
             let mut in_flight = 0usize;
-            for index in 0..chunks {
+            for (index, crc_slot) in crcs.iter_mut().enumerate() {
                 let mut buffer = match free.pop() {
                     Some(buffer) => buffer,
                     None => match done_rx.recv() {
-                        Ok((done, buffer, result)) => {
+                        Ok((buffer, result)) => {
                             in_flight -= 1;
-                            record(&mut crcs, &mut first_error, done, result);
+                            if let Err(error) = result {
+                                first_error.get_or_insert(error);
+                            }
                             buffer
                         }
                         Err(_) => break,
@@ -211,8 +231,11 @@ impl DiskStore {
                     break;
                 }
                 let (offset, len) = chunk_span(index, chunk_bytes, total);
-                match stage_chunk(device, runs, offset, len, &mut buffer) {
-                    Ok(()) => {
+                let staged = stage_chunk(device, runs, offset, len, &mut buffer)
+                    .and_then(|()| Ok(crc32c::crc32c(&buffer.as_slice()?[..len])));
+                match staged {
+                    Ok(crc) => {
+                        *crc_slot = crc;
                         if let Err(mpsc::SendError((_, buffer, _))) =
                             job_tx.send((index, buffer, len))
                         {
@@ -230,11 +253,13 @@ impl DiskStore {
             }
             drop(job_tx);
             while in_flight > 0 {
-                let Ok((done, buffer, result)) = done_rx.recv() else {
+                let Ok((buffer, result)) = done_rx.recv() else {
                     break;
                 };
                 in_flight -= 1;
-                record(&mut crcs, &mut first_error, done, result);
+                if let Err(error) = result {
+                    first_error.get_or_insert(error);
+                }
                 free.push(buffer);
             }
         });
@@ -282,38 +307,59 @@ impl DiskStore {
         let staging = self.take_staging(chunks)?;
         let staged = staging.len();
         let (free_tx, free_rx) = mpsc::channel::<HostBuffer>();
-        let (done_tx, done_rx) = mpsc::channel::<(usize, HostBuffer, Result<(), StoreError>)>();
-        staging.into_iter().for_each(|b| {
-            let _ = free_tx.send(b);
-        });
+        let (done_tx, done_rx) = mpsc::channel::<ChunkRead>();
+        for buffer in staging {
+            // The receiver is alive: it is dropped below, after the pipeline.
+            let _ = free_tx.send(buffer);
+        }
+        let free_rx = Mutex::new(free_rx);
+        let next_chunk = AtomicUsize::new(0);
         let mut returned = Vec::with_capacity(staged);
         let mut first_error = None;
         std::thread::scope(|scope| {
-            let file = &file;
-            let data_path = &data_path;
-            let reader = scope.spawn(move || {
-                let mut leftovers = Vec::new();
-                for index in 0..chunks {
-                    let Ok(mut buffer) = free_rx.recv() else {
-                        break;
-                    };
-                    let (offset, len) = chunk_span(index, chunk_bytes, total);
-                    let result = read_chunk(file, data_path, index, offset, len, &mut buffer);
-                    if let Err(mpsc::SendError((_, buffer, _))) =
-                        done_tx.send((index, buffer, result))
-                    {
-                        leftovers.push(buffer);
-                        break;
-                    }
-                }
-                drop(done_tx);
-                leftovers.extend(free_rx.try_iter());
-                leftovers
-            });
-            for (index, mut buffer, result) in done_rx.iter() {
+            let readers: Vec<_> = (0..IO_THREADS)
+                .map(|_| {
+                    let done_tx = done_tx.clone();
+                    let (free_rx, next_chunk, file, data_path) =
+                        (&free_rx, &next_chunk, &file, &data_path);
+                    scope.spawn(move || {
+                        let mut leftovers = Vec::new();
+                        loop {
+                            let next = free_rx
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .recv();
+                            let Ok(mut buffer) = next else {
+                                break;
+                            };
+                            let index = next_chunk.fetch_add(1, Ordering::Relaxed);
+                            if index >= chunks {
+                                leftovers.push(buffer);
+                                break;
+                            }
+                            let (offset, len) = chunk_span(index, chunk_bytes, total);
+                            let result =
+                                read_chunk(file, data_path, index, offset, len, &mut buffer);
+                            if let Err(mpsc::SendError((_, buffer, _))) =
+                                done_tx.send((index, buffer, result))
+                            {
+                                leftovers.push(buffer);
+                                break;
+                            }
+                        }
+                        leftovers
+                    })
+                })
+                .collect();
+            drop(done_tx);
+            let mut verified = 0;
+            while verified < chunks {
+                let Ok((index, mut buffer, result)) = done_rx.recv() else {
+                    break;
+                };
+                let (offset, len) = chunk_span(index, chunk_bytes, total);
                 let step = result.and_then(|()| {
-                    let (offset, len) = chunk_span(index, chunk_bytes, total);
-                    verify_chunk(data_path, index, on_disk.crc32c[index], len, &buffer)?;
+                    verify_chunk(&data_path, index, on_disk.crc32c[index], len, &buffer)?;
                     unstage_chunk(device, runs, offset, len, &mut buffer)
                 });
                 if let Err(error) = step {
@@ -321,19 +367,30 @@ impl DiskStore {
                     first_error = Some(error);
                     break;
                 }
+                verified += 1;
                 if let Err(mpsc::SendError(buffer)) = free_tx.send(buffer) {
                     returned.push(buffer);
                 }
             }
             drop(free_tx);
             returned.extend(done_rx.iter().map(|(_, buffer, _)| buffer));
-            match reader.join() {
-                Ok(leftovers) => returned.extend(leftovers),
-                Err(_) => tracing::error!("the offload reader thread panicked"),
+            for reader in readers {
+                match reader.join() {
+                    Ok(leftovers) => returned.extend(leftovers),
+                    Err(_) => tracing::error!("an offload reader thread panicked"),
+                }
             }
         });
+        returned.extend(
+            free_rx
+                .into_inner()
+                .unwrap_or_else(PoisonError::into_inner)
+                .try_iter(),
+        );
         debug_assert_eq!(returned.len(), staged, "every staging buffer comes back");
-        returned.into_iter().for_each(|buffer| self.pool.put(buffer));
+        returned
+            .into_iter()
+            .for_each(|buffer| self.pool.put(buffer));
         match first_error {
             Some(error) => Err(error),
             None => Ok(()),
@@ -375,20 +432,6 @@ impl DiskStore {
             }
         }
         Ok(staging)
-    }
-}
-
-fn record(
-    crcs: &mut [u32],
-    first_error: &mut Option<StoreError>,
-    index: usize,
-    result: Result<u32, StoreError>,
-) {
-    match result {
-        Ok(crc) => crcs[index] = crc,
-        Err(error) => {
-            first_error.get_or_insert(error);
-        }
     }
 }
 
@@ -458,9 +501,8 @@ fn write_chunk(
     buffer: &mut HostBuffer,
     len: usize,
     direct: bool,
-) -> Result<u32, StoreError> {
+) -> Result<(), StoreError> {
     let bytes = buffer.as_mut_slice()?;
-    let crc = crc32c::crc32c(&bytes[..len]);
     let padded = if direct {
         len.next_multiple_of(DIRECT_ALIGN)
     } else {
@@ -468,8 +510,7 @@ fn write_chunk(
     };
     bytes[len..padded].fill(0);
     file.write_all_at(&bytes[..padded], (index * chunk_bytes) as u64)
-        .map_err(io_error(&format!("write chunk {index} of"), path))?;
-    Ok(crc)
+        .map_err(io_error(&format!("write chunk {index} of"), path))
 }
 
 fn read_chunk(
@@ -553,7 +594,8 @@ fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
         reason: error.to_string(),
     })?;
     let file = File::create(&tmp).map_err(io_error("create", &tmp))?;
-    file.write_all_at(&json, 0).map_err(io_error("write", &tmp))?;
+    file.write_all_at(&json, 0)
+        .map_err(io_error("write", &tmp))?;
     file.sync_all().map_err(io_error("fsync", &tmp))?;
     let target = dir.join(MANIFEST_FILE);
     fs::rename(&tmp, &target).map_err(io_error("rename into place", &target))?;

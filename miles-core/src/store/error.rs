@@ -8,7 +8,9 @@ use crate::device::DeviceError;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// A file operation failed; nothing was released, the files of the attempt were removed.
-    #[error("cannot {action} {path}: {source}; check free space and permissions of the offload directory")]
+    #[error(
+        "cannot {action} {path}: {source}; check free space and permissions of the offload directory"
+    )]
     Io {
         /// What was being done (`write chunk 3 of`, `fsync`, ...).
         action: String,
@@ -19,7 +21,9 @@ pub enum StoreError {
         source: std::io::Error,
     },
     /// A chunk read back does not match the checksum written with it.
-    #[error("checksum mismatch in {path} chunk {chunk}: expected crc32c {expected:#010x}, found {found:#010x}; the tag stays paused and its files are kept")]
+    #[error(
+        "checksum mismatch in {path} chunk {chunk}: expected crc32c {expected:#010x}, found {found:#010x}; the tag stays paused and its files are kept"
+    )]
     ChecksumMismatch {
         /// The data file.
         path: PathBuf,
@@ -39,7 +43,9 @@ pub enum StoreError {
         reason: String,
     },
     /// A chunk size the store cannot use.
-    #[error("offload chunk size {chunk_bytes} bytes must be a positive multiple of 4096; set --offload-train-disk-chunk-mb to 1 or more")]
+    #[error(
+        "offload chunk size {chunk_bytes} bytes must be a positive multiple of 4096; set --offload-train-disk-chunk-mb to 1 or more"
+    )]
     ChunkSize {
         /// The size asked for.
         chunk_bytes: usize,
