@@ -95,22 +95,18 @@ impl Shared {
 }
 
 impl HostState {
-    /// The reservation holding `range`, with the granule index `range` starts at.
+    /// The reservation holding `range`, with its start address.
     fn reservation_of(&self, range: AddressRange) -> Result<(u64, &Reservation), DeviceError> {
-        let outside = DeviceError::BadRange {
-            start: range.start,
-            len: range.len,
-            expected: "reserved",
-        };
-        let (&start, reservation) = self
-            .reservations
+        self.reservations
             .range(..=range.start)
             .next_back()
-            .ok_or_else(|| outside_clone(&outside))?;
-        if range.end() > start + reservation.len as u64 {
-            return Err(outside);
-        }
-        Ok((start, reservation))
+            .filter(|(start, reservation)| range.end() <= **start + reservation.len as u64)
+            .map(|(start, reservation)| (*start, reservation))
+            .ok_or(DeviceError::BadRange {
+                start: range.start,
+                len: range.len,
+                expected: "reserved",
+            })
     }
 
     /// Granule indices `[first, last)` of a granule-aligned `range`, within its reservation.
@@ -421,25 +417,6 @@ fn copy_bytes(dst: &mut [u8], src: &[u8]) {
 
 fn overlaps(a: AddressRange, b: AddressRange) -> bool {
     a.start < b.end() && b.start < a.end()
-}
-
-fn outside_clone(error: &DeviceError) -> DeviceError {
-    match error {
-        DeviceError::BadRange {
-            start,
-            len,
-            expected,
-        } => DeviceError::BadRange {
-            start: *start,
-            len: *len,
-            expected,
-        },
-        _ => DeviceError::BadRange {
-            start: 0,
-            len: 0,
-            expected: "reserved",
-        },
-    }
 }
 
 fn check_aligned(what: &'static str, value: u64) -> Result<(), DeviceError> {

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use crate::device::{AddressRange, DeviceAddress, HostView, Pod, ViewAccess};
+use crate::device::{AddressRange, DeviceAddress, Fence, HostView, Pod, ViewAccess};
 
 use super::region::Region;
 use super::{FreeError, MemoryError, MemoryTag};
@@ -16,7 +16,8 @@ use super::{FreeError, MemoryError, MemoryTag};
 /// Its bytes can be used only while the tag is active: through device copies
 /// ([`read`](Self::read), [`write`](Self::write)) on any device, or as typed slices
 /// ([`view`](Self::view), [`view_mut`](Self::view_mut)) on a device whose memory the host
-/// addresses. A pause of the tag waits until every view of it has dropped. Dropping a buffer
+/// addresses. A pause of the tag waits until every view of it has dropped and every fence
+/// recorded with [`record_use`](Self::record_use) has completed. Dropping a buffer
 /// frees it (once the tag is active again, if it is paused).
 pub struct Buffer {
     region: Arc<Region>,
@@ -183,6 +184,12 @@ impl Buffer {
                 tag: self.region.tag.clone(),
                 source,
             })
+    }
+
+    /// Record device work in flight that uses the buffer (a kernel, a copy); a pause of the tag
+    /// waits for it before it copies or releases anything.
+    pub fn record_use(&self, fence: Fence) {
+        self.region.record_use(fence);
     }
 
     /// Free the buffer now.

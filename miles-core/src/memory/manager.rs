@@ -301,12 +301,11 @@ mod tests {
                 }
             }
         }
-        assert_eq!(
-            std::fs::read_dir(dir.path().join("rank-0"))
-                .unwrap()
-                .count(),
-            0
-        );
+        drop(memory);
+        let left = std::fs::read_dir(dir.path().join("rank-0"))
+            .unwrap()
+            .count();
+        assert_eq!(left, 0, "files left after verified resumes");
     }
 
     #[test]
@@ -527,6 +526,49 @@ mod tests {
         assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
         memory.resume(&tag).unwrap();
         assert_eq!(&first.view::<f32>().unwrap()[..], values.as_slice());
+    }
+
+    /// Device work that completes when the test opens the gate.
+    struct Gate(std::sync::atomic::AtomicBool);
+
+    impl crate::device::PendingWork for Gate {
+        fn wait(&self) -> Result<(), crate::device::DeviceError> {
+            while !self.0.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            Ok(())
+        }
+
+        fn is_done(&self) -> Result<bool, crate::device::DeviceError> {
+            Ok(self.0.load(std::sync::atomic::Ordering::Acquire))
+        }
+    }
+
+    #[test]
+    fn pause_waits_for_device_work_recorded_on_the_tag() {
+        let (_, memory) = manager(64 * MIB, None);
+        let tag = MemoryTag::KvCache;
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+            .unwrap();
+        let buffer = memory.alloc(&tag, 4096).unwrap();
+        let gate = Arc::new(Gate(std::sync::atomic::AtomicBool::new(false)));
+        buffer.record_use(crate::device::Fence::pending(gate.clone()));
+        std::thread::scope(|scope| {
+            let pauser = scope.spawn(|| memory.pause(&tag));
+            while memory.state(&tag).unwrap() != RegionState::Pausing {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert!(
+                !pauser.is_finished(),
+                "pause finished while device work was in flight"
+            );
+            assert_eq!(memory.region_bytes(&tag).unwrap(), 2 * MIB as u64);
+            gate.0.store(true, std::sync::atomic::Ordering::Release);
+            pauser.join().unwrap().unwrap();
+        });
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
     }
 
     #[test]

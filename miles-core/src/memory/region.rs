@@ -35,6 +35,8 @@ pub(crate) struct Region {
 struct Core {
     state: RegionState,
     views: usize,
+    /// Device work in flight on the region's buffers (kernels, copies), recorded by its users.
+    fences: Vec<Fence>,
     arena: Arena,
     backup: Backup,
     /// Committed runs saved by the last pause, and those of them actually released.
@@ -69,6 +71,7 @@ impl Region {
             core: Mutex::new(Core {
                 state: RegionState::Active,
                 views: 0,
+                fences: Vec::new(),
                 arena,
                 backup: Backup::Nothing,
                 saved: Vec::new(),
@@ -202,6 +205,13 @@ impl Region {
         Ok(())
     }
 
+    /// Record device work in flight on the region; a pause waits for it before copying.
+    pub(crate) fn record_use(&self, fence: Fence) {
+        let mut core = self.lock();
+        core.fences.retain(|f| !matches!(f.is_done(), Ok(true)));
+        core.fences.push(fence);
+    }
+
     /// A view ended.
     pub(crate) fn exit_view(&self) {
         let mut core = self.lock();
@@ -225,7 +235,7 @@ impl Region {
     /// Wait for every view to drop, back the committed memory up per the policy, verify it,
     /// then release it.
     pub(crate) fn pause(&self) -> Result<OffloadReport, MemoryError> {
-        let runs = {
+        let (runs, fences) = {
             let mut core = self.lock();
             match core.state {
                 RegionState::Active => {}
@@ -245,12 +255,16 @@ impl Region {
             while core.views > 0 {
                 core = self.idle.wait(core).unwrap_or_else(PoisonError::into_inner);
             }
-            self.runs(&core.arena.committed())
+            (
+                self.runs(&core.arena.committed()),
+                std::mem::take(&mut core.fences),
+            )
         };
         let started = Instant::now();
-        let backed_up = self
-            .device
-            .memory_info()
+        let backed_up = fences
+            .iter()
+            .try_for_each(Fence::wait)
+            .and_then(|()| self.device.memory_info())
             .map_err(self.device_error())
             .and_then(|info| Ok((info.free, self.back_up(&runs)?)));
         let (free_before, backup) = match backed_up {

@@ -43,6 +43,11 @@ pub struct DiskStore {
     root: PathBuf,
     chunk_bytes: usize,
     pool: Arc<HostPool>,
+    /// Backups removed so far (names their trash directories).
+    removed: AtomicUsize,
+    /// Sends moved-away directories to the thread that unlinks them.
+    janitor: Mutex<Option<mpsc::Sender<PathBuf>>>,
+    janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fail_write_at: Option<usize>,
 }
 
@@ -100,10 +105,24 @@ impl DiskStore {
         }
         let root = dir.join(format!("rank-{rank}"));
         fs::create_dir_all(&root).map_err(io_error("create", &root))?;
+        let (janitor, trash) = mpsc::channel::<PathBuf>();
+        let janitor_thread = std::thread::Builder::new()
+            .name("miles-offload-janitor".to_string())
+            .spawn(move || trash.iter().for_each(|dir| remove_tree(&dir)));
+        let (janitor, janitor_thread) = match janitor_thread {
+            Ok(handle) => (Some(janitor), Some(handle)),
+            Err(error) => {
+                tracing::warn!(%error, "no janitor thread: offload files are removed inline");
+                (None, None)
+            }
+        };
         Ok(DiskStore {
             root,
             chunk_bytes,
             pool,
+            removed: AtomicUsize::new(0),
+            janitor: Mutex::new(janitor),
+            janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
         })
     }
@@ -191,7 +210,7 @@ impl DiskStore {
                 let job_rx = &job_rx;
                 scope.spawn(move || {
                     loop {
-                        let job = job_rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                        let job = lock(job_rx).recv();
                         let Ok((index, mut buffer, len)) = job else {
                             return;
                         };
@@ -320,15 +339,12 @@ impl DiskStore {
             let readers: Vec<_> = (0..IO_THREADS)
                 .map(|_| {
                     let done_tx = done_tx.clone();
-                    let (free_rx, next_chunk, file, data_path) =
-                        (&free_rx, &next_chunk, &file, &data_path);
+                    let (free_rx, next_chunk, file, data_path, crcs) =
+                        (&free_rx, &next_chunk, &file, &data_path, &on_disk.crc32c);
                     scope.spawn(move || {
                         let mut leftovers = Vec::new();
                         loop {
-                            let next = free_rx
-                                .lock()
-                                .unwrap_or_else(PoisonError::into_inner)
-                                .recv();
+                            let next = lock(free_rx).recv();
                             let Ok(mut buffer) = next else {
                                 break;
                             };
@@ -339,7 +355,10 @@ impl DiskStore {
                             }
                             let (offset, len) = chunk_span(index, chunk_bytes, total);
                             let result =
-                                read_chunk(file, data_path, index, offset, len, &mut buffer);
+                                read_chunk(file, data_path, index, offset, len, &mut buffer)
+                                    .and_then(|()| {
+                                        verify_chunk(data_path, index, crcs[index], len, &buffer)
+                                    });
                             if let Err(mpsc::SendError((_, buffer, _))) =
                                 done_tx.send((index, buffer, result))
                             {
@@ -358,10 +377,8 @@ impl DiskStore {
                     break;
                 };
                 let (offset, len) = chunk_span(index, chunk_bytes, total);
-                let step = result.and_then(|()| {
-                    verify_chunk(&data_path, index, on_disk.crc32c[index], len, &buffer)?;
-                    unstage_chunk(device, runs, offset, len, &mut buffer)
-                });
+                let step =
+                    result.and_then(|()| unstage_chunk(device, runs, offset, len, &mut buffer));
                 if let Err(error) = step {
                     returned.push(buffer);
                     first_error = Some(error);
@@ -399,19 +416,25 @@ impl DiskStore {
 
     /// Remove a backup's files and directory (after a verified resume).
     ///
+    /// The directory is renamed out of the way at once, so the tag can be saved again right
+    /// away; unlinking the data file (a tenth of a second per GiB on ext4) happens on a
+    /// background thread, off the resume's critical path, and is complete when the store drops.
+    ///
     /// # Errors
-    /// [`StoreError::Io`] naming the file that could not be removed.
+    /// [`StoreError::Io`] naming the directory that could not be moved away.
     pub fn remove(&self, backup: DiskBackup) -> Result<(), StoreError> {
-        for name in [DATA_FILE, MANIFEST_FILE] {
-            let path = backup.dir.join(name);
-            match fs::remove_file(&path) {
-                Err(error) if error.kind() != ErrorKind::NotFound => {
-                    return Err(io_error("remove", &path)(error));
-                }
-                _ => {}
-            }
+        let serial = self.removed.fetch_add(1, Ordering::Relaxed);
+        let name = backup.dir.file_name().unwrap_or_default().to_string_lossy();
+        let trash = self.root.join(format!(".removing-{serial}-{name}"));
+        fs::rename(&backup.dir, &trash).map_err(io_error("move away", &backup.dir))?;
+        let queued = match &*lock(&self.janitor) {
+            Some(janitor) => janitor.send(trash.clone()).is_ok(),
+            None => false,
+        };
+        if !queued {
+            remove_tree(&trash);
         }
-        fs::remove_dir(&backup.dir).map_err(io_error("remove", &backup.dir))
+        Ok(())
     }
 
     /// Make the writer fail with an I/O error on chunk `index` (tests of the failure path).
@@ -432,6 +455,28 @@ impl DiskStore {
             }
         }
         Ok(staging)
+    }
+}
+
+impl Drop for DiskStore {
+    fn drop(&mut self) {
+        lock(&self.janitor).take();
+        if let Some(handle) = lock(&self.janitor_thread).take()
+            && handle.join().is_err()
+        {
+            tracing::error!("the offload janitor thread panicked");
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Remove a moved-away backup directory, logging what cannot be removed.
+fn remove_tree(dir: &Path) {
+    if let Err(error) = fs::remove_dir_all(dir) {
+        tracing::error!(%error, dir = %dir.display(), "cannot remove offload files");
     }
 }
 
