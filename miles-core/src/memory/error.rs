@@ -96,6 +96,9 @@ pub enum MemoryError {
         /// The device.
         device: DeviceKind,
     },
+    /// The disk store could not be set up.
+    #[error("cannot set up the offload disk store: {0}")]
+    DiskStore(#[source] StoreError),
     /// The device failed.
     #[error("device error on tag {tag}: {source}")]
     Device {

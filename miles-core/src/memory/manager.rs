@@ -46,8 +46,8 @@ impl MemoryManager {
     /// A manager of `device` memory.
     ///
     /// # Errors
-    /// [`MemoryError::Store`] when the disk directory cannot be created or the chunk size is
-    /// unusable.
+    /// [`MemoryError::DiskStore`] when the disk directory cannot be created or the chunk size
+    /// is unusable.
     pub fn new(
         device: Arc<dyn Device>,
         settings: ManagerSettings,
@@ -57,10 +57,7 @@ impl MemoryManager {
             .disk
             .map(|disk| DiskStore::new(&disk.dir, disk.rank, disk.chunk_bytes, Arc::clone(&pool)))
             .transpose()
-            .map_err(|source| MemoryError::Store {
-                tag: MemoryTag::Named("disk".to_string()),
-                source,
-            })?;
+            .map_err(MemoryError::DiskStore)?;
         Ok(MemoryManager {
             device,
             margin_bytes: settings.margin_bytes,
@@ -569,6 +566,42 @@ mod tests {
             pauser.join().unwrap().unwrap();
         });
         assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+    }
+
+    #[test]
+    fn one_tag_pauses_and_resumes_while_another_is_in_use() {
+        let (_, memory) = manager(256 * MIB, None);
+        memory
+            .create_region(MemoryTag::Params, BackupPolicy::Host, 16 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::Weights, BackupPolicy::Host, 16 * MIB)
+            .unwrap();
+        let mut params = memory.alloc(&MemoryTag::Params, 4 * MIB).unwrap();
+        let mut weights = memory.alloc(&MemoryTag::Weights, 4 * MIB).unwrap();
+        let params_data = random_bytes(29, 4 * MIB);
+        params.write(0, &params_data).unwrap();
+        weights.write(0, &random_bytes(31, 4 * MIB)).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for _ in 0..50 {
+                    memory.pause(&MemoryTag::Params).unwrap();
+                    memory.resume(&MemoryTag::Params).unwrap();
+                }
+            });
+            for round in 0..200u32 {
+                let mut view = weights.view_mut::<u32>().unwrap();
+                view.iter_mut().for_each(|x| *x = x.wrapping_add(round));
+            }
+        });
+        assert_eq!(first_difference(&contents(&params), &params_data), None);
+        let pooled = memory.host_pool().allocated_bytes();
+        assert!(pooled >= 4 * MIB as u64);
+        assert_eq!(
+            memory.release_host_pool(),
+            pooled,
+            "the pool frees on request"
+        );
     }
 
     #[test]
