@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod bench_offload;
 mod bench_train;
 mod check_config;
 mod doctor;
@@ -45,6 +46,8 @@ enum Command {
 /// The benchmarks.
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
+    /// Pause/resume throughput of one tag against plain memcpy and O_DIRECT I/O.
+    Offload(bench_offload::OffloadBenchArgs),
     /// Training step throughput and the share of time in matrix products.
     Train(bench_train::BenchTrainArgs),
 }
@@ -59,6 +62,9 @@ fn main() -> ExitCode {
         Command::Bench {
             bench: BenchCommand::Train(args),
         } => bench_train::run(args),
+        Command::Bench {
+            bench: BenchCommand::Offload(args),
+        } => bench_offload::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

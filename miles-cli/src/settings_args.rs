@@ -200,9 +200,22 @@ impl fmt::Display for BackendNotBuilt {
 
 impl std::error::Error for BackendNotBuilt {}
 
+/// Flags of a command that cannot run together, with the fix in the message; exit status 2.
+#[derive(Debug)]
+pub struct BadSettings(pub String);
+
+impl fmt::Display for BadSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BadSettings {}
+
 /// Whether an error means bad settings (exit status 2) rather than a failure (exit status 1).
 pub fn is_bad_settings(error: &anyhow::Error) -> bool {
     error.downcast_ref::<ConfigError>().is_some()
+        || error.downcast_ref::<BadSettings>().is_some()
         || error.downcast_ref::<BackendNotBuilt>().is_some()
 }
 

@@ -3,8 +3,10 @@
 
 pub mod config;
 pub mod device;
+pub mod memory;
 pub mod model;
 pub mod ops;
+pub mod store;
 
 pub use config::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
@@ -13,5 +15,10 @@ pub use config::{
 };
 pub use device::{
     AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
-    HostBuffer, MemoryInfo, PendingWork,
+    HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess, ViewClaim,
 };
+pub use memory::{
+    BackupPolicy, Buffer, BufferView, BufferViewMut, DiskSettings, FreeError, ManagerSettings,
+    MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
+};
+pub use store::{DiskBackup, DiskStore, HostPool, StoreError};

@@ -12,11 +12,15 @@
 mod cpu_gemm;
 mod cuda;
 mod error;
+mod host;
 pub mod probe;
+mod view;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
+pub use host::HostDevice;
+pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -355,4 +359,32 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Errors
     /// [`DeviceError::LengthMismatch`] when the lengths differ; the device's error.
     fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError>;
+
+    /// Borrow the committed range as host memory, on a device whose memory the host addresses
+    /// (the CPU device); `None` on a device whose memory it does not (CUDA).
+    ///
+    /// While the view lives the device refuses to release, unreserve or write into the range,
+    /// and to hand out a view that conflicts with it (any overlap with a writable one).
+    ///
+    /// # Errors
+    /// [`DeviceError::BadRange`] for a range that is not committed or that a conflicting view
+    /// or copy holds.
+    fn host_view(
+        &self,
+        range: AddressRange,
+        access: ViewAccess,
+    ) -> Result<Option<HostView>, DeviceError> {
+        let _ = (range, access);
+        Ok(None)
+    }
+
+    /// Bytes of physical device memory in use now, as the device itself counts them: resident
+    /// pages of the reserved ranges on the CPU device, used memory on CUDA.
+    ///
+    /// # Errors
+    /// The device's error.
+    fn resident_bytes(&self) -> Result<u64, DeviceError> {
+        let info = self.memory_info()?;
+        Ok(info.total.saturating_sub(info.free))
+    }
 }

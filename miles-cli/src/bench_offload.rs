@@ -1,0 +1,403 @@
+//! `miles bench offload`: pause/resume throughput of one tag against plain copies measured in
+//! the same run.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use miles_core::{
+    BackupPolicy, Buffer, Device, DiskSettings, HostDevice, ManagerSettings, MemoryManager,
+    MemoryTag, OffloadReport,
+};
+use serde_json::json;
+
+use crate::settings_args::BadSettings;
+
+const MIB: usize = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Where the bench's tag goes while paused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OffloadTarget {
+    /// Contents dropped: pause and resume only map and unmap.
+    None,
+    /// A reused host buffer.
+    Host,
+    /// Checksummed chunk files in `--disk-dir`.
+    Disk,
+}
+
+/// Settings of `miles bench offload`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct OffloadBenchArgs {
+    /// Device to bench: `cpu` (`cuda` once the CUDA device lands).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Bytes in the paused tag, e.g. `2GiB`, `512MiB`, `1000000`.
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    pub size: u64,
+    /// Backup target of the tag.
+    #[arg(long, value_enum, default_value = "host")]
+    pub target: OffloadTarget,
+    /// Pause/resume cycles; the first is reported apart, as it allocates the host pool.
+    #[arg(long, default_value_t = 5)]
+    pub cycles: usize,
+    /// Directory for disk offload and for the O_DIRECT baseline (default: the temp directory;
+    /// required with `--target disk`).
+    #[arg(long)]
+    pub disk_dir: Option<PathBuf>,
+    /// Disk chunk size in MiB (as `--offload-train-disk-chunk-mb`).
+    #[arg(long, default_value_t = 64)]
+    pub chunk_mb: usize,
+    /// Capacity of the CPU device in GiB.
+    #[arg(long, default_value_t = 64)]
+    pub device_memory_gib: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("size {text:?} must start with a whole number, e.g. 2GiB"))?;
+    let scale = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?}: use B, KiB, MiB, GiB, KB, MB or GB"
+            ));
+        }
+    };
+    number
+        .checked_mul(scale)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("size {text:?} must be positive and fit 64 bits"))
+}
+
+/// The device named by `--device`.
+///
+/// # Errors
+/// [`BadSettings`] for an unknown or not yet available device.
+pub fn open_device(name: &str, capacity_gib: u64) -> anyhow::Result<Arc<dyn Device>> {
+    match name {
+        "cpu" => Ok(Arc::new(HostDevice::new(capacity_gib * GIB))),
+        "cuda" => Err(BadSettings(
+            "the cuda device is not built into this binary yet; use --device cpu".to_string(),
+        )
+        .into()),
+        other => Err(BadSettings(format!("unknown device {other:?}: use cpu or cuda")).into()),
+    }
+}
+
+struct Cycle {
+    pause: OffloadReport,
+    resume: OffloadReport,
+    resident_before: u64,
+    resident_after: u64,
+    memcpy_gbps: f64,
+    write_gbps: f64,
+    read_gbps: f64,
+}
+
+/// Run the bench and print its figures.
+///
+/// # Errors
+/// [`BadSettings`] for settings that cannot run; any failure of the device, the memory manager
+/// or the baseline files.
+pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
+    if args.cycles == 0 || args.chunk_mb == 0 {
+        return Err(BadSettings("--cycles and --chunk-mb must be at least 1".to_string()).into());
+    }
+    if args.target == OffloadTarget::Disk && args.disk_dir.is_none() {
+        return Err(BadSettings("--target disk requires --disk-dir DIR".to_string()).into());
+    }
+    let size = usize::try_from(args.size).context("--size does not fit this machine")?;
+    let device = open_device(&args.device, args.device_memory_gib)?;
+    let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let bench_dir = dir.join(format!("miles-bench-offload-{}", std::process::id()));
+    let policy = match args.target {
+        OffloadTarget::None => BackupPolicy::None,
+        OffloadTarget::Host => BackupPolicy::Host,
+        OffloadTarget::Disk => BackupPolicy::Disk,
+    };
+    let settings = ManagerSettings {
+        margin_bytes: 0,
+        disk: (policy == BackupPolicy::Disk).then(|| DiskSettings {
+            dir: bench_dir.clone(),
+            rank: 0,
+            chunk_bytes: args.chunk_mb * MIB,
+        }),
+    };
+    let outcome = bench(args, Arc::clone(&device), settings, policy, size, &dir);
+    if bench_dir.exists() {
+        std::fs::remove_dir_all(&bench_dir)
+            .with_context(|| format!("cannot remove {}", bench_dir.display()))?;
+    }
+    outcome
+}
+
+fn bench(
+    args: &OffloadBenchArgs,
+    device: Arc<dyn Device>,
+    settings: ManagerSettings,
+    policy: BackupPolicy,
+    size: usize,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let memory = MemoryManager::new(Arc::clone(&device), settings)?;
+    let tag = MemoryTag::Named("bench".to_string());
+    memory.create_region(tag.clone(), policy, size)?;
+    let mut buffer = memory.alloc(&tag, size)?;
+    let pattern = fill(&mut buffer)?;
+    // Baselines run between the cycles, on the same bytes, so that load from other processes
+    // hits ours and theirs alike; each figure is the mean over the same (steady) cycles.
+    let mut copier = MemcpyBaseline::new(size);
+    let mut direct = DirectIoBaseline::new(device.as_ref(), dir, args.chunk_mb * MIB)?;
+    let mut cycles = Vec::with_capacity(args.cycles);
+    for _ in 0..args.cycles {
+        let resident_before = device.resident_bytes()?;
+        let pause = memory.pause(&tag)?;
+        let resident_after = device.resident_bytes()?;
+        let resume = memory.resume(&tag)?;
+        if policy == BackupPolicy::None {
+            // The contents were dropped; write them again, as a KV cache would be, so the next
+            // cycle pauses resident memory (not timed).
+            fill(&mut buffer)?;
+        }
+        let memcpy_gbps = copier.run();
+        let (write_gbps, read_gbps) = if policy == BackupPolicy::Disk {
+            direct.run(size)?
+        } else {
+            (f64::NAN, f64::NAN)
+        };
+        cycles.push(Cycle {
+            pause,
+            resume,
+            resident_before,
+            resident_after,
+            memcpy_gbps,
+            write_gbps,
+            read_gbps,
+        });
+    }
+    if policy != BackupPolicy::None {
+        verify(&buffer, &pattern)?;
+    }
+    drop(buffer);
+    drop(memory);
+    if policy != BackupPolicy::Disk {
+        let (write_gbps, read_gbps) = direct.run(size)?;
+        for cycle in &mut cycles {
+            cycle.write_gbps = write_gbps;
+            cycle.read_gbps = read_gbps;
+        }
+    }
+    let steady: &[Cycle] = if cycles.len() > 1 {
+        &cycles[1..]
+    } else {
+        &cycles
+    };
+    let mean = |f: fn(&Cycle) -> f64| steady.iter().map(f).sum::<f64>() / steady.len() as f64;
+    let pause_gbps = mean(|c| c.pause.gbps);
+    let resume_gbps = mean(|c| c.resume.gbps);
+    let memcpy_gbps = mean(|c| c.memcpy_gbps);
+    let write_gbps = mean(|c| c.write_gbps);
+    let read_gbps = mean(|c| c.read_gbps);
+    let (pause_base, resume_base) = match policy {
+        BackupPolicy::Disk => (write_gbps, read_gbps),
+        BackupPolicy::Host | BackupPolicy::None => (memcpy_gbps, memcpy_gbps),
+    };
+    let ratio = (pause_gbps / pause_base, resume_gbps / resume_base);
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        let cycles_json: Vec<_> = cycles
+            .iter()
+            .map(|c| {
+                json!({
+                    "pause_s": c.pause.seconds,
+                    "pause_gbps": c.pause.gbps,
+                    "resume_s": c.resume.seconds,
+                    "resume_gbps": c.resume.gbps,
+                    "resident_before_pause": c.resident_before,
+                    "resident_after_pause": c.resident_after,
+                })
+            })
+            .collect();
+        let report = json!({
+            "device": device.name(),
+            "target": format!("{policy}"),
+            "size_bytes": size,
+            "cycles": cycles_json,
+            "baseline": {"memcpy_gbps": memcpy_gbps, "write_gbps": write_gbps, "read_gbps": read_gbps},
+            "ratio": {"pause": ratio.0, "resume": ratio.1},
+        });
+        writeln!(out, "{report}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "offload bench: device {}, target {policy}, {size} bytes, {} cycles",
+        device.name(),
+        cycles.len()
+    )?;
+    for (i, c) in cycles.iter().enumerate() {
+        writeln!(
+            out,
+            "cycle {i}: pause {:.4} s ({:.2} GB/s), resume {:.4} s ({:.2} GB/s), device resident {} -> {} bytes",
+            c.pause.seconds,
+            c.pause.gbps,
+            c.resume.seconds,
+            c.resume.gbps,
+            c.resident_before,
+            c.resident_after
+        )?;
+        writeln!(
+            out,
+            "         baseline memcpy {:.2} GB/s, O_DIRECT write+fsync {:.2} GB/s, read {:.2} GB/s",
+            c.memcpy_gbps, c.write_gbps, c.read_gbps
+        )?;
+    }
+    writeln!(
+        out,
+        "baseline (mean of steady cycles): memcpy {memcpy_gbps:.2} GB/s, O_DIRECT write+fsync {write_gbps:.2} GB/s, O_DIRECT read {read_gbps:.2} GB/s ({})",
+        dir.display()
+    )?;
+    writeln!(
+        out,
+        "ratio (steady cycles / baseline): pause {:.2}x, resume {:.2}x",
+        ratio.0, ratio.1
+    )?;
+    Ok(())
+}
+
+/// Fill the buffer with a seeded pattern, 64 MiB at a time; returns the pattern block.
+fn fill(buffer: &mut Buffer) -> anyhow::Result<Vec<u8>> {
+    let block = pattern_block(buffer.len().min(64 * MIB));
+    let mut offset = 0;
+    while offset < buffer.len() {
+        let len = block.len().min(buffer.len() - offset);
+        buffer.write(offset, &block[..len])?;
+        offset += len;
+    }
+    Ok(block)
+}
+
+fn pattern_block(len: usize) -> Vec<u8> {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect()
+}
+
+fn verify(buffer: &Buffer, block: &[u8]) -> anyhow::Result<()> {
+    let mut back = vec![0u8; block.len()];
+    let mut offset = 0;
+    while offset < buffer.len() {
+        let len = block.len().min(buffer.len() - offset);
+        buffer.read(offset, &mut back[..len])?;
+        if back[..len] != block[..len] {
+            anyhow::bail!(
+                "bytes at offset {offset}.. differ after the cycles: the round trip is not bit-exact"
+            );
+        }
+        offset += len;
+    }
+    Ok(())
+}
+
+/// Plain single-threaded memcpy of the bench's bytes between two resident buffers.
+struct MemcpyBaseline {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl MemcpyBaseline {
+    fn new(size: usize) -> MemcpyBaseline {
+        MemcpyBaseline {
+            src: pattern_block(size),
+            dst: vec![1u8; size],
+        }
+    }
+
+    /// One copy, in GB/s.
+    fn run(&mut self) -> f64 {
+        let started = Instant::now();
+        self.dst.copy_from_slice(&self.src);
+        std::hint::black_box(&self.dst);
+        self.src.len() as f64 / started.elapsed().as_secs_f64() / 1e9
+    }
+}
+
+/// Plain O_DIRECT write (then fsync) and read of the bench's bytes, in blocks of the chunk
+/// size, in the same directory.
+struct DirectIoBaseline {
+    path: PathBuf,
+    buffer: miles_core::HostBuffer,
+}
+
+impl DirectIoBaseline {
+    fn new(device: &dyn Device, dir: &Path, block: usize) -> anyhow::Result<DirectIoBaseline> {
+        let mut buffer = device.alloc_host(block)?;
+        buffer
+            .as_mut_slice()?
+            .copy_from_slice(&pattern_block(block));
+        let path = dir.join(format!("miles-bench-baseline-{}.bin", std::process::id()));
+        Ok(DirectIoBaseline { path, buffer })
+    }
+
+    /// Write then read `size` bytes; GB/s of each. The file is removed afterwards.
+    fn run(&mut self, size: usize) -> anyhow::Result<(f64, f64)> {
+        let path = &self.path;
+        let block = self.buffer.len();
+        let padded = size.next_multiple_of(4096);
+        let file = OpenOptions::new()
+            .write(true)
+            .read(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .with_context(|| format!("cannot open {} with O_DIRECT", path.display()))?;
+        let started = Instant::now();
+        let mut offset = 0;
+        while offset < padded {
+            let len = block.min(padded - offset);
+            file.write_all_at(&self.buffer.as_slice()?[..len], offset as u64)?;
+            offset += len;
+        }
+        file.sync_all()?;
+        let write_gbps = size as f64 / started.elapsed().as_secs_f64() / 1e9;
+        let started = Instant::now();
+        let mut offset = 0;
+        while offset < padded {
+            let len = block.min(padded - offset);
+            file.read_exact_at(&mut self.buffer.as_mut_slice()?[..len], offset as u64)?;
+            offset += len;
+        }
+        let read_gbps = size as f64 / started.elapsed().as_secs_f64() / 1e9;
+        std::fs::remove_file(path).with_context(|| format!("cannot remove {}", path.display()))?;
+        Ok((write_gbps, read_gbps))
+    }
+}

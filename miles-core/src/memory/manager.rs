@@ -1,0 +1,755 @@
+//! The memory manager: one region per tag, each with its own arena and backup policy.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::device::{AddressRange, Device};
+use crate::store::{DiskStore, HostPool};
+
+use super::region::{Region, Stores};
+use super::{BackupPolicy, Buffer, MemoryError, MemoryTag, OffloadReport, RegionState};
+
+/// Where disk-policy regions go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskSettings {
+    /// The offload directory (`--offload-train-disk-dir`); the store writes under `rank-<rank>/`.
+    pub dir: PathBuf,
+    /// This process's rank.
+    pub rank: usize,
+    /// Bytes per chunk (`--offload-train-disk-chunk-mb` MiB).
+    pub chunk_bytes: usize,
+}
+
+/// How a [`MemoryManager`] runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ManagerSettings {
+    /// Device memory that must stay free after a resume (`--train-memory-margin-bytes`).
+    pub margin_bytes: u64,
+    /// The disk store, for regions with [`BackupPolicy::Disk`].
+    pub disk: Option<DiskSettings>,
+}
+
+/// Tagged device memory that pauses to a backup and resumes at the same addresses.
+///
+/// Thread-safe: each tag has its own lock, and no lock shared by all tags is held while bytes
+/// move, so one tag may pause while another is in use or resuming.
+#[derive(Debug)]
+pub struct MemoryManager {
+    device: Arc<dyn Device>,
+    margin_bytes: u64,
+    stores: Arc<Stores>,
+    regions: Mutex<HashMap<MemoryTag, Arc<Region>>>,
+}
+
+impl MemoryManager {
+    /// A manager of `device` memory.
+    ///
+    /// # Errors
+    /// [`MemoryError::DiskStore`] when the disk directory cannot be created or the chunk size
+    /// is unusable.
+    pub fn new(
+        device: Arc<dyn Device>,
+        settings: ManagerSettings,
+    ) -> Result<MemoryManager, MemoryError> {
+        let pool = Arc::new(HostPool::new(Arc::clone(&device)));
+        let disk = settings
+            .disk
+            .map(|disk| DiskStore::new(&disk.dir, disk.rank, disk.chunk_bytes, Arc::clone(&pool)))
+            .transpose()
+            .map_err(MemoryError::DiskStore)?;
+        Ok(MemoryManager {
+            device,
+            margin_bytes: settings.margin_bytes,
+            stores: Arc::new(Stores { pool, disk }),
+            regions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// The pool of host buffers that host backups and disk staging use.
+    pub fn host_pool(&self) -> &HostPool {
+        &self.stores.pool
+    }
+
+    /// Free the pool's host buffers that no paused region holds; returns the bytes freed.
+    pub fn release_host_pool(&self) -> u64 {
+        self.stores.pool.release()
+    }
+
+    /// Create the region of `tag`: reserve an arena of `arena_bytes` (rounded up to the device
+    /// granularity) that only this tag's buffers use.
+    ///
+    /// # Errors
+    /// [`MemoryError::RegionExists`], [`MemoryError::InvalidTagName`],
+    /// [`MemoryError::NoDiskStore`] for a disk policy without a disk directory, or the device's
+    /// error when the range cannot be reserved.
+    pub fn create_region(
+        &self,
+        tag: MemoryTag,
+        policy: BackupPolicy,
+        arena_bytes: usize,
+    ) -> Result<(), MemoryError> {
+        if let MemoryTag::Named(name) = &tag {
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
+            if !valid {
+                return Err(MemoryError::InvalidTagName { name: name.clone() });
+            }
+        }
+        if policy == BackupPolicy::Disk && self.stores.disk.is_none() {
+            return Err(MemoryError::NoDiskStore { tag });
+        }
+        let mut regions = self.lock();
+        if regions.contains_key(&tag) {
+            return Err(MemoryError::RegionExists { tag });
+        }
+        let len = arena_bytes
+            .max(1)
+            .next_multiple_of(self.device.granularity());
+        let range = self
+            .device
+            .reserve(len)
+            .map_err(|source| MemoryError::Device {
+                tag: tag.clone(),
+                source,
+            })?;
+        let region = Region::new(
+            tag.clone(),
+            policy,
+            Arc::clone(&self.device),
+            range,
+            Arc::clone(&self.stores),
+        );
+        regions.insert(tag, Arc::new(region));
+        Ok(())
+    }
+
+    /// Allocate a buffer of `len` bytes in the region of `tag` (aligned to 256 bytes).
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`], [`MemoryError::TagPaused`], [`MemoryError::ArenaFull`], or
+    /// [`MemoryError::Device`] with the device's out-of-memory.
+    pub fn alloc(&self, tag: &MemoryTag, len: usize) -> Result<Buffer, MemoryError> {
+        let region = self.region(tag)?;
+        let (offset, size) = region.alloc(len)?;
+        Ok(Buffer::new(region, offset, size, len))
+    }
+
+    /// Pause `tag`: wait until no view of it is alive, copy its memory to its backup, verify
+    /// the backup, then release the memory. Addresses stay reserved.
+    ///
+    /// # Errors
+    /// [`MemoryError::AlreadyPaused`], [`MemoryError::TagBusy`]; [`MemoryError::Store`] or
+    /// [`MemoryError::Device`] when the backup fails, and the tag is then active and intact.
+    pub fn pause(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
+        self.region(tag)?.pause()
+    }
+
+    /// Resume `tag`: check that free device memory covers its bytes plus the margin, commit
+    /// memory at the same addresses, copy the bytes back (verifying disk checksums).
+    ///
+    /// # Errors
+    /// [`MemoryError::InsufficientMemory`] (nothing changes), [`MemoryError::NotPaused`],
+    /// [`MemoryError::TagBusy`]; [`MemoryError::Store`] or [`MemoryError::Device`] when the
+    /// restore fails, and the tag then stays paused with its backup.
+    pub fn resume(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
+        self.region(tag)?.resume(self.margin_bytes)
+    }
+
+    /// Where `tag` stands.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn state(&self, tag: &MemoryTag) -> Result<RegionState, MemoryError> {
+        Ok(self.region(tag)?.state())
+    }
+
+    /// Device bytes `tag` holds (active) or needs to resume (paused).
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn region_bytes(&self, tag: &MemoryTag) -> Result<u64, MemoryError> {
+        Ok(self.region(tag)?.committed_bytes())
+    }
+
+    /// The reserved address range of `tag`'s arena.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn arena(&self, tag: &MemoryTag) -> Result<AddressRange, MemoryError> {
+        Ok(self.region(tag)?.range)
+    }
+
+    fn region(&self, tag: &MemoryTag) -> Result<Arc<Region>, MemoryError> {
+        self.lock()
+            .get(tag)
+            .cloned()
+            .ok_or_else(|| MemoryError::UnknownTag { tag: tag.clone() })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<MemoryTag, Arc<Region>>> {
+        self.regions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+impl MemoryManager {
+    /// Make the disk store's writer fail on chunk `index`; call before creating regions.
+    fn inject_disk_write_fault(&mut self, index: usize) {
+        if let Some(stores) = Arc::get_mut(&mut self.stores)
+            && let Some(disk) = stores.disk.as_mut()
+        {
+            disk.inject_write_fault(index);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    use rand::{Rng, RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::device::HostDevice;
+    use crate::store::StoreError;
+
+    const MIB: usize = 1 << 20;
+
+    fn manager(capacity: usize, dir: Option<&Path>) -> (Arc<HostDevice>, MemoryManager) {
+        let device = Arc::new(HostDevice::new(capacity as u64));
+        let settings = ManagerSettings {
+            margin_bytes: 0,
+            disk: dir.map(|dir| DiskSettings {
+                dir: dir.to_path_buf(),
+                rank: 0,
+                chunk_bytes: MIB,
+            }),
+        };
+        let dyn_device: Arc<dyn Device> = device.clone();
+        (device, MemoryManager::new(dyn_device, settings).unwrap())
+    }
+
+    fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; len];
+        ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut bytes);
+        bytes
+    }
+
+    fn contents(buffer: &Buffer) -> Vec<u8> {
+        let mut bytes = vec![0u8; buffer.len()];
+        buffer.read(0, &mut bytes).unwrap();
+        bytes
+    }
+
+    fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+        a.iter().zip(b).position(|(x, y)| x != y)
+    }
+
+    #[test]
+    fn round_trips_are_bit_exact_at_the_same_addresses_for_every_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, memory) = manager(2048 * MIB, Some(dir.path()));
+        let sizes = [
+            1,
+            255,
+            3 * 4096 + 5,
+            2 * MIB + 1,
+            37 * MIB + 7,
+            300 * MIB + 13,
+        ];
+        let data = random_bytes(7, sizes[sizes.len() - 1]);
+        for policy in [BackupPolicy::Host, BackupPolicy::Disk, BackupPolicy::None] {
+            let tag = MemoryTag::Named(format!("round-trip-{policy}"));
+            memory
+                .create_region(tag.clone(), policy, 512 * MIB)
+                .unwrap();
+            let mut buffers: Vec<Buffer> = sizes
+                .iter()
+                .map(|&len| memory.alloc(&tag, len).unwrap())
+                .collect();
+            for (buffer, &len) in buffers.iter_mut().zip(&sizes) {
+                buffer.write(0, &data[..len]).unwrap();
+            }
+            let addresses: Vec<u64> = buffers.iter().map(Buffer::address).collect();
+            let paused = memory.pause(&tag).unwrap();
+            assert_eq!(paused.bytes, memory.region_bytes(&tag).unwrap());
+            assert!(paused.free_after > paused.free_before);
+            memory.resume(&tag).unwrap();
+            assert_eq!(
+                buffers.iter().map(Buffer::address).collect::<Vec<_>>(),
+                addresses
+            );
+            if policy != BackupPolicy::None {
+                for (buffer, &len) in buffers.iter().zip(&sizes) {
+                    let back = contents(buffer);
+                    let diff = first_difference(&back, &data[..len]);
+                    assert_eq!(diff, None, "{policy}: {len} bytes differ first at {diff:?}");
+                }
+            }
+        }
+        drop(memory);
+        let left = std::fs::read_dir(dir.path().join("rank-0"))
+            .unwrap()
+            .count();
+        assert_eq!(left, 0, "files left after verified resumes");
+    }
+
+    #[test]
+    fn a_seeded_random_operation_sequence_matches_a_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, memory) = manager(256 * MIB, Some(dir.path()));
+        let policies = [BackupPolicy::Host, BackupPolicy::Disk, BackupPolicy::None];
+        let tags: Vec<MemoryTag> = policies
+            .iter()
+            .map(|p| MemoryTag::Named(format!("model-{p}")))
+            .collect();
+        for (tag, &policy) in tags.iter().zip(&policies) {
+            memory.create_region(tag.clone(), policy, 64 * MIB).unwrap();
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(42);
+        // (tag index, buffer, expected contents; None when a `none` pause dropped them)
+        let mut live: Vec<(usize, Buffer, Option<Vec<u8>>)> = Vec::new();
+        let mut paused = [false; 3];
+        for step in 0..600 {
+            let t = rng.random_range(0..3);
+            match rng.random_range(0..10) {
+                0..=2 => {
+                    let len = rng.random_range(1..300_000);
+                    match memory.alloc(&tags[t], len) {
+                        Ok(buffer) => {
+                            assert!(!paused[t], "step {step}: alloc in a paused tag");
+                            live.push((t, buffer, None));
+                        }
+                        Err(MemoryError::TagPaused { .. }) => assert!(paused[t]),
+                        Err(error) => panic!("step {step}: {error}"),
+                    }
+                }
+                3 if !live.is_empty() => {
+                    let i = rng.random_range(0..live.len());
+                    let (bt, buffer, expected) = live.swap_remove(i);
+                    match buffer.free() {
+                        Ok(()) => assert!(!paused[bt]),
+                        Err(error) => {
+                            assert!(paused[bt], "step {step}: {error}");
+                            live.push((bt, error.buffer, expected));
+                        }
+                    }
+                }
+                4..=5 if !live.is_empty() => {
+                    let i = rng.random_range(0..live.len());
+                    let (bt, buffer, expected) = &mut live[i];
+                    let data = random_bytes(step, buffer.len());
+                    match buffer.write(0, &data) {
+                        Ok(()) => *expected = Some(data),
+                        Err(MemoryError::TagPaused { .. }) => assert!(paused[*bt]),
+                        Err(error) => panic!("step {step}: {error}"),
+                    }
+                }
+                6 => {
+                    let report = memory.pause(&tags[t]);
+                    assert_eq!(report.is_ok(), !paused[t], "step {step}: {report:?}");
+                    if policies[t] == BackupPolicy::None {
+                        live.iter_mut()
+                            .filter(|(bt, _, _)| *bt == t)
+                            .for_each(|(_, _, e)| *e = None);
+                    }
+                    paused[t] = true;
+                }
+                7 => {
+                    let report = memory.resume(&tags[t]);
+                    assert_eq!(report.is_ok(), paused[t], "step {step}: {report:?}");
+                    paused[t] = false;
+                }
+                _ => {}
+            }
+            for (bt, buffer, expected) in &live {
+                if let (false, Some(expected)) = (paused[*bt], expected) {
+                    let back = contents(buffer);
+                    let diff = first_difference(&back, expected);
+                    assert_eq!(
+                        diff, None,
+                        "step {step}: tag {bt} differs first at {diff:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pause_drops_the_arena_resident_pages_for_every_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let (device, memory) = manager(1024 * MIB, Some(dir.path()));
+        for policy in [BackupPolicy::Host, BackupPolicy::Disk, BackupPolicy::None] {
+            let tag = MemoryTag::Named(format!("resident-{policy}"));
+            memory
+                .create_region(tag.clone(), policy, 256 * MIB)
+                .unwrap();
+            let mut buffer = memory.alloc(&tag, 256 * MIB).unwrap();
+            buffer.write(0, &random_bytes(3, 256 * MIB)).unwrap();
+            let arena = memory.arena(&tag).unwrap();
+            let before = device.resident_bytes_in(arena).unwrap();
+            memory.pause(&tag).unwrap();
+            let after = device.resident_bytes_in(arena).unwrap();
+            let dropped = before.saturating_sub(after);
+            assert!(
+                dropped as f64 >= 0.95 * (256 * MIB) as f64,
+                "{policy}: resident {before} -> {after} bytes, dropped {dropped}"
+            );
+            memory.resume(&tag).unwrap();
+        }
+    }
+
+    #[test]
+    fn pausing_one_tag_leaves_another_tags_bytes_intact() {
+        let (_, memory) = manager(64 * MIB, None);
+        memory
+            .create_region(MemoryTag::KvCache, BackupPolicy::None, 8 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::Weights, BackupPolicy::Host, 8 * MIB)
+            .unwrap();
+        let mut kv = memory.alloc(&MemoryTag::KvCache, 1000).unwrap();
+        let mut weights = memory.alloc(&MemoryTag::Weights, 1000).unwrap();
+        let data = random_bytes(5, 1000);
+        kv.write(0, &data).unwrap();
+        weights.write(0, &data).unwrap();
+        let (a, b) = (
+            memory.arena(&MemoryTag::KvCache).unwrap(),
+            memory.arena(&MemoryTag::Weights).unwrap(),
+        );
+        assert!(a.end() <= b.start || b.end() <= a.start, "arenas overlap");
+        memory.pause(&MemoryTag::KvCache).unwrap();
+        assert_eq!(contents(&weights), data);
+        assert!(matches!(
+            kv.read(0, &mut [0u8; 4]),
+            Err(MemoryError::TagPaused { .. })
+        ));
+    }
+
+    #[test]
+    fn misuse_of_the_state_machine_is_a_clear_error() {
+        let (_, memory) = manager(64 * MIB, None);
+        let tag = MemoryTag::Params;
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+            .unwrap();
+        let mut buffer = memory.alloc(&tag, 4096).unwrap();
+        let data = random_bytes(9, 4096);
+        buffer.view_mut::<u8>().unwrap().copy_from_slice(&data);
+        assert!(matches!(
+            memory.resume(&tag),
+            Err(MemoryError::NotPaused { .. })
+        ));
+        memory.pause(&tag).unwrap();
+        assert!(matches!(
+            memory.pause(&tag),
+            Err(MemoryError::AlreadyPaused { .. })
+        ));
+        assert!(matches!(
+            buffer.view::<f32>(),
+            Err(MemoryError::TagPaused { .. })
+        ));
+        assert!(matches!(
+            buffer.write(0, &data),
+            Err(MemoryError::TagPaused { .. })
+        ));
+        assert!(matches!(
+            memory.alloc(&tag, 16),
+            Err(MemoryError::TagPaused { .. })
+        ));
+        let error = buffer.free().unwrap_err();
+        assert!(
+            matches!(error.error, MemoryError::TagPaused { .. }),
+            "{error}"
+        );
+        let buffer = error.buffer;
+        memory.resume(&tag).unwrap();
+        assert_eq!(&*buffer.view::<u8>().unwrap(), data.as_slice());
+        buffer.free().unwrap();
+        assert!(matches!(
+            memory.state(&MemoryTag::Grads),
+            Err(MemoryError::UnknownTag { .. })
+        ));
+        assert!(matches!(
+            memory.create_region(MemoryTag::Named("../x".into()), BackupPolicy::None, MIB),
+            Err(MemoryError::InvalidTagName { .. })
+        ));
+        assert!(matches!(
+            memory.create_region(MemoryTag::Optimizer, BackupPolicy::Disk, MIB),
+            Err(MemoryError::NoDiskStore { .. })
+        ));
+    }
+
+    #[test]
+    fn pause_waits_for_views_and_refuses_new_ones_meanwhile() {
+        let (_, memory) = manager(64 * MIB, None);
+        let tag = MemoryTag::Activations;
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+            .unwrap();
+        let mut first = memory.alloc(&tag, 4096).unwrap();
+        let second = memory.alloc(&tag, 4096).unwrap();
+        let values: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5 + 1.0).collect();
+        first.view_mut::<f32>().unwrap().copy_from_slice(&values);
+        let view = first.view::<f32>().unwrap();
+        std::thread::scope(|scope| {
+            let pauser = scope.spawn(|| memory.pause(&tag));
+            while memory.state(&tag).unwrap() != RegionState::Pausing {
+                std::thread::yield_now();
+            }
+            assert!(matches!(
+                second.view::<f32>(),
+                Err(MemoryError::TagBusy { .. })
+            ));
+            assert!(
+                !pauser.is_finished(),
+                "pause finished while a view was alive"
+            );
+            assert_eq!(&view[..], values.as_slice());
+            drop(view);
+            pauser.join().unwrap().unwrap();
+        });
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+        memory.resume(&tag).unwrap();
+        assert_eq!(&first.view::<f32>().unwrap()[..], values.as_slice());
+    }
+
+    /// Device work that completes when the test opens the gate.
+    struct Gate(std::sync::atomic::AtomicBool);
+
+    impl crate::device::PendingWork for Gate {
+        fn wait(&self) -> Result<(), crate::device::DeviceError> {
+            while !self.0.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            Ok(())
+        }
+
+        fn is_done(&self) -> Result<bool, crate::device::DeviceError> {
+            Ok(self.0.load(std::sync::atomic::Ordering::Acquire))
+        }
+    }
+
+    #[test]
+    fn pause_waits_for_device_work_recorded_on_the_tag() {
+        let (_, memory) = manager(64 * MIB, None);
+        let tag = MemoryTag::KvCache;
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+            .unwrap();
+        let buffer = memory.alloc(&tag, 4096).unwrap();
+        let gate = Arc::new(Gate(std::sync::atomic::AtomicBool::new(false)));
+        buffer.record_use(crate::device::Fence::pending(gate.clone()));
+        std::thread::scope(|scope| {
+            let pauser = scope.spawn(|| memory.pause(&tag));
+            while memory.state(&tag).unwrap() != RegionState::Pausing {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert!(
+                !pauser.is_finished(),
+                "pause finished while device work was in flight"
+            );
+            assert_eq!(memory.region_bytes(&tag).unwrap(), 2 * MIB as u64);
+            gate.0.store(true, std::sync::atomic::Ordering::Release);
+            pauser.join().unwrap().unwrap();
+        });
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+    }
+
+    #[test]
+    fn one_tag_pauses_and_resumes_while_another_is_in_use() {
+        let (_, memory) = manager(256 * MIB, None);
+        memory
+            .create_region(MemoryTag::Params, BackupPolicy::Host, 16 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::Weights, BackupPolicy::Host, 16 * MIB)
+            .unwrap();
+        let mut params = memory.alloc(&MemoryTag::Params, 4 * MIB).unwrap();
+        let mut weights = memory.alloc(&MemoryTag::Weights, 4 * MIB).unwrap();
+        let params_data = random_bytes(29, 4 * MIB);
+        params.write(0, &params_data).unwrap();
+        weights.write(0, &random_bytes(31, 4 * MIB)).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                for _ in 0..50 {
+                    memory.pause(&MemoryTag::Params).unwrap();
+                    memory.resume(&MemoryTag::Params).unwrap();
+                }
+            });
+            for round in 0..200u32 {
+                let mut view = weights.view_mut::<u32>().unwrap();
+                view.iter_mut().for_each(|x| *x = x.wrapping_add(round));
+            }
+        });
+        assert_eq!(first_difference(&contents(&params), &params_data), None);
+        let pooled = memory.host_pool().allocated_bytes();
+        assert!(pooled >= 4 * MIB as u64);
+        assert_eq!(
+            memory.release_host_pool(),
+            pooled,
+            "the pool frees on request"
+        );
+    }
+
+    #[test]
+    fn resume_without_memory_changes_nothing_and_succeeds_after_another_tag_pauses() {
+        let (_, memory) = manager(64 * MIB, None);
+        memory
+            .create_region(MemoryTag::Weights, BackupPolicy::Host, 64 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::KvCache, BackupPolicy::None, 64 * MIB)
+            .unwrap();
+        let mut weights = memory.alloc(&MemoryTag::Weights, 32 * MIB).unwrap();
+        let data = random_bytes(11, 32 * MIB);
+        weights.write(0, &data).unwrap();
+        memory.pause(&MemoryTag::Weights).unwrap();
+        let kv = memory.alloc(&MemoryTag::KvCache, 40 * MIB).unwrap();
+        let error = memory.resume(&MemoryTag::Weights).unwrap_err();
+        assert!(
+            matches!(error, MemoryError::InsufficientMemory { need, free, .. } if need == 32 * MIB as u64 && free == 24 * MIB as u64),
+            "{error}"
+        );
+        assert_eq!(
+            memory.state(&MemoryTag::Weights).unwrap(),
+            RegionState::Paused
+        );
+        memory.pause(&MemoryTag::KvCache).unwrap();
+        memory.resume(&MemoryTag::Weights).unwrap();
+        assert_eq!(first_difference(&contents(&weights), &data), None);
+        drop(kv);
+    }
+
+    #[test]
+    fn an_injected_write_fault_keeps_the_tag_active_and_removes_partial_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, mut memory) = manager(64 * MIB, Some(dir.path()));
+        memory.inject_disk_write_fault(2);
+        let tag = MemoryTag::Optimizer;
+        memory
+            .create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB)
+            .unwrap();
+        let mut buffer = memory.alloc(&tag, 6 * MIB + 3).unwrap();
+        let data = random_bytes(13, 6 * MIB + 3);
+        buffer.write(0, &data).unwrap();
+        let error = memory.pause(&tag).unwrap_err();
+        assert!(
+            matches!(&error, MemoryError::Store { source: StoreError::Io { action, .. }, .. } if action.contains("chunk 2")),
+            "{error}"
+        );
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
+        assert_eq!(first_difference(&contents(&buffer), &data), None);
+        let tag_dir = dir.path().join("rank-0").join("optimizer");
+        assert_eq!(
+            std::fs::read_dir(tag_dir).unwrap().count(),
+            0,
+            "partial files left"
+        );
+    }
+
+    #[test]
+    fn a_full_disk_keeps_the_tag_active_and_intact() {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|status| status.success());
+        if !mounted {
+            eprintln!("skipped: cannot mount a small tmpfs (needs root)");
+            return;
+        }
+        let outcome = std::panic::catch_unwind(|| {
+            let (_, memory) = manager(64 * MIB, Some(dir.path()));
+            let tag = MemoryTag::Params;
+            memory
+                .create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB)
+                .unwrap();
+            let mut buffer = memory.alloc(&tag, 8 * MIB).unwrap();
+            let data = random_bytes(17, 8 * MIB);
+            buffer.write(0, &data).unwrap();
+            let error = memory.pause(&tag).unwrap_err();
+            let message = error.to_string();
+            assert!(message.contains("data.bin"), "{message}");
+            assert!(
+                matches!(&error, MemoryError::Store { source: StoreError::Io { source, .. }, .. } if source.raw_os_error() == Some(libc::ENOSPC)),
+                "{message}"
+            );
+            assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
+            assert_eq!(first_difference(&contents(&buffer), &data), None);
+            let tag_dir = dir.path().join("rank-0").join("params");
+            assert_eq!(
+                std::fs::read_dir(tag_dir).unwrap().count(),
+                0,
+                "partial files left"
+            );
+        });
+        let _ = std::process::Command::new("umount")
+            .arg(dir.path())
+            .status();
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    #[test]
+    fn a_flipped_byte_fails_resume_naming_file_and_chunk_and_keeps_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, memory) = manager(64 * MIB, Some(dir.path()));
+        let tag = MemoryTag::Weights;
+        memory
+            .create_region(tag.clone(), BackupPolicy::Disk, 16 * MIB)
+            .unwrap();
+        let mut buffer = memory.alloc(&tag, 3 * MIB).unwrap();
+        let data = random_bytes(19, 3 * MIB);
+        buffer.write(0, &data).unwrap();
+        memory.pause(&tag).unwrap();
+        let file = dir.path().join("rank-0").join("weights").join("data.bin");
+        let mut bytes = std::fs::read(&file).unwrap();
+        let at = MIB + 12345;
+        bytes[at] ^= 0x10;
+        std::fs::write(&file, &bytes).unwrap();
+        let error = memory.resume(&tag).unwrap_err();
+        assert!(
+            matches!(&error, MemoryError::Store { source: StoreError::ChecksumMismatch { chunk: 1, path, .. }, .. } if *path == file),
+            "{error}"
+        );
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+        assert!(file.exists());
+        bytes[at] ^= 0x10;
+        std::fs::write(&file, &bytes).unwrap();
+        memory.resume(&tag).unwrap();
+        assert_eq!(first_difference(&contents(&buffer), &data), None);
+        assert!(!file.exists(), "files must go after a verified resume");
+    }
+
+    #[test]
+    fn buffers_dropped_while_paused_are_freed_on_resume() {
+        let (_, memory) = manager(64 * MIB, None);
+        let tag = MemoryTag::Grads;
+        memory
+            .create_region(tag.clone(), BackupPolicy::None, 16 * MIB)
+            .unwrap();
+        let buffers: HashMap<usize, Buffer> = (0..4)
+            .map(|i| (i, memory.alloc(&tag, 3 * MIB).unwrap()))
+            .collect();
+        memory.pause(&tag).unwrap();
+        drop(buffers);
+        memory.resume(&tag).unwrap();
+        assert_eq!(memory.region_bytes(&tag).unwrap(), 0);
+        assert!(memory.alloc(&tag, 16 * MIB).is_ok());
+    }
+}

@@ -1,0 +1,132 @@
+//! Tags, backup policies, region states and offload reports.
+
+use std::fmt;
+
+/// What a region holds; each tag owns its own address arena.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryTag {
+    /// Rollout model weights.
+    Weights,
+    /// The rollout engine's paged KV cache.
+    KvCache,
+    /// Captured CUDA graphs of the rollout engine.
+    CudaGraph,
+    /// Training parameters.
+    Params,
+    /// Training gradients.
+    Grads,
+    /// Optimizer state (master weights, moments).
+    Optimizer,
+    /// Activations kept for the backward pass.
+    Activations,
+    /// Any other region; the name must be lowercase letters, digits, `_` or `-`.
+    Named(String),
+}
+
+impl MemoryTag {
+    /// The tag's name, as used in logs and directory names (`kv_cache`, ...).
+    pub fn name(&self) -> &str {
+        match self {
+            MemoryTag::Weights => "weights",
+            MemoryTag::KvCache => "kv_cache",
+            MemoryTag::CudaGraph => "cuda_graph",
+            MemoryTag::Params => "params",
+            MemoryTag::Grads => "grads",
+            MemoryTag::Optimizer => "optimizer",
+            MemoryTag::Activations => "activations",
+            MemoryTag::Named(name) => name,
+        }
+    }
+}
+
+impl fmt::Display for MemoryTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where a region's bytes go while it is paused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackupPolicy {
+    /// Nowhere: the contents are dropped (gradients, KV cache); resume gives unspecified bytes.
+    None,
+    /// A host buffer from the manager's pool (pinned on CUDA).
+    Host,
+    /// Checksummed chunk files in the manager's disk directory.
+    Disk,
+}
+
+impl fmt::Display for BackupPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackupPolicy::None => "none",
+            BackupPolicy::Host => "host",
+            BackupPolicy::Disk => "disk",
+        })
+    }
+}
+
+/// Where a region stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegionState {
+    /// On the device; buffers can be used.
+    Active,
+    /// A pause is in progress (waiting for views, or copying out).
+    Pausing,
+    /// Off the device; buffers keep their addresses but cannot be used.
+    Paused,
+    /// A resume is in progress.
+    Resuming,
+}
+
+impl fmt::Display for RegionState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RegionState::Active => "active",
+            RegionState::Pausing => "pausing",
+            RegionState::Paused => "paused",
+            RegionState::Resuming => "resuming",
+        })
+    }
+}
+
+/// What one pause or resume did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OffloadReport {
+    /// The region.
+    pub tag: MemoryTag,
+    /// Bytes of device memory released (pause) or committed (resume).
+    pub bytes: u64,
+    /// Wall time of the whole operation.
+    pub seconds: f64,
+    /// `bytes / seconds`, in 10^9 bytes per second.
+    pub gbps: f64,
+    /// Free device memory before.
+    pub free_before: u64,
+    /// Free device memory after.
+    pub free_after: u64,
+}
+
+impl OffloadReport {
+    pub(crate) fn new(
+        tag: MemoryTag,
+        bytes: u64,
+        seconds: f64,
+        free_before: u64,
+        free_after: u64,
+    ) -> OffloadReport {
+        let gbps = if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        };
+        OffloadReport {
+            tag,
+            bytes,
+            seconds,
+            gbps,
+            free_before,
+            free_after,
+        }
+    }
+}
