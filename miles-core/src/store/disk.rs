@@ -360,7 +360,13 @@ impl DiskStore {
                 .collect();
             workers
                 .into_iter()
-                .filter_map(|worker| worker.join().ok())
+                .filter_map(|worker| match worker.join() {
+                    Ok(buffer) => Some(buffer),
+                    Err(_) => {
+                        tracing::error!("an offload reader thread panicked; its buffer is lost");
+                        None
+                    }
+                })
                 .collect()
         });
         returned
