@@ -210,9 +210,7 @@ impl Rank {
         op: &'static str,
         f: impl FnOnce(&mut Rank, &Comms) -> Result<T, BackendError>,
     ) -> Result<T, BackendError> {
-        if self.offloaded {
-            return Err(BackendError::Offloaded { op });
-        }
+        self.check_active(op)?;
         let comms = self.comms.take().ok_or_else(|| BackendError::Settings {
             backend: "megatron",
             reason: format!(
@@ -272,7 +270,9 @@ impl Rank {
             ..
         } = self;
         let Some((_, acts)) = acts else {
-            return Err(BackendError::Batch("no activation buffer".to_string()));
+            return Err(BackendError::Batch(
+                "no activation buffer was allocated for this batch".to_string(),
+            ));
         };
         let params = params.view::<f32>()?;
         let mut acts = acts.view_mut::<f32>()?;
@@ -487,18 +487,14 @@ impl Rank {
         }
     }
 
-    /// Replaces both moments of the owned slice.
+    /// Elements of the owned slice (the length of each moment).
+    pub(crate) fn shard_len(&self) -> usize {
+        self.shard_len
+    }
+
+    /// Replaces both moments of the owned slice (each [`shard_len`](Self::shard_len) long).
     pub(crate) fn set_moments(&mut self, m: &[f32], v: &[f32]) -> Result<(), BackendError> {
         self.check_active("load optimizer state")?;
-        if m.len() != self.shard_len || v.len() != self.shard_len {
-            return Err(BackendError::Batch(format!(
-                "optimizer shard has {} and {} elements, rank {} owns {}",
-                m.len(),
-                v.len(),
-                self.grid.rank,
-                self.shard_len
-            )));
-        }
         match &mut self.moments {
             Moments::Resident { m: bm, v: bv } => {
                 bm.view_mut::<f32>()?.copy_from_slice(m);

@@ -17,7 +17,7 @@ use miles_core::{
     RankOffload, StepStats, WeightBucket, WeightSink,
 };
 
-use crate::checkpoint::{read_optimizer, write_optimizer};
+use crate::checkpoint::{OPTIMIZER_DIR, read_optimizer, write_optimizer};
 use crate::error::invalid;
 use crate::rank::{Comms, Grid, Rank, RankSpec, StreamSpec};
 use crate::shard::{gather_tensor, scatter, shard_config};
@@ -362,6 +362,26 @@ impl MegatronTrainer {
         }
         Ok(())
     }
+
+    /// Checks `batch` here, before any rank starts: a rank that failed on its rows alone would
+    /// leave its peers in a collective.
+    fn check_batch(&self, batch: &Batch) -> Result<(), BackendError> {
+        batch.check(self.options.data_parallel)?;
+        let vocab = self.config.vocab_size;
+        let ids = batch.inputs.iter().chain(&batch.targets);
+        match ids.enumerate().find(|(_, id)| **id as usize >= vocab) {
+            Some((position, id)) => Err(BackendError::Batch(format!(
+                "token id {id} at flat position {} of the {} is outside the vocabulary of {vocab} ids",
+                position % batch.inputs.len().max(1),
+                if position < batch.inputs.len() {
+                    "inputs"
+                } else {
+                    "targets"
+                }
+            ))),
+            None => Ok(()),
+        }
+    }
 }
 
 fn unexpected(reply: &Reply) -> BackendError {
@@ -482,8 +502,8 @@ impl TrainBackend for MegatronTrainer {
 
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
         self.check_on_device("train")?;
+        self.check_batch(batch)?;
         let dp = self.options.data_parallel;
-        batch.check(dp)?;
         let start = Instant::now();
         let shared = Arc::new(batch.clone());
         let grids: Vec<Grid> = (0..self.workers.len()).map(|r| self.grid(r)).collect();
@@ -520,8 +540,8 @@ impl TrainBackend for MegatronTrainer {
 
     fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {
         self.check_on_device("compute log-probs")?;
+        self.check_batch(batch)?;
         let dp = self.options.data_parallel;
-        batch.check(dp)?;
         let shared = Arc::new(batch.clone());
         let grids: Vec<Grid> = (0..self.workers.len()).map(|r| self.grid(r)).collect();
         let replies = self.run_all(true, |r| {
@@ -668,6 +688,18 @@ impl TrainBackend for MegatronTrainer {
                 );
                 rank.set_local_params(&local)?;
                 match read_optimizer(&dir, rank.grid.rank, tp, dp)? {
+                    Some(saved) if saved.m.len() != rank.shard_len() || saved.v.len() != rank.shard_len() => {
+                        Err(BackendError::Checkpoint {
+                            path: dir.join(OPTIMIZER_DIR),
+                            reason: format!(
+                                "rank {} owns {} optimizer elements, its file holds {} and {}; the checkpoint is of another model",
+                                rank.grid.rank,
+                                rank.shard_len(),
+                                saved.m.len(),
+                                saved.v.len()
+                            ),
+                        })
+                    }
                     Some(saved) => {
                         rank.set_moments(&saved.m, &saved.v)?;
                         rank.step = saved.step;

@@ -148,11 +148,16 @@ fn streaming_the_optimizer_state_is_exact_in_fp32_and_close_in_bf16() {
     for (dtype, tolerance) in [(MomentDtype::Fp32, 0.0), (MomentDtype::Bf16, 1e-5)] {
         let opts = MegatronOptions {
             stream_optimizer: Some(dtype),
+            offload_target: OffloadTarget::Disk,
             disk_dir: Some(dir.path().join(dtype.to_string())),
             disk_chunk_bytes: 16 << 10,
             ..options(2, 2)
         };
-        let got = losses(&mut trainer(opts), |_| {});
+        // Offload cycles between the steps, as a colocated run streaming its optimizer does.
+        let got = losses(&mut trainer(opts), |t| {
+            t.offload(OffloadTarget::Disk).unwrap();
+            t.onload().unwrap();
+        });
         let worst = worst_relative(&got, &reference);
         eprintln!("{dtype} moments: worst relative loss difference {worst}");
         // fp32 moments: bit-exact. bf16 moments (8-bit mantissas): 1e-5 relative over 5 steps at lr 1e-3.
@@ -222,6 +227,11 @@ fn misuse_and_failures_are_clear_errors() {
     t.onload().unwrap();
     let err = t.train_step(&batch(0, 0, 8)).unwrap_err();
     assert!(matches!(err, BackendError::Batch(_)), "{err}");
+    let mut bad_token = batch(0, 2, 8);
+    bad_token.targets[11] = 259;
+    let err = t.train_step(&bad_token).unwrap_err();
+    assert!(err.to_string().contains("token id 259"), "{err}");
+    t.train_step(&batch(0, 2, 8)).unwrap();
 
     let config = LlamaConfig::preset("tiny").unwrap();
     let params = init_weights(&config, 1).unwrap();
