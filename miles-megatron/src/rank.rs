@@ -22,7 +22,7 @@ use miles_core::{
 };
 
 use crate::shard::{Split, split_of};
-use crate::stream::{StreamedMoments, dtype_bytes, stream_tag};
+use crate::stream::{StreamedMoments, arena_bytes, dtype_bytes, stream_tag};
 
 /// Where a rank sits in the grid: `rank = dp_rank * tp + tp_rank`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,8 +161,8 @@ impl Rank {
             Some(stream) => {
                 let per_elem = 2 * dtype_bytes(stream.dtype);
                 let bucket_elems = (stream.bucket_bytes / per_elem).max(1);
-                let slot_bytes = 2 * bucket_elems.min(shard_len.max(1)) * dtype_bytes(stream.dtype);
-                manager.create_region(stream_tag(), BackupPolicy::None, 3 * (slot_bytes + 256))?;
+                let arena = arena_bytes(stream.dtype, shard_len, bucket_elems);
+                manager.create_region(stream_tag(), BackupPolicy::None, arena)?;
                 let pool = Arc::new(HostPool::new(Arc::clone(&device)));
                 let store = DiskStore::new(
                     &stream.disk.dir,
@@ -204,7 +204,8 @@ impl Rank {
         })
     }
 
-    /// Takes the collectives for one operation (put back by [`with_comms`](Self::with_comms)).
+    /// Runs `f` with the rank's collectives; fails while offloaded or once the rank has left
+    /// its groups.
     fn with_comms<T>(
         &mut self,
         op: &'static str,

@@ -72,6 +72,16 @@ fn decode(dtype: MomentDtype, src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// Bytes of one staging slot for buckets of `bucket_elems` over a shard of `shard_len`.
+fn slot_bytes(dtype: MomentDtype, shard_len: usize, bucket_elems: usize) -> usize {
+    2 * bucket_elems.min(shard_len).max(1) * dtype_bytes(dtype)
+}
+
+/// Bytes the [`stream_tag`] region needs (slots plus the allocator's alignment).
+pub(crate) fn arena_bytes(dtype: MomentDtype, shard_len: usize, bucket_elems: usize) -> usize {
+    SLOTS * (slot_bytes(dtype, shard_len, bucket_elems) + 256)
+}
+
 /// One rank's Adam moments on disk.
 #[derive(Debug)]
 pub(crate) struct StreamedMoments {
@@ -99,7 +109,7 @@ impl StreamedMoments {
             .step_by(bucket_elems)
             .map(|s| s..(s + bucket_elems).min(shard_len))
             .collect();
-        let slot_bytes = 2 * bucket_elems.min(shard_len.max(1)) * dtype_bytes(dtype);
+        let slot_bytes = slot_bytes(dtype, shard_len, bucket_elems);
         let slots = (0..SLOTS.min(buckets.len().max(1)))
             .map(|_| manager.alloc(&stream_tag(), slot_bytes))
             .collect::<Result<Vec<_>, _>>()?;

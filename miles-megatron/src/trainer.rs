@@ -13,8 +13,8 @@ use miles_core::model::{
 };
 use miles_core::ops::AdamWConfig;
 use miles_core::{
-    BackendError, Batch, Communicator, DiskSettings, LocalComm, NamedTensor, OffloadStats,
-    RankOffload, StepStats, WeightBucket, WeightSink,
+    BackendError, Batch, CommError, Communicator, DiskSettings, LocalComm, NamedTensor,
+    OffloadStats, RankOffload, StepStats, WeightBucket, WeightSink,
 };
 
 use crate::checkpoint::{OPTIMIZER_DIR, read_optimizer, write_optimizer};
@@ -273,26 +273,29 @@ impl MegatronTrainer {
         self.collect()
     }
 
+    /// Waits for one reply per rank. Of several errors, a rank's own failure is returned rather
+    /// than the peers' reports that it left their collective.
     fn collect(&mut self) -> Result<Vec<Reply>, BackendError> {
         let mut replies = Vec::with_capacity(self.workers.len());
-        let mut first_error = None;
+        let mut errors = Vec::new();
         for (rank, worker) in self.workers.iter().enumerate() {
             match worker.replies.recv() {
                 Ok(Ok(reply)) => replies.push(reply),
-                Ok(Err(error)) => {
-                    first_error.get_or_insert(error);
-                }
-                Err(_) => {
-                    first_error.get_or_insert(BackendError::RankLost {
-                        backend: "megatron",
-                        rank,
-                    });
-                }
+                Ok(Err(error)) => errors.push(error),
+                Err(_) => errors.push(BackendError::RankLost {
+                    backend: "megatron",
+                    rank,
+                }),
             }
         }
-        match first_error {
-            Some(error) => Err(error),
-            None => Ok(replies),
+        let secondary =
+            |e: &BackendError| matches!(e, BackendError::Comm(CommError::PeerGone { .. }));
+        match errors.iter().position(|e| !secondary(e)) {
+            Some(root) => Err(errors.swap_remove(root)),
+            None => match errors.pop() {
+                Some(error) => Err(error),
+                None => Ok(replies),
+            },
         }
     }
 

@@ -254,3 +254,24 @@ fn misuse_and_failures_are_clear_errors() {
     assert!(!t.is_offloaded());
     t.train_step(&batch(5, 2, 8)).unwrap();
 }
+
+#[test]
+fn a_corrupted_optimizer_bucket_on_disk_fails_the_step_naming_the_checksum() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = trainer(MegatronOptions {
+        stream_optimizer: Some(MomentDtype::Fp32),
+        disk_dir: Some(dir.path().to_path_buf()),
+        disk_chunk_bytes: 16 << 10,
+        ..options(1, 2)
+    });
+    t.train_step(&batch(0, 2, 8)).unwrap();
+    let data = dir
+        .path()
+        .join("optimizer/rank-1/optimizer-bucket-00001/data.bin");
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&data, bytes).unwrap();
+    let err = t.train_step(&batch(1, 2, 8)).unwrap_err();
+    assert!(matches!(err, BackendError::Store(_)), "{err}");
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+}
