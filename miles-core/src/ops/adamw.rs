@@ -67,11 +67,36 @@ pub fn adamw_step(
     cfg: &AdamWConfig,
 ) -> AdamWStepStats {
     let grad_norm = global_grad_norm(grads);
-    // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
-    let clip_scale = match cfg.max_grad_norm {
+    let clip_scale = clip_scale(cfg, grad_norm);
+    adamw_update(params, grads, m, v, step, cfg, clip_scale);
+    AdamWStepStats {
+        step,
+        grad_norm,
+        clip_scale,
+    }
+}
+
+/// The factor gradients of global norm `grad_norm` are multiplied by (1 when not clipped), as
+/// `torch.nn.utils.clip_grad_norm_` computes it: `max_norm / (norm + 1e-6)` when below 1.
+pub fn clip_scale(cfg: &AdamWConfig, grad_norm: f32) -> f32 {
+    match cfg.max_grad_norm {
         Some(max) => (max / (grad_norm + 1e-6)).min(1.0),
         None => 1.0,
-    };
+    }
+}
+
+/// The element-wise part of AdamW step `step` over any slice of the flat buffers, with the
+/// gradients scaled by `clip_scale`: a sharded optimizer computes the global norm over all
+/// shards, then updates its own shard (or a bucket of it) with this.
+pub fn adamw_update(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: u64,
+    cfg: &AdamWConfig,
+    clip_scale: f32,
+) {
     let t = step.min(i32::MAX as u64) as i32;
     let bias1 = 1.0 - cfg.beta1.powi(t);
     let bias2_sqrt = (1.0 - cfg.beta2.powi(t)).sqrt();
@@ -89,11 +114,6 @@ pub fn adamw_step(
             let denom = v.sqrt() / bias2_sqrt + cfg.eps;
             *p -= step_size * *m / denom;
         });
-    AdamWStepStats {
-        step,
-        grad_norm,
-        clip_scale,
-    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,9 @@ mod swiglu;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use adamw::{AdamWConfig, AdamWStepStats, adamw_step, global_grad_norm};
+pub use adamw::{
+    AdamWConfig, AdamWStepStats, adamw_step, adamw_update, clip_scale, global_grad_norm,
+};
 pub use attention::{
     AttentionShape, attention_backward, attention_backward_naive, attention_forward,
     attention_forward_naive,
