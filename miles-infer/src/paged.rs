@@ -152,11 +152,10 @@ impl BlockTables {
     /// [`InferError::Internal`] for an unknown `seq`.
     pub fn append_cost(&self, seq: usize) -> Result<usize, InferError> {
         let table = self.table(seq)?;
-        if table.len % self.block_size == 0 {
-            return Ok(1);
+        match table.blocks.get(table.len / self.block_size) {
+            None => Ok(1),
+            Some(&last) => Ok(usize::from(self.refs[last] > 1)),
         }
-        let last = table.blocks[table.len / self.block_size];
-        Ok(usize::from(self.refs[last] > 1))
     }
 
     /// Makes the slot of `seq`'s next position writable: takes a fresh block when the last is
@@ -176,11 +175,11 @@ impl BlockTables {
         let bs = self.block_size;
         let bf = self.block_floats;
         let table = self.seqs[seq].as_mut().ok_or_else(|| unknown(seq))?;
-        if table.len % bs == 0 {
+        let slot = table.len / bs;
+        if slot == table.blocks.len() {
             table.blocks.push(fresh);
             return Ok(true);
         }
-        let slot = table.len / bs;
         let shared = table.blocks[slot];
         table.blocks[slot] = fresh;
         storage.copy_within(shared * bf..(shared + 1) * bf, fresh * bf);
@@ -309,6 +308,8 @@ mod tests {
     fn forks_share_full_blocks_and_copy_the_partial_one_on_write() {
         let (mut t, mut storage) = tables(8, 4);
         let prompt = t.add_seq();
+        assert!(t.prepare_append(prompt, &mut storage).unwrap());
+        assert_eq!(t.append_cost(prompt).unwrap(), 0, "a prepared slot costs nothing more");
         let mut kv = PagedKv {
             tables: &mut t,
             storage: &mut storage,
@@ -337,7 +338,7 @@ mod tests {
         assert_eq!(t.free_blocks(), 4, "one copy per fork");
         t.free_seq(prompt).unwrap();
         t.free_seq(a).unwrap();
-        assert_eq!(t.free_blocks(), 5, "b still holds the first block and its copy");
+        assert_eq!(t.free_blocks(), 6, "b still holds the first block and its copy");
         t.free_seq(b).unwrap();
         assert_eq!(t.free_blocks(), 8);
         assert!(matches!(t.free_seq(b), Err(InferError::Internal(_))));
