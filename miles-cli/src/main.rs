@@ -6,9 +6,11 @@
 #![forbid(unsafe_code)]
 
 mod bench_offload;
+mod bench_rollout;
 mod bench_train;
 mod check_config;
 mod doctor;
+mod generate;
 mod model_cmd;
 mod settings_args;
 
@@ -35,6 +37,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Make, inspect and score models.
     Model(model_cmd::ModelArgs),
+    /// Sample completions of prompts from a checkpoint with the rollout engine.
+    Generate(Box<generate::GenerateArgs>),
     /// Benchmarks that print our figure next to a baseline measured in the same run.
     Bench {
         /// Which benchmark.
@@ -50,6 +54,8 @@ enum BenchCommand {
     Offload(bench_offload::OffloadBenchArgs),
     /// Training step throughput and the share of time in matrix products.
     Train(bench_train::BenchTrainArgs),
+    /// Rollout decode throughput and the time of each offload / onload step per level.
+    Rollout(Box<bench_rollout::BenchRolloutArgs>),
 }
 
 fn main() -> ExitCode {
@@ -59,12 +65,16 @@ fn main() -> ExitCode {
         Command::CheckConfig(args) => check_config::run(*args),
         Command::Doctor(args) => doctor::run(args),
         Command::Model(args) => model_cmd::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::Bench {
             bench: BenchCommand::Train(args),
         } => bench_train::run(args),
         Command::Bench {
             bench: BenchCommand::Offload(args),
         } => bench_offload::run(&args),
+        Command::Bench {
+            bench: BenchCommand::Rollout(args),
+        } => bench_rollout::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

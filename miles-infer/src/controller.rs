@@ -11,7 +11,9 @@
 //! [`update_weights`]: InferenceController::update_weights
 //! [`onload_kv`]: InferenceController::onload_kv
 
-use miles_core::{BackupPolicy, MemoryTag, OffloadReport, RegionState, RolloutOffloadLevel, Settings};
+use miles_core::{
+    BackupPolicy, MemoryTag, OffloadReport, RegionState, RolloutOffloadLevel, Settings,
+};
 
 use crate::weights::{self, NamedTensor, WeightUpdateReport};
 use crate::{Generation, InferError, RolloutEngine, SamplingParams};

@@ -321,7 +321,8 @@ impl RolloutEngine {
             if let Some(reason) = reason {
                 return Err(InferError::BadPrompt { index, reason });
             }
-            longest = longest.max((prompt.len() + params.max_new_tokens).min(c.max_position_embeddings) - 1);
+            longest = longest
+                .max((prompt.len() + params.max_new_tokens).min(c.max_position_embeddings) - 1);
         }
         // A sequence's own blocks, plus the prompt's partial block its group keeps.
         let need = self.tables.blocks_for(longest) + 1;
@@ -379,7 +380,11 @@ impl RolloutEngine {
             fix.push("onload_kv");
         }
         if !what.is_empty() {
-            let verb = if what == ["the kv cache"] { "is" } else { "are" };
+            let verb = if what == ["the kv cache"] {
+                "is"
+            } else {
+                "are"
+            };
             return Err(InferError::Offloaded {
                 action,
                 what: format!("{} {verb}", what.join(" and ")),
@@ -400,7 +405,12 @@ impl RolloutEngine {
             .map(|(spec, _)| spec.name.as_str())
             .collect();
         if !missing.is_empty() {
-            let mut names = missing.iter().take(3).copied().collect::<Vec<_>>().join(", ");
+            let mut names = missing
+                .iter()
+                .take(3)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", ");
             if missing.len() > 3 {
                 names.push_str(", ...");
             }

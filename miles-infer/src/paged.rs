@@ -309,7 +309,11 @@ mod tests {
         let (mut t, mut storage) = tables(8, 4);
         let prompt = t.add_seq();
         assert!(t.prepare_append(prompt, &mut storage).unwrap());
-        assert_eq!(t.append_cost(prompt).unwrap(), 0, "a prepared slot costs nothing more");
+        assert_eq!(
+            t.append_cost(prompt).unwrap(),
+            0,
+            "a prepared slot costs nothing more"
+        );
         let mut kv = PagedKv {
             tables: &mut t,
             storage: &mut storage,
@@ -321,7 +325,11 @@ mod tests {
         let a = t.fork(prompt).unwrap();
         let b = t.fork(prompt).unwrap();
         assert_eq!(t.free_blocks(), 6, "forks take no block");
-        assert_eq!(t.append_cost(a).unwrap(), 1, "the shared partial block is copied");
+        assert_eq!(
+            t.append_cost(a).unwrap(),
+            1,
+            "the shared partial block is copied"
+        );
         let mut kv = PagedKv {
             tables: &mut t,
             storage: &mut storage,
@@ -330,7 +338,11 @@ mod tests {
         append(&mut kv, b, 900.0);
         for pos in 0..6 {
             assert_eq!(kv.key(1, a, pos), kv.key(1, prompt, pos), "position {pos}");
-            assert_eq!(kv.value(0, b, pos), kv.value(0, prompt, pos), "position {pos}");
+            assert_eq!(
+                kv.value(0, b, pos),
+                kv.value(0, prompt, pos),
+                "position {pos}"
+            );
         }
         assert_eq!(kv.key(0, a, 6)[0], 500.0);
         assert_eq!(kv.key(0, b, 6)[0], 900.0);
@@ -338,7 +350,11 @@ mod tests {
         assert_eq!(t.free_blocks(), 4, "one copy per fork");
         t.free_seq(prompt).unwrap();
         t.free_seq(a).unwrap();
-        assert_eq!(t.free_blocks(), 6, "b still holds the first block and its copy");
+        assert_eq!(
+            t.free_blocks(),
+            6,
+            "b still holds the first block and its copy"
+        );
         t.free_seq(b).unwrap();
         assert_eq!(t.free_blocks(), 8);
         assert!(matches!(t.free_seq(b), Err(InferError::Internal(_))));

@@ -82,7 +82,8 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha20R
     let logprob = |id: usize| (f64::from((logits[id] - max) / t) - sum.ln()) as f32;
     if params.temperature == 0.0 {
         // Ties go to the lowest id.
-        let id = (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best });
+        let id =
+            (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best });
         return (id as u32, logprob(id));
     }
     let mut order: Vec<usize> = (0..probs.len()).collect();
@@ -176,13 +177,28 @@ mod tests {
     #[test]
     fn out_of_range_parameters_are_named() {
         for (p, what) in [
-            (SamplingParams { n: 0, ..params(1.0, 1.0) }, "n"),
+            (
+                SamplingParams {
+                    n: 0,
+                    ..params(1.0, 1.0)
+                },
+                "n",
+            ),
             (params(-1.0, 1.0), "temperature"),
             (params(1.0, 0.0), "top_p"),
-            (SamplingParams { max_new_tokens: 0, ..params(1.0, 1.0) }, "max_new_tokens"),
+            (
+                SamplingParams {
+                    max_new_tokens: 0,
+                    ..params(1.0, 1.0)
+                },
+                "max_new_tokens",
+            ),
         ] {
             let err = p.validate().unwrap_err();
-            assert!(matches!(err, InferError::BadParameter { what: w, .. } if w == what), "{err}");
+            assert!(
+                matches!(err, InferError::BadParameter { what: w, .. } if w == what),
+                "{err}"
+            );
         }
     }
 }

@@ -200,6 +200,10 @@ pub(crate) fn update_weights(
         bytes,
         buckets,
         seconds,
-        gbps: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
+        gbps: if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        },
     })
 }

@@ -125,10 +125,7 @@ fn generation_is_identical_after_an_offload_cycle_at_every_level() {
         assert!(distinct.len() > 6, "samples should differ: {before:?}");
         let reports = s.controller.offload().unwrap();
         assert_eq!(reports.len(), levels.len(), "{levels:?}");
-        for (tag, level) in [
-            (MemoryTag::KvCache, KvCache),
-            (MemoryTag::Weights, Weight),
-        ] {
+        for (tag, level) in [(MemoryTag::KvCache, KvCache), (MemoryTag::Weights, Weight)] {
             let want = if levels.contains(&level) {
                 RegionState::Paused
             } else {
@@ -155,10 +152,7 @@ fn dropped_weights_must_be_resent_by_name_and_then_generate_identically() {
     s.controller.offload().unwrap();
     s.controller.onload_weights().unwrap();
     s.controller.onload_kv().unwrap();
-    let err = s
-        .controller
-        .generate(&prompts(), &sampling())
-        .unwrap_err();
+    let err = s.controller.generate(&prompts(), &sampling()).unwrap_err();
     assert!(
         matches!(&err, InferError::WeightsMissing { missing, total, .. } if missing == total),
         "{err}"
@@ -168,10 +162,7 @@ fn dropped_weights_must_be_resent_by_name_and_then_generate_identically() {
     let tensors = named(&layout, &s.params);
     let (first, rest) = tensors.split_at(3);
     s.controller.update_weights(first).unwrap();
-    let err = s
-        .controller
-        .generate(&prompts(), &sampling())
-        .unwrap_err();
+    let err = s.controller.generate(&prompts(), &sampling()).unwrap_err();
     assert!(
         matches!(&err, InferError::WeightsMissing { missing, .. } if *missing == rest.len()),
         "{err}"
@@ -190,7 +181,9 @@ fn weights_sent_as_bf16_widen_exactly() {
         .iter()
         .map(|&x| half::bf16::from_f32(x).to_f32())
         .collect();
-    s.controller.update_weights(&named(&layout, &rounded)).unwrap();
+    s.controller
+        .update_weights(&named(&layout, &rounded))
+        .unwrap();
     let from_f32 = generate(&mut s.controller);
     let bytes: Vec<Vec<u8>> = layout
         .specs()
@@ -235,7 +228,10 @@ fn shared_prompt_blocks_give_the_tokens_of_samples_computed_alone() {
         b.stats.prefill_tokens
     );
     let prompt_tokens: usize = prompts().iter().map(Vec::len).sum();
-    assert_eq!(a.stats.prefill_tokens, prompt_tokens, "one prefill per prompt");
+    assert_eq!(
+        a.stats.prefill_tokens, prompt_tokens,
+        "one prefill per prompt"
+    );
     assert_eq!(a.stats.preemptions + b.stats.preemptions, 0);
 }
 
@@ -288,7 +284,10 @@ fn generating_while_offloaded_names_what_is_missing() {
     };
     s.controller.offload_kv().unwrap();
     let m = message(&mut s.controller);
-    assert!(m.contains("kv cache is offloaded") && m.contains("onload_kv"), "{m}");
+    assert!(
+        m.contains("kv cache is offloaded") && m.contains("onload_kv"),
+        "{m}"
+    );
     s.controller.offload_weights().unwrap();
     let m = message(&mut s.controller);
     assert!(
@@ -297,7 +296,10 @@ fn generating_while_offloaded_names_what_is_missing() {
     );
     s.controller.onload_kv().unwrap();
     let m = message(&mut s.controller);
-    assert!(m.contains("weights are offloaded") && !m.contains("kv"), "{m}");
+    assert!(
+        m.contains("weights are offloaded") && !m.contains("kv"),
+        "{m}"
+    );
     let layout = s.controller.engine().layout().clone();
     let err = s
         .controller
@@ -331,10 +333,20 @@ fn mismatched_weight_updates_change_nothing_and_list_every_problem() {
     };
     assert_eq!(problems.len(), 5, "{problems:#?}");
     let text = err.to_string();
-    for needle in ["shape [7, 3]", "I64", "5 elements", "no such tensor", "sent twice"] {
+    for needle in [
+        "shape [7, 3]",
+        "I64",
+        "5 elements",
+        "no such tensor",
+        "sent twice",
+    ] {
         assert!(text.contains(needle), "{needle} missing from: {text}");
     }
-    assert_eq!(generate(&mut s.controller), before, "a refused update changed the weights");
+    assert_eq!(
+        generate(&mut s.controller),
+        before,
+        "a refused update changed the weights"
+    );
 }
 
 #[test]
@@ -360,7 +372,10 @@ fn bad_requests_are_refused_naming_the_fault() {
         ..sampling()
     };
     let err = s.controller.generate(&prompts(), &params).unwrap_err();
-    assert!(matches!(err, InferError::BadParameter { what: "top_p", .. }), "{err}");
+    assert!(
+        matches!(err, InferError::BadParameter { what: "top_p", .. }),
+        "{err}"
+    );
 
     let mut small = setup_with(
         engine_config(BackupPolicy::Host, KvCapacity::Blocks(3)),
@@ -371,7 +386,10 @@ fn bad_requests_are_refused_naming_the_fault() {
         .controller
         .generate(&prompts(), &sampling())
         .unwrap_err();
-    assert!(matches!(err, InferError::CacheTooSmall { have: 3, .. }), "{err}");
+    assert!(
+        matches!(err, InferError::CacheTooSmall { have: 3, .. }),
+        "{err}"
+    );
 }
 
 #[test]
@@ -388,7 +406,10 @@ fn a_fresh_engine_refuses_to_generate_until_weights_arrive() {
     let err = engine.generate(&prompts(), &sampling()).unwrap_err();
     assert!(matches!(err, InferError::WeightsMissing { .. }), "{err}");
     let err = RolloutEngine::new(memory, config(), cfg).unwrap_err();
-    assert!(matches!(err, InferError::Memory { .. }), "a second engine on the same tags: {err}");
+    assert!(
+        matches!(err, InferError::Memory { .. }),
+        "a second engine on the same tags: {err}"
+    );
 
     let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 * MIB));
     let memory = Arc::new(
