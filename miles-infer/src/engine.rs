@@ -124,12 +124,9 @@ impl RolloutEngine {
                 let free = memory
                     .device()
                     .memory_info()
-                    .map_err(|source| InferError::Memory {
+                    .map_err(|source| InferError::Device {
                         action: "read the device's free memory",
-                        source: miles_core::MemoryError::Device {
-                            tag: MemoryTag::KvCache,
-                            source,
-                        },
+                        source,
                     })?
                     .free;
                 let useful =

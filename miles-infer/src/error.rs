@@ -1,7 +1,7 @@
 //! Errors of the rollout engine and its controller.
 
-use miles_core::MemoryError;
 use miles_core::model::ModelError;
+use miles_core::{DeviceError, MemoryError};
 
 /// What went wrong in the rollout engine.
 #[derive(Debug, thiserror::Error)]
@@ -14,6 +14,15 @@ pub enum InferError {
         /// The memory manager's error.
         #[source]
         source: MemoryError,
+    },
+    /// The device could not answer.
+    #[error("cannot {action}: {source}")]
+    Device {
+        /// What the engine was doing.
+        action: &'static str,
+        /// The device's error.
+        #[source]
+        source: DeviceError,
     },
     /// The model refused its input or failed.
     #[error(transparent)]

@@ -353,6 +353,12 @@ impl Loop<'_, '_> {
             if self.running.len() > 1 {
                 // The newest sample goes back to the front of the queue, its blocks freed.
                 let victim = self.running[self.running.len() - 1];
+                tracing::debug!(
+                    sample = self.samples[victim].index,
+                    prompt = self.samples[victim].group,
+                    free = self.c.tables.free_blocks(),
+                    "kv cache full: preempting the newest sample"
+                );
                 self.stop(victim)?;
                 self.waiting.push_front(victim);
                 self.stats.preemptions += 1;
