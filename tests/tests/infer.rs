@@ -454,3 +454,20 @@ fn stop_tokens_and_lengths_end_samples_and_log_probs_are_log_probabilities() {
     }
     assert!(stops > 0, "no sample drew one of 26 stop tokens");
 }
+
+#[test]
+fn a_sample_that_fills_the_context_ends_with_context_limit() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let max = config().max_position_embeddings;
+    let mut prompt = vec![256];
+    prompt.extend((0..max - 4).map(|i| 97 + (i % 26) as u32));
+    let params = SamplingParams {
+        stop_tokens: Vec::new(),
+        ..sampling()
+    };
+    let out = s.controller.generate(&[prompt], &params).unwrap();
+    for c in &out.completions {
+        assert_eq!(c.finish, miles_infer::FinishReason::ContextLimit, "{c:?}");
+        assert_eq!(c.tokens.len(), 3, "prompt {} + 3 fill {max}", max - 3);
+    }
+}
