@@ -207,3 +207,70 @@ pub(crate) fn update_weights(
         },
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use miles_core::model::LlamaConfig;
+    use miles_core::{BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager};
+
+    use super::*;
+    use crate::{EngineConfig, KvCapacity};
+
+    fn engine() -> RolloutEngine {
+        let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 << 20));
+        let settings = ManagerSettings {
+            margin_bytes: 0,
+            disk: None,
+        };
+        let memory = Arc::new(MemoryManager::new(device, settings).unwrap());
+        let config = EngineConfig {
+            block_size: 4,
+            max_batch: 2,
+            kv_capacity: KvCapacity::Blocks(8),
+            weights_policy: BackupPolicy::Host,
+            share_prompt_blocks: true,
+        };
+        RolloutEngine::new(memory, LlamaConfig::preset("tiny").unwrap(), config).unwrap()
+    }
+
+    #[test]
+    fn buckets_never_exceed_the_buffer_except_for_a_lone_large_tensor() {
+        let mut engine = engine();
+        let layout = engine.layout().clone();
+        let params: Vec<f32> = (0..layout.len())
+            .map(|i| (i % 97) as f32 * 0.01 + 0.5)
+            .collect();
+        let tensors: Vec<NamedTensor<'_>> = layout
+            .specs()
+            .iter()
+            .map(|s| NamedTensor::f32(&s.name, &s.shape, &params[s.range()]))
+            .collect();
+        let sizes: Vec<u64> = layout
+            .specs()
+            .iter()
+            .map(|s| s.numel() as u64 * 4)
+            .collect();
+        let largest = *sizes.iter().max().unwrap();
+        // A bucket of the largest tensor: greedy packing in order, as the update does it.
+        let mut want = 0;
+        let mut fill = 0;
+        for &size in &sizes {
+            if fill == 0 || fill + size > largest {
+                want += 1;
+                fill = 0;
+            }
+            fill += size;
+        }
+        let report = update_weights(&mut engine, &tensors, largest).unwrap();
+        assert_eq!(report.buckets, want);
+        assert_eq!(report.bytes, sizes.iter().sum::<u64>());
+        let one_each = update_weights(&mut engine, &tensors, 1).unwrap();
+        assert_eq!(
+            one_each.buckets,
+            tensors.len(),
+            "a tensor over the buffer goes alone"
+        );
+    }
+}
