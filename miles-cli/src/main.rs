@@ -8,9 +8,11 @@
 mod baseline;
 mod bench_offload;
 mod bench_offload_train;
+mod bench_rollout;
 mod bench_train;
 mod check_config;
 mod doctor;
+mod generate;
 mod model_cmd;
 mod settings_args;
 
@@ -37,6 +39,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Make, inspect and score models.
     Model(model_cmd::ModelArgs),
+    /// Sample completions of prompts from a checkpoint with the rollout engine.
+    Generate(Box<generate::GenerateArgs>),
     /// Benchmarks that print our figure next to a baseline measured in the same run.
     Bench {
         /// Which benchmark.
@@ -54,6 +58,8 @@ enum BenchCommand {
     OffloadTrain(Box<bench_offload_train::OffloadTrainBenchArgs>),
     /// Training step throughput and the share of time in matrix products.
     Train(bench_train::BenchTrainArgs),
+    /// Rollout decode throughput and the time of each offload / onload step per level.
+    Rollout(Box<bench_rollout::BenchRolloutArgs>),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +69,7 @@ fn main() -> ExitCode {
         Command::CheckConfig(args) => check_config::run(*args),
         Command::Doctor(args) => doctor::run(args),
         Command::Model(args) => model_cmd::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::Bench {
             bench: BenchCommand::Train(args),
         } => bench_train::run(args),
@@ -72,6 +79,9 @@ fn main() -> ExitCode {
         Command::Bench {
             bench: BenchCommand::OffloadTrain(args),
         } => bench_offload_train::run(*args),
+        Command::Bench {
+            bench: BenchCommand::Rollout(args),
+        } => bench_rollout::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

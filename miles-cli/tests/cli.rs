@@ -307,3 +307,124 @@ fn disk_directory_on_tmpfs_is_accepted_with_a_warning() {
     let (out, _) = expect(&["doctor", "--offload-train-disk-dir", dir], 0);
     assert!(out.contains("tmpfs is RAM, not disk"), "{out}");
 }
+
+#[test]
+fn generate_samples_a_checkpoint_reproducibly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    expect(
+        &[
+            "model", "init", "--preset", "tiny", "--seed", "4", "--out", ck,
+        ],
+        0,
+    );
+    let args = [
+        "generate",
+        "--checkpoint",
+        ck,
+        "--prompt",
+        "hi",
+        "--prompt",
+        "there",
+        "-n",
+        "3",
+        "--seed",
+        "9",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ];
+    let (first, _) = expect(&args, 0);
+    let (second, _) = expect(&args, 0);
+    let value: serde_json::Value = serde_json::from_str(&first).unwrap();
+    let completions = value["completions"].as_array().unwrap();
+    assert_eq!(completions.len(), 6, "{first}");
+    assert!(
+        completions
+            .iter()
+            .all(|c| c["tokens"].as_array().unwrap().len()
+                == c["logprobs"].as_array().unwrap().len())
+    );
+    let tokens = |text: &str| {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap();
+        v["completions"].clone()
+    };
+    assert_eq!(tokens(&first), tokens(&second), "same seed, same samples");
+    let (text, _) = expect(
+        &["generate", "--checkpoint", ck, "--prompt", "hi", "-n", "2"],
+        0,
+    );
+    assert!(text.contains("[prompt 0 sample 1]"), "{text}");
+    let (_, err) = expect(
+        &[
+            "generate",
+            "--checkpoint",
+            ck,
+            "--prompt",
+            "hi",
+            "--device",
+            "cuda",
+        ],
+        2,
+    );
+    assert!(err.contains("--device cpu"), "{err}");
+}
+
+#[test]
+fn bench_rollout_reports_decode_speed_and_every_offload_step() {
+    let (out, _) = expect(
+        &[
+            "bench",
+            "rollout",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--cycles",
+            "1",
+            "--json",
+        ],
+        0,
+    );
+    let value: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        value["decode_tokens_per_second"].as_f64().unwrap() > 0.0,
+        "{out}"
+    );
+    assert!(
+        value["baseline_bare_decode_tokens_per_second"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert_eq!(value["identical_after_cycles"], true, "{out}");
+    let steps: Vec<String> = value["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            format!(
+                "{}/{}",
+                s["level"].as_str().unwrap(),
+                s["step"].as_str().unwrap()
+            )
+        })
+        .collect();
+    for want in [
+        "kv_cache/offload_kv",
+        "kv_cache/onload_kv",
+        "weight/offload_weights",
+        "weight/onload_weights",
+        "kv_cache+weight/update_weights",
+    ] {
+        assert!(
+            steps.iter().any(|s| s == want),
+            "{want} missing from {steps:?}"
+        );
+    }
+}

@@ -1,3 +1,25 @@
 //! Rollout engine of miles: model weights under tag `weights`, a paged KV cache under `kv_cache`,
-//! batched sampling, and the `InferenceController` the colocated loop drives.
+//! batched seeded sampling, and the `InferenceController` the colocated loop drives.
+//!
+//! [`RolloutEngine::generate`] runs many prompts with `n` samples each; the samples of a prompt
+//! share its KV blocks, sequences wait or are preempted and recomputed when the cache is full,
+//! and every sample draws from its own seeded generator, so results do not depend on batching,
+//! sharing or preemption. [`InferenceController`] offloads and onloads the two tags and takes
+//! weight updates by name.
 #![forbid(unsafe_code)]
+
+mod controller;
+mod engine;
+mod error;
+mod paged;
+mod sampling;
+mod schedule;
+mod weights;
+
+pub use controller::InferenceController;
+pub use engine::{EngineConfig, Generation, KvCapacity, RolloutEngine};
+pub use error::InferError;
+pub use paged::{BlockTables, PagedKv};
+pub use sampling::{SamplingParams, sample_rng, sample_token};
+pub use schedule::{Completion, FinishReason, GenerationStats};
+pub use weights::{Dtype, NamedTensor, TensorData, WeightUpdateReport};

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use super::layout::layer_block;
 use super::{LlamaConfig, ModelError, ParamKind, TrainBatch, Transformer};
 use crate::ops::{
-    embedding_forward, matmul_forward, residual_forward, rmsnorm_forward, rope_forward,
+    embedding_forward, matmul_rows_forward, residual_forward, rmsnorm_forward, rope_forward,
     swiglu_forward,
 };
 
@@ -184,6 +184,10 @@ impl Transformer {
     /// Appends `tokens[b]` to sequence `seqs[b]` of `cache` for every `b` and writes the next-token
     /// logits `(B, V)` into `logits`.
     ///
+    /// Batch-invariant: every kernel works row by row in a fixed order (the linear layers run on
+    /// [`matmul_rows_forward`]), so a sequence's logits are bit-identical whichever sequences
+    /// share the step.
+    ///
     /// # Errors
     /// [`ModelError::Batch`] for mismatched lengths, repeated sequences or a batch larger than
     /// the scratch; [`ModelError::TokenOutOfRange`]; [`ModelError::KvCache`] from the cache.
@@ -232,7 +236,6 @@ impl Transformer {
             }
             positions.push(cache.grow(s)?);
         }
-        let prof = self.profile();
         let eps = c.rms_norm_eps;
         let s = scratch;
         let x = &mut s.x[..b_n * h];
@@ -246,9 +249,9 @@ impl Transformer {
                 &mut s.v[..b_n * kvd],
             );
             rmsnorm_forward(ln, rstd, x, w.input_norm, eps); // (B, C)
-            matmul_forward(q, ln, w.q, b_n, h, qd, prof)?; // (B, H*D)
-            matmul_forward(k, ln, w.k, b_n, h, kvd, prof)?; // (B, K*D)
-            matmul_forward(vv, ln, w.v, b_n, h, kvd, prof)?; // (B, K*D)
+            matmul_rows_forward(q, ln, w.q, b_n, h, qd)?; // (B, H*D)
+            matmul_rows_forward(k, ln, w.k, b_n, h, kvd)?; // (B, K*D)
+            matmul_rows_forward(vv, ln, w.v, b_n, h, kvd)?; // (B, K*D)
             rope_forward(q, &positions, c.num_heads, self.rope());
             rope_forward(k, &positions, c.num_kv_heads, self.rope());
             for (b, &seq) in seqs.iter().enumerate() {
@@ -273,7 +276,7 @@ impl Transformer {
                 s.max_len,
             );
             let proj = &mut s.proj[..b_n * h];
-            matmul_forward(proj, att_out, w.o, b_n, qd, h, prof)?;
+            matmul_rows_forward(proj, att_out, w.o, b_n, qd, h)?;
             residual_forward(x, proj);
             rmsnorm_forward(ln, rstd, x, w.post_norm, eps);
             let (gate, up, sw) = (
@@ -281,10 +284,10 @@ impl Transformer {
                 &mut s.up[..b_n * f],
                 &mut s.swiglu[..b_n * f],
             );
-            matmul_forward(gate, ln, w.gate, b_n, h, f, prof)?; // (B, F)
-            matmul_forward(up, ln, w.up, b_n, h, f, prof)?; // (B, F)
+            matmul_rows_forward(gate, ln, w.gate, b_n, h, f)?; // (B, F)
+            matmul_rows_forward(up, ln, w.up, b_n, h, f)?; // (B, F)
             swiglu_forward(sw, gate, up);
-            matmul_forward(proj, sw, w.down, b_n, f, h, prof)?; // (B, C)
+            matmul_rows_forward(proj, sw, w.down, b_n, f, h)?; // (B, C)
             residual_forward(x, proj);
         }
         let (ln, rstd) = (&mut s.ln[..b_n * h], &mut s.rstd[..b_n]);
@@ -295,14 +298,13 @@ impl Transformer {
             self.weight(params, ParamKind::FinalNorm, 0),
             eps,
         );
-        matmul_forward(
+        matmul_rows_forward(
             logits,
             ln,
             self.weight(params, ParamKind::LmHead, 0),
             b_n,
             h,
             v,
-            prof,
         )?;
         Ok(())
     }

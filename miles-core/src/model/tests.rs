@@ -323,3 +323,42 @@ fn prefill_then_decoding_gives_the_full_forward_logits() {
     let err = model.prefill(&params, &mut cache, 0, &inputs[..2], &mut logits);
     assert!(matches!(err, Err(ModelError::KvCache(_))), "{err:?}");
 }
+
+#[test]
+fn a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch() {
+    let model = Transformer::new(tiny(false));
+    let params = spread_params(&model, 61);
+    let (b, t) = (19, 6);
+    let v = model.config().vocab_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(62);
+    let inputs = random_tokens(&mut rng, b * t, v);
+    let decode_all = |seqs: &[usize]| {
+        let mut cache = ContiguousKvCache::new(model.config(), b, t);
+        let mut scratch = DecodeScratch::new(model.config(), b, t);
+        let mut logits = vec![0.0; seqs.len() * v];
+        for step in 0..t {
+            let tokens: Vec<u32> = seqs.iter().map(|&s| inputs[s * t + step]).collect();
+            model
+                .decode_step(
+                    &params,
+                    &mut cache,
+                    seqs,
+                    &tokens,
+                    &mut logits,
+                    &mut scratch,
+                )
+                .unwrap();
+        }
+        logits
+    };
+    let batch: Vec<usize> = (0..b).rev().collect();
+    let together = decode_all(&batch);
+    for (i, &seq) in batch.iter().enumerate() {
+        let alone = decode_all(&[seq]);
+        let same = alone
+            .iter()
+            .zip(&together[i * v..(i + 1) * v])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "sequence {seq} decodes differently in a batch of {b}");
+    }
+}

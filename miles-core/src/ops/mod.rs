@@ -8,6 +8,7 @@ mod attention;
 mod crossentropy;
 mod embedding;
 mod matmul;
+mod matmul_rows;
 mod residual;
 mod rmsnorm;
 mod rope;
@@ -28,6 +29,7 @@ pub use matmul::{
     GemmCall, MatmulProfile, matmul_backward, matmul_backward_naive, matmul_forward,
     matmul_forward_naive,
 };
+pub use matmul_rows::matmul_rows_forward;
 pub use residual::residual_forward;
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{RopeTable, rope_backward, rope_forward};

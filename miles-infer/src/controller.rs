@@ -1,0 +1,197 @@
+//! The `InferenceController`: what the colocated loop drives between rollouts.
+//!
+//! Going off the device (per `--offload-rollout-level`): [`offload_kv`] drops the cache (its
+//! contents are worthless after a rollout), then [`offload_weights`] backs the weights up to the
+//! host pool (or drops them under policy `None`). Coming back, in the order that keeps peak
+//! memory low: [`onload_weights`], the weight sync ([`update_weights`]), then [`onload_kv`].
+//!
+//! [`offload_kv`]: InferenceController::offload_kv
+//! [`offload_weights`]: InferenceController::offload_weights
+//! [`onload_weights`]: InferenceController::onload_weights
+//! [`update_weights`]: InferenceController::update_weights
+//! [`onload_kv`]: InferenceController::onload_kv
+
+use miles_core::{
+    BackupPolicy, MemoryTag, OffloadReport, RegionState, RolloutOffloadLevel, Settings,
+};
+
+use crate::weights::{self, NamedTensor, WeightUpdateReport};
+use crate::{Generation, InferError, RolloutEngine, SamplingParams};
+
+/// Drives a [`RolloutEngine`] through the rollout / training switch.
+#[derive(Debug)]
+pub struct InferenceController {
+    engine: RolloutEngine,
+    levels: Vec<RolloutOffloadLevel>,
+    bucket_bytes: u64,
+}
+
+impl InferenceController {
+    /// A controller offloading `levels` and updating weights in buckets of `bucket_bytes`.
+    pub fn new(engine: RolloutEngine, levels: &[RolloutOffloadLevel], bucket_bytes: u64) -> Self {
+        Self {
+            engine,
+            levels: levels.to_vec(),
+            bucket_bytes: bucket_bytes.max(1),
+        }
+    }
+
+    /// A controller with `--offload-rollout-level` and `--update-weight-buffer-size`.
+    pub fn from_settings(engine: RolloutEngine, settings: &Settings) -> Self {
+        Self::new(
+            engine,
+            &settings.offload_rollout_level,
+            settings.update_weight_buffer_size,
+        )
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &RolloutEngine {
+        &self.engine
+    }
+
+    /// The engine, to load checkpoints into.
+    pub fn engine_mut(&mut self) -> &mut RolloutEngine {
+        &mut self.engine
+    }
+
+    /// Generates with the engine; see [`RolloutEngine::generate`].
+    ///
+    /// # Errors
+    /// As [`RolloutEngine::generate`]; [`InferError::Offloaded`] names what must come back.
+    pub fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+    ) -> Result<Generation, InferError> {
+        self.engine.generate(prompts, params)
+    }
+
+    /// Drops every cached sequence and block table; returns the blocks freed.
+    pub fn flush_cache(&mut self) -> usize {
+        let used = self.engine.used_blocks();
+        self.engine.flush_cache();
+        used
+    }
+
+    /// Flushes the cache and pauses `kv_cache`: its memory is released, its contents dropped.
+    ///
+    /// # Errors
+    /// [`InferError::Memory`] when the cache is offloaded already or busy.
+    pub fn offload_kv(&mut self) -> Result<OffloadReport, InferError> {
+        self.flush_cache();
+        self.engine
+            .memory()
+            .pause(&MemoryTag::KvCache)
+            .map_err(InferError::memory("offload the kv cache"))
+    }
+
+    /// Pauses `weights`: with a host backup they come back on [`onload_weights`]
+    /// (Self::onload_weights); with policy `None` they are dropped and must be re-sent with
+    /// [`update_weights`](Self::update_weights) before generating.
+    ///
+    /// # Errors
+    /// [`InferError::Memory`] when the weights are offloaded already, or the backup failed (the
+    /// weights then stay on the device, intact).
+    pub fn offload_weights(&mut self) -> Result<OffloadReport, InferError> {
+        let report = self
+            .engine
+            .memory()
+            .pause(&MemoryTag::Weights)
+            .map_err(InferError::memory("offload the weights"))?;
+        if self.engine.config().weights_policy == BackupPolicy::None {
+            self.engine.forget_weights();
+        }
+        Ok(report)
+    }
+
+    /// Resumes `weights` at the same addresses.
+    ///
+    /// # Errors
+    /// [`InferError::Memory`] when they are not offloaded or the device lacks room (nothing
+    /// changes then).
+    pub fn onload_weights(&mut self) -> Result<OffloadReport, InferError> {
+        self.engine
+            .memory()
+            .resume(&MemoryTag::Weights)
+            .map_err(InferError::memory("onload the weights"))
+    }
+
+    /// Resumes `kv_cache` (empty) at the same addresses.
+    ///
+    /// # Errors
+    /// As [`onload_weights`](Self::onload_weights).
+    pub fn onload_kv(&mut self) -> Result<OffloadReport, InferError> {
+        self.engine
+            .memory()
+            .resume(&MemoryTag::KvCache)
+            .map_err(InferError::memory("onload the kv cache"))
+    }
+
+    /// Writes named tensors into the weights, in buckets of `--update-weight-buffer-size`.
+    ///
+    /// Every tensor is checked first; on any unknown name, wrong shape, dtype or length nothing
+    /// changes and the error lists every mismatch.
+    ///
+    /// # Errors
+    /// [`InferError::WeightMismatch`]; [`InferError::Offloaded`] while the weights are offloaded.
+    pub fn update_weights(
+        &mut self,
+        tensors: &[NamedTensor<'_>],
+    ) -> Result<WeightUpdateReport, InferError> {
+        weights::update_weights(&mut self.engine, tensors, self.bucket_bytes)
+    }
+
+    /// Offloads per `--offload-rollout-level`: the kv cache, then the weights; `cuda_graph` is
+    /// skipped (this engine captures no graphs).
+    ///
+    /// # Errors
+    /// As [`offload_kv`](Self::offload_kv) and [`offload_weights`](Self::offload_weights).
+    pub fn offload(&mut self) -> Result<Vec<OffloadReport>, InferError> {
+        let mut reports = Vec::new();
+        if self.levels.contains(&RolloutOffloadLevel::KvCache) {
+            reports.push(self.offload_kv()?);
+        }
+        if self.levels.contains(&RolloutOffloadLevel::Weight) {
+            reports.push(self.offload_weights()?);
+        }
+        if self.levels.contains(&RolloutOffloadLevel::CudaGraph) {
+            tracing::debug!("offload level cuda_graph: this engine captures no graphs");
+        }
+        Ok(reports)
+    }
+
+    /// Brings back what is offloaded: the weights (when `tensors` is given, they are then
+    /// updated from it), then the kv cache.
+    ///
+    /// # Errors
+    /// As [`onload_weights`](Self::onload_weights), [`update_weights`](Self::update_weights)
+    /// and [`onload_kv`](Self::onload_kv).
+    pub fn onload(
+        &mut self,
+        tensors: Option<&[NamedTensor<'_>]>,
+    ) -> Result<Vec<OffloadReport>, InferError> {
+        let mut reports = Vec::new();
+        if self.state(&MemoryTag::Weights)? == RegionState::Paused {
+            reports.push(self.onload_weights()?);
+        }
+        if let Some(tensors) = tensors {
+            self.update_weights(tensors)?;
+        }
+        if self.state(&MemoryTag::KvCache)? == RegionState::Paused {
+            reports.push(self.onload_kv()?);
+        }
+        Ok(reports)
+    }
+
+    /// Where the region of `tag` stands.
+    ///
+    /// # Errors
+    /// [`InferError::Memory`] for a tag the engine does not hold.
+    pub fn state(&self, tag: &MemoryTag) -> Result<RegionState, InferError> {
+        self.engine
+            .memory()
+            .state(tag)
+            .map_err(InferError::memory("read a region's state"))
+    }
+}

@@ -1,0 +1,473 @@
+//! The rollout engine and its controller on the CPU device (issue 5): identical generation
+//! across offload cycles, shared prompt blocks, preemption, freed memory, and every error path.
+
+// Helpers of a test crate are test code: they may unwrap and panic.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use miles_core::model::{LlamaConfig, ParamLayout, init_params};
+use miles_core::{
+    BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager, MemoryTag, RegionState,
+    RolloutOffloadLevel,
+};
+use miles_infer::{
+    Completion, Dtype, EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor,
+    RolloutEngine, SamplingParams, TensorData,
+};
+
+const MIB: u64 = 1 << 20;
+
+/// The tiny preset with sharp enough distributions that samples differ from each other.
+fn config() -> LlamaConfig {
+    LlamaConfig::preset("tiny")
+        .unwrap()
+        .with_initializer_range(0.2)
+}
+
+fn params_of(config: &LlamaConfig, seed: u64) -> Vec<f32> {
+    let layout = ParamLayout::new(config);
+    let mut params = vec![0.0; layout.len()];
+    init_params(&layout, config, seed, &mut params).unwrap();
+    params
+}
+
+struct Setup {
+    device: Arc<HostDevice>,
+    controller: InferenceController,
+    params: Vec<f32>,
+}
+
+fn engine_config(policy: BackupPolicy, kv: KvCapacity) -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        max_batch: 16,
+        kv_capacity: kv,
+        weights_policy: policy,
+        share_prompt_blocks: true,
+    }
+}
+
+fn setup_with(cfg: EngineConfig, levels: &[RolloutOffloadLevel], bucket: u64) -> Setup {
+    let device = Arc::new(HostDevice::new(256 * MIB));
+    let dyn_device: Arc<dyn Device> = device.clone();
+    let settings = ManagerSettings {
+        margin_bytes: 0,
+        disk: None,
+    };
+    let memory = Arc::new(MemoryManager::new(dyn_device, settings).unwrap());
+    let config = config();
+    let params = params_of(&config, 7);
+    let engine = RolloutEngine::new(memory, config, cfg).unwrap();
+    let layout = engine.layout().clone();
+    let tensors = named(&layout, &params);
+    let mut controller = InferenceController::new(engine, levels, bucket);
+    controller.update_weights(&tensors).unwrap();
+    Setup {
+        device,
+        controller,
+        params,
+    }
+}
+
+fn setup(policy: BackupPolicy, levels: &[RolloutOffloadLevel]) -> Setup {
+    setup_with(
+        engine_config(policy, KvCapacity::Blocks(256)),
+        levels,
+        64 * MIB,
+    )
+}
+
+fn named<'a>(layout: &'a ParamLayout, params: &'a [f32]) -> Vec<NamedTensor<'a>> {
+    layout
+        .specs()
+        .iter()
+        .map(|s| NamedTensor::f32(&s.name, &s.shape, &params[s.range()]))
+        .collect()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    ["hello world", "the cat sat", "a"]
+        .iter()
+        .map(|p| {
+            let mut ids = vec![256];
+            ids.extend(p.bytes().map(u32::from));
+            ids
+        })
+        .collect()
+}
+
+fn sampling() -> SamplingParams {
+    SamplingParams {
+        n: 4,
+        temperature: 1.0,
+        top_p: 0.95,
+        max_new_tokens: 24,
+        stop_tokens: vec![257],
+        seed: 11,
+    }
+}
+
+fn generate(controller: &mut InferenceController) -> Vec<Completion> {
+    controller
+        .generate(&prompts(), &sampling())
+        .unwrap()
+        .completions
+}
+
+#[test]
+fn generation_is_identical_after_an_offload_cycle_at_every_level() {
+    use RolloutOffloadLevel::{KvCache, Weight};
+    for levels in [vec![KvCache], vec![Weight], vec![KvCache, Weight]] {
+        let mut s = setup(BackupPolicy::Host, &levels);
+        let before = generate(&mut s.controller);
+        let distinct: std::collections::HashSet<_> = before.iter().map(|c| &c.tokens).collect();
+        assert!(distinct.len() > 6, "samples should differ: {before:?}");
+        let reports = s.controller.offload().unwrap();
+        assert_eq!(reports.len(), levels.len(), "{levels:?}");
+        for (tag, level) in [(MemoryTag::KvCache, KvCache), (MemoryTag::Weights, Weight)] {
+            let want = if levels.contains(&level) {
+                RegionState::Paused
+            } else {
+                RegionState::Active
+            };
+            assert_eq!(s.controller.state(&tag).unwrap(), want, "{levels:?}");
+        }
+        let back = s.controller.onload(None).unwrap();
+        assert_eq!(back.len(), levels.len());
+        assert_eq!(generate(&mut s.controller), before, "{levels:?}");
+    }
+}
+
+#[test]
+fn dropped_weights_must_be_resent_by_name_and_then_generate_identically() {
+    let levels = [RolloutOffloadLevel::KvCache, RolloutOffloadLevel::Weight];
+    let mut s = setup_with(
+        engine_config(BackupPolicy::None, KvCapacity::Blocks(256)),
+        &levels,
+        // Small buckets: the tiny model's tensors go in several of them.
+        16 * 1024,
+    );
+    let before = generate(&mut s.controller);
+    s.controller.offload().unwrap();
+    s.controller.onload_weights().unwrap();
+    s.controller.onload_kv().unwrap();
+    let err = s.controller.generate(&prompts(), &sampling()).unwrap_err();
+    assert!(
+        matches!(&err, InferError::WeightsMissing { missing, total, .. } if missing == total),
+        "{err}"
+    );
+    assert!(err.to_string().contains("update_weights"), "{err}");
+    let layout = s.controller.engine().layout().clone();
+    let tensors = named(&layout, &s.params);
+    let (first, rest) = tensors.split_at(3);
+    s.controller.update_weights(first).unwrap();
+    let err = s.controller.generate(&prompts(), &sampling()).unwrap_err();
+    assert!(
+        matches!(&err, InferError::WeightsMissing { missing, .. } if *missing == rest.len()),
+        "{err}"
+    );
+    let report = s.controller.update_weights(rest).unwrap();
+    assert!(report.buckets > 1, "{report:?}");
+    assert_eq!(generate(&mut s.controller), before);
+}
+
+#[test]
+fn weights_sent_as_bf16_widen_exactly() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let layout = s.controller.engine().layout().clone();
+    let rounded: Vec<f32> = s
+        .params
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect();
+    s.controller
+        .update_weights(&named(&layout, &rounded))
+        .unwrap();
+    let from_f32 = generate(&mut s.controller);
+    let bytes: Vec<Vec<u8>> = layout
+        .specs()
+        .iter()
+        .map(|spec| {
+            rounded[spec.range()]
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let tensors: Vec<NamedTensor<'_>> = layout
+        .specs()
+        .iter()
+        .zip(&bytes)
+        .map(|(spec, b)| NamedTensor {
+            name: &spec.name,
+            shape: &spec.shape,
+            dtype: Dtype::BF16,
+            data: TensorData::Raw(b),
+        })
+        .collect();
+    s.controller.update_weights(&tensors).unwrap();
+    assert_eq!(generate(&mut s.controller), from_f32);
+}
+
+#[test]
+fn shared_prompt_blocks_give_the_tokens_of_samples_computed_alone() {
+    let shared = setup(BackupPolicy::Host, &[]);
+    let mut alone_cfg = engine_config(BackupPolicy::Host, KvCapacity::Blocks(256));
+    alone_cfg.share_prompt_blocks = false;
+    alone_cfg.max_batch = 1;
+    let alone = setup_with(alone_cfg, &[], 64 * MIB);
+    let (mut shared, mut alone) = (shared.controller, alone.controller);
+    let a = shared.generate(&prompts(), &sampling()).unwrap();
+    let b = alone.generate(&prompts(), &sampling()).unwrap();
+    assert_eq!(a.completions, b.completions);
+    assert!(
+        a.stats.prefill_tokens < b.stats.prefill_tokens,
+        "shared prefill {} vs alone {}",
+        a.stats.prefill_tokens,
+        b.stats.prefill_tokens
+    );
+    let prompt_tokens: usize = prompts().iter().map(Vec::len).sum();
+    assert_eq!(
+        a.stats.prefill_tokens, prompt_tokens,
+        "one prefill per prompt"
+    );
+    assert_eq!(a.stats.preemptions + b.stats.preemptions, 0);
+}
+
+#[test]
+fn more_work_than_the_cache_holds_completes_with_the_same_tokens() {
+    let mut roomy = setup(BackupPolicy::Host, &[]);
+    // 12 samples of up to 36 positions in blocks of 4: 10 blocks each, 14 in the cache.
+    let mut tight = setup_with(
+        engine_config(BackupPolicy::Host, KvCapacity::Blocks(14)),
+        &[],
+        64 * MIB,
+    );
+    let want = roomy.controller.generate(&prompts(), &sampling()).unwrap();
+    let got = tight.controller.generate(&prompts(), &sampling()).unwrap();
+    assert_eq!(got.completions, want.completions);
+    assert!(got.stats.preemptions > 0, "{:?}", got.stats);
+    assert!(got.stats.peak_blocks <= 14, "{:?}", got.stats);
+    assert_eq!(tight.controller.engine().used_blocks(), 0);
+}
+
+#[test]
+fn offload_leaves_almost_nothing_resident_in_either_arena() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    generate(&mut s.controller);
+    let memory = Arc::clone(s.controller.engine().memory());
+    let resident = |tag: &MemoryTag| {
+        s.device
+            .resident_bytes_in(memory.arena(tag).unwrap())
+            .unwrap()
+    };
+    let weights_before = resident(&MemoryTag::Weights);
+    let kv_before = resident(&MemoryTag::KvCache);
+    assert!(weights_before > 0 && kv_before > 0);
+    let kv = s.controller.offload_kv().unwrap();
+    let weights = s.controller.offload_weights().unwrap();
+    assert!(kv.free_after > kv.free_before && weights.free_after > weights.free_before);
+    let (w, k) = (resident(&MemoryTag::Weights), resident(&MemoryTag::KvCache));
+    // Near zero: at most one 4 KiB page left per tag.
+    assert!(w <= 4096, "weights resident {weights_before} -> {w} bytes");
+    assert!(k <= 4096, "kv cache resident {kv_before} -> {k} bytes");
+}
+
+#[test]
+fn generating_while_offloaded_names_what_is_missing() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let message = |c: &mut InferenceController| {
+        let err = c.generate(&prompts(), &sampling()).unwrap_err();
+        assert!(matches!(err, InferError::Offloaded { .. }), "{err}");
+        err.to_string()
+    };
+    s.controller.offload_kv().unwrap();
+    let m = message(&mut s.controller);
+    assert!(
+        m.contains("kv cache is offloaded") && m.contains("onload_kv"),
+        "{m}"
+    );
+    s.controller.offload_weights().unwrap();
+    let m = message(&mut s.controller);
+    assert!(
+        m.contains("weights and the kv cache are") && m.contains("onload_weights and onload_kv"),
+        "{m}"
+    );
+    s.controller.onload_kv().unwrap();
+    let m = message(&mut s.controller);
+    assert!(
+        m.contains("weights are offloaded") && !m.contains("kv"),
+        "{m}"
+    );
+    let layout = s.controller.engine().layout().clone();
+    let err = s
+        .controller
+        .update_weights(&named(&layout, &s.params))
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot update weights"), "{err}");
+    let err = s.controller.offload_weights().unwrap_err();
+    assert!(matches!(err, InferError::Memory { .. }), "{err}");
+    let err = s.controller.onload_kv().unwrap_err();
+    assert!(matches!(err, InferError::Memory { .. }), "{err}");
+}
+
+#[test]
+fn mismatched_weight_updates_change_nothing_and_list_every_problem() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let before = generate(&mut s.controller);
+    let layout = s.controller.engine().layout().clone();
+    let shifted: Vec<f32> = s.params.iter().map(|x| x + 0.25).collect();
+    let mut tensors = named(&layout, &shifted);
+    let wrong_shape = [7usize, 3];
+    let raw = [0u8; 6];
+    tensors[1].shape = &wrong_shape;
+    tensors[2].dtype = Dtype::I64;
+    tensors[2].data = TensorData::Raw(&raw);
+    tensors[3].data = TensorData::F32(&shifted[..5]);
+    tensors[4].name = "model.layers.9.mlp.up_proj.weight";
+    tensors.push(tensors[0]);
+    let err = s.controller.update_weights(&tensors).unwrap_err();
+    let InferError::WeightMismatch { problems } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(problems.len(), 5, "{problems:#?}");
+    let text = err.to_string();
+    for needle in [
+        "shape [7, 3]",
+        "I64",
+        "5 elements",
+        "no such tensor",
+        "sent twice",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from: {text}");
+    }
+    assert_eq!(
+        generate(&mut s.controller),
+        before,
+        "a refused update changed the weights"
+    );
+}
+
+#[test]
+fn bad_requests_are_refused_naming_the_fault() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let max = config().max_position_embeddings;
+    for (prompt, needle) in [
+        (vec![], "is empty"),
+        (vec![256; max], "needs room"),
+        (vec![256, 9999], "outside the vocabulary"),
+    ] {
+        let err = s
+            .controller
+            .generate(&[prompts()[0].clone(), prompt], &sampling())
+            .unwrap_err();
+        assert!(
+            matches!(&err, InferError::BadPrompt { index: 1, reason } if reason.contains(needle)),
+            "{err}"
+        );
+    }
+    let params = SamplingParams {
+        top_p: 1.5,
+        ..sampling()
+    };
+    let err = s.controller.generate(&prompts(), &params).unwrap_err();
+    assert!(
+        matches!(err, InferError::BadParameter { what: "top_p", .. }),
+        "{err}"
+    );
+
+    let mut small = setup_with(
+        engine_config(BackupPolicy::Host, KvCapacity::Blocks(3)),
+        &[],
+        64 * MIB,
+    );
+    let err = small
+        .controller
+        .generate(&prompts(), &sampling())
+        .unwrap_err();
+    assert!(
+        matches!(err, InferError::CacheTooSmall { have: 3, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_fresh_engine_refuses_to_generate_until_weights_arrive() {
+    let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 * MIB));
+    let settings = ManagerSettings {
+        margin_bytes: 0,
+        disk: None,
+    };
+    let memory = Arc::new(MemoryManager::new(device, settings).unwrap());
+    let cfg = engine_config(BackupPolicy::Host, KvCapacity::MemFraction(0.5));
+    let mut engine = RolloutEngine::new(Arc::clone(&memory), config(), cfg.clone()).unwrap();
+    assert!(engine.kv_blocks() > 0);
+    let err = engine.generate(&prompts(), &sampling()).unwrap_err();
+    assert!(matches!(err, InferError::WeightsMissing { .. }), "{err}");
+    let err = RolloutEngine::new(memory, config(), cfg).unwrap_err();
+    assert!(
+        matches!(err, InferError::Memory { .. }),
+        "a second engine on the same tags: {err}"
+    );
+
+    let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 * MIB));
+    let memory = Arc::new(
+        MemoryManager::new(
+            device,
+            ManagerSettings {
+                margin_bytes: 0,
+                disk: None,
+            },
+        )
+        .unwrap(),
+    );
+    let zero = engine_config(BackupPolicy::Host, KvCapacity::Blocks(0));
+    let err = RolloutEngine::new(memory, config(), zero).unwrap_err();
+    assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
+}
+
+#[test]
+fn stop_tokens_and_lengths_end_samples_and_log_probs_are_log_probabilities() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let params = SamplingParams {
+        n: 8,
+        temperature: 0.7,
+        max_new_tokens: 40,
+        // Common bytes as stop tokens, so some samples stop early.
+        stop_tokens: (97..123).collect(),
+        ..sampling()
+    };
+    let out = s.controller.generate(&prompts(), &params).unwrap();
+    let mut stops = 0;
+    for c in &out.completions {
+        assert_eq!(c.tokens.len(), c.logprobs.len());
+        assert!(c.logprobs.iter().all(|&lp| lp <= 0.0 && lp.is_finite()));
+        match c.finish {
+            miles_infer::FinishReason::Stop => {
+                stops += 1;
+                assert!(params.stop_tokens.contains(c.tokens.last().unwrap()));
+            }
+            miles_infer::FinishReason::Length => assert_eq!(c.tokens.len(), 40),
+            miles_infer::FinishReason::ContextLimit => panic!("{c:?}"),
+        }
+    }
+    assert!(stops > 0, "no sample drew one of 26 stop tokens");
+}
+
+#[test]
+fn a_sample_that_fills_the_context_ends_with_context_limit() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let max = config().max_position_embeddings;
+    let mut prompt = vec![256];
+    prompt.extend((0..max - 4).map(|i| 97 + (i % 26) as u32));
+    let params = SamplingParams {
+        stop_tokens: Vec::new(),
+        ..sampling()
+    };
+    let out = s.controller.generate(&[prompt], &params).unwrap();
+    for c in &out.completions {
+        assert_eq!(c.finish, miles_infer::FinishReason::ContextLimit, "{c:?}");
+        assert_eq!(c.tokens.len(), 3, "prompt {} + 3 fill {max}", max - 3);
+    }
+}
