@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
+use miles_core::device::{self, OpenedDevice};
 use miles_core::{
-    BackupPolicy, Buffer, Device, DiskSettings, HostDevice, ManagerSettings, MemoryManager,
-    MemoryTag, OffloadReport,
+    BackupPolicy, Buffer, CudaDevice, Device, DeviceChoice, DiskSettings, HostBuffer,
+    ManagerSettings, MemoryManager, MemoryTag, OffloadReport,
 };
 use serde_json::json;
 
@@ -34,9 +35,10 @@ pub enum OffloadTarget {
 /// Settings of `miles bench offload`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OffloadBenchArgs {
-    /// Device to bench: `cpu` (`cuda` once the CUDA device lands).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    /// Device to bench: `cpu`, `cuda` (GPU 0), or `auto` (CUDA when the probe finds a driver
+    /// and a GPU, else CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
     /// Bytes in the paused tag, e.g. `2GiB`, `512MiB`, `1000000`.
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub size: u64,
@@ -59,6 +61,10 @@ pub struct OffloadBenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Two tags of `--size` each, host target: one pauses while the other resumes, on two
+    /// threads; reports the bytes of both over the wall time.
+    #[arg(long)]
+    pub both_directions: bool,
 }
 
 fn parse_size(text: &str) -> Result<u64, String> {
@@ -90,27 +96,15 @@ fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {text:?} must be positive and fit 64 bits"))
 }
 
-/// The device named by `--device`.
-///
-/// # Errors
-/// [`BadSettings`] for an unknown or not yet available device.
-pub fn open_device(name: &str, capacity_gib: u64) -> anyhow::Result<Arc<dyn Device>> {
-    match name {
-        "cpu" => Ok(Arc::new(HostDevice::new(capacity_gib * GIB))),
-        "cuda" => Err(BadSettings(
-            "the cuda device is not built into this binary yet; use --device cpu".to_string(),
-        )
-        .into()),
-        other => Err(BadSettings(format!("unknown device {other:?}: use cpu or cuda")).into()),
-    }
-}
-
 struct Cycle {
     pause: OffloadReport,
     resume: OffloadReport,
     resident_before: u64,
     resident_after: u64,
-    memcpy_gbps: f64,
+    /// Plain copy of the same bytes each way (CPU: one memcpy both ways; CUDA: one pinned
+    /// `cuMemcpyDtoH` out and one `cuMemcpyHtoD` in).
+    copy_out_gbps: f64,
+    copy_in_gbps: f64,
     write_gbps: f64,
     read_gbps: f64,
 }
@@ -127,8 +121,14 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     if args.target == OffloadTarget::Disk && args.disk_dir.is_none() {
         return Err(BadSettings("--target disk requires --disk-dir DIR".to_string()).into());
     }
+    if args.both_directions && args.target != OffloadTarget::Host {
+        return Err(BadSettings("--both-directions needs --target host".to_string()).into());
+    }
     let size = usize::try_from(args.size).context("--size does not fit this machine")?;
-    let device = open_device(&args.device, args.device_memory_gib)?;
+    let opened = device::open(args.device, args.device_memory_gib * GIB)?;
+    if args.both_directions {
+        return crate::bench_both::run(args, &opened, size);
+    }
     let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let bench_dir = dir.join(format!("miles-bench-offload-{}", std::process::id()));
@@ -145,7 +145,7 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
             chunk_bytes: args.chunk_mb * MIB,
         }),
     };
-    let outcome = bench(args, Arc::clone(&device), settings, policy, size, &dir);
+    let outcome = bench(args, &opened, settings, policy, size, &dir);
     if bench_dir.exists() {
         std::fs::remove_dir_all(&bench_dir)
             .with_context(|| format!("cannot remove {}", bench_dir.display()))?;
@@ -155,20 +155,26 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
 
 fn bench(
     args: &OffloadBenchArgs,
-    device: Arc<dyn Device>,
+    opened: &OpenedDevice,
     settings: ManagerSettings,
     policy: BackupPolicy,
     size: usize,
     dir: &Path,
 ) -> anyhow::Result<()> {
+    let device = opened.shared();
     let memory = MemoryManager::new(Arc::clone(&device), settings)?;
     let tag = MemoryTag::Named("bench".to_string());
     memory.create_region(tag.clone(), policy, size)?;
     let mut buffer = memory.alloc(&tag, size)?;
     let pattern = fill(&mut buffer)?;
+    let pin_seconds = if policy == BackupPolicy::Host {
+        prepin_host_pool(&memory, &[size])?
+    } else {
+        0.0
+    };
     // Baselines run between the cycles, on the same bytes, so that load from other processes
     // hits ours and theirs alike; each figure is the mean over the same (steady) cycles.
-    let mut copier = MemcpyBaseline::new(size);
+    let mut copier = CopyBaseline::new(opened, size)?;
     let mut direct = DirectIoBaseline::new(device.as_ref(), dir, args.chunk_mb * MIB)?;
     let mut cycles = Vec::with_capacity(args.cycles);
     for _ in 0..args.cycles {
@@ -181,7 +187,7 @@ fn bench(
             // cycle pauses resident memory (not timed).
             fill(&mut buffer)?;
         }
-        let memcpy_gbps = copier.run();
+        let (copy_out_gbps, copy_in_gbps) = copier.run(&buffer)?;
         let (write_gbps, read_gbps) = if policy == BackupPolicy::Disk {
             direct.run(size)?
         } else {
@@ -192,7 +198,8 @@ fn bench(
             resume,
             resident_before,
             resident_after,
-            memcpy_gbps,
+            copy_out_gbps,
+            copy_in_gbps,
             write_gbps,
             read_gbps,
         });
@@ -217,12 +224,13 @@ fn bench(
     let mean = |f: fn(&Cycle) -> f64| steady.iter().map(f).sum::<f64>() / steady.len() as f64;
     let pause_gbps = mean(|c| c.pause.gbps);
     let resume_gbps = mean(|c| c.resume.gbps);
-    let memcpy_gbps = mean(|c| c.memcpy_gbps);
+    let copy_out_gbps = mean(|c| c.copy_out_gbps);
+    let copy_in_gbps = mean(|c| c.copy_in_gbps);
     let write_gbps = mean(|c| c.write_gbps);
     let read_gbps = mean(|c| c.read_gbps);
     let (pause_base, resume_base) = match policy {
         BackupPolicy::Disk => (write_gbps, read_gbps),
-        BackupPolicy::Host | BackupPolicy::None => (memcpy_gbps, memcpy_gbps),
+        BackupPolicy::Host | BackupPolicy::None => (copy_out_gbps, copy_in_gbps),
     };
     let ratio = (pause_gbps / pause_base, resume_gbps / resume_base);
     let mut out = std::io::stdout().lock();
@@ -245,7 +253,14 @@ fn bench(
             "target": format!("{policy}"),
             "size_bytes": size,
             "cycles": cycles_json,
-            "baseline": {"memcpy_gbps": memcpy_gbps, "write_gbps": write_gbps, "read_gbps": read_gbps},
+            "host_pool_pin_s": pin_seconds,
+            "baseline": {
+                "kind": copier.name(),
+                "copy_out_gbps": copy_out_gbps,
+                "copy_in_gbps": copy_in_gbps,
+                "write_gbps": write_gbps,
+                "read_gbps": read_gbps,
+            },
             "ratio": {"pause": ratio.0, "resume": ratio.1},
         });
         writeln!(out, "{report}")?;
@@ -270,15 +285,23 @@ fn bench(
         )?;
         writeln!(
             out,
-            "         baseline memcpy {:.2} GB/s, O_DIRECT write+fsync {:.2} GB/s, read {:.2} GB/s",
-            c.memcpy_gbps, c.write_gbps, c.read_gbps
+            "         baseline {} out {:.2} GB/s, in {:.2} GB/s, O_DIRECT write+fsync {:.2} GB/s, read {:.2} GB/s",
+            copier.name(),
+            c.copy_out_gbps,
+            c.copy_in_gbps,
+            c.write_gbps,
+            c.read_gbps
         )?;
     }
     writeln!(
         out,
-        "baseline (mean of steady cycles): memcpy {memcpy_gbps:.2} GB/s, O_DIRECT write+fsync {write_gbps:.2} GB/s, O_DIRECT read {read_gbps:.2} GB/s ({})",
+        "baseline (mean of steady cycles): {} out {copy_out_gbps:.2} GB/s, in {copy_in_gbps:.2} GB/s, O_DIRECT write+fsync {write_gbps:.2} GB/s, O_DIRECT read {read_gbps:.2} GB/s ({})",
+        copier.name(),
         dir.display()
     )?;
+    if policy == BackupPolicy::Host {
+        writeln!(out, "host pool pinned up front in {pin_seconds:.3} s")?;
+    }
     writeln!(
         out,
         "ratio (steady cycles / baseline): pause {:.2}x, resume {:.2}x",
@@ -287,8 +310,29 @@ fn bench(
     Ok(())
 }
 
+/// Grow the manager's host pool to one buffer of each of `sizes` before the first pause, so the
+/// first cycle copies instead of pinning; returns the seconds it took.
+pub(crate) fn prepin_host_pool(memory: &MemoryManager, sizes: &[usize]) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let pool = memory.host_pool();
+    let taken = sizes
+        .iter()
+        .map(|&size| pool.take(size))
+        .collect::<Result<Vec<_>, _>>()?;
+    taken.into_iter().for_each(|buffer| pool.put(buffer));
+    let seconds = started.elapsed().as_secs_f64();
+    let bytes: usize = sizes.iter().sum();
+    tracing::info!(
+        bytes,
+        seconds,
+        gbps = bytes as f64 / seconds / 1e9,
+        "pinned the host pool up front, before the first pause"
+    );
+    Ok(seconds)
+}
+
 /// Fill the buffer with a seeded pattern, 64 MiB at a time; returns the pattern block.
-fn fill(buffer: &mut Buffer) -> anyhow::Result<Vec<u8>> {
+pub(crate) fn fill(buffer: &mut Buffer) -> anyhow::Result<Vec<u8>> {
     let block = pattern_block(buffer.len().min(64 * MIB));
     let mut offset = 0;
     while offset < buffer.len() {
@@ -311,7 +355,7 @@ fn pattern_block(len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn verify(buffer: &Buffer, block: &[u8]) -> anyhow::Result<()> {
+pub(crate) fn verify(buffer: &Buffer, block: &[u8]) -> anyhow::Result<()> {
     let mut back = vec![0u8; block.len()];
     let mut offset = 0;
     while offset < buffer.len() {
@@ -327,26 +371,62 @@ fn verify(buffer: &Buffer, block: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Plain single-threaded memcpy of the bench's bytes between two resident buffers.
-struct MemcpyBaseline {
-    src: Vec<u8>,
-    dst: Vec<u8>,
+/// The plain copy a pause or resume is measured against, on the bench's own bytes.
+pub(crate) enum CopyBaseline {
+    /// CPU device: one single-threaded memcpy between two resident buffers (both ways alike).
+    Memcpy { src: Vec<u8>, dst: Vec<u8> },
+    /// CUDA device: one synchronous pinned `cuMemcpyDtoH` of the tag's bytes into a pinned
+    /// buffer of the same size, then one `cuMemcpyHtoD` of them back (the same bytes, so the
+    /// tag is unchanged).
+    Pinned {
+        device: Arc<CudaDevice>,
+        host: HostBuffer,
+    },
 }
 
-impl MemcpyBaseline {
-    fn new(size: usize) -> MemcpyBaseline {
-        MemcpyBaseline {
-            src: pattern_block(size),
-            dst: vec![1u8; size],
+impl CopyBaseline {
+    pub(crate) fn new(opened: &OpenedDevice, size: usize) -> anyhow::Result<CopyBaseline> {
+        Ok(match opened {
+            OpenedDevice::Cpu(_) => CopyBaseline::Memcpy {
+                src: pattern_block(size),
+                dst: vec![1u8; size],
+            },
+            OpenedDevice::Cuda(device) => CopyBaseline::Pinned {
+                host: device.alloc_host(size)?,
+                device: Arc::clone(device),
+            },
+        })
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            CopyBaseline::Memcpy { .. } => "memcpy",
+            CopyBaseline::Pinned { .. } => "plain pinned cuMemcpy",
         }
     }
 
-    /// One copy, in GB/s.
-    fn run(&mut self) -> f64 {
-        let started = Instant::now();
-        self.dst.copy_from_slice(&self.src);
-        std::hint::black_box(&self.dst);
-        self.src.len() as f64 / started.elapsed().as_secs_f64() / 1e9
+    /// One copy each way of `buffer`'s bytes (active), in GB/s.
+    pub(crate) fn run(&mut self, buffer: &Buffer) -> anyhow::Result<(f64, f64)> {
+        let len = buffer.len() as f64;
+        match self {
+            CopyBaseline::Memcpy { src, dst } => {
+                let started = Instant::now();
+                dst.copy_from_slice(src);
+                std::hint::black_box(&dst);
+                let gbps = len / started.elapsed().as_secs_f64() / 1e9;
+                Ok((gbps, gbps))
+            }
+            CopyBaseline::Pinned { device, host } => {
+                let range = buffer.range();
+                let started = Instant::now();
+                device.plain_copy_to_host(range, host, 0)?;
+                let out = len / started.elapsed().as_secs_f64() / 1e9;
+                let started = Instant::now();
+                device.plain_copy_from_host(host, 0, range)?;
+                let back = len / started.elapsed().as_secs_f64() / 1e9;
+                Ok((out, back))
+            }
+        }
     }
 }
 
@@ -354,7 +434,7 @@ impl MemcpyBaseline {
 /// size, in the same directory.
 struct DirectIoBaseline {
     path: PathBuf,
-    buffer: miles_core::HostBuffer,
+    buffer: HostBuffer,
 }
 
 impl DirectIoBaseline {

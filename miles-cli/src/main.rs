@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod bench_both;
 mod bench_offload;
 mod bench_train;
 mod check_config;

@@ -14,7 +14,8 @@ pub use config::{
     UnknownChoice,
 };
 pub use device::{
-    AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
+    AddressRange, CudaDevice, CudaOptions, Device, DeviceAddress, DeviceError, DeviceKind, Fence,
+    HostAllocation,
     HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess, ViewClaim,
 };
 pub use memory::{

@@ -5,7 +5,7 @@
 //! call's safety depends on what the caller passes (pointers, handles the caller must own); the
 //! owning types in `context.rs` and `memory.rs` uphold those conditions.
 //!
-//! None of these may be called before [`super::probe::probe_driver`] has said that the driver
+//! None of these may be called before [`crate::device::probe::cudarc_driver_ready`] has said that the driver
 //! library loads and has every symbol listed there: cudarc panics on a missing library or symbol.
 
 use std::ffi::{CStr, c_void};

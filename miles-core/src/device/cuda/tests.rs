@@ -50,7 +50,7 @@ fn committed(device: &CudaDevice, len: usize) -> AddressRange {
 
 #[test]
 fn open_without_a_driver_reports_cuda_unavailable() {
-    if probe::probe_driver().is_ok() {
+    if crate::device::probe::cudarc_driver_ready().is_ok() {
         eprintln!("skipping open_without_a_driver_reports_cuda_unavailable: a cuda driver is here");
         return;
     }
@@ -353,4 +353,31 @@ fn cuda_registered_host_memory_and_many_pieces_round_trip() {
         worst.is_none(),
         "first difference at byte {worst:?} (tolerance: none)"
     );
+}
+
+#[test]
+fn cuda_a_compute_stream_waits_on_a_resume_fence_without_a_host_wait() {
+    let Some((_gpu, device)) = gpu("cuda_a_compute_stream_waits_on_a_resume_fence") else {
+        return;
+    };
+    let len = GIB;
+    let range = committed(&device, len);
+    let mut source = ok(device.alloc_host(len), "alloc_host");
+    ok(source.as_mut_slice(), "host bytes").copy_from_slice(&random_bytes(len, 11));
+    let context = cudarc::driver::CudaContext::new(0)
+        .unwrap_or_else(|error| panic!("cudarc context: {error}"));
+    let stream = context
+        .new_stream()
+        .unwrap_or_else(|error| panic!("cudarc stream: {error}"));
+    // A 1 GiB copy takes about 20 ms at the link's speed: a stream that does not wait for it
+    // reaches its own fence long before the copy is done.
+    let resume = ok(device.copy_from_host(&mut source, 0, range), "copy in");
+    ok(device.stream_wait(&stream, &resume), "stream_wait");
+    let after = ok(device.record_fence(&stream), "record_fence");
+    ok(after.wait(), "wait for the compute stream");
+    assert!(
+        ok(resume.is_done(), "query the copy"),
+        "the compute stream ran past a copy it was told to wait for"
+    );
+    ok(device.stream_wait(&stream, &Fence::signalled()), "signalled");
 }
