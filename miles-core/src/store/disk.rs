@@ -2,9 +2,10 @@
 //! chunks through a pipeline of staging buffers, each chunk checksummed with CRC32C, described by
 //! a manifest written last and atomically.
 //!
-//! Pause: the calling thread copies chunk k+1 from the device into a staging buffer while a writer
-//! thread checksums and writes chunk k (O_DIRECT where the filesystem allows). Resume: a reader
-//! thread reads chunk k+1 while the calling thread verifies chunk k and copies it to the device.
+//! Pause: the calling thread copies chunk k+1 from the device into a staging buffer and
+//! checksums it while writer threads write chunks k and k-1 (O_DIRECT where the filesystem
+//! allows). Resume: a few threads each read a chunk, verify its checksum and copy it to the
+//! device, so reads stay in flight while other chunks are verified and copied.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
@@ -24,12 +25,16 @@ use super::{HostPool, StoreError};
 /// every common filesystem.
 const DIRECT_ALIGN: usize = 4096;
 
-/// Threads writing (pause) or reading (resume) chunks at once: two requests in flight keep a
-/// virtio or NVMe queue busier than one.
-const IO_THREADS: usize = 2;
+/// Threads writing chunks at once during a pause: two requests in flight keep a virtio or NVMe
+/// queue busier than one.
+const WRITE_THREADS: usize = 2;
 
-/// Staging buffers: one per I/O thread, one being filled or drained, one spare.
-const PIPELINE_DEPTH: usize = IO_THREADS + 2;
+/// Staging buffers of a pause: one per writer, one being filled, one spare.
+const PIPELINE_DEPTH: usize = WRITE_THREADS + 2;
+
+/// Threads of a resume, each reading a chunk, verifying it and copying it to the device: with
+/// three, two reads stay in flight while one thread verifies and copies.
+const READ_THREADS: usize = 3;
 
 const DATA_FILE: &str = "data.bin";
 const MANIFEST_FILE: &str = "manifest.json";
@@ -83,9 +88,6 @@ impl DiskBackup {
 
 /// A staging buffer back from a writer, with the outcome of its write.
 type ChunkDone = (HostBuffer, Result<(), StoreError>);
-
-/// A chunk read into a staging buffer: its index, the buffer and the outcome of the read.
-type ChunkRead = (usize, HostBuffer, Result<(), StoreError>);
 
 impl DiskStore {
     /// A store writing under `dir/rank-<rank>/<tag>/` in chunks of `chunk_bytes`, staging
@@ -183,7 +185,7 @@ impl DiskStore {
     }
 
     /// The pipelined copy-out: this thread fills staging buffers from the device and checksums
-    /// them, [`IO_THREADS`] writer threads write them. Returns each chunk's CRC32C.
+    /// them, [`WRITE_THREADS`] writer threads write them. Returns each chunk's CRC32C.
     #[allow(clippy::too_many_arguments)]
     fn write_chunks(
         &self,
@@ -195,7 +197,7 @@ impl DiskStore {
         total: u64,
         chunks: usize,
     ) -> Result<Vec<u32>, StoreError> {
-        let mut free = self.take_staging(chunks)?;
+        let mut free = self.take_staging(chunks.min(PIPELINE_DEPTH))?;
         let staged = free.len();
         let mut crcs = vec![0u32; chunks];
         let mut first_error: Option<StoreError> = None;
@@ -205,7 +207,7 @@ impl DiskStore {
         let chunk_bytes = self.chunk_bytes;
         let fail_at = self.fail_write_at;
         std::thread::scope(|scope| {
-            for _ in 0..IO_THREADS {
+            for _ in 0..WRITE_THREADS {
                 let done_tx = done_tx.clone();
                 let job_rx = &job_rx;
                 scope.spawn(move || {
@@ -323,91 +325,56 @@ impl DiskStore {
                 reason: format!("{chunks} checksums for {total} bytes in chunks of {chunk_bytes}"),
             });
         }
-        let staging = self.take_staging(chunks)?;
-        let staged = staging.len();
-        let (free_tx, free_rx) = mpsc::channel::<HostBuffer>();
-        let (done_tx, done_rx) = mpsc::channel::<ChunkRead>();
-        for buffer in staging {
-            // The receiver is alive: it is dropped below, after the pipeline.
-            let _ = free_tx.send(buffer);
-        }
-        let free_rx = Mutex::new(free_rx);
+        let staging = self.take_staging(chunks.min(READ_THREADS))?;
         let next_chunk = AtomicUsize::new(0);
-        let mut returned = Vec::with_capacity(staged);
-        let mut first_error = None;
-        std::thread::scope(|scope| {
-            let readers: Vec<_> = (0..IO_THREADS)
-                .map(|_| {
-                    let done_tx = done_tx.clone();
-                    let (free_rx, next_chunk, file, data_path, crcs) =
-                        (&free_rx, &next_chunk, &file, &data_path, &on_disk.crc32c);
+        let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
+        let returned: Vec<HostBuffer> = std::thread::scope(|scope| {
+            let workers: Vec<_> = staging
+                .into_iter()
+                .map(|mut buffer| {
+                    let (next_chunk, first_error, file, data_path) =
+                        (&next_chunk, &first_error, &file, &data_path);
+                    let crcs = &on_disk.crc32c;
                     scope.spawn(move || {
-                        let mut leftovers = Vec::new();
                         loop {
-                            let next = lock(free_rx).recv();
-                            let Ok(mut buffer) = next else {
-                                break;
-                            };
                             let index = next_chunk.fetch_add(1, Ordering::Relaxed);
-                            if index >= chunks {
-                                leftovers.push(buffer);
+                            if index >= chunks || lock(first_error).is_some() {
                                 break;
                             }
                             let (offset, len) = chunk_span(index, chunk_bytes, total);
-                            let result =
-                                read_chunk(file, data_path, index, offset, len, &mut buffer)
-                                    .and_then(|()| {
-                                        verify_chunk(data_path, index, crcs[index], len, &buffer)
-                                    });
-                            if let Err(mpsc::SendError((_, buffer, _))) =
-                                done_tx.send((index, buffer, result))
-                            {
-                                leftovers.push(buffer);
+                            let step = read_chunk(file, data_path, index, offset, len, &mut buffer)
+                                .and_then(|()| {
+                                    verify_chunk(data_path, index, crcs[index], len, &buffer)
+                                })
+                                .and_then(|()| {
+                                    unstage_chunk(device, runs, offset, len, &mut buffer)
+                                });
+                            if let Err(error) = step {
+                                lock(first_error).get_or_insert(error);
                                 break;
                             }
                         }
-                        leftovers
+                        buffer
                     })
                 })
                 .collect();
-            drop(done_tx);
-            let mut verified = 0;
-            while verified < chunks {
-                let Ok((index, mut buffer, result)) = done_rx.recv() else {
-                    break;
-                };
-                let (offset, len) = chunk_span(index, chunk_bytes, total);
-                let step =
-                    result.and_then(|()| unstage_chunk(device, runs, offset, len, &mut buffer));
-                if let Err(error) = step {
-                    returned.push(buffer);
-                    first_error = Some(error);
-                    break;
-                }
-                verified += 1;
-                if let Err(mpsc::SendError(buffer)) = free_tx.send(buffer) {
-                    returned.push(buffer);
-                }
-            }
-            drop(free_tx);
-            returned.extend(done_rx.iter().map(|(_, buffer, _)| buffer));
-            for reader in readers {
-                match reader.join() {
-                    Ok(leftovers) => returned.extend(leftovers),
-                    Err(_) => tracing::error!("an offload reader thread panicked"),
-                }
-            }
+            workers
+                .into_iter()
+                .filter_map(|worker| match worker.join() {
+                    Ok(buffer) => Some(buffer),
+                    Err(_) => {
+                        tracing::error!("an offload reader thread panicked; its buffer is lost");
+                        None
+                    }
+                })
+                .collect()
         });
-        returned.extend(
-            free_rx
-                .into_inner()
-                .unwrap_or_else(PoisonError::into_inner)
-                .try_iter(),
-        );
-        debug_assert_eq!(returned.len(), staged, "every staging buffer comes back");
         returned
             .into_iter()
             .for_each(|buffer| self.pool.put(buffer));
+        let first_error = first_error
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
         match first_error {
             Some(error) => Err(error),
             None => Ok(()),
@@ -443,9 +410,9 @@ impl DiskStore {
         self.fail_write_at = Some(index);
     }
 
-    fn take_staging(&self, chunks: usize) -> Result<Vec<HostBuffer>, StoreError> {
+    fn take_staging(&self, count: usize) -> Result<Vec<HostBuffer>, StoreError> {
         let mut staging = Vec::new();
-        for _ in 0..chunks.min(PIPELINE_DEPTH) {
+        for _ in 0..count {
             match self.pool.take(self.chunk_bytes) {
                 Ok(buffer) => staging.push(buffer),
                 Err(error) => {
