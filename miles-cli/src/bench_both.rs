@@ -48,13 +48,11 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
     let pin_seconds = prepin_host_pool(&memory, &[size, size])?;
     let mut copier = CopyBaseline::new(opened, size)?;
     memory.pause(&tags[1])?;
+    // Index of the tag that is paused now; each cycle swaps the roles.
+    let mut paused_index = 1;
     let mut cycles = Vec::with_capacity(args.cycles);
-    for cycle in 0..args.cycles {
-        let (out, back) = if cycle % 2 == 0 {
-            (&tags[0], &tags[1])
-        } else {
-            (&tags[1], &tags[0])
-        };
+    for _ in 0..args.cycles {
+        let (out, back) = (&tags[1 - paused_index], &tags[paused_index]);
         let started = Instant::now();
         let (paused, resumed) = std::thread::scope(|scope| {
             let pausing = scope.spawn(|| memory.pause(out));
@@ -66,8 +64,8 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
             .map_err(|_| anyhow::anyhow!("the pausing thread panicked"))?
             .map_err(anyhow::Error::from)?;
         let resumed = resumed?;
-        let active = if cycle % 2 == 0 { &buffers[1] } else { &buffers[0] };
-        let (copy_out_gbps, copy_in_gbps) = copier.run(active)?;
+        let (copy_out_gbps, copy_in_gbps) = copier.run(&buffers[paused_index])?;
+        paused_index = 1 - paused_index;
         cycles.push(Cycle {
             seconds,
             pause_seconds: paused.seconds,
@@ -76,8 +74,7 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
             copy_in_gbps,
         });
     }
-    let paused_last = if args.cycles % 2 == 0 { &tags[1] } else { &tags[0] };
-    memory.resume(paused_last)?;
+    memory.resume(&tags[paused_index])?;
     for (buffer, pattern) in buffers.iter().zip(&patterns) {
         verify(buffer, pattern)?;
     }

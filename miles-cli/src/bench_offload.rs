@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::Context;
 use miles_core::device::{self, OpenedDevice};
 use miles_core::{
-    BackupPolicy, Buffer, CudaDevice, Device, DeviceChoice, DiskSettings, HostBuffer,
+    BackupPolicy, Buffer, CudaDevice, CudaOptions, Device, DeviceChoice, DiskSettings, HostBuffer,
     ManagerSettings, MemoryManager, MemoryTag, OffloadReport,
 };
 use serde_json::json;
@@ -61,6 +61,14 @@ pub struct OffloadBenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Skip the O_DIRECT write/read of the tag's bytes that the host and none targets print
+    /// for reference (it takes seconds per GiB on a slow disk).
+    #[arg(long)]
+    pub no_disk_baseline: bool,
+    /// CUDA only: bytes of physical memory per `cuMemCreate` handle, in MiB (default: the
+    /// device's, 1 GiB).
+    #[arg(long)]
+    pub cuda_commit_chunk_mib: Option<usize>,
     /// Two tags of `--size` each, host target: one pauses while the other resumes, on two
     /// threads; reports the bytes of both over the wall time.
     #[arg(long)]
@@ -125,7 +133,14 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
         return Err(BadSettings("--both-directions needs --target host".to_string()).into());
     }
     let size = usize::try_from(args.size).context("--size does not fit this machine")?;
-    let opened = device::open(args.device, args.device_memory_gib * GIB)?;
+    let defaults = CudaOptions::default();
+    let cuda = CudaOptions {
+        commit_chunk: args
+            .cuda_commit_chunk_mib
+            .map_or(defaults.commit_chunk, |mib| mib * MIB),
+        ..defaults
+    };
+    let opened = device::open_with(args.device, args.device_memory_gib * GIB, cuda)?;
     if args.both_directions {
         return crate::bench_both::run(args, &opened, size);
     }
@@ -209,7 +224,7 @@ fn bench(
     }
     drop(buffer);
     drop(memory);
-    if policy != BackupPolicy::Disk {
+    if policy != BackupPolicy::Disk && !args.no_disk_baseline {
         let (write_gbps, read_gbps) = direct.run(size)?;
         for cycle in &mut cycles {
             cycle.write_gbps = write_gbps;

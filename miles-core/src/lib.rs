@@ -15,8 +15,8 @@ pub use config::{
 };
 pub use device::{
     AddressRange, CudaDevice, CudaOptions, Device, DeviceAddress, DeviceError, DeviceKind, Fence,
-    HostAllocation,
-    HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess, ViewClaim,
+    HostAllocation, HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess,
+    ViewClaim,
 };
 pub use memory::{
     BackupPolicy, Buffer, BufferView, BufferViewMut, DiskSettings, FreeError, ManagerSettings,

@@ -21,7 +21,7 @@ pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 pub use host::HostDevice;
-pub use open::{OpenedDevice, open, open_with, resolve};
+pub use open::{OpenedDevice, open, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 
 use std::fmt;

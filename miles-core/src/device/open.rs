@@ -80,6 +80,24 @@ pub fn open_with(
     Ok(opened)
 }
 
+/// The device tests run on: GPU 0 limited to `capacity` bytes when the environment says
+/// `MILES_TEST_DEVICE=cuda`, else a CPU device of `capacity` bytes. With the limit, tests that
+/// count on out-of-memory at small sizes behave alike on both.
+///
+/// # Errors
+/// As [`open`], when `MILES_TEST_DEVICE=cuda` and the GPU cannot open.
+pub fn open_test_device(capacity: u64) -> Result<OpenedDevice, DeviceError> {
+    let choice = match std::env::var("MILES_TEST_DEVICE").as_deref() {
+        Ok("cuda") => DeviceChoice::Cuda,
+        _ => DeviceChoice::Cpu,
+    };
+    let cuda = CudaOptions {
+        memory_limit: Some(capacity),
+        ..CudaOptions::default()
+    };
+    open_with(choice, capacity, cuda)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

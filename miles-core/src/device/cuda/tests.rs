@@ -379,5 +379,8 @@ fn cuda_a_compute_stream_waits_on_a_resume_fence_without_a_host_wait() {
         ok(resume.is_done(), "query the copy"),
         "the compute stream ran past a copy it was told to wait for"
     );
-    ok(device.stream_wait(&stream, &Fence::signalled()), "signalled");
+    ok(
+        device.stream_wait(&stream, &Fence::signalled()),
+        "signalled",
+    );
 }
