@@ -442,7 +442,9 @@ pub(crate) unsafe fn memcpy_htod_async(
     })
 }
 
-/// `cuMemcpyDtoD`: copy `len` device bytes, synchronously (used when a mapping is split).
+/// `cuMemcpyDtoD`: queue a copy of `len` device bytes on the legacy default stream (used when
+/// a mapping is split). A device-to-device `cuMemcpy` does not wait for the copy on the host:
+/// the caller waits (an event on the null stream) before it unmaps either range.
 ///
 /// # Safety
 /// Both ranges are mapped and no other work writes them meanwhile.

@@ -330,8 +330,14 @@ impl CudaDevice {
             };
             let result = self.map(scratch, handle).and_then(|()| {
                 // SAFETY: both ranges are mapped; no queued copy touches `part` (state lock).
-                let copy = unsafe { driver::memcpy_dtod(temp, part.start, part.len) };
-                // SAFETY: undoes the temporary mapping made above.
+                let copy = unsafe { driver::memcpy_dtod(temp, part.start, part.len) }
+                    // SAFETY: the null stream is the one the copy was queued on; waiting for
+                    // the event recorded after it means the copy is done, so neither range is
+                    // unmapped under it (unmapping under a running copy is an illegal address).
+                    .and_then(|()| unsafe { Event::record(&self.context, std::ptr::null_mut()) })
+                    .and_then(|event| EventWork::new(vec![event]).wait());
+                // SAFETY: undoes the temporary mapping made above, once the copy is done (or
+                // failed to start).
                 copy.and(unsafe { driver::mem_unmap(temp, part.len) })
             });
             // SAFETY: the temporary reservation is ours and nothing is mapped there any more.
