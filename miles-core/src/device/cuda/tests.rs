@@ -1,6 +1,7 @@
 //! Tests of the CUDA device. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core
-//! cuda`; elsewhere each test prints a skip note and returns. The tests take the whole GPU in
-//! turn (one lock), since out-of-memory and free-memory checks need it to themselves.
+//! -- --test-threads=1` (the memory manager's suite then runs on the GPU too); elsewhere each
+//! test prints a skip note and returns. These tests take the GPU in turn (one lock), since
+//! out-of-memory and free-memory checks need it to themselves.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
