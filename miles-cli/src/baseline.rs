@@ -4,10 +4,12 @@
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use miles_core::Device;
+use miles_core::device::OpenedDevice;
+use miles_core::{Buffer, CudaDevice, Device, HostBuffer};
 
 /// A seeded, incompressible byte pattern of `len` bytes.
 pub fn pattern_block(len: usize) -> Vec<u8> {
@@ -46,11 +48,64 @@ impl MemcpyBaseline {
     }
 }
 
+/// The plain copy a pause or resume is measured against, on the bench's own bytes.
+pub enum CopyBaseline {
+    /// CPU device: one single-threaded memcpy between two resident buffers (both ways alike).
+    Memcpy(MemcpyBaseline),
+    /// CUDA device: one synchronous pinned `cuMemcpyDtoH` of the tag's bytes into a pinned
+    /// buffer of the same size, then one `cuMemcpyHtoD` of them back (the same bytes, so the
+    /// tag is unchanged).
+    Pinned {
+        device: Arc<CudaDevice>,
+        host: HostBuffer,
+    },
+}
+
+impl CopyBaseline {
+    pub fn new(opened: &OpenedDevice, size: usize) -> anyhow::Result<CopyBaseline> {
+        Ok(match opened {
+            OpenedDevice::Cpu(_) => CopyBaseline::Memcpy(MemcpyBaseline::new(size)),
+            OpenedDevice::Cuda(device) => CopyBaseline::Pinned {
+                host: device.alloc_host(size)?,
+                device: Arc::clone(device),
+            },
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            CopyBaseline::Memcpy(_) => "memcpy",
+            CopyBaseline::Pinned { .. } => "plain pinned cuMemcpy",
+        }
+    }
+
+    /// One copy each way of `buffer`'s bytes (active), in GB/s.
+    pub fn run(&mut self, buffer: &Buffer) -> anyhow::Result<(f64, f64)> {
+        let len = buffer.len() as f64;
+        match self {
+            CopyBaseline::Memcpy(memcpy) => {
+                let gbps = memcpy.run();
+                Ok((gbps, gbps))
+            }
+            CopyBaseline::Pinned { device, host } => {
+                let range = buffer.range();
+                let started = Instant::now();
+                device.plain_copy_to_host(range, host, 0)?;
+                let out = len / started.elapsed().as_secs_f64() / 1e9;
+                let started = Instant::now();
+                device.plain_copy_from_host(host, 0, range)?;
+                let back = len / started.elapsed().as_secs_f64() / 1e9;
+                Ok((out, back))
+            }
+        }
+    }
+}
+
 /// Plain O_DIRECT write (then fsync) and read of the bench's bytes, in blocks of the chunk
 /// size, in the same directory.
 pub struct DirectIoBaseline {
     path: PathBuf,
-    buffer: miles_core::HostBuffer,
+    buffer: HostBuffer,
 }
 
 impl DirectIoBaseline {

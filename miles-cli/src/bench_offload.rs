@@ -4,15 +4,17 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::Context;
+use miles_core::device::{self, OpenedDevice};
 use miles_core::{
-    BackupPolicy, Buffer, Device, DiskSettings, HostDevice, ManagerSettings, MemoryManager,
+    BackupPolicy, Buffer, CudaOptions, DeviceChoice, DiskSettings, ManagerSettings, MemoryManager,
     MemoryTag, OffloadReport,
 };
 use serde_json::json;
 
-use crate::baseline::{DirectIoBaseline, MemcpyBaseline, pattern_block};
+use crate::baseline::{CopyBaseline, DirectIoBaseline, pattern_block};
 use crate::settings_args::BadSettings;
 
 const MIB: usize = 1 << 20;
@@ -32,9 +34,10 @@ pub enum OffloadTarget {
 /// Settings of `miles bench offload`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OffloadBenchArgs {
-    /// Device to bench: `cpu` (`cuda` once the CUDA device lands).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    /// Device to bench: `cpu`, `cuda` (GPU 0), or `auto` (CUDA when the probe finds a driver
+    /// and a GPU, else CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
     /// Bytes in the paused tag, e.g. `2GiB`, `512MiB`, `1000000`.
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub size: u64,
@@ -57,6 +60,18 @@ pub struct OffloadBenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Skip the O_DIRECT write/read of the tag's bytes that the host and none targets print
+    /// for reference (it takes seconds per GiB on a slow disk).
+    #[arg(long)]
+    pub no_disk_baseline: bool,
+    /// CUDA only: bytes of physical memory per `cuMemCreate` handle, in MiB (default: the
+    /// device's, 1 GiB).
+    #[arg(long)]
+    pub cuda_commit_chunk_mib: Option<usize>,
+    /// Two tags of `--size` each, host target: one pauses while the other resumes, on two
+    /// threads; reports the bytes of both over the wall time.
+    #[arg(long)]
+    pub both_directions: bool,
 }
 
 fn parse_size(text: &str) -> Result<u64, String> {
@@ -88,27 +103,15 @@ fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {text:?} must be positive and fit 64 bits"))
 }
 
-/// The device named by `--device`.
-///
-/// # Errors
-/// [`BadSettings`] for an unknown or not yet available device.
-pub fn open_device(name: &str, capacity_gib: u64) -> anyhow::Result<Arc<dyn Device>> {
-    match name {
-        "cpu" => Ok(Arc::new(HostDevice::new(capacity_gib * GIB))),
-        "cuda" => Err(BadSettings(
-            "the cuda device is not built into this binary yet; use --device cpu".to_string(),
-        )
-        .into()),
-        other => Err(BadSettings(format!("unknown device {other:?}: use cpu or cuda")).into()),
-    }
-}
-
 struct Cycle {
     pause: OffloadReport,
     resume: OffloadReport,
     resident_before: u64,
     resident_after: u64,
-    memcpy_gbps: f64,
+    /// Plain copy of the same bytes each way (CPU: one memcpy both ways; CUDA: one pinned
+    /// `cuMemcpyDtoH` out and one `cuMemcpyHtoD` in).
+    copy_out_gbps: f64,
+    copy_in_gbps: f64,
     write_gbps: f64,
     read_gbps: f64,
 }
@@ -125,8 +128,21 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     if args.target == OffloadTarget::Disk && args.disk_dir.is_none() {
         return Err(BadSettings("--target disk requires --disk-dir DIR".to_string()).into());
     }
+    if args.both_directions && args.target != OffloadTarget::Host {
+        return Err(BadSettings("--both-directions needs --target host".to_string()).into());
+    }
     let size = usize::try_from(args.size).context("--size does not fit this machine")?;
-    let device = open_device(&args.device, args.device_memory_gib)?;
+    let defaults = CudaOptions::default();
+    let cuda = CudaOptions {
+        commit_chunk: args
+            .cuda_commit_chunk_mib
+            .map_or(defaults.commit_chunk, |mib| mib * MIB),
+        ..defaults
+    };
+    let opened = device::open_with(args.device, args.device_memory_gib * GIB, cuda)?;
+    if args.both_directions {
+        return crate::bench_both::run(args, &opened, size);
+    }
     let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let bench_dir = dir.join(format!("miles-bench-offload-{}", std::process::id()));
@@ -143,7 +159,7 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
             chunk_bytes: args.chunk_mb * MIB,
         }),
     };
-    let outcome = bench(args, Arc::clone(&device), settings, policy, size, &dir);
+    let outcome = bench(args, &opened, settings, policy, size, &dir);
     if bench_dir.exists() {
         std::fs::remove_dir_all(&bench_dir)
             .with_context(|| format!("cannot remove {}", bench_dir.display()))?;
@@ -153,20 +169,26 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
 
 fn bench(
     args: &OffloadBenchArgs,
-    device: Arc<dyn Device>,
+    opened: &OpenedDevice,
     settings: ManagerSettings,
     policy: BackupPolicy,
     size: usize,
     dir: &Path,
 ) -> anyhow::Result<()> {
+    let device = opened.shared();
     let memory = MemoryManager::new(Arc::clone(&device), settings)?;
     let tag = MemoryTag::Named("bench".to_string());
     memory.create_region(tag.clone(), policy, size)?;
     let mut buffer = memory.alloc(&tag, size)?;
     let pattern = fill(&mut buffer)?;
+    let pin_seconds = if policy == BackupPolicy::Host {
+        prepin_host_pool(&memory, &[size])?
+    } else {
+        0.0
+    };
     // Baselines run between the cycles, on the same bytes, so that load from other processes
     // hits ours and theirs alike; each figure is the mean over the same (steady) cycles.
-    let mut copier = MemcpyBaseline::new(size);
+    let mut copier = CopyBaseline::new(opened, size)?;
     let mut direct = DirectIoBaseline::new(device.as_ref(), dir, args.chunk_mb * MIB)?;
     let mut cycles = Vec::with_capacity(args.cycles);
     for _ in 0..args.cycles {
@@ -179,7 +201,7 @@ fn bench(
             // cycle pauses resident memory (not timed).
             fill(&mut buffer)?;
         }
-        let memcpy_gbps = copier.run();
+        let (copy_out_gbps, copy_in_gbps) = copier.run(&buffer)?;
         let (write_gbps, read_gbps) = if policy == BackupPolicy::Disk {
             direct.run(size)?
         } else {
@@ -190,7 +212,8 @@ fn bench(
             resume,
             resident_before,
             resident_after,
-            memcpy_gbps,
+            copy_out_gbps,
+            copy_in_gbps,
             write_gbps,
             read_gbps,
         });
@@ -200,7 +223,7 @@ fn bench(
     }
     drop(buffer);
     drop(memory);
-    if policy != BackupPolicy::Disk {
+    if policy != BackupPolicy::Disk && !args.no_disk_baseline {
         let (write_gbps, read_gbps) = direct.run(size)?;
         for cycle in &mut cycles {
             cycle.write_gbps = write_gbps;
@@ -215,12 +238,13 @@ fn bench(
     let mean = |f: fn(&Cycle) -> f64| steady.iter().map(f).sum::<f64>() / steady.len() as f64;
     let pause_gbps = mean(|c| c.pause.gbps);
     let resume_gbps = mean(|c| c.resume.gbps);
-    let memcpy_gbps = mean(|c| c.memcpy_gbps);
+    let copy_out_gbps = mean(|c| c.copy_out_gbps);
+    let copy_in_gbps = mean(|c| c.copy_in_gbps);
     let write_gbps = mean(|c| c.write_gbps);
     let read_gbps = mean(|c| c.read_gbps);
     let (pause_base, resume_base) = match policy {
         BackupPolicy::Disk => (write_gbps, read_gbps),
-        BackupPolicy::Host | BackupPolicy::None => (memcpy_gbps, memcpy_gbps),
+        BackupPolicy::Host | BackupPolicy::None => (copy_out_gbps, copy_in_gbps),
     };
     let ratio = (pause_gbps / pause_base, resume_gbps / resume_base);
     let mut out = std::io::stdout().lock();
@@ -243,7 +267,14 @@ fn bench(
             "target": format!("{policy}"),
             "size_bytes": size,
             "cycles": cycles_json,
-            "baseline": {"memcpy_gbps": memcpy_gbps, "write_gbps": write_gbps, "read_gbps": read_gbps},
+            "host_pool_pin_s": pin_seconds,
+            "baseline": {
+                "kind": copier.name(),
+                "copy_out_gbps": copy_out_gbps,
+                "copy_in_gbps": copy_in_gbps,
+                "write_gbps": write_gbps,
+                "read_gbps": read_gbps,
+            },
             "ratio": {"pause": ratio.0, "resume": ratio.1},
         });
         writeln!(out, "{report}")?;
@@ -268,15 +299,23 @@ fn bench(
         )?;
         writeln!(
             out,
-            "         baseline memcpy {:.2} GB/s, O_DIRECT write+fsync {:.2} GB/s, read {:.2} GB/s",
-            c.memcpy_gbps, c.write_gbps, c.read_gbps
+            "         baseline {} out {:.2} GB/s, in {:.2} GB/s, O_DIRECT write+fsync {:.2} GB/s, read {:.2} GB/s",
+            copier.name(),
+            c.copy_out_gbps,
+            c.copy_in_gbps,
+            c.write_gbps,
+            c.read_gbps
         )?;
     }
     writeln!(
         out,
-        "baseline (mean of steady cycles): memcpy {memcpy_gbps:.2} GB/s, O_DIRECT write+fsync {write_gbps:.2} GB/s, O_DIRECT read {read_gbps:.2} GB/s ({})",
+        "baseline (mean of steady cycles): {} out {copy_out_gbps:.2} GB/s, in {copy_in_gbps:.2} GB/s, O_DIRECT write+fsync {write_gbps:.2} GB/s, O_DIRECT read {read_gbps:.2} GB/s ({})",
+        copier.name(),
         dir.display()
     )?;
+    if policy == BackupPolicy::Host {
+        writeln!(out, "host pool pinned up front in {pin_seconds:.3} s")?;
+    }
     writeln!(
         out,
         "ratio (steady cycles / baseline): pause {:.2}x, resume {:.2}x",
@@ -285,8 +324,29 @@ fn bench(
     Ok(())
 }
 
+/// Grow the manager's host pool to one buffer of each of `sizes` before the first pause, so the
+/// first cycle copies instead of pinning; returns the seconds it took.
+pub(crate) fn prepin_host_pool(memory: &MemoryManager, sizes: &[usize]) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let pool = memory.host_pool();
+    let taken = sizes
+        .iter()
+        .map(|&size| pool.take(size))
+        .collect::<Result<Vec<_>, _>>()?;
+    taken.into_iter().for_each(|buffer| pool.put(buffer));
+    let seconds = started.elapsed().as_secs_f64();
+    let bytes: usize = sizes.iter().sum();
+    tracing::info!(
+        bytes,
+        seconds,
+        gbps = bytes as f64 / seconds / 1e9,
+        "pinned the host pool up front, before the first pause"
+    );
+    Ok(seconds)
+}
+
 /// Fill the buffer with a seeded pattern, 64 MiB at a time; returns the pattern block.
-fn fill(buffer: &mut Buffer) -> anyhow::Result<Vec<u8>> {
+pub(crate) fn fill(buffer: &mut Buffer) -> anyhow::Result<Vec<u8>> {
     let block = pattern_block(buffer.len().min(64 * MIB));
     let mut offset = 0;
     while offset < buffer.len() {
@@ -297,7 +357,7 @@ fn fill(buffer: &mut Buffer) -> anyhow::Result<Vec<u8>> {
     Ok(block)
 }
 
-fn verify(buffer: &Buffer, block: &[u8]) -> anyhow::Result<()> {
+pub(crate) fn verify(buffer: &Buffer, block: &[u8]) -> anyhow::Result<()> {
     let mut back = vec![0u8; block.len()];
     let mut offset = 0;
     while offset < buffer.len() {

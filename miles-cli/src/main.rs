@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 mod baseline;
+mod bench_both;
 mod bench_offload;
 mod bench_offload_train;
 mod bench_rollout;

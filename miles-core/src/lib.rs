@@ -21,8 +21,9 @@ pub use config::{
     UnknownChoice,
 };
 pub use device::{
-    AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostAllocation,
-    HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess, ViewClaim,
+    AddressRange, CudaDevice, CudaOptions, Device, DeviceAddress, DeviceError, DeviceKind, Fence,
+    HostAllocation, HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess,
+    ViewClaim,
 };
 pub use memory::{
     BackupPolicy, Buffer, BufferView, BufferViewMut, DiskSettings, FreeError, ManagerSettings,

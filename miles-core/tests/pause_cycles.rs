@@ -1,13 +1,13 @@
 //! Many pause/resume cycles of one tag keep host memory bounded (a process of its own, so the
-//! resident set is not disturbed by other tests).
+//! resident set is not disturbed by other tests). On the CPU device, or on GPU 0 with
+//! `MILES_TEST_DEVICE=cuda`.
 
 // Helpers of a test crate are test code: they may unwrap (clippy.toml covers only `#[test]`
 // functions and `#[cfg(test)]` modules).
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-
-use miles_core::{BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager, MemoryTag};
+use miles_core::device::open_test_device;
+use miles_core::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -21,7 +21,7 @@ fn resident_set_bytes() -> u64 {
 
 #[test]
 fn a_thousand_pause_resume_cycles_do_not_grow_resident_memory_past_the_pool() {
-    let device: Arc<dyn Device> = Arc::new(HostDevice::new(256 * MIB as u64));
+    let device = open_test_device(256 * MIB as u64).unwrap().shared();
     let settings = ManagerSettings {
         margin_bytes: 0,
         disk: None,

@@ -13,6 +13,7 @@ mod cpu_gemm;
 mod cuda;
 mod error;
 mod host;
+mod open;
 pub mod probe;
 mod view;
 
@@ -20,6 +21,7 @@ pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 pub use host::HostDevice;
+pub use open::{OpenedDevice, open, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 
 use std::fmt;
@@ -111,6 +113,13 @@ pub trait PendingWork: Send + Sync {
     /// # Errors
     /// The device's error if the work failed.
     fn is_done(&self) -> Result<bool, DeviceError>;
+
+    /// The work as [`Any`](std::any::Any), for the device that made it to recognise its own
+    /// kind of work (the CUDA device makes a stream wait on its events this way, with no host
+    /// wait); `None` for work no device needs to look into.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 impl Fence {
@@ -146,6 +155,11 @@ impl Fence {
             Some(work) => work.is_done(),
             None => Ok(true),
         }
+    }
+
+    /// The work this fence waits for; `None` for a signalled fence.
+    pub fn work(&self) -> Option<&Arc<dyn PendingWork>> {
+        self.pending.as_ref()
     }
 }
 

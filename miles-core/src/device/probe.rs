@@ -7,6 +7,7 @@
 
 use std::ffi::{CStr, c_char, c_int, c_uint};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 use serde::Serialize;
@@ -142,9 +143,11 @@ type CuGetErrorString = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int
 /// Loads the CUDA driver, initialises it and lists its GPUs.
 ///
 /// # Errors
-/// [`DeviceError::CudaUnavailable`] when no driver library loads or lacks a symbol;
+/// [`DeviceError::CudaUnavailable`] when no driver library loads or lacks a symbol (of those
+/// this probe calls, or of those the CUDA device calls through cudarc);
 /// [`DeviceError::Cuda`] when a driver call fails (other than "no device", which yields no GPUs).
 pub fn probe_cuda() -> Result<CudaProbe, DeviceError> {
+    cudarc_driver_ready().map_err(DeviceError::CudaUnavailable)?;
     let (library, name) = open_first(&CUDA_LIBRARIES).map_err(DeviceError::CudaUnavailable)?;
     let cu_init: CuInit = symbol(&library, name, "cuInit")?;
     let cu_driver_get_version: CuIntOut = symbol(&library, name, "cuDriverGetVersion")?;
@@ -219,6 +222,84 @@ pub fn probe_cuda() -> Result<CudaProbe, DeviceError> {
         driver_version,
         gpus,
     })
+}
+
+/// Every driver symbol that the CUDA device (`cuda/driver.rs`) reaches through cudarc, by the
+/// name cudarc loads.
+const CUDARC_SYMBOLS: &[&str] = &[
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuMemGetInfo_v2",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventQuery",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoD_v2",
+];
+
+/// Whether cudarc's driver calls are safe to make: `Ok` when the library cudarc would load opens
+/// and has every symbol of [`CUDARC_SYMBOLS`], else why not. Checked once per process.
+pub(crate) fn cudarc_driver_ready() -> Result<(), String> {
+    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+    RESULT.get_or_init(check_cudarc_library).clone()
+}
+
+fn check_cudarc_library() -> Result<(), String> {
+    // The same names, in the same order, as cudarc's own loader tries, so the library checked
+    // here is the one cudarc opens.
+    let candidates = cudarc::get_lib_name_candidates("cuda");
+    for candidate in &candidates {
+        // SAFETY: loading the CUDA driver library runs its initialisers, which have no
+        // preconditions; the handle is dropped at the end of this block.
+        let Ok(library) = (unsafe { libloading::Library::new(candidate) }) else {
+            continue;
+        };
+        let missing: Vec<&str> = CUDARC_SYMBOLS
+            .iter()
+            .copied()
+            // SAFETY: only the symbol's presence is read; it is never called through this type.
+            .filter(|name| unsafe { library.get::<*const ()>(name.as_bytes()) }.is_err())
+            .collect();
+        return if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{candidate} lacks {}; update the nvidia driver",
+                missing.join(", ")
+            ))
+        };
+    }
+    Err(format!(
+        "no cuda driver library found (tried {})",
+        candidates.join(", ")
+    ))
 }
 
 /// NCCL as the probe found it.

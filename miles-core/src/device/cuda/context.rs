@@ -119,7 +119,16 @@ impl Event {
     /// Make later work on `stream` wait, on the device, for this event.
     pub(crate) fn make_wait(&self, stream: &Stream) -> Result<(), DeviceError> {
         // SAFETY: both handles are owned and live.
-        unsafe { driver::stream_wait_event(stream.raw(), self.raw) }
+        unsafe { self.make_raw_wait(stream.raw()) }
+    }
+
+    /// Make later work on the raw `stream` wait, on the device, for this event.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this event's context.
+    pub(crate) unsafe fn make_raw_wait(&self, stream: sys::CUstream) -> Result<(), DeviceError> {
+        // SAFETY: the event is owned and live; the caller keeps the stream live.
+        unsafe { driver::stream_wait_event(stream, self.raw) }
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
@@ -182,5 +191,9 @@ impl PendingWork for EventWork {
             }
         }
         Ok(true)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 }

@@ -5,7 +5,7 @@
 //! call's safety depends on what the caller passes (pointers, handles the caller must own); the
 //! owning types in `context.rs` and `memory.rs` uphold those conditions.
 //!
-//! None of these may be called before [`super::probe::probe_driver`] has said that the driver
+//! None of these may be called before [`crate::device::probe::cudarc_driver_ready`] has said that the driver
 //! library loads and has every symbol listed there: cudarc panics on a missing library or symbol.
 
 use std::ffi::{CStr, c_void};
@@ -442,7 +442,9 @@ pub(crate) unsafe fn memcpy_htod_async(
     })
 }
 
-/// `cuMemcpyDtoD`: copy `len` device bytes, synchronously (used when a mapping is split).
+/// `cuMemcpyDtoD`: queue a copy of `len` device bytes on the legacy default stream (used when
+/// a mapping is split). A device-to-device `cuMemcpy` does not wait for the copy on the host:
+/// the caller waits (an event on the null stream) before it unmaps either range.
 ///
 /// # Safety
 /// Both ranges are mapped and no other work writes them meanwhile.

@@ -26,7 +26,6 @@ mod context;
 mod copies;
 mod driver;
 mod pinned;
-mod probe;
 mod ranges;
 
 use std::fmt;
@@ -56,6 +55,11 @@ pub struct CudaOptions {
     /// Host memory: 0 pins with `cuMemHostAlloc`; n > 0 maps it, faults it in on n threads,
     /// then pins it with `cuMemHostRegister` (faster for large buffers on many cores).
     pub pin_threads: usize,
+    /// At most this many bytes committed at once (`None`: the whole GPU). A commit past it is
+    /// [`DeviceError::OutOfMemory`] and `memory_info` reports the limit as the total, as on a
+    /// GPU shared with another process that holds the rest; tests use it to make out-of-memory
+    /// real at small sizes.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for CudaOptions {
@@ -65,6 +69,7 @@ impl Default for CudaOptions {
             copy_chunk: 64 << 20,
             streams_per_direction: 2,
             pin_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
+            memory_limit: None,
         }
     }
 }
@@ -111,7 +116,7 @@ impl CudaDevice {
     /// # Errors
     /// As [`CudaDevice::open`].
     pub fn open_with(ordinal: i32, options: CudaOptions) -> Result<CudaDevice, DeviceError> {
-        probe::probe_driver().map_err(DeviceError::CudaUnavailable)?;
+        super::probe::cudarc_driver_ready().map_err(DeviceError::CudaUnavailable)?;
         driver::init().map_err(|error| DeviceError::CudaUnavailable(error.to_string()))?;
         let count = driver::device_get_count()?;
         if ordinal < 0 || ordinal >= count {
@@ -129,6 +134,7 @@ impl CudaDevice {
             copy_chunk: options.copy_chunk.max(1),
             streams_per_direction: options.streams_per_direction.max(1),
             pin_threads: options.pin_threads,
+            memory_limit: options.memory_limit,
         };
         let engine = CopyEngine::new(&context, options.streams_per_direction, options.copy_chunk)?;
         let name = driver::device_get_name(device)?;
@@ -163,6 +169,36 @@ impl CudaDevice {
         // SAFETY: the `CudaStream` borrow keeps the stream alive; the context is current.
         let event = unsafe { Event::record(&self.context, stream.cu_stream()) }?;
         Ok(Fence::pending(Arc::new(EventWork::new(vec![event]))))
+    }
+
+    /// Make the work queued later on `stream` wait, on the device, for `fence` (a resume's fence,
+    /// say): no host thread blocks. A fence of this device's copies becomes `cuStreamWaitEvent`
+    /// calls on its events; a signalled fence needs nothing; any other fence is waited for on
+    /// the host (logged at debug level), as nothing else can order a stream after it.
+    ///
+    /// # Errors
+    /// The driver's error; the fenced work's error when it is waited for on the host.
+    pub fn stream_wait(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        fence: &Fence,
+    ) -> Result<(), DeviceError> {
+        let Some(work) = fence.work() else {
+            return Ok(());
+        };
+        let Some(events) = work
+            .as_any()
+            .and_then(|any| any.downcast_ref::<EventWork>())
+        else {
+            tracing::debug!("a fence of other work: waiting for it on the host");
+            return fence.wait();
+        };
+        self.context.bind()?;
+        events.events().iter().try_for_each(|event| {
+            // SAFETY: the `CudaStream` borrow keeps the stream alive; it belongs to this GPU's
+            // primary context, which the events were recorded in.
+            unsafe { event.make_raw_wait(stream.cu_stream()) }
+        })
     }
 
     /// One plain synchronous `cuMemcpyDtoH` of the committed range `src` into
@@ -294,8 +330,14 @@ impl CudaDevice {
             };
             let result = self.map(scratch, handle).and_then(|()| {
                 // SAFETY: both ranges are mapped; no queued copy touches `part` (state lock).
-                let copy = unsafe { driver::memcpy_dtod(temp, part.start, part.len) };
-                // SAFETY: undoes the temporary mapping made above.
+                let copy = unsafe { driver::memcpy_dtod(temp, part.start, part.len) }
+                    // SAFETY: the null stream is the one the copy was queued on; waiting for
+                    // the event recorded after it means the copy is done, so neither range is
+                    // unmapped under it (unmapping under a running copy is an illegal address).
+                    .and_then(|()| unsafe { Event::record(&self.context, std::ptr::null_mut()) })
+                    .and_then(|event| EventWork::new(vec![event]).wait());
+                // SAFETY: undoes the temporary mapping made above, once the copy is done (or
+                // failed to start).
                 copy.and(unsafe { driver::mem_unmap(temp, part.len) })
             });
             // SAFETY: the temporary reservation is ours and nothing is mapped there any more.
@@ -492,6 +534,16 @@ impl Device for CudaDevice {
         self.context.bind()?;
         let mut state = self.lock();
         state.book.check_uncommitted(range)?;
+        if let Some(limit) = self.options.memory_limit {
+            let committed = state.book.committed_bytes();
+            if committed + range.len as u64 > limit {
+                return Err(DeviceError::OutOfMemory {
+                    device: DeviceKind::Cuda,
+                    requested: range.len as u64,
+                    free: limit.saturating_sub(committed),
+                });
+            }
+        }
         let mut created: Vec<Mapping> = Vec::new();
         let mut offset = 0;
         let mut failure = None;
@@ -549,9 +601,13 @@ impl Device for CudaDevice {
     fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
         self.context.bind()?;
         let (free, total) = driver::mem_get_info()?;
-        Ok(MemoryInfo {
-            free: free as u64,
-            total: total as u64,
+        let (free, total) = (free as u64, total as u64);
+        Ok(match self.options.memory_limit {
+            None => MemoryInfo { free, total },
+            Some(limit) => MemoryInfo {
+                free: free.min(limit.saturating_sub(self.lock().book.committed_bytes())),
+                total: total.min(limit),
+            },
         })
     }
 

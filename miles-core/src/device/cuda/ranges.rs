@@ -157,6 +157,15 @@ impl Reservations {
         }
     }
 
+    /// Bytes mapped over every reservation.
+    pub(crate) fn committed_bytes(&self) -> u64 {
+        self.by_start
+            .values()
+            .flat_map(|reservation| reservation.mappings.values())
+            .map(|mapping| mapping.len as u64)
+            .sum()
+    }
+
     /// Every reserved range.
     pub(crate) fn reserved(&self) -> Vec<AddressRange> {
         self.by_start

@@ -1,6 +1,7 @@
 //! Tests of the CUDA device. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core
-//! cuda`; elsewhere each test prints a skip note and returns. The tests take the whole GPU in
-//! turn (one lock), since out-of-memory and free-memory checks need it to themselves.
+//! -- --test-threads=1` (the memory manager's suite then runs on the GPU too); elsewhere each
+//! test prints a skip note and returns. These tests take the GPU in turn (one lock), since
+//! out-of-memory and free-memory checks need it to themselves.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -50,7 +51,7 @@ fn committed(device: &CudaDevice, len: usize) -> AddressRange {
 
 #[test]
 fn open_without_a_driver_reports_cuda_unavailable() {
-    if probe::probe_driver().is_ok() {
+    if crate::device::probe::cudarc_driver_ready().is_ok() {
         eprintln!("skipping open_without_a_driver_reports_cuda_unavailable: a cuda driver is here");
         return;
     }
@@ -253,7 +254,9 @@ fn cuda_releasing_part_of_a_commit_keeps_the_rest_intact() {
         return;
     };
     let granule = device.granularity();
-    let len = 8 * granule;
+    // Large enough (1 GiB) that the device-to-device copy keeping the tail outlasts the driver
+    // calls after it: a split that unmapped before the copy finished faulted here.
+    let len = 512 * granule;
     let data = random_bytes(len, 99);
     let range = committed(&device, len);
     ok(device.write(&data, range), "write");
@@ -265,7 +268,7 @@ fn cuda_releasing_part_of_a_commit_keeps_the_rest_intact() {
             .read(ok(middle.slice(0, 1), "slice"), &mut byte)
             .is_err()
     );
-    for (offset, part_len) in [(0, 3 * granule), (5 * granule, 3 * granule)] {
+    for (offset, part_len) in [(0, 3 * granule), (5 * granule, len - 5 * granule)] {
         let mut back = vec![0u8; part_len];
         ok(
             device.read(ok(range.slice(offset, part_len), "slice"), &mut back),
@@ -352,5 +355,35 @@ fn cuda_registered_host_memory_and_many_pieces_round_trip() {
     assert!(
         worst.is_none(),
         "first difference at byte {worst:?} (tolerance: none)"
+    );
+}
+
+#[test]
+fn cuda_a_compute_stream_waits_on_a_resume_fence_without_a_host_wait() {
+    let Some((_gpu, device)) = gpu("cuda_a_compute_stream_waits_on_a_resume_fence") else {
+        return;
+    };
+    let len = GIB;
+    let range = committed(&device, len);
+    let mut source = ok(device.alloc_host(len), "alloc_host");
+    ok(source.as_mut_slice(), "host bytes").copy_from_slice(&random_bytes(len, 11));
+    let context = cudarc::driver::CudaContext::new(0)
+        .unwrap_or_else(|error| panic!("cudarc context: {error}"));
+    let stream = context
+        .new_stream()
+        .unwrap_or_else(|error| panic!("cudarc stream: {error}"));
+    // A 1 GiB copy takes about 20 ms at the link's speed: a stream that does not wait for it
+    // reaches its own fence long before the copy is done.
+    let resume = ok(device.copy_from_host(&mut source, 0, range), "copy in");
+    ok(device.stream_wait(&stream, &resume), "stream_wait");
+    let after = ok(device.record_fence(&stream), "record_fence");
+    ok(after.wait(), "wait for the compute stream");
+    assert!(
+        ok(resume.is_done(), "query the copy"),
+        "the compute stream ran past a copy it was told to wait for"
+    );
+    ok(
+        device.stream_wait(&stream, &Fence::signalled()),
+        "signalled",
     );
 }
