@@ -380,9 +380,8 @@ impl TrainBackend for FsdpBackend {
             exp_avg_sq: self.gather_full(StatePart::ExpAvgSq)?,
             step: self.step,
         };
-        let layout = self.model.layout();
-        save_checkpoint(dir, self.model.config(), layout, &params)?;
-        save_optimizer(dir, layout, &state)?;
+        save_checkpoint(dir, self.model.config(), self.model.layout(), &params)?;
+        save_optimizer(dir, &state, self.ranks.len())?;
         tracing::info!(dir = %dir.display(), step = self.step, "fsdp checkpoint saved");
         Ok(())
     }
@@ -392,7 +391,7 @@ impl TrainBackend for FsdpBackend {
         let layout: ParamLayout = self.model.layout().clone();
         let mut params = vec![0.0; layout.len()];
         load_params(dir, &layout, &mut params)?;
-        let state = load_optimizer(dir, &layout)?;
+        let state = load_optimizer(dir, layout.len())?;
         self.scatter_full(StatePart::Params, &params)?;
         let zeros;
         let (m, v, step) = match &state {

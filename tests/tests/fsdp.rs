@@ -409,8 +409,8 @@ fn a_checkpoint_saved_at_two_ranks_resumes_the_trajectory_at_one_and_four() {
     for file in [
         "model.safetensors",
         "config.json",
-        "optimizer.safetensors",
-        "trainer_state.json",
+        "megatron/optimizer-rank-00000.safetensors",
+        "megatron/optimizer-rank-00001.safetensors",
     ] {
         assert!(dir.path().join(file).exists(), "{file} missing");
     }
@@ -428,7 +428,7 @@ fn a_checkpoint_saved_at_two_ranks_resumes_the_trajectory_at_one_and_four() {
         );
     }
     // Weights alone (a plain Hugging Face checkpoint) load with fresh moments at step 0.
-    std::fs::remove_file(dir.path().join("optimizer.safetensors")).unwrap();
+    std::fs::remove_dir_all(dir.path().join("megatron")).unwrap();
     let mut plain = backend(&config, &settings(2));
     plain.load(dir.path()).unwrap();
     assert_eq!(plain.step(), 0);
