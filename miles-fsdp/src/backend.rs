@@ -238,7 +238,7 @@ impl FsdpBackend {
         onload: bool,
     ) -> Result<OffloadStats, BackendError> {
         let started = Instant::now();
-        let ranks = on_ranks(&mut self.ranks, |rank, comm| {
+        let outcomes = run_ranks(&mut self.ranks, |rank, comm| {
             let t0 = Instant::now();
             let tags = if onload {
                 rank.onload()?
@@ -251,9 +251,20 @@ impl FsdpBackend {
                 tags,
             ))
         })?;
+        if !onload && outcomes.iter().any(Result::is_err) {
+            // All ranks or none: the ranks that offloaded come back, so the backend stays
+            // usable on the device.
+            for (rank, outcome) in self.ranks.iter_mut().zip(&outcomes) {
+                if outcome.is_ok()
+                    && let Err(error) = rank.onload()
+                {
+                    tracing::error!(%error, "cannot onload a rank after another failed to offload");
+                }
+            }
+        }
         Ok(OffloadStats {
             target,
-            ranks,
+            ranks: first_error(outcomes)?,
             seconds: started.elapsed().as_secs_f64(),
         })
     }
@@ -410,18 +421,26 @@ impl TrainBackend for FsdpBackend {
 }
 
 /// Runs `f` on every rank in its own thread, over a fresh in-process world, and returns the
-/// results in rank order.
-///
-/// A rank that fails drops its communicator, so its peers stop with
-/// [`CommError::PeerGone`] instead of waiting; the first error that is not such a consequence
-/// is returned.
+/// results in rank order, or the error that stopped them (see [`first_error`]).
 fn on_ranks<T: Send>(
     ranks: &mut [Rank],
     f: impl Fn(&mut Rank, &dyn Communicator) -> Result<T, BackendError> + Sync,
 ) -> Result<Vec<T>, BackendError> {
+    first_error(run_ranks(ranks, f)?)
+}
+
+/// Runs `f` on every rank in its own thread, over a fresh in-process world, and returns each
+/// rank's outcome in rank order.
+///
+/// A rank that fails drops its communicator, so its peers stop with
+/// [`CommError::PeerGone`] instead of waiting for it.
+fn run_ranks<T: Send>(
+    ranks: &mut [Rank],
+    f: impl Fn(&mut Rank, &dyn Communicator) -> Result<T, BackendError> + Sync,
+) -> Result<Vec<Result<T, BackendError>>, BackendError> {
     let comms = LocalComm::world(ranks.len())?;
     let f = &f;
-    let outcomes: Vec<Result<T, BackendError>> = std::thread::scope(|scope| {
+    Ok(std::thread::scope(|scope| {
         let handles: Vec<_> = ranks
             .iter_mut()
             .zip(comms)
@@ -437,7 +456,11 @@ fn on_ranks<T: Send>(
                 }))
             })
             .collect()
-    });
+    }))
+}
+
+/// The results, or the error that caused the others: the first that is not a peer's departure.
+fn first_error<T>(outcomes: Vec<Result<T, BackendError>>) -> Result<Vec<T>, BackendError> {
     let consequence =
         |e: &BackendError| matches!(e, BackendError::Comm(CommError::PeerGone { .. }));
     let cause = outcomes
@@ -453,5 +476,103 @@ fn on_ranks<T: Send>(
                 rank,
             }),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use miles_core::model::ModelError;
+
+    use super::*;
+
+    fn settings(dp: usize) -> Settings {
+        Settings {
+            data_parallel_size: dp,
+            device_memory_gib: 0.25,
+            train_memory_margin_bytes: 0,
+            ..Settings::default()
+        }
+    }
+
+    fn tiny(dp: usize) -> FsdpBackend {
+        FsdpBackend::from_settings(&settings(dp)).unwrap()
+    }
+
+    fn batch(b: usize, t: usize) -> Batch {
+        let n = b * t;
+        Batch {
+            batch: b,
+            seq: t,
+            inputs: (0..n as u32).map(|i| (i * 37 + 11) % 256).collect(),
+            targets: (0..n as u32).map(|i| (i * 53 + 7) % 256).collect(),
+            weights: (0..n).map(|i| 0.5 + (i % 3) as f32).collect(),
+            normaliser: n as f32,
+        }
+    }
+
+    #[test]
+    fn misuse_of_offload_and_onload_is_a_clear_error() {
+        let mut fsdp = tiny(2);
+        assert!(matches!(fsdp.onload(), Err(BackendError::NotOffloaded)));
+        fsdp.offload(OffloadTarget::Cpu).unwrap();
+        assert!(matches!(
+            fsdp.offload(OffloadTarget::Cpu),
+            Err(BackendError::Offloaded { .. })
+        ));
+        let err = fsdp.train_step(&batch(2, 3)).unwrap_err();
+        assert!(err.to_string().contains("onload first"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            fsdp.save(dir.path()),
+            Err(BackendError::Offloaded { .. })
+        ));
+        fsdp.onload().unwrap();
+        fsdp.train_step(&batch(2, 3)).unwrap();
+        assert_eq!(fsdp.step(), 1);
+    }
+
+    #[test]
+    fn offload_to_another_target_than_the_regions_back_up_to_is_refused_by_flag() {
+        let mut fsdp = tiny(1);
+        let err = fsdp.offload(OffloadTarget::Disk).unwrap_err().to_string();
+        assert!(err.contains("--offload-train-target"), "{err}");
+        assert!(!fsdp.is_offloaded());
+        fsdp.train_step(&batch(1, 4)).unwrap();
+    }
+
+    #[test]
+    fn settings_the_backend_cannot_run_are_refused_by_name() {
+        let mut s = settings(1);
+        s.tensor_model_parallel_size = 2;
+        let err = FsdpBackend::from_settings(&s).unwrap_err().to_string();
+        assert!(err.contains("--tensor-model-parallel-size 1"), "{err}");
+        let s = settings(2);
+        let one: Vec<Arc<dyn Device>> = vec![Arc::new(HostDevice::new(1 << 28))];
+        let err = FsdpBackend::new(LlamaConfig::preset("tiny").unwrap(), &s, one)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("one device per rank"), "{err}");
+        let err = tiny(2).train_step(&batch(1, 4)).unwrap_err().to_string();
+        assert!(err.contains("2 data-parallel"), "{err}");
+    }
+
+    #[test]
+    fn a_rank_failing_alone_fails_the_step_with_its_own_error_and_the_backend_goes_on() {
+        let mut fsdp = tiny(2);
+        let mut bad = batch(4, 3);
+        // Only rank 1's rows (sequences 2 and 3) hold a token outside the vocabulary.
+        bad.inputs[10] = 5000;
+        let err = fsdp.train_step(&bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BackendError::Model(ModelError::TokenOutOfRange { id: 5000, .. })
+            ),
+            "{err}"
+        );
+        assert_eq!(fsdp.step(), 0);
+        let stats = fsdp.train_step(&batch(4, 3)).unwrap();
+        assert!(stats.loss.is_finite() && stats.grad_norm > 0.0, "{stats:?}");
+        assert_eq!(stats.step, 1);
     }
 }

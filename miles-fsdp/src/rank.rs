@@ -42,7 +42,7 @@ pub(crate) struct Rank {
     shards: ShardStore,
     gathered: Buffer,
     gathered_grads: Buffer,
-    acts: Option<(ActivationLayout, Buffer)>,
+    acts: Activations,
     /// The tags an offload pauses, in order.
     tags: Vec<MemoryTag>,
     /// Most device bytes committed at any sampled point since the last reset.
@@ -133,7 +133,7 @@ impl Rank {
             shards,
             gathered,
             gathered_grads,
-            acts: None,
+            acts: Activations(None),
             tags,
             peak_device_bytes: 0,
         })
@@ -141,14 +141,7 @@ impl Rank {
 
     /// Device bytes committed now.
     pub(crate) fn device_bytes(&self) -> Result<u64, BackendError> {
-        let info = self
-            .device
-            .memory_info()
-            .map_err(|source| MemoryError::Device {
-                tag: MemoryTag::Named(GATHER_TAG.into()),
-                source,
-            })?;
-        Ok(info.total - info.free)
+        committed(self.device.as_ref())
     }
 
     /// Most device bytes committed at any point sampled during the last step.
@@ -194,29 +187,9 @@ impl Rank {
         batch: &TrainBatch<'_>,
     ) -> Result<(Vec<f32>, f32), BackendError> {
         let loss = self.forward(comm, model, plan, batch)?;
-        let (al, acts) = self.activations(model, batch)?;
-        let logprobs = Transformer::logprobs(&al, &acts.view::<f32>()?).to_vec();
+        let (al, acts) = self.acts.fit(&self.memory, model, batch)?;
+        let logprobs = Transformer::logprobs(al, &acts.view::<f32>()?).to_vec();
         Ok((logprobs, loss))
-    }
-
-    /// The activation layout and buffer for `batch`, reused while the shape stays.
-    fn activations(
-        &mut self,
-        model: &Transformer,
-        batch: &TrainBatch<'_>,
-    ) -> Result<(ActivationLayout, &mut Buffer), BackendError> {
-        let fits =
-            matches!(&self.acts, Some((al, _)) if al.batch == batch.batch && al.seq == batch.seq);
-        if !fits {
-            self.acts = None;
-            let al = model.activation_layout(batch.batch, batch.seq)?;
-            let buffer = self.memory.alloc(&MemoryTag::Activations, al.len() * F32)?;
-            self.acts = Some((al, buffer));
-        }
-        match &mut self.acts {
-            Some((al, buffer)) => Ok((al.clone(), buffer)),
-            None => Err(BackendError::Batch("no activation buffer".into())),
-        }
     }
 
     fn forward(
@@ -226,18 +199,16 @@ impl Rank {
         plan: &UnitPlan,
         batch: &TrainBatch<'_>,
     ) -> Result<f32, BackendError> {
-        self.activations(model, batch)?;
         let r = plan.ranks();
         let loss = {
             let Rank {
                 shards,
                 gathered,
-                acts: Some((al, acts)),
+                acts,
+                memory,
                 ..
-            } = self
-            else {
-                return Err(BackendError::Batch("no activation buffer".into()));
-            };
+            } = self;
+            let (al, acts) = acts.fit(memory, model, batch)?;
             let mut acts = acts.view_mut::<f32>()?;
             let mut g = gathered.view_mut::<f32>()?;
             let e = plan.embedding();
@@ -269,12 +240,12 @@ impl Rank {
             shards,
             gathered,
             gathered_grads,
-            acts: Some((al, acts)),
+            acts,
+            memory,
+            device,
             ..
-        } = self
-        else {
-            return Err(BackendError::Batch("no activation buffer".into()));
-        };
+        } = self;
+        let (al, acts) = acts.fit(memory, model, batch)?;
         let mut acts = acts.view_mut::<f32>()?;
         let mut g = gathered.view_mut::<f32>()?;
         let mut dg = gathered_grads.view_mut::<f32>()?;
@@ -305,7 +276,7 @@ impl Rank {
             work[..up].fill(0.0);
             model.layer_backward(l, &g[..n], &mut work[..n], &mut acts, al, batch)?;
             shards.reduce_grads(comm, u, &work[..up])?;
-            peak = peak.max(self.device.memory_info().map_or(0, |i| i.total - i.free));
+            peak = peak.max(committed(device.as_ref())?);
         }
         let ep = e.padded_len(r);
         let d_emb = if plan.tied() {
@@ -387,6 +358,44 @@ impl Rank {
         }
         Ok(reports)
     }
+}
+
+/// The activation buffer of the current batch shape, in the `activations` region.
+#[derive(Debug)]
+struct Activations(Option<(ActivationLayout, Buffer)>);
+
+impl Activations {
+    /// The layout and buffer for `batch`: the current ones while the shape stays, else the old
+    /// buffer freed and a new one allocated. The backward pass finds the forward pass's.
+    fn fit(
+        &mut self,
+        memory: &MemoryManager,
+        model: &Transformer,
+        batch: &TrainBatch<'_>,
+    ) -> Result<(&ActivationLayout, &mut Buffer), BackendError> {
+        let stale = |al: &ActivationLayout| (al.batch, al.seq) != (batch.batch, batch.seq);
+        if matches!(&self.0, Some((al, _)) if stale(al)) {
+            self.0 = None;
+        }
+        let (al, buffer) = match &mut self.0 {
+            Some(current) => current,
+            empty => {
+                let al = model.activation_layout(batch.batch, batch.seq)?;
+                let buffer = memory.alloc(&MemoryTag::Activations, al.len() * F32)?;
+                empty.insert((al, buffer))
+            }
+        };
+        Ok((al, buffer))
+    }
+}
+
+/// Device bytes committed now.
+fn committed(device: &dyn Device) -> Result<u64, BackendError> {
+    let info = device.memory_info().map_err(|source| MemoryError::Device {
+        tag: MemoryTag::Activations,
+        source,
+    })?;
+    Ok(info.total - info.free)
 }
 
 /// Gathers the head unit, and after it the embedding when tied, into `g`.

@@ -309,6 +309,14 @@ fn native_cpu_offload_trains_to_the_same_losses_holding_one_unit_and_activations
             "{resident} vs {peak}"
         );
     }
+    // Its state already lives on the host: an offload frees the device's transient buffers
+    // only, and refuses the disk (that is core offload's job, with --offload-train).
+    assert!(native.offload(OffloadTarget::Disk).is_err());
+    native.offload(OffloadTarget::Cpu).unwrap();
+    assert!(native.device_bytes().unwrap().iter().all(|&d| d == 0));
+    native.onload().unwrap();
+    let next = train(&mut native, &config, 3..4, b, t);
+    assert_eq!(next, train(&mut on_device, &config, 3..4, b, t));
     assert!(
         native.region_bytes(&MemoryTag::Params).is_err(),
         "no params region under native offload"
