@@ -5,7 +5,9 @@
 
 #![forbid(unsafe_code)]
 
+mod baseline;
 mod bench_offload;
+mod bench_offload_train;
 mod bench_train;
 mod check_config;
 mod doctor;
@@ -48,6 +50,8 @@ enum Command {
 enum BenchCommand {
     /// Pause/resume throughput of one tag against plain memcpy and O_DIRECT I/O.
     Offload(bench_offload::OffloadBenchArgs),
+    /// A training backend's offload and onload per rank against plain copies of the same bytes.
+    OffloadTrain(Box<bench_offload_train::OffloadTrainBenchArgs>),
     /// Training step throughput and the share of time in matrix products.
     Train(bench_train::BenchTrainArgs),
 }
@@ -65,6 +69,9 @@ fn main() -> ExitCode {
         Command::Bench {
             bench: BenchCommand::Offload(args),
         } => bench_offload::run(&args),
+        Command::Bench {
+            bench: BenchCommand::OffloadTrain(args),
+        } => bench_offload_train::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,106 @@
+//! Plain-copy baselines the offload benches measure in the same run: a single-threaded memcpy
+//! and an O_DIRECT write and read of the same bytes.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use miles_core::Device;
+
+/// A seeded, incompressible byte pattern of `len` bytes.
+pub fn pattern_block(len: usize) -> Vec<u8> {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect()
+}
+
+/// Plain single-threaded memcpy of the bench's bytes between two resident buffers.
+pub struct MemcpyBaseline {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl MemcpyBaseline {
+    /// Source and destination of `size` bytes.
+    pub fn new(size: usize) -> MemcpyBaseline {
+        MemcpyBaseline {
+            src: pattern_block(size),
+            dst: vec![1u8; size],
+        }
+    }
+
+    /// One copy, in GB/s.
+    pub fn run(&mut self) -> f64 {
+        let started = Instant::now();
+        self.dst.copy_from_slice(&self.src);
+        std::hint::black_box(&self.dst);
+        self.src.len() as f64 / started.elapsed().as_secs_f64() / 1e9
+    }
+}
+
+/// Plain O_DIRECT write (then fsync) and read of the bench's bytes, in blocks of the chunk
+/// size, in the same directory.
+pub struct DirectIoBaseline {
+    path: PathBuf,
+    buffer: miles_core::HostBuffer,
+}
+
+impl DirectIoBaseline {
+    /// A staging buffer of `block` bytes from `device` and a file in `dir`.
+    ///
+    /// # Errors
+    /// When the host buffer cannot be allocated.
+    pub fn new(device: &dyn Device, dir: &Path, block: usize) -> anyhow::Result<DirectIoBaseline> {
+        let mut buffer = device.alloc_host(block)?;
+        buffer
+            .as_mut_slice()?
+            .copy_from_slice(&pattern_block(block));
+        let path = dir.join(format!("miles-bench-baseline-{}.bin", std::process::id()));
+        Ok(DirectIoBaseline { path, buffer })
+    }
+
+    /// Write then read `size` bytes; GB/s of each. The file is removed afterwards.
+    ///
+    /// # Errors
+    /// When the file cannot be opened with O_DIRECT, written or read.
+    pub fn run(&mut self, size: usize) -> anyhow::Result<(f64, f64)> {
+        let path = &self.path;
+        let block = self.buffer.len();
+        let padded = size.next_multiple_of(4096);
+        let file = OpenOptions::new()
+            .write(true)
+            .read(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .with_context(|| format!("cannot open {} with O_DIRECT", path.display()))?;
+        let started = Instant::now();
+        let mut offset = 0;
+        while offset < padded {
+            let len = block.min(padded - offset);
+            file.write_all_at(&self.buffer.as_slice()?[..len], offset as u64)?;
+            offset += len;
+        }
+        file.sync_all()?;
+        let write_gbps = size as f64 / started.elapsed().as_secs_f64() / 1e9;
+        let started = Instant::now();
+        let mut offset = 0;
+        while offset < padded {
+            let len = block.min(padded - offset);
+            file.read_exact_at(&mut self.buffer.as_mut_slice()?[..len], offset as u64)?;
+            offset += len;
+        }
+        let read_gbps = size as f64 / started.elapsed().as_secs_f64() / 1e9;
+        std::fs::remove_file(path).with_context(|| format!("cannot remove {}", path.display()))?;
+        Ok((write_gbps, read_gbps))
+    }
+}
