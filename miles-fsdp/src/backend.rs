@@ -120,10 +120,19 @@ impl FsdpBackend {
                     "--offload-train-target disk needs --offload-train-disk-dir".into(),
                 ));
             }
-            (_, Some(dir)) => Some((
-                dir.clone(),
-                usize::try_from(settings.offload_train_disk_chunk_mb << 20).unwrap_or(64 << 20),
-            )),
+            (_, Some(dir)) => {
+                let chunk = settings
+                    .offload_train_disk_chunk_mb
+                    .checked_mul(1 << 20)
+                    .and_then(|b| usize::try_from(b).ok())
+                    .ok_or_else(|| {
+                        settings_error(format!(
+                            "--offload-train-disk-chunk-mb {} does not fit this machine; give a smaller chunk",
+                            settings.offload_train_disk_chunk_mb
+                        ))
+                    })?;
+                Some((dir.clone(), chunk))
+            }
             (_, None) => None,
         };
         let setup = RankSetup {

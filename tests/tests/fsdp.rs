@@ -73,8 +73,14 @@ fn batch(config: &LlamaConfig, step: usize, b: usize, t: usize) -> Batch {
     }
 }
 
-/// The single-rank reference: the whole model, `Trainer`, same init and AdamW.
-fn reference_losses(config: &LlamaConfig, settings: &Settings, b: usize, t: usize) -> Vec<f32> {
+/// The single-rank reference: the whole model, `Trainer`, same init and AdamW; its losses over
+/// [`STEPS`] steps and then the log-probs of the next batch.
+fn reference(
+    config: &LlamaConfig,
+    settings: &Settings,
+    b: usize,
+    t: usize,
+) -> (Vec<f32>, Vec<f32>) {
     let model = Transformer::new(config.clone());
     let mut params = vec![0.0; model.layout().len()];
     init_params(model.layout(), config, settings.seed, &mut params).unwrap();
@@ -83,14 +89,19 @@ fn reference_losses(config: &LlamaConfig, settings: &Settings, b: usize, t: usiz
         ..AdamWConfig::default()
     };
     let mut trainer = Trainer::new(model, params, adamw).unwrap();
-    (0..STEPS)
+    let losses = (0..STEPS)
         .map(|s| {
             trainer
                 .train_step(&batch(config, s, b, t).view())
                 .unwrap()
                 .loss
         })
-        .collect()
+        .collect();
+    let mut logprobs = Vec::new();
+    trainer
+        .evaluate(&batch(config, STEPS, b, t).view(), &mut logprobs)
+        .unwrap();
+    (losses, logprobs)
 }
 
 fn worst_relative(a: &[f32], b: &[f32]) -> f64 {
@@ -127,7 +138,7 @@ fn weights(backend: &mut FsdpBackend) -> Vec<(String, Vec<f32>)> {
 fn data_parallel_1_2_and_4_give_the_single_rank_reference_losses_over_five_steps() {
     let config = tiny();
     let (b, t) = (4, 9);
-    let reference = reference_losses(&config, &settings(1), b, t);
+    let (reference, reference_logprobs) = reference(&config, &settings(1), b, t);
     for dp in [1, 2, 4] {
         let s = settings(dp);
         let mut fsdp = backend(&config, &s);
@@ -138,6 +149,11 @@ fn data_parallel_1_2_and_4_give_the_single_rank_reference_losses_over_five_steps
             worst < 1e-5,
             "dp {dp}: losses {losses:?} vs {reference:?}, worst relative {worst}"
         );
+        assert_eq!(fsdp.step(), STEPS as u64);
+        let (logprobs, _) = fsdp.logprobs(&batch(&config, STEPS, b, t)).unwrap();
+        let worst = worst_relative(&logprobs, &reference_logprobs);
+        // Same tolerance for the log-probs after the five steps; scoring takes no step.
+        assert!(worst < 1e-5, "dp {dp}: log-probs worst relative {worst}");
         assert_eq!(fsdp.step(), STEPS as u64);
         assert!(
             reference[STEPS - 1] < reference[0],
