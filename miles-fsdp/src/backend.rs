@@ -80,8 +80,8 @@ impl FsdpBackend {
     ///
     /// # Errors
     /// [`BackendError::Settings`] for a device count that differs from the data-parallel size,
-    /// tensor parallelism, or a disk target without a directory; [`BackendError::Memory`] when
-    /// a rank's regions do not fit its device.
+    /// tensor parallelism, optimizer-state streaming, or a disk target without a directory;
+    /// [`BackendError::Memory`] when a rank's regions do not fit its device.
     pub fn new(
         config: LlamaConfig,
         settings: &Settings,
@@ -97,6 +97,11 @@ impl FsdpBackend {
                 "shards every parameter over data-parallel ranks and has no tensor parallelism; set --tensor-model-parallel-size 1 (got {})",
                 settings.tensor_model_parallel_size
             )));
+        }
+        if settings.stream_optimizer_state_to_disk {
+            return Err(settings_error(
+                "does not stream optimizer state through the disk; drop --stream-optimizer-state-to-disk or use --train-backend megatron".into(),
+            ));
         }
         if dp == 0 || devices.len() != dp {
             return Err(settings_error(format!(
@@ -555,6 +560,10 @@ mod tests {
         s.tensor_model_parallel_size = 2;
         let err = FsdpBackend::from_settings(&s).unwrap_err().to_string();
         assert!(err.contains("--tensor-model-parallel-size 1"), "{err}");
+        let mut s = settings(1);
+        s.stream_optimizer_state_to_disk = true;
+        let err = FsdpBackend::from_settings(&s).unwrap_err().to_string();
+        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
         let s = settings(2);
         let one: Vec<Arc<dyn Device>> = vec![Arc::new(HostDevice::new(1 << 28))];
         let err = FsdpBackend::new(LlamaConfig::preset("tiny").unwrap(), &s, one)
