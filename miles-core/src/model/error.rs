@@ -46,6 +46,9 @@ pub enum ModelError {
     /// A KV cache asked for a sequence or position it does not hold.
     #[error("kv cache: {0}")]
     KvCache(String),
+    /// A tensor-parallel collective failed.
+    #[error(transparent)]
+    Comm(#[from] crate::comm::CommError),
     /// A matrix product on operands of the wrong size (a bug in a caller's shapes).
     #[error(transparent)]
     Gemm(#[from] GemmShapeError),

@@ -53,7 +53,7 @@ impl Transformer {
         al.check(acts)?;
         self.check_batch(al, batch)?;
         let w = self.layer_weights_in(weights, layer);
-        self.layer_forward_unchecked(layer, &w, acts, al, batch)
+        self.layer_forward_unchecked(layer, &w, acts, al, batch, None)
     }
 
     /// The forward pass of the final norm and the LM head (`head`: the embedding when tied), and
@@ -126,7 +126,7 @@ impl Transformer {
         al.check(acts)?;
         self.check_batch(al, batch)?;
         let w = self.layer_weights_in(weights, layer);
-        self.layer_backward_unchecked(layer, &w, d_weights, acts, al, batch)
+        self.layer_backward_unchecked(layer, &w, d_weights, acts, al, batch, None)
     }
 
     /// The backward pass of the token embedding: accumulates (`+=`) the residual-stream gradient

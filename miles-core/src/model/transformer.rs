@@ -9,12 +9,21 @@ use std::sync::Arc;
 
 use super::layout::{carve, layer_block};
 use super::{ActivationLayout, LlamaConfig, ModelError, ParamKind, ParamLayout};
+use crate::comm::Communicator;
 use crate::ops::{
     AttentionShape, MatmulProfile, RopeTable, attention_backward, attention_forward,
     crossentropy_backward, crossentropy_forward, embedding_backward, embedding_forward,
     matmul_backward, matmul_forward, residual_forward, rmsnorm_backward, rmsnorm_forward,
     rope_backward, rope_forward, swiglu_backward, swiglu_forward,
 };
+
+/// Sums `buf` over the tensor-parallel group, when there is one.
+fn all_reduce(tp: Option<&dyn Communicator>, buf: &mut [f32]) -> Result<(), ModelError> {
+    match tp {
+        Some(comm) if comm.world_size() > 1 => Ok(comm.all_reduce_sum(buf)?),
+        _ => Ok(()),
+    }
+}
 
 /// One training (or scoring) batch of `B` sequences of `T` positions.
 #[derive(Clone, Copy, Debug)]
@@ -209,6 +218,25 @@ impl Transformer {
         al: &ActivationLayout,
         batch: &TrainBatch<'_>,
     ) -> Result<f32, ModelError> {
+        self.forward_tp(params, acts, al, batch, None)
+    }
+
+    /// [`forward`](Self::forward) of one tensor-parallel shard: this model's config holds the
+    /// rank's heads and MLP slice (`H/tp`, `K/tp`, `F/tp`), its q, k, v, gate and up weights
+    /// are the rank's rows (column-parallel), its o and down weights the rank's columns
+    /// (row-parallel), and the partial sums of o and down are summed over `tp` before the
+    /// residual. Embedding, norms and head are replicated. `None` is the unsharded model.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward), and [`ModelError::Comm`] when the all-reduce fails.
+    pub fn forward_tp(
+        &self,
+        params: &[f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+        tp: Option<&dyn Communicator>,
+    ) -> Result<f32, ModelError> {
         self.layout.check("params", params)?;
         al.check(acts)?;
         self.check_batch(al, batch)?;
@@ -216,7 +244,7 @@ impl Transformer {
         self.embed_forward_unchecked(emb, acts, al, batch);
         for l in 0..self.config.num_layers {
             let w = self.layer_weights(params, l);
-            self.layer_forward_unchecked(l, &w, acts, al, batch)?;
+            self.layer_forward_unchecked(l, &w, acts, al, batch, tp)?;
         }
         let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
         let head = self.weight(params, ParamKind::LmHead, 0);
@@ -239,6 +267,7 @@ impl Transformer {
         );
     }
 
+    /// Layer `l`'s forward pass; with `tp`, the row-parallel partial sums are summed over it.
     pub(super) fn layer_forward_unchecked(
         &self,
         l: usize,
@@ -246,6 +275,7 @@ impl Transformer {
         acts: &mut [f32],
         al: &ActivationLayout,
         batch: &TrainBatch<'_>,
+        tp: Option<&dyn Communicator>,
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
@@ -298,12 +328,14 @@ impl Transformer {
         rope_forward(k, &positions, c.num_kv_heads, &self.rope);
         attention_forward(att_out, att, q, k, vv, shape)?; // (B, T, H*D), (B, T, H, T)
         matmul_forward(res_mid, att_out, w.o, n, qd, h, prof)?; // (B, T, C)
+        all_reduce(tp, res_mid)?;
         residual_forward(res_mid, res_in);
         rmsnorm_forward(ln2, rstd2, res_mid, w.post_norm, c.rms_norm_eps);
         matmul_forward(gate, ln2, w.gate, n, h, f, prof)?; // (B, T, F)
         matmul_forward(up, ln2, w.up, n, h, f, prof)?; // (B, T, F)
         swiglu_forward(sw, gate, up);
         matmul_forward(res_out, sw, w.down, n, f, h, prof)?; // (B, T, C)
+        all_reduce(tp, res_out)?;
         residual_forward(res_out, res_mid);
         Ok(())
     }
@@ -361,6 +393,24 @@ impl Transformer {
         al: &ActivationLayout,
         batch: &TrainBatch<'_>,
     ) -> Result<(), ModelError> {
+        self.backward_tp(params, grads, acts, al, batch, None)
+    }
+
+    /// [`backward`](Self::backward) of one tensor-parallel shard (see
+    /// [`forward_tp`](Self::forward_tp)): the gradients flowing into the replicated norms are
+    /// summed over `tp`, so replicated parameters get the same gradient on every rank.
+    ///
+    /// # Errors
+    /// As [`forward_tp`](Self::forward_tp).
+    pub fn backward_tp(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+        tp: Option<&dyn Communicator>,
+    ) -> Result<(), ModelError> {
         self.layout.check("params", params)?;
         self.layout.check("grads", grads)?;
         al.check(acts)?;
@@ -380,7 +430,7 @@ impl Transformer {
         for l in (0..self.config.num_layers).rev() {
             let w = self.layer_weights(params, l);
             let d_w = &mut grads[lay.layer_range(l)];
-            self.layer_backward_unchecked(l, &w, d_w, acts, al, batch)?;
+            self.layer_backward_unchecked(l, &w, d_w, acts, al, batch, tp)?;
         }
         let d_emb = &mut grads[lay.range(ParamKind::Embedding, 0)];
         self.embed_backward_unchecked(d_emb, acts, al, batch);
@@ -433,6 +483,9 @@ impl Transformer {
         Ok(())
     }
 
+    /// Layer `l`'s backward pass; with `tp`, the gradients flowing into the replicated norms
+    /// are summed over it.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn layer_backward_unchecked(
         &self,
         l: usize,
@@ -441,6 +494,7 @@ impl Transformer {
         acts: &mut [f32],
         al: &ActivationLayout,
         batch: &TrainBatch<'_>,
+        tp: Option<&dyn Communicator>,
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
@@ -550,6 +604,7 @@ impl Transformer {
             f,
             prof,
         )?;
+        all_reduce(tp, d_ln)?;
         rmsnorm_backward(
             d_res,
             &mut grads[g(ParamKind::PostAttentionNorm)],
@@ -611,6 +666,7 @@ impl Transformer {
             kvd,
             prof,
         )?;
+        all_reduce(tp, d_ln)?;
         rmsnorm_backward(
             d_res,
             &mut grads[g(ParamKind::InputNorm)],
