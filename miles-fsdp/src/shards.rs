@@ -13,7 +13,7 @@ use crate::units::Unit;
 
 /// One rank's share of the optimizer's state, by part.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StatePart {
+pub(crate) enum StatePart {
     /// The parameter shards (fp32 master weights).
     Params,
     /// AdamW's first moment.
