@@ -10,10 +10,10 @@ use std::io::Write;
 
 use anyhow::Context;
 use clap::Args;
-use miles_core::backend::TrainBackend;
 use miles_core::config::{OffloadTarget, Settings};
 use miles_core::{Batch, HostDevice, MemoryTag, OffloadStats};
 
+use crate::backends::build_backend;
 use crate::baseline::{DirectIoBaseline, MemcpyBaseline};
 use crate::settings_args::{BadSettings, SettingsArgs};
 
@@ -174,32 +174,4 @@ fn batch(b: usize, t: usize) -> Batch {
         weights: vec![1.0; b * t],
         normaliser: (b * t) as f32,
     }
-}
-
-/// The backend `--train-backend` names.
-fn build_backend(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    match settings.train_backend {
-        miles_core::TrainBackend::Megatron => megatron(settings),
-        miles_core::TrainBackend::Fsdp => Err(BadSettings(
-            "the fsdp backend has no offload-train bench yet; use --train-backend megatron"
-                .to_string(),
-        )
-        .into()),
-    }
-}
-
-#[cfg(feature = "megatron")]
-fn megatron(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    match miles_megatron::MegatronTrainer::from_settings(settings) {
-        Ok(trainer) => Ok(Box::new(trainer)),
-        Err(error @ miles_core::BackendError::Settings { .. }) => {
-            Err(BadSettings(error.to_string()).into())
-        }
-        Err(error) => Err(error.into()),
-    }
-}
-
-#[cfg(not(feature = "megatron"))]
-fn megatron(_: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackend::Megatron).into())
 }

@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+mod backends;
 mod baseline;
 mod bench_both;
 mod bench_offload;

@@ -196,6 +196,13 @@ impl ParamLayout {
         self.specs[index].range()
     }
 
+    /// The elements of decoder layer `layer`: its nine tensors, contiguous, in storage order.
+    pub fn layer_range(&self, layer: usize) -> Range<usize> {
+        let first = self.range(LAYER_KINDS[0], layer);
+        let last = self.range(LAYER_KINDS[LAYER_KINDS.len() - 1], layer);
+        first.start..last.end
+    }
+
     /// Checks that `buf` has this layout's length.
     ///
     /// # Errors

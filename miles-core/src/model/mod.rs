@@ -7,6 +7,7 @@ mod decode;
 mod error;
 mod init;
 mod layout;
+mod passes;
 #[cfg(test)]
 mod tests;
 mod tokenizer;

@@ -133,7 +133,16 @@ impl Transformer {
     }
 
     pub(crate) fn layer_weights<'a>(&self, params: &'a [f32], l: usize) -> LayerWeights<'a> {
-        let w = |k| self.weight(params, k, l);
+        self.layer_weights_in(&params[self.layout.layer_range(l)], l)
+    }
+
+    /// The weights of layer `l` as views of `weights`, the layer's block of the parameter buffer.
+    pub(super) fn layer_weights_in<'a>(&self, weights: &'a [f32], l: usize) -> LayerWeights<'a> {
+        let base = self.layout.layer_range(l).start;
+        let w = |k| {
+            let r = self.layout.range(k, l);
+            &weights[r.start - base..r.end - base]
+        };
         LayerWeights {
             input_norm: w(ParamKind::InputNorm),
             q: w(ParamKind::QProj),
@@ -162,7 +171,11 @@ impl Transformer {
         }
     }
 
-    fn check_batch(&self, al: &ActivationLayout, b: &TrainBatch<'_>) -> Result<(), ModelError> {
+    pub(super) fn check_batch(
+        &self,
+        al: &ActivationLayout,
+        b: &TrainBatch<'_>,
+    ) -> Result<(), ModelError> {
         let n = b.batch * b.seq;
         if al.batch != b.batch || al.seq != b.seq {
             return Err(ModelError::Batch(format!(
@@ -227,78 +240,121 @@ impl Transformer {
         self.layout.check("params", params)?;
         al.check(acts)?;
         self.check_batch(al, batch)?;
-        let c = &self.config;
-        let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
-        let (qd, kvd, f, v) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
-        let positions: Vec<usize> = (0..n).map(|i| i % batch.seq).collect();
-        let shape = self.attention_shape(batch);
-        let prof = self.profile();
-        let bad = || ModelError::Batch("activation ranges overlap".into());
-
         let emb = self.weight(params, ParamKind::Embedding, 0);
+        self.embed_forward_unchecked(emb, acts, al, batch);
+        for l in 0..self.config.num_layers {
+            let w = self.layer_weights(params, l);
+            self.layer_forward_unchecked(l, &w, acts, al, batch, tp)?;
+        }
+        let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
+        let head = self.weight(params, ParamKind::LmHead, 0);
+        self.head_forward_unchecked(norm_w, head, acts, al, batch)
+    }
+
+    pub(super) fn embed_forward_unchecked(
+        &self,
+        embedding: &[f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+    ) {
+        let l_n = self.config.num_layers;
         embedding_forward(
             &mut acts[layer_block(&al.residual, 0, l_n + 1)],
             batch.inputs,
-            emb,
-            h,
+            embedding,
+            self.config.hidden_size,
         );
-        for l in 0..l_n {
-            let w = self.layer_weights(params, l);
-            let [
-                res_in,
-                ln1,
-                rstd1,
-                q,
-                k,
-                vv,
-                att,
-                att_out,
-                res_mid,
-                ln2,
-                rstd2,
-                gate,
-                up,
-                sw,
-                res_out,
-            ] = carve(
-                acts,
-                [
-                    &layer_block(&al.residual, l, l_n + 1),
-                    &layer_block(&al.ln1, l, l_n),
-                    &layer_block(&al.ln1_rstd, l, l_n),
-                    &layer_block(&al.q, l, l_n),
-                    &layer_block(&al.k, l, l_n),
-                    &layer_block(&al.v, l, l_n),
-                    &layer_block(&al.att, l, l_n),
-                    &layer_block(&al.att_out, l, l_n),
-                    &layer_block(&al.residual_mid, l, l_n),
-                    &layer_block(&al.ln2, l, l_n),
-                    &layer_block(&al.ln2_rstd, l, l_n),
-                    &layer_block(&al.gate, l, l_n),
-                    &layer_block(&al.up, l, l_n),
-                    &layer_block(&al.swiglu, l, l_n),
-                    &layer_block(&al.residual, l + 1, l_n + 1),
-                ],
-            )
-            .ok_or_else(bad)?;
-            rmsnorm_forward(ln1, rstd1, res_in, w.input_norm, c.rms_norm_eps); // (B, T, C)
-            matmul_forward(q, ln1, w.q, n, h, qd, prof)?; // (B, T, H*D)
-            matmul_forward(k, ln1, w.k, n, h, kvd, prof)?; // (B, T, K*D)
-            matmul_forward(vv, ln1, w.v, n, h, kvd, prof)?; // (B, T, K*D)
-            rope_forward(q, &positions, c.num_heads, &self.rope);
-            rope_forward(k, &positions, c.num_kv_heads, &self.rope);
-            attention_forward(att_out, att, q, k, vv, shape)?; // (B, T, H*D), (B, T, H, T)
-            matmul_forward(res_mid, att_out, w.o, n, qd, h, prof)?; // (B, T, C)
-            all_reduce(tp, res_mid)?;
-            residual_forward(res_mid, res_in);
-            rmsnorm_forward(ln2, rstd2, res_mid, w.post_norm, c.rms_norm_eps);
-            matmul_forward(gate, ln2, w.gate, n, h, f, prof)?; // (B, T, F)
-            matmul_forward(up, ln2, w.up, n, h, f, prof)?; // (B, T, F)
-            swiglu_forward(sw, gate, up);
-            matmul_forward(res_out, sw, w.down, n, f, h, prof)?; // (B, T, C)
-            all_reduce(tp, res_out)?;
-            residual_forward(res_out, res_mid);
-        }
+    }
+
+    /// Layer `l`'s forward pass; with `tp`, the row-parallel partial sums are summed over it.
+    pub(super) fn layer_forward_unchecked(
+        &self,
+        l: usize,
+        w: &LayerWeights<'_>,
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+        tp: Option<&dyn Communicator>,
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
+        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let positions: Vec<usize> = (0..n).map(|i| i % batch.seq).collect();
+        let shape = self.attention_shape(batch);
+        let prof = self.profile();
+        let [
+            res_in,
+            ln1,
+            rstd1,
+            q,
+            k,
+            vv,
+            att,
+            att_out,
+            res_mid,
+            ln2,
+            rstd2,
+            gate,
+            up,
+            sw,
+            res_out,
+        ] = carve(
+            acts,
+            [
+                &layer_block(&al.residual, l, l_n + 1),
+                &layer_block(&al.ln1, l, l_n),
+                &layer_block(&al.ln1_rstd, l, l_n),
+                &layer_block(&al.q, l, l_n),
+                &layer_block(&al.k, l, l_n),
+                &layer_block(&al.v, l, l_n),
+                &layer_block(&al.att, l, l_n),
+                &layer_block(&al.att_out, l, l_n),
+                &layer_block(&al.residual_mid, l, l_n),
+                &layer_block(&al.ln2, l, l_n),
+                &layer_block(&al.ln2_rstd, l, l_n),
+                &layer_block(&al.gate, l, l_n),
+                &layer_block(&al.up, l, l_n),
+                &layer_block(&al.swiglu, l, l_n),
+                &layer_block(&al.residual, l + 1, l_n + 1),
+            ],
+        )
+        .ok_or_else(overlap)?;
+        rmsnorm_forward(ln1, rstd1, res_in, w.input_norm, c.rms_norm_eps); // (B, T, C)
+        matmul_forward(q, ln1, w.q, n, h, qd, prof)?; // (B, T, H*D)
+        matmul_forward(k, ln1, w.k, n, h, kvd, prof)?; // (B, T, K*D)
+        matmul_forward(vv, ln1, w.v, n, h, kvd, prof)?; // (B, T, K*D)
+        rope_forward(q, &positions, c.num_heads, &self.rope);
+        rope_forward(k, &positions, c.num_kv_heads, &self.rope);
+        attention_forward(att_out, att, q, k, vv, shape)?; // (B, T, H*D), (B, T, H, T)
+        matmul_forward(res_mid, att_out, w.o, n, qd, h, prof)?; // (B, T, C)
+        all_reduce(tp, res_mid)?;
+        residual_forward(res_mid, res_in);
+        rmsnorm_forward(ln2, rstd2, res_mid, w.post_norm, c.rms_norm_eps);
+        matmul_forward(gate, ln2, w.gate, n, h, f, prof)?; // (B, T, F)
+        matmul_forward(up, ln2, w.up, n, h, f, prof)?; // (B, T, F)
+        swiglu_forward(sw, gate, up);
+        matmul_forward(res_out, sw, w.down, n, f, h, prof)?; // (B, T, C)
+        all_reduce(tp, res_out)?;
+        residual_forward(res_out, res_mid);
+        Ok(())
+    }
+
+    pub(super) fn head_forward_unchecked(
+        &self,
+        norm_w: &[f32],
+        head: &[f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+    ) -> Result<f32, ModelError> {
+        let c = &self.config;
+        let (n, h, l_n, v) = (
+            batch.batch * batch.seq,
+            c.hidden_size,
+            c.num_layers,
+            c.vocab_size,
+        );
         let [res_last, lnf, lnf_rstd, logits, probs, logprobs] = carve(
             acts,
             [
@@ -310,11 +366,9 @@ impl Transformer {
                 &al.logprobs,
             ],
         )
-        .ok_or_else(bad)?;
-        let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
+        .ok_or_else(overlap)?;
         rmsnorm_forward(lnf, lnf_rstd, res_last, norm_w, c.rms_norm_eps);
-        let head = self.weight(params, ParamKind::LmHead, 0);
-        matmul_forward(logits, lnf, head, n, h, v, prof)?; // (B, T, V)
+        matmul_forward(logits, lnf, head, n, h, v, self.profile())?; // (B, T, V)
         let loss = crossentropy_forward(
             probs,
             logprobs,
@@ -361,223 +415,278 @@ impl Transformer {
         self.layout.check("grads", grads)?;
         al.check(acts)?;
         self.check_batch(al, batch)?;
+        let lay = &self.layout;
+        let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
+        let head = self.weight(params, ParamKind::LmHead, 0);
+        let [d_norm, d_head] = carve(
+            grads,
+            [
+                &lay.range(ParamKind::FinalNorm, 0),
+                &lay.range(ParamKind::LmHead, 0),
+            ],
+        )
+        .ok_or_else(overlap)?;
+        self.head_backward_unchecked(norm_w, head, d_norm, d_head, acts, al, batch)?;
+        for l in (0..self.config.num_layers).rev() {
+            let w = self.layer_weights(params, l);
+            let d_w = &mut grads[lay.layer_range(l)];
+            self.layer_backward_unchecked(l, &w, d_w, acts, al, batch, tp)?;
+        }
+        let d_emb = &mut grads[lay.range(ParamKind::Embedding, 0)];
+        self.embed_backward_unchecked(d_emb, acts, al, batch);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn head_backward_unchecked(
+        &self,
+        norm_w: &[f32],
+        head: &[f32],
+        d_norm: &mut [f32],
+        d_head: &mut [f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        let (n, h, l_n, v) = (
+            batch.batch * batch.seq,
+            c.hidden_size,
+            c.num_layers,
+            c.vocab_size,
+        );
+        let [res_last, lnf, lnf_rstd, probs, d_logits, d_ln, d_res] = carve(
+            acts,
+            [
+                &layer_block(&al.residual, l_n, l_n + 1),
+                &al.lnf,
+                &al.lnf_rstd,
+                &al.probs,
+                &al.d_logits,
+                &al.d_ln,
+                &al.d_residual,
+            ],
+        )
+        .ok_or_else(overlap)?;
+        d_logits.fill(0.0);
+        crossentropy_backward(
+            d_logits,
+            probs,
+            batch.targets,
+            batch.weights,
+            batch.normaliser,
+        );
+        d_ln.fill(0.0);
+        matmul_backward(d_ln, d_head, d_logits, lnf, head, n, h, v, self.profile())?;
+        d_res.fill(0.0);
+        rmsnorm_backward(d_res, d_norm, d_ln, res_last, norm_w, lnf_rstd);
+        Ok(())
+    }
+
+    /// Layer `l`'s backward pass; with `tp`, the gradients flowing into the replicated norms
+    /// are summed over it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layer_backward_unchecked(
+        &self,
+        l: usize,
+        w: &LayerWeights<'_>,
+        d_weights: &mut [f32],
+        acts: &mut [f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+        tp: Option<&dyn Communicator>,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
         let (n, h, l_n) = (batch.batch * batch.seq, c.hidden_size, c.num_layers);
-        let (qd, kvd, f, v) = (c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
         let positions: Vec<usize> = (0..n).map(|i| i % batch.seq).collect();
         let shape = self.attention_shape(batch);
         let prof = self.profile();
-        let bad = || ModelError::Batch("activation ranges overlap".into());
         let lay = &self.layout;
-
-        {
-            let [res_last, lnf, lnf_rstd, probs, d_logits, d_ln, d_res] = carve(
-                acts,
-                [
-                    &layer_block(&al.residual, l_n, l_n + 1),
-                    &al.lnf,
-                    &al.lnf_rstd,
-                    &al.probs,
-                    &al.d_logits,
-                    &al.d_ln,
-                    &al.d_residual,
-                ],
-            )
-            .ok_or_else(bad)?;
-            d_logits.fill(0.0);
-            crossentropy_backward(
-                d_logits,
-                probs,
-                batch.targets,
-                batch.weights,
-                batch.normaliser,
-            );
-            d_ln.fill(0.0);
-            let head = self.weight(params, ParamKind::LmHead, 0);
-            let dhead = &mut grads[lay.range(ParamKind::LmHead, 0)];
-            matmul_backward(d_ln, dhead, d_logits, lnf, head, n, h, v, prof)?;
-            d_res.fill(0.0);
-            let norm_w = self.weight(params, ParamKind::FinalNorm, 0);
-            let dnorm = &mut grads[lay.range(ParamKind::FinalNorm, 0)];
-            rmsnorm_backward(d_res, dnorm, d_ln, res_last, norm_w, lnf_rstd);
-        }
-        for l in (0..l_n).rev() {
-            let w = self.layer_weights(params, l);
-            let [
-                res_in,
-                ln1,
-                rstd1,
-                q,
-                k,
-                vv,
-                att,
-                att_out,
-                res_mid,
-                ln2,
-                rstd2,
-                gate,
-                up,
-                sw,
-                d_res,
-                d_ln,
-                d_att_out,
-                d_q,
-                d_k,
-                d_v,
-                d_att,
-                d_gate,
-                d_up,
-                d_sw,
-            ] = carve(
-                acts,
-                [
-                    &layer_block(&al.residual, l, l_n + 1),
-                    &layer_block(&al.ln1, l, l_n),
-                    &layer_block(&al.ln1_rstd, l, l_n),
-                    &layer_block(&al.q, l, l_n),
-                    &layer_block(&al.k, l, l_n),
-                    &layer_block(&al.v, l, l_n),
-                    &layer_block(&al.att, l, l_n),
-                    &layer_block(&al.att_out, l, l_n),
-                    &layer_block(&al.residual_mid, l, l_n),
-                    &layer_block(&al.ln2, l, l_n),
-                    &layer_block(&al.ln2_rstd, l, l_n),
-                    &layer_block(&al.gate, l, l_n),
-                    &layer_block(&al.up, l, l_n),
-                    &layer_block(&al.swiglu, l, l_n),
-                    &al.d_residual,
-                    &al.d_ln,
-                    &al.d_att_out,
-                    &al.d_q,
-                    &al.d_k,
-                    &al.d_v,
-                    &al.d_att,
-                    &al.d_gate,
-                    &al.d_up,
-                    &al.d_swiglu,
-                ],
-            )
-            .ok_or_else(bad)?;
-            let g = |k: ParamKind| lay.range(k, l);
-            // MLP: res_out = res_mid + down(swiglu(gate(ln2), up(ln2))); d_res holds d res_out.
-            d_sw.fill(0.0);
-            matmul_backward(
-                d_sw,
-                &mut grads[g(ParamKind::DownProj)],
-                d_res,
-                sw,
-                w.down,
-                n,
-                f,
-                h,
-                prof,
-            )?;
-            d_gate.fill(0.0);
-            d_up.fill(0.0);
-            swiglu_backward(d_gate, d_up, d_sw, gate, up);
-            d_ln.fill(0.0);
-            matmul_backward(
-                d_ln,
-                &mut grads[g(ParamKind::GateProj)],
-                d_gate,
-                ln2,
-                w.gate,
-                n,
-                h,
-                f,
-                prof,
-            )?;
-            matmul_backward(
-                d_ln,
-                &mut grads[g(ParamKind::UpProj)],
-                d_up,
-                ln2,
-                w.up,
-                n,
-                h,
-                f,
-                prof,
-            )?;
-            all_reduce(tp, d_ln)?;
-            rmsnorm_backward(
-                d_res,
-                &mut grads[g(ParamKind::PostAttentionNorm)],
-                d_ln,
-                res_mid,
-                w.post_norm,
-                rstd2,
-            );
-            // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
-            d_att_out.fill(0.0);
-            matmul_backward(
-                d_att_out,
-                &mut grads[g(ParamKind::OProj)],
-                d_res,
-                att_out,
-                w.o,
-                n,
-                qd,
-                h,
-                prof,
-            )?;
-            d_q.fill(0.0);
-            d_k.fill(0.0);
-            d_v.fill(0.0);
-            attention_backward(d_q, d_k, d_v, d_att, d_att_out, q, k, vv, att, shape)?;
-            rope_backward(d_q, &positions, c.num_heads, &self.rope);
-            rope_backward(d_k, &positions, c.num_kv_heads, &self.rope);
-            d_ln.fill(0.0);
-            matmul_backward(
-                d_ln,
-                &mut grads[g(ParamKind::QProj)],
-                d_q,
-                ln1,
-                w.q,
-                n,
-                h,
-                qd,
-                prof,
-            )?;
-            matmul_backward(
-                d_ln,
-                &mut grads[g(ParamKind::KProj)],
-                d_k,
-                ln1,
-                w.k,
-                n,
-                h,
-                kvd,
-                prof,
-            )?;
-            matmul_backward(
-                d_ln,
-                &mut grads[g(ParamKind::VProj)],
-                d_v,
-                ln1,
-                w.v,
-                n,
-                h,
-                kvd,
-                prof,
-            )?;
-            all_reduce(tp, d_ln)?;
-            rmsnorm_backward(
-                d_res,
-                &mut grads[g(ParamKind::InputNorm)],
-                d_ln,
-                res_in,
-                w.input_norm,
-                rstd1,
-            );
-        }
-        let d_res = &acts[al.d_residual.clone()];
-        embedding_backward(
-            &mut grads[lay.range(ParamKind::Embedding, 0)],
+        let [
+            res_in,
+            ln1,
+            rstd1,
+            q,
+            k,
+            vv,
+            att,
+            att_out,
+            res_mid,
+            ln2,
+            rstd2,
+            gate,
+            up,
+            sw,
             d_res,
-            batch.inputs,
+            d_ln,
+            d_att_out,
+            d_q,
+            d_k,
+            d_v,
+            d_att,
+            d_gate,
+            d_up,
+            d_sw,
+        ] = carve(
+            acts,
+            [
+                &layer_block(&al.residual, l, l_n + 1),
+                &layer_block(&al.ln1, l, l_n),
+                &layer_block(&al.ln1_rstd, l, l_n),
+                &layer_block(&al.q, l, l_n),
+                &layer_block(&al.k, l, l_n),
+                &layer_block(&al.v, l, l_n),
+                &layer_block(&al.att, l, l_n),
+                &layer_block(&al.att_out, l, l_n),
+                &layer_block(&al.residual_mid, l, l_n),
+                &layer_block(&al.ln2, l, l_n),
+                &layer_block(&al.ln2_rstd, l, l_n),
+                &layer_block(&al.gate, l, l_n),
+                &layer_block(&al.up, l, l_n),
+                &layer_block(&al.swiglu, l, l_n),
+                &al.d_residual,
+                &al.d_ln,
+                &al.d_att_out,
+                &al.d_q,
+                &al.d_k,
+                &al.d_v,
+                &al.d_att,
+                &al.d_gate,
+                &al.d_up,
+                &al.d_swiglu,
+            ],
+        )
+        .ok_or_else(overlap)?;
+        // Gradient ranges within the layer's block.
+        let base = lay.layer_range(l).start;
+        let g = |k: ParamKind| {
+            let r = lay.range(k, l);
+            r.start - base..r.end - base
+        };
+        let grads = d_weights;
+        // MLP: res_out = res_mid + down(swiglu(gate(ln2), up(ln2))); d_res holds d res_out.
+        d_sw.fill(0.0);
+        matmul_backward(
+            d_sw,
+            &mut grads[g(ParamKind::DownProj)],
+            d_res,
+            sw,
+            w.down,
+            n,
+            f,
             h,
+            prof,
+        )?;
+        d_gate.fill(0.0);
+        d_up.fill(0.0);
+        swiglu_backward(d_gate, d_up, d_sw, gate, up);
+        d_ln.fill(0.0);
+        matmul_backward(
+            d_ln,
+            &mut grads[g(ParamKind::GateProj)],
+            d_gate,
+            ln2,
+            w.gate,
+            n,
+            h,
+            f,
+            prof,
+        )?;
+        matmul_backward(
+            d_ln,
+            &mut grads[g(ParamKind::UpProj)],
+            d_up,
+            ln2,
+            w.up,
+            n,
+            h,
+            f,
+            prof,
+        )?;
+        all_reduce(tp, d_ln)?;
+        rmsnorm_backward(
+            d_res,
+            &mut grads[g(ParamKind::PostAttentionNorm)],
+            d_ln,
+            res_mid,
+            w.post_norm,
+            rstd2,
+        );
+        // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
+        d_att_out.fill(0.0);
+        matmul_backward(
+            d_att_out,
+            &mut grads[g(ParamKind::OProj)],
+            d_res,
+            att_out,
+            w.o,
+            n,
+            qd,
+            h,
+            prof,
+        )?;
+        d_q.fill(0.0);
+        d_k.fill(0.0);
+        d_v.fill(0.0);
+        attention_backward(d_q, d_k, d_v, d_att, d_att_out, q, k, vv, att, shape)?;
+        rope_backward(d_q, &positions, c.num_heads, &self.rope);
+        rope_backward(d_k, &positions, c.num_kv_heads, &self.rope);
+        d_ln.fill(0.0);
+        matmul_backward(
+            d_ln,
+            &mut grads[g(ParamKind::QProj)],
+            d_q,
+            ln1,
+            w.q,
+            n,
+            h,
+            qd,
+            prof,
+        )?;
+        matmul_backward(
+            d_ln,
+            &mut grads[g(ParamKind::KProj)],
+            d_k,
+            ln1,
+            w.k,
+            n,
+            h,
+            kvd,
+            prof,
+        )?;
+        matmul_backward(
+            d_ln,
+            &mut grads[g(ParamKind::VProj)],
+            d_v,
+            ln1,
+            w.v,
+            n,
+            h,
+            kvd,
+            prof,
+        )?;
+        all_reduce(tp, d_ln)?;
+        rmsnorm_backward(
+            d_res,
+            &mut grads[g(ParamKind::InputNorm)],
+            d_ln,
+            res_in,
+            w.input_norm,
+            rstd1,
         );
         Ok(())
+    }
+
+    pub(super) fn embed_backward_unchecked(
+        &self,
+        d_embedding: &mut [f32],
+        acts: &[f32],
+        al: &ActivationLayout,
+        batch: &TrainBatch<'_>,
+    ) {
+        let d_res = &acts[al.d_residual.clone()];
+        embedding_backward(d_embedding, d_res, batch.inputs, self.config.hidden_size);
     }
 
     fn attention_shape(&self, batch: &TrainBatch<'_>) -> AttentionShape {
@@ -599,4 +708,9 @@ impl Transformer {
     pub fn logits<'a>(al: &ActivationLayout, acts: &'a [f32]) -> &'a [f32] {
         &acts[al.logits.clone()]
     }
+}
+
+/// The error of activation ranges that overlap (a broken [`ActivationLayout`]).
+fn overlap() -> ModelError {
+    ModelError::Batch("activation ranges overlap".into())
 }
