@@ -1,6 +1,8 @@
 //! The core of miles: settings, devices, the memory manager with its backup stores, and
 //! everything the training backends and the rollout engine share.
 
+pub mod backend;
+pub mod comm;
 pub mod config;
 pub mod device;
 pub mod memory;
@@ -8,6 +10,11 @@ pub mod model;
 pub mod ops;
 pub mod store;
 
+pub use backend::{
+    BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket,
+    WeightSink,
+};
+pub use comm::{CommError, Communicator, LocalComm};
 pub use config::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
     RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, TrainBackend,
