@@ -11,6 +11,7 @@ mod check_config;
 mod doctor;
 mod model_cmd;
 mod settings_args;
+mod train;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -35,6 +36,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Make, inspect and score models.
     Model(model_cmd::ModelArgs),
+    /// Run the colocated RL loop: rollout, rewards, training, offload and weight sync.
+    Train(Box<train::TrainArgs>),
     /// Benchmarks that print our figure next to a baseline measured in the same run.
     Bench {
         /// Which benchmark.
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::CheckConfig(args) => check_config::run(*args),
         Command::Doctor(args) => doctor::run(args),
         Command::Model(args) => model_cmd::run(args),
+        Command::Train(args) => train::run(*args),
         Command::Bench {
             bench: BenchCommand::Train(args),
         } => bench_train::run(args),

@@ -1,0 +1,184 @@
+//! `miles train`: the colocated RL loop (DESIGN section 8) on the backend named by
+//! `--train-backend` and the rollout engine, with a progress bar on a terminal and log lines
+//! otherwise; Ctrl-C stops it after the phase in progress.
+
+use std::io::{IsTerminal, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use miles_core::config::{AdvantageEstimator, Settings};
+use miles_core::model::{ByteTokenizer, LlamaConfig};
+use miles_core::orchestrator::{Critic, LoopConfig, MemoryProbe, Orchestrator, RolloutEngine};
+use miles_core::{StepMetrics, backend::TrainBackend};
+
+use crate::settings_args::SettingsArgs;
+
+/// `miles train`.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Every setting, as flags or from `--config`.
+    #[command(flatten)]
+    pub settings: SettingsArgs,
+}
+
+/// The training side: the backend and a probe of its device memory.
+type Trainer = (Box<dyn TrainBackend>, Box<dyn MemoryProbe>);
+/// The PPO critic and a probe of its device memory.
+type CriticParts = (Box<dyn Critic>, Box<dyn MemoryProbe>);
+
+/// Runs the loop and prints where its metrics went.
+///
+/// # Errors
+/// Bad settings (exit status 2), or what the loop hit.
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let settings = args.settings.load()?;
+    let model = LlamaConfig::preset(&settings.preset)
+        .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
+    let tokenizer = ByteTokenizer::from_config(&model)?;
+    let engine = build_engine(&settings, &model)?;
+    let (actor, actor_memory) = build_actor(&settings, &model)?;
+    let critic = build_critic(&settings, &model)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let handler_flag = Arc::clone(&stop);
+    ctrlc::set_handler(move || {
+        handler_flag.store(true, Ordering::SeqCst);
+        tracing::warn!("ctrl-c: stopping after the phase in progress");
+    })
+    .context("cannot install the ctrl-c handler")?;
+    let mut orchestrator = Orchestrator::new(
+        LoopConfig::from_settings(&settings),
+        actor,
+        actor_memory,
+        engine,
+        tokenizer,
+    )
+    .with_stop_flag(stop);
+    if let Some((critic, memory)) = critic {
+        orchestrator = orchestrator.with_critic(critic, memory);
+    }
+    let mut progress = Progress::new(settings.steps);
+    let summary = orchestrator.run(&mut |m| progress.step(m))?;
+    progress.finish();
+    let mut out = std::io::stdout().lock();
+    let (first, last) = (
+        summary.reward_means.first().copied().unwrap_or_default(),
+        summary.reward_means.last().copied().unwrap_or_default(),
+    );
+    writeln!(
+        out,
+        "{} after step {} of {}: mean reward {first:.3} at step 1, {last:.3} at the last",
+        if summary.interrupted {
+            "stopped"
+        } else {
+            "finished"
+        },
+        summary.steps,
+        settings.steps
+    )?;
+    if let Some(path) = &settings.metrics {
+        writeln!(out, "metrics: {}", path.display())?;
+    }
+    if let Some(path) = &settings.memory_timeline {
+        writeln!(out, "memory timeline: {}", path.display())?;
+    }
+    Ok(())
+}
+
+/// The rollout engine of `model` on the settings' device.
+///
+/// # Errors
+/// Always, until `miles-infer`'s engine is wired here.
+fn build_engine(
+    settings: &Settings,
+    model: &LlamaConfig,
+) -> anyhow::Result<Box<dyn RolloutEngine>> {
+    bail!(
+        "miles train cannot build its rollout engine yet: miles-infer's engine is not wired in \
+         (preset {}, {} layers, device {})",
+        settings.preset,
+        model.num_layers,
+        settings.device
+    )
+}
+
+/// The actor: the `--train-backend` backend of `model`, and a probe of its memory managers.
+///
+/// # Errors
+/// Always, until the backend crates' constructors are wired here.
+fn build_actor(settings: &Settings, model: &LlamaConfig) -> anyhow::Result<Trainer> {
+    bail!(
+        "miles train cannot build the {} backend yet: its constructor is not wired in \
+         (preset {}, {} layers)",
+        settings.train_backend,
+        settings.preset,
+        model.num_layers
+    )
+}
+
+/// The PPO critic (none under GRPO).
+///
+/// # Errors
+/// Under PPO, until a backend with a value head is wired here.
+fn build_critic(settings: &Settings, model: &LlamaConfig) -> anyhow::Result<Option<CriticParts>> {
+    match settings.advantage_estimator {
+        AdvantageEstimator::Grpo => Ok(None),
+        AdvantageEstimator::Ppo => bail!(
+            "--advantage-estimator ppo needs a critic with a value head over the {} backend \
+             ({} layers), which is not wired in yet; use --advantage-estimator grpo",
+            settings.train_backend,
+            model.num_layers
+        ),
+    }
+}
+
+/// A progress bar on a terminal, one log line per step otherwise.
+struct Progress {
+    bar: Option<ProgressBar>,
+}
+
+impl Progress {
+    fn new(steps: u64) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(steps);
+            if let Ok(style) =
+                ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar
+        });
+        Self { bar }
+    }
+
+    fn step(&mut self, m: &StepMetrics) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(m.step);
+                bar.set_message(format!(
+                    "reward {:.3} ± {:.3}  loss {:.4}  peak {:.1} MiB",
+                    m.reward_mean,
+                    m.reward_std,
+                    m.loss,
+                    m.peak_device_memory_bytes as f64 / f64::from(1u32 << 20)
+                ));
+            }
+            None => tracing::info!(
+                step = m.step,
+                reward_mean = m.reward_mean,
+                reward_std = m.reward_std,
+                loss = m.loss,
+                peak_device_memory_bytes = m.peak_device_memory_bytes,
+                "rl step"
+            ),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
