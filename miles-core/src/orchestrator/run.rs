@@ -50,6 +50,11 @@ pub struct LoopConfig {
     pub offload_weights: bool,
     /// Bytes per bucket of the weight sync.
     pub bucket_bytes: usize,
+    /// The actor can export its weights while offloaded (from its host backup): the sync then
+    /// runs after the trainer sleeps, as DESIGN section 8 orders, and the weights cross the host
+    /// link once per step. Off: the weights are exported into host memory just before the
+    /// trainer offloads, and sent from there.
+    pub export_while_offloaded: bool,
     /// How advantages are estimated.
     pub advantage_estimator: AdvantageEstimator,
     /// Checkpoint directory to save to.
@@ -67,6 +72,14 @@ pub struct LoopConfig {
 impl LoopConfig {
     /// The loop settings of a run (the settings were checked when resolved).
     pub fn from_settings(s: &Settings) -> Self {
+        if s.offload_rollout
+            && s.offload_rollout_level
+                .contains(&RolloutOffloadLevel::CudaGraph)
+        {
+            tracing::info!(
+                "offload level cuda_graph: the rollout engine captures no graphs, nothing to move"
+            );
+        }
         let level = |l| s.offload_rollout && s.offload_rollout_level.contains(&l);
         Self {
             steps: s.steps,
@@ -83,6 +96,7 @@ impl LoopConfig {
             offload_kv: level(RolloutOffloadLevel::KvCache),
             offload_weights: level(RolloutOffloadLevel::Weight),
             bucket_bytes: usize::try_from(s.update_weight_buffer_size).unwrap_or(usize::MAX),
+            export_while_offloaded: false,
             advantage_estimator: s.advantage_estimator,
             save: s.save.clone(),
             save_interval: s.save_interval,
@@ -132,7 +146,8 @@ pub struct Orchestrator {
     state: LoopState,
     timeline: MemoryTimeline,
     started: Instant,
-    staged: Vec<WeightBucket>,
+    /// Weights exported before the trainer slept, for the coming sync.
+    staged: Option<Vec<WeightBucket>>,
     kv_offloaded: bool,
     weights_offloaded: bool,
     /// Seconds the last weight export before an offload took.
@@ -167,7 +182,7 @@ impl Orchestrator {
             state,
             timeline: MemoryTimeline::default(),
             started: Instant::now(),
-            staged: Vec::new(),
+            staged: None,
             kv_offloaded: false,
             weights_offloaded: false,
             export_seconds: 0.0,
@@ -280,6 +295,8 @@ impl Orchestrator {
         let mut ignored = StepMetrics::default();
         if self.config.offload_train {
             self.offload_train()?;
+            // The start sequence keeps no phase timings.
+            self.export_seconds = 0.0;
             self.sample_memory("start after trainer sleep".into());
         }
         for phase in [Phase::OnloadWeights, Phase::Sync, Phase::OnloadKv] {
@@ -375,8 +392,9 @@ impl Orchestrator {
             }
             Phase::OnloadWeights => {
                 if self.weights_offloaded {
+                    let reports = self.engine.onload_weights()?;
                     self.weights_offloaded = false;
-                    report_bytes(&self.engine.onload_weights()?)
+                    report_bytes(&reports)
                 } else {
                     0
                 }
@@ -384,8 +402,9 @@ impl Orchestrator {
             Phase::Sync => self.sync()?,
             Phase::OnloadKv => {
                 if self.kv_offloaded {
+                    let reports = self.engine.onload_kv()?;
                     self.kv_offloaded = false;
-                    report_bytes(&self.engine.onload_kv()?)
+                    report_bytes(&reports)
                 } else {
                     0
                 }
@@ -527,19 +546,21 @@ impl Orchestrator {
         Ok(bytes)
     }
 
-    /// Stages the weights for the coming sync (a backend cannot export while offloaded), then
+    /// Stages the weights for the coming sync unless the actor exports while offloaded, then
     /// offloads actor and critic to the target.
     fn offload_train(&mut self) -> Result<u64, OrchestratorError> {
-        let started = Instant::now();
-        let mut staged = Vec::new();
-        self.actor
-            .export_weights(self.config.bucket_bytes, &mut |bucket| {
-                staged.push(bucket);
-                Ok(())
-            })
-            .map_err(OrchestratorError::train("actor", "export weights"))?;
-        self.staged = staged;
-        self.export_seconds = started.elapsed().as_secs_f64();
+        if !self.config.export_while_offloaded {
+            let started = Instant::now();
+            let mut staged = Vec::new();
+            self.actor
+                .export_weights(self.config.bucket_bytes, &mut |bucket| {
+                    staged.push(bucket);
+                    Ok(())
+                })
+                .map_err(OrchestratorError::train("actor", "export weights"))?;
+            self.staged = Some(staged);
+            self.export_seconds = started.elapsed().as_secs_f64();
+        }
         let target = self.config.offload_train_target;
         let mut bytes = self
             .actor
@@ -559,8 +580,8 @@ impl Orchestrator {
     /// is asleep, else straight from the trainer.
     fn sync(&mut self) -> Result<u64, OrchestratorError> {
         let mut bytes = 0u64;
-        if !self.staged.is_empty() {
-            for bucket in std::mem::take(&mut self.staged) {
+        if let Some(staged) = self.staged.take() {
+            for bucket in staged {
                 self.engine.update_weights(&bucket)?;
                 bytes += bucket.bytes() as u64;
             }

@@ -75,6 +75,8 @@ struct FakeActor {
     tensors: Vec<Vec<f32>>,
     step: u64,
     offloaded: Option<OffloadTarget>,
+    /// Exports from its backup while offloaded, as a backend with host-pool export would.
+    exports_offloaded: bool,
 }
 
 const TRAIN_TAGS: [MemoryTag; 2] = [MemoryTag::Params, MemoryTag::Grads];
@@ -95,6 +97,7 @@ impl FakeActor {
                 .collect(),
             step: 0,
             offloaded: None,
+            exports_offloaded: false,
         }
     }
 
@@ -165,7 +168,7 @@ impl TrainBackend for FakeActor {
         sink: &mut WeightSink<'_>,
     ) -> Result<(), BackendError> {
         note(&self.log, "actor.export_weights");
-        if self.is_offloaded() {
+        if self.is_offloaded() && !self.exports_offloaded {
             return Err(BackendError::Offloaded {
                 op: "export weights",
             });
@@ -398,6 +401,7 @@ fn colocated(steps: u64) -> LoopConfig {
         offload_kv: true,
         offload_weights: true,
         bucket_bytes: 2 * 256 * 4,
+        export_while_offloaded: false,
         advantage_estimator: AdvantageEstimator::Grpo,
         save: None,
         save_interval: None,
@@ -738,4 +742,35 @@ fn warmup_trains_on_answers_before_the_trainer_first_sleeps() {
         ]
     );
     assert_eq!(o.state().warmup_steps, 2);
+}
+
+#[test]
+fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
+    let log = Log::default();
+    let mut actor = FakeActor::new(&log);
+    actor.exports_offloaded = true;
+    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
+    let config = LoopConfig {
+        export_while_offloaded: true,
+        ..colocated(1)
+    };
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(probe),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    run(&mut o);
+    let tail = [
+        "actor.offload",
+        "engine.onload_weights",
+        "actor.export_weights",
+        "engine.update_weights",
+        "engine.update_weights",
+        "engine.onload_kv",
+    ];
+    let calls = calls(&log);
+    assert_eq!(calls[calls.len() - tail.len()..], tail);
+    assert_eq!(calls[3..9], tail);
 }
