@@ -24,8 +24,9 @@ pub struct TrainArgs {
     pub settings: SettingsArgs,
 }
 
-/// The training side: the backend and a probe of its device memory.
-type Trainer = (Box<dyn TrainBackend>, Box<dyn MemoryProbe>);
+/// The training side: the backend and, where the backend offers one, a probe of its device
+/// memory.
+type Trainer = (Box<dyn TrainBackend>, Option<Box<dyn MemoryProbe>>);
 /// The PPO critic and a probe of its device memory.
 type CriticParts = (Box<dyn Critic>, Box<dyn MemoryProbe>);
 
@@ -51,11 +52,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut orchestrator = Orchestrator::new(
         LoopConfig::from_settings(&settings),
         actor,
-        actor_memory,
         engine,
         tokenizer,
     )
     .with_stop_flag(stop);
+    if let Some(memory) = actor_memory {
+        orchestrator = orchestrator.with_actor_memory(memory);
+    }
     if let Some((critic, memory)) = critic {
         orchestrator = orchestrator.with_critic(critic, memory);
     }

@@ -137,7 +137,7 @@ enum Next {
 pub struct Orchestrator {
     config: LoopConfig,
     actor: Box<dyn TrainBackend>,
-    actor_memory: Box<dyn MemoryProbe>,
+    actor_memory: Option<Box<dyn MemoryProbe>>,
     critic: Option<(Box<dyn Critic>, Box<dyn MemoryProbe>)>,
     engine: Box<dyn RolloutEngine>,
     tokenizer: ByteTokenizer,
@@ -155,12 +155,14 @@ pub struct Orchestrator {
 }
 
 impl Orchestrator {
-    /// A loop over `actor` (whose memory `actor_memory` reads) and `engine`; the tokenizer
-    /// formats prompts and answers. Nothing runs until [`run`](Self::run).
+    /// A loop over `actor` and `engine`; the tokenizer formats prompts and answers. Nothing
+    /// runs until [`run`](Self::run).
+    ///
+    /// Device memory in the metrics is what the probed tags hold: the engine's always, the
+    /// actor's once [`with_actor_memory`](Self::with_actor_memory) gives a probe of it.
     pub fn new(
         config: LoopConfig,
         actor: Box<dyn TrainBackend>,
-        actor_memory: Box<dyn MemoryProbe>,
         engine: Box<dyn RolloutEngine>,
         tokenizer: ByteTokenizer,
     ) -> Self {
@@ -173,7 +175,7 @@ impl Orchestrator {
         Self {
             config,
             actor,
-            actor_memory,
+            actor_memory: None,
             critic: None,
             engine,
             tokenizer,
@@ -187,6 +189,13 @@ impl Orchestrator {
             weights_offloaded: false,
             export_seconds: 0.0,
         }
+    }
+
+    /// Probes the actor's device memory with `memory` (a [`ManagerProbe`](super::ManagerProbe)
+    /// of its ranks' memory managers, say).
+    pub fn with_actor_memory(mut self, memory: Box<dyn MemoryProbe>) -> Self {
+        self.actor_memory = Some(memory);
+        self
     }
 
     /// Adds the PPO critic, trained and offloaded alongside the actor.
@@ -230,6 +239,11 @@ impl Orchestrator {
             return Err(OrchestratorError::Settings(
                 "--advantage-estimator ppo needs a critic; build one or use grpo".into(),
             ));
+        }
+        if self.actor_memory.is_none() {
+            tracing::warn!(
+                "the actor's memory is not probed: device memory in the metrics counts the rollout engine (and critic) only"
+            );
         }
         self.started = Instant::now();
         if let Some(dir) = self.config.load.clone() {
@@ -694,7 +708,9 @@ impl Orchestrator {
                     .map(|(tag, bytes)| (format!("{owner}/{tag}"), bytes)),
             );
         };
-        add("train", self.actor_memory.resident_bytes());
+        if let Some(memory) = &self.actor_memory {
+            add("train", memory.resident_bytes());
+        }
         if let Some((_, memory)) = &self.critic {
             add("critic", memory.resident_bytes());
         }

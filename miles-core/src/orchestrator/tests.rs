@@ -417,10 +417,10 @@ fn orchestrator(config: LoopConfig, log: &Log) -> Orchestrator {
     Orchestrator::new(
         config,
         Box::new(actor),
-        Box::new(probe),
         Box::new(FakeEngine::new(log)),
         tokenizer(),
     )
+    .with_actor_memory(Box::new(probe))
 }
 
 fn run(o: &mut Orchestrator) -> (RunSummary, Vec<StepMetrics>) {
@@ -648,14 +648,9 @@ fn stop_flag_ends_the_loop_after_the_phase_in_progress() {
     // The engine raises the flag mid-generation, as Ctrl-C would.
     let flag = Arc::new(AtomicBool::new(false));
     engine.stop_during_generate = Some(Arc::clone(&flag));
-    let mut o = Orchestrator::new(
-        colocated(3),
-        Box::new(actor),
-        Box::new(probe),
-        Box::new(engine),
-        tokenizer(),
-    )
-    .with_stop_flag(flag);
+    let mut o = Orchestrator::new(colocated(3), Box::new(actor), Box::new(engine), tokenizer())
+        .with_actor_memory(Box::new(probe))
+        .with_stop_flag(flag);
     let mut seen = 0;
     let summary = o.run(&mut |_| seen += 1).unwrap();
     assert!(summary.interrupted);
@@ -757,10 +752,10 @@ fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
     let mut o = Orchestrator::new(
         config,
         Box::new(actor),
-        Box::new(probe),
         Box::new(FakeEngine::new(&log)),
         tokenizer(),
-    );
+    )
+    .with_actor_memory(Box::new(probe));
     run(&mut o);
     let tail = [
         "actor.offload",
