@@ -11,8 +11,11 @@
 
 mod advantage;
 mod batch;
+mod critic;
 mod engine;
 mod error;
+#[cfg(test)]
+mod learning_tests;
 mod probe;
 mod run;
 mod state;
@@ -22,6 +25,7 @@ mod tests;
 
 pub use advantage::{Critic, GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
 pub use batch::{Sequence, build_batch};
+pub use critic::LmCritic;
 pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
 pub use error::OrchestratorError;
 pub use probe::{ManagerProbe, MemoryProbe};
