@@ -11,7 +11,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::model::{ByteTokenizer, LlamaConfig};
-use miles_core::orchestrator::{Critic, LoopConfig, MemoryProbe, Orchestrator, RolloutEngine};
+use miles_core::orchestrator::{
+    Critic, LmCritic, LoopConfig, ManagerProbe, MemoryProbe, Orchestrator, RolloutEngine,
+};
 use miles_core::{StepMetrics, backend::TrainBackend};
 
 use crate::settings_args::SettingsArgs;
@@ -41,7 +43,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let tokenizer = ByteTokenizer::from_config(&model)?;
     let engine = build_engine(&settings, &model)?;
     let (actor, actor_memory) = build_actor(&settings, &model)?;
-    let critic = build_critic(&settings, &model)?;
+    let critic = build_critic(&settings, &model, tokenizer.pad)?;
     let stop = Arc::new(AtomicBool::new(false));
     let handler_flag = Arc::clone(&stop);
     ctrlc::set_handler(move || {
@@ -121,19 +123,24 @@ fn build_actor(settings: &Settings, model: &LlamaConfig) -> anyhow::Result<Train
     )
 }
 
-/// The PPO critic (none under GRPO).
+/// The PPO critic (none under GRPO): a second backend of the same kind, its language model
+/// read as the value head.
 ///
 /// # Errors
-/// Under PPO, until a backend with a value head is wired here.
-fn build_critic(settings: &Settings, model: &LlamaConfig) -> anyhow::Result<Option<CriticParts>> {
+/// As [`build_actor`].
+fn build_critic(
+    settings: &Settings,
+    model: &LlamaConfig,
+    pad: u32,
+) -> anyhow::Result<Option<CriticParts>> {
     match settings.advantage_estimator {
         AdvantageEstimator::Grpo => Ok(None),
-        AdvantageEstimator::Ppo => bail!(
-            "--advantage-estimator ppo needs a critic with a value head over the {} backend \
-             ({} layers), which is not wired in yet; use --advantage-estimator grpo",
-            settings.train_backend,
-            model.num_layers
-        ),
+        AdvantageEstimator::Ppo => {
+            let (backend, memory) =
+                build_actor(settings, model).context("cannot build the critic")?;
+            let memory = memory.unwrap_or_else(|| Box::new(ManagerProbe::default()));
+            Ok(Some((Box::new(LmCritic::new(backend, pad)), memory)))
+        }
     }
 }
 
