@@ -329,6 +329,12 @@ mod tests {
             "m",
             "--memory-timeline",
             "t",
+            "--task",
+            "add",
+            "--sft-warmup-steps",
+            "2",
+            "--rollout-temperature",
+            "0.7",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value
