@@ -76,5 +76,7 @@ fn task_and_warmup_keys_come_from_the_config_file_under_flags() {
             .to_owned()
     };
     assert!(line("task").contains("\"add\"") && line("task").ends_with("# flag"));
-    assert!(line("sft_warmup_steps").contains('4') && line("sft_warmup_steps").ends_with("# file"));
+    assert!(
+        line("sft_warmup_steps").contains("16") && line("sft_warmup_steps").ends_with("# file")
+    );
 }
