@@ -729,3 +729,29 @@ impl Orchestrator {
 fn report_bytes(reports: &[OffloadReport]) -> u64 {
     reports.iter().map(|r| r.bytes).sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loop_config_follows_the_offload_switches_and_levels() {
+        let colocated = Settings {
+            colocate: true,
+            offload_train: true,
+            offload_rollout: true,
+            ..Settings::default()
+        };
+        let c = LoopConfig::from_settings(&colocated);
+        assert!(c.offload_train && c.offload_rollout && c.offload_kv && c.offload_weights);
+        let kv_only = Settings {
+            offload_rollout_level: vec![RolloutOffloadLevel::KvCache],
+            ..colocated.clone()
+        };
+        let c = LoopConfig::from_settings(&kv_only);
+        assert!(c.offload_kv && !c.offload_weights);
+        let c = LoopConfig::from_settings(&Settings::default());
+        assert!(!c.offload_train && !c.offload_rollout && !c.offload_kv && !c.offload_weights);
+        assert_eq!(c.bucket_bytes, 512 << 20);
+    }
+}
