@@ -143,7 +143,7 @@ impl StepMetrics {
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
     /// The metrics or timeline file could not be written.
-    #[error("cannot write {path}: {source}; check that its directory exists and is writable")]
+    #[error("cannot write {path}; check that its directory can be created and written")]
     Write {
         /// The file.
         path: PathBuf,
@@ -161,6 +161,19 @@ pub enum MetricsError {
     },
 }
 
+/// Creates the directory `path` goes in, when missing.
+fn create_parent(path: &Path) -> Result<(), MetricsError> {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => {
+            std::fs::create_dir_all(dir).map_err(|source| MetricsError::Write {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Appends one JSON line per step to a file, flushed after each line so that a stopped run
 /// keeps every finished step.
 #[derive(Debug)]
@@ -175,6 +188,7 @@ impl MetricsWriter {
     /// # Errors
     /// [`MetricsError::Write`] when the file cannot be opened.
     pub fn append(path: &Path) -> Result<Self, MetricsError> {
+        create_parent(path)?;
         let file = File::options()
             .create(true)
             .append(true)
@@ -251,7 +265,7 @@ mod tests {
     #[test]
     fn writer_appends_one_parseable_line_per_step() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m.jsonl");
+        let path = dir.path().join("new").join("m.jsonl");
         for step in 1..=2 {
             let mut w = MetricsWriter::append(&path).unwrap();
             w.write(&StepMetrics {

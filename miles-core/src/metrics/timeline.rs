@@ -97,6 +97,7 @@ impl MemoryTimeline {
             .unwrap_or(0) as f64
             / MIB;
         let top = (top * 1.1).max(1.0);
+        super::create_parent(path)?;
         let root = SVGBackend::new(path, (1200, 600)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| draw_error(e.to_string()))?;
         let mut chart = ChartBuilder::on(&root)

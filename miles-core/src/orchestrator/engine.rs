@@ -38,7 +38,7 @@ pub struct Sample {
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// The engine's own failure, with what it was doing.
-    #[error("rollout engine cannot {action}: {source}")]
+    #[error("rollout engine cannot {action}")]
     Engine {
         /// What the loop asked for (`generate`, `onload the weights`).
         action: &'static str,

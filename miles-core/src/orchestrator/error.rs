@@ -11,7 +11,7 @@ use super::engine::EngineError;
 #[derive(Debug, thiserror::Error)]
 pub enum OrchestratorError {
     /// The actor or critic failed.
-    #[error("{role} cannot {action}: {source}")]
+    #[error("{role} cannot {action}")]
     Train {
         /// `actor` or `critic`.
         role: &'static str,
@@ -39,7 +39,7 @@ pub enum OrchestratorError {
         expected: String,
     },
     /// A checkpoint file of the loop could not be read or written.
-    #[error("cannot {action} {path}: {source}")]
+    #[error("cannot {action} {path}")]
     Io {
         /// What was being done.
         action: &'static str,
