@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::model::{ByteTokenizer, LlamaConfig};
 use miles_core::orchestrator::{
-    Critic, LmCritic, LoopConfig, ManagerProbe, MemoryProbe, Orchestrator, RolloutEngine,
+    Critic, LmCritic, LoopConfig, MemoryProbe, Orchestrator, RolloutEngine,
 };
 use miles_core::{StepMetrics, backend::TrainBackend};
 
@@ -29,9 +29,6 @@ pub struct TrainArgs {
 /// The training side: the backend and, where the backend offers one, a probe of its device
 /// memory.
 type Trainer = (Box<dyn TrainBackend>, Option<Box<dyn MemoryProbe>>);
-/// The PPO critic and a probe of its device memory.
-type CriticParts = (Box<dyn Critic>, Box<dyn MemoryProbe>);
-
 /// Runs the loop and prints where its metrics went.
 ///
 /// # Errors
@@ -61,8 +58,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(memory) = actor_memory {
         orchestrator = orchestrator.with_actor_memory(memory);
     }
-    if let Some((critic, memory)) = critic {
-        orchestrator = orchestrator.with_critic(critic, memory);
+    if let Some(critic) = critic {
+        orchestrator = orchestrator.with_critic(critic);
     }
     let mut progress = Progress::new(settings.steps);
     let summary = orchestrator.run(&mut |m| progress.step(m))?;
@@ -132,14 +129,12 @@ fn build_critic(
     settings: &Settings,
     model: &LlamaConfig,
     pad: u32,
-) -> anyhow::Result<Option<CriticParts>> {
+) -> anyhow::Result<Option<Box<dyn Critic>>> {
     match settings.advantage_estimator {
         AdvantageEstimator::Grpo => Ok(None),
         AdvantageEstimator::Ppo => {
-            let (backend, memory) =
-                build_actor(settings, model).context("cannot build the critic")?;
-            let memory = memory.unwrap_or_else(|| Box::new(ManagerProbe::default()));
-            Ok(Some((Box::new(LmCritic::new(backend, pad)), memory)))
+            let (backend, _) = build_actor(settings, model).context("cannot build the critic")?;
+            Ok(Some(Box::new(LmCritic::new(backend, pad))))
         }
     }
 }

@@ -113,28 +113,26 @@ impl MemoryTimeline {
             .y_desc("MiB on the device")
             .draw()
             .map_err(|e| draw_error(e.to_string()))?;
-        let mut series: Vec<(String, Vec<(f64, f64)>)> = self
-            .series_names()
-            .into_iter()
-            .map(|name| {
-                let points = self.line(|s| {
-                    s.tags
-                        .iter()
-                        .find(|(n, _)| *n == name)
-                        .map_or(0, |(_, b)| *b)
-                });
-                (name, points)
-            })
-            .collect();
-        series.push(("total".to_owned(), self.line(TimelineSample::total)));
+        // The total first, thin, so that each tag's line stays visible on top of it.
+        let mut series: Vec<(String, Vec<(f64, f64)>)> =
+            vec![("total".to_owned(), self.line(TimelineSample::total))];
+        series.extend(self.series_names().into_iter().map(|name| {
+            let points = self.line(|s| {
+                s.tags
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map_or(0, |(_, b)| *b)
+            });
+            (name, points)
+        }));
         for (index, (name, points)) in series.into_iter().enumerate() {
-            let color = if name == "total" {
-                BLACK.to_rgba()
+            let (color, width) = if index == 0 {
+                (BLACK.to_rgba(), 1)
             } else {
-                Palette99::pick(index).to_rgba()
+                (Palette99::pick(index - 1).to_rgba(), 2)
             };
             chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .draw_series(LineSeries::new(points, color.stroke_width(width)))
                 .map_err(|e| draw_error(e.to_string()))?
                 .label(name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));

@@ -329,7 +329,7 @@ fn ppo_with_the_lm_critic_trains_on_the_model() {
         Box::new(engine()),
         tokenizer(),
     )
-    .with_critic(Box::new(critic), Box::new(ManagerProbe::default()));
+    .with_critic(Box::new(critic));
     let mut losses = Vec::new();
     let summary = o.run(&mut |m| losses.push(m.loss)).unwrap();
     assert_eq!(summary.steps, 3);

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::backend::OffloadStats;
 use crate::memory::{MemoryManager, MemoryTag};
 
 /// Reads the device bytes a component's tags hold now.
@@ -38,6 +39,40 @@ impl MemoryProbe for ManagerProbe {
             }
         }
         tags
+    }
+}
+
+/// A trainer's device memory as its own offload and onload reports tell it: the bytes of each
+/// tag (summed over ranks) that the last move reported, on the device after an onload and
+/// nothing after an offload. Known from the first move on; used where no probe of the
+/// backend's memory managers is given.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReportedMemory {
+    tags: Vec<(MemoryTag, u64)>,
+    on_device: bool,
+}
+
+impl ReportedMemory {
+    /// Takes the tags and bytes of `stats`; `on_device` after an onload.
+    pub fn record(&mut self, stats: &OffloadStats, on_device: bool) {
+        let mut tags: Vec<(MemoryTag, u64)> = Vec::new();
+        for report in stats.ranks.iter().flat_map(|r| &r.tags) {
+            match tags.iter_mut().find(|(t, _)| *t == report.tag) {
+                Some((_, total)) => *total += report.bytes,
+                None => tags.push((report.tag.clone(), report.bytes)),
+            }
+        }
+        self.tags = tags;
+        self.on_device = on_device;
+    }
+}
+
+impl MemoryProbe for ReportedMemory {
+    fn resident_bytes(&self) -> Vec<(MemoryTag, u64)> {
+        self.tags
+            .iter()
+            .map(|(tag, bytes)| (tag.clone(), if self.on_device { *bytes } else { 0 }))
+            .collect()
     }
 }
 
@@ -88,5 +123,44 @@ mod tests {
         a.pause(&MemoryTag::Grads).unwrap();
         assert_eq!(get(&probe, MemoryTag::Grads), Some(0));
         assert_eq!(get(&probe, MemoryTag::Params), Some(params));
+    }
+
+    #[test]
+    fn reported_memory_follows_the_last_move() {
+        use crate::backend::RankOffload;
+        use crate::config::OffloadTarget;
+        let report = |tag: MemoryTag, bytes| crate::memory::OffloadReport {
+            tag,
+            bytes,
+            seconds: 0.0,
+            gbps: 0.0,
+            free_before: 0,
+            free_after: 0,
+        };
+        let stats = OffloadStats {
+            target: OffloadTarget::Cpu,
+            ranks: (0..2)
+                .map(|rank| {
+                    RankOffload::new(
+                        rank,
+                        0.0,
+                        vec![report(MemoryTag::Params, 3), report(MemoryTag::Grads, 5)],
+                    )
+                })
+                .collect(),
+            seconds: 0.0,
+        };
+        let mut memory = ReportedMemory::default();
+        assert!(memory.resident_bytes().is_empty());
+        memory.record(&stats, false);
+        assert_eq!(
+            memory.resident_bytes(),
+            [(MemoryTag::Params, 0), (MemoryTag::Grads, 0)]
+        );
+        memory.record(&stats, true);
+        assert_eq!(
+            memory.resident_bytes(),
+            [(MemoryTag::Params, 6), (MemoryTag::Grads, 10)]
+        );
     }
 }

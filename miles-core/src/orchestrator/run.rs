@@ -15,7 +15,7 @@ use super::OrchestratorError;
 use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
 use super::batch::{Sequence, build_batch};
 use super::engine::{EngineError, RolloutEngine, Sample, Sampling};
-use super::probe::MemoryProbe;
+use super::probe::{MemoryProbe, ReportedMemory};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 
@@ -138,7 +138,9 @@ pub struct Orchestrator {
     config: LoopConfig,
     actor: Box<dyn TrainBackend>,
     actor_memory: Option<Box<dyn MemoryProbe>>,
-    critic: Option<(Box<dyn Critic>, Box<dyn MemoryProbe>)>,
+    /// The actor's memory from its reports, where no probe is given.
+    actor_reported: ReportedMemory,
+    critic: Option<(Box<dyn Critic>, ReportedMemory)>,
     engine: Box<dyn RolloutEngine>,
     tokenizer: ByteTokenizer,
     problems: ProblemSource,
@@ -158,8 +160,10 @@ impl Orchestrator {
     /// A loop over `actor` and `engine`; the tokenizer formats prompts and answers. Nothing
     /// runs until [`run`](Self::run).
     ///
-    /// Device memory in the metrics is what the probed tags hold: the engine's always, the
-    /// actor's once [`with_actor_memory`](Self::with_actor_memory) gives a probe of it.
+    /// Device memory in the metrics is what the tags of engine, actor and critic hold: the
+    /// engine's as it reports them, the actor's through
+    /// [`with_actor_memory`](Self::with_actor_memory) when given a probe, else (like the
+    /// critic's) as their offload and onload reports tell.
     pub fn new(
         config: LoopConfig,
         actor: Box<dyn TrainBackend>,
@@ -176,6 +180,7 @@ impl Orchestrator {
             config,
             actor,
             actor_memory: None,
+            actor_reported: ReportedMemory::default(),
             critic: None,
             engine,
             tokenizer,
@@ -199,8 +204,8 @@ impl Orchestrator {
     }
 
     /// Adds the PPO critic, trained and offloaded alongside the actor.
-    pub fn with_critic(mut self, critic: Box<dyn Critic>, memory: Box<dyn MemoryProbe>) -> Self {
-        self.critic = Some((critic, memory));
+    pub fn with_critic(mut self, critic: Box<dyn Critic>) -> Self {
+        self.critic = Some((critic, ReportedMemory::default()));
         self
     }
 
@@ -239,11 +244,6 @@ impl Orchestrator {
             return Err(OrchestratorError::Settings(
                 "--advantage-estimator ppo needs a critic; build one or use grpo".into(),
             ));
-        }
-        if self.actor_memory.is_none() {
-            tracing::warn!(
-                "the actor's memory is not probed: device memory in the metrics counts the rollout engine (and critic) only"
-            );
         }
         self.started = Instant::now();
         if let Some(dir) = self.config.load.clone() {
@@ -543,19 +543,21 @@ impl Orchestrator {
     fn onload_train(&mut self) -> Result<u64, OrchestratorError> {
         let mut bytes = 0;
         if self.actor.is_offloaded() {
-            bytes += self
+            let stats = self
                 .actor
                 .onload()
-                .map_err(OrchestratorError::train("actor", "onload"))?
-                .bytes();
+                .map_err(OrchestratorError::train("actor", "onload"))?;
+            self.actor_reported.record(&stats, true);
+            bytes += stats.bytes();
         }
-        if let Some((critic, _)) = &mut self.critic
+        if let Some((critic, reported)) = &mut self.critic
             && critic.is_offloaded()
         {
-            bytes += critic
+            let stats = critic
                 .onload()
-                .map_err(OrchestratorError::train("critic", "onload"))?
-                .bytes();
+                .map_err(OrchestratorError::train("critic", "onload"))?;
+            reported.record(&stats, true);
+            bytes += stats.bytes();
         }
         Ok(bytes)
     }
@@ -576,16 +578,18 @@ impl Orchestrator {
             self.export_seconds = started.elapsed().as_secs_f64();
         }
         let target = self.config.offload_train_target;
-        let mut bytes = self
+        let stats = self
             .actor
             .offload(target)
-            .map_err(OrchestratorError::train("actor", "offload"))?
-            .bytes();
-        if let Some((critic, _)) = &mut self.critic {
-            bytes += critic
+            .map_err(OrchestratorError::train("actor", "offload"))?;
+        self.actor_reported.record(&stats, false);
+        let mut bytes = stats.bytes();
+        if let Some((critic, reported)) = &mut self.critic {
+            let stats = critic
                 .offload(target)
-                .map_err(OrchestratorError::train("critic", "offload"))?
-                .bytes();
+                .map_err(OrchestratorError::train("critic", "offload"))?;
+            reported.record(&stats, false);
+            bytes += stats.bytes();
         }
         Ok(bytes)
     }
@@ -708,11 +712,12 @@ impl Orchestrator {
                     .map(|(tag, bytes)| (format!("{owner}/{tag}"), bytes)),
             );
         };
-        if let Some(memory) = &self.actor_memory {
-            add("train", memory.resident_bytes());
+        match &self.actor_memory {
+            Some(probe) => add("train", probe.resident_bytes()),
+            None => add("train", self.actor_reported.resident_bytes()),
         }
-        if let Some((_, memory)) = &self.critic {
-            add("critic", memory.resident_bytes());
+        if let Some((_, reported)) = &self.critic {
+            add("critic", reported.resident_bytes());
         }
         add("rollout", self.engine.resident_bytes());
         let sample = TimelineSample {

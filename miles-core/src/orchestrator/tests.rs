@@ -674,8 +674,7 @@ fn ppo_trains_and_offloads_the_critic_with_the_actor() {
         advantage_estimator: AdvantageEstimator::Ppo,
         ..colocated(1)
     };
-    let mut o = orchestrator(config, &log)
-        .with_critic(Box::new(critic), Box::new(ManagerProbe::new(vec![memory])));
+    let mut o = orchestrator(config, &log).with_critic(Box::new(critic));
     run(&mut o);
     let calls = calls(&log);
     let pos = |c: &str| {
@@ -768,4 +767,32 @@ fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
     let calls = calls(&log);
     assert_eq!(calls[calls.len() - tail.len()..], tail);
     assert_eq!(calls[3..9], tail);
+}
+
+#[test]
+fn without_a_probe_the_actor_memory_comes_from_its_reports() {
+    let log = Log::default();
+    let mut o = Orchestrator::new(
+        colocated(2),
+        Box::new(FakeActor::new(&log)),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    run(&mut o);
+    let held = |label: &str| {
+        let sample = o
+            .timeline()
+            .samples()
+            .iter()
+            .find(|s| s.label == label)
+            .unwrap();
+        sample
+            .tags
+            .iter()
+            .find(|(n, _)| n == "train/params")
+            .map(|(_, b)| *b)
+    };
+    assert_eq!(held("step 2 after_offload_train"), Some(0));
+    assert!(held("step 2 after_train").unwrap() >= 6 * MIB as u64);
+    assert!(held("step 2 after_onload_kv") == Some(0));
 }
