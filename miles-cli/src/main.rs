@@ -17,6 +17,7 @@ mod doctor;
 mod generate;
 mod model_cmd;
 mod settings_args;
+mod train;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -41,6 +42,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Make, inspect and score models.
     Model(model_cmd::ModelArgs),
+    /// Run the colocated RL loop: rollout, rewards, training, offload and weight sync.
+    Train(Box<train::TrainArgs>),
     /// Sample completions of prompts from a checkpoint with the rollout engine.
     Generate(Box<generate::GenerateArgs>),
     /// Benchmarks that print our figure next to a baseline measured in the same run.
@@ -71,6 +74,7 @@ fn main() -> ExitCode {
         Command::CheckConfig(args) => check_config::run(*args),
         Command::Doctor(args) => doctor::run(args),
         Command::Model(args) => model_cmd::run(args),
+        Command::Train(args) => train::run(*args),
         Command::Generate(args) => generate::run(*args),
         Command::Bench {
             bench: BenchCommand::Train(args),

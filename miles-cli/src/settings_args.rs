@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use miles_core::config::{
     AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, RawSettings,
-    Settings, TrainBackend,
+    Settings, Task, TrainBackend,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -119,6 +119,15 @@ pub struct SettingsArgs {
     /// File for the device-memory timeline
     #[arg(long, value_name = "FILE", help_heading = "Run")]
     pub memory_timeline: Option<PathBuf>,
+    /// Synthetic task with a verifiable reward [default: repeat]
+    #[arg(long, value_name = "repeat|reverse|add", help_heading = "Run")]
+    pub task: Option<Task>,
+    /// Supervised steps on the task's answers before RL [default: 0]
+    #[arg(long, value_name = "N", help_heading = "Run")]
+    pub sft_warmup_steps: Option<u64>,
+    /// Softmax temperature of rollout sampling, 0 is greedy [default: 1.0]
+    #[arg(long, value_name = "T", help_heading = "Run")]
+    pub rollout_temperature: Option<f64>,
 }
 
 impl SettingsArgs {
@@ -180,6 +189,9 @@ impl SettingsArgs {
             advantage_estimator: self.advantage_estimator,
             metrics: self.metrics.clone(),
             memory_timeline: self.memory_timeline.clone(),
+            task: self.task,
+            sft_warmup_steps: self.sft_warmup_steps,
+            rollout_temperature: self.rollout_temperature,
         }
     }
 }
@@ -317,6 +329,12 @@ mod tests {
             "m",
             "--memory-timeline",
             "t",
+            "--task",
+            "add",
+            "--sft-warmup-steps",
+            "2",
+            "--rollout-temperature",
+            "0.7",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value

@@ -6,8 +6,10 @@ pub mod comm;
 pub mod config;
 pub mod device;
 pub mod memory;
+pub mod metrics;
 pub mod model;
 pub mod ops;
+pub mod orchestrator;
 pub mod store;
 
 pub use backend::{
@@ -17,7 +19,7 @@ pub use backend::{
 pub use comm::{CommError, Communicator, LocalComm};
 pub use config::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, TrainBackend,
+    RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, Task, TrainBackend,
     UnknownChoice,
 };
 pub use device::{
@@ -28,5 +30,10 @@ pub use device::{
 pub use memory::{
     BackupPolicy, Buffer, BufferView, BufferViewMut, DiskSettings, FreeError, ManagerSettings,
     MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
+};
+pub use metrics::{MemoryTimeline, MetricsError, MetricsWriter, Phase, StepMetrics};
+pub use orchestrator::{
+    Critic, EngineError, LoopConfig, ManagerProbe, MemoryProbe, Orchestrator, OrchestratorError,
+    RolloutEngine, RunSummary, Sample, Sampling,
 };
 pub use store::{DiskBackup, DiskStore, HostPool, StoreError};

@@ -12,6 +12,7 @@ mod controller;
 mod engine;
 mod error;
 mod paged;
+mod rl_engine;
 mod sampling;
 mod schedule;
 mod weights;

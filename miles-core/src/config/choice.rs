@@ -193,6 +193,18 @@ choice! {
     }
 }
 
+choice! {
+    /// The synthetic task with a verifiable reward that the RL loop trains on (`--task`).
+    pub enum Task ("task") {
+        /// Repeat one digit (`r7=` -> `7`): the easiest, for a small run to show learning.
+        Repeat => "repeat",
+        /// Reverse a string of 2 to 4 digits (`v123=` -> `321`).
+        Reverse => "reverse",
+        /// Add two numbers below 50 (`12+7=` -> `19`).
+        Add => "add",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

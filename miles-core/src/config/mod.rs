@@ -13,7 +13,7 @@ mod settings;
 mod validate;
 
 pub use choice::{
-    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel,
+    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
     TrainBackend, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};

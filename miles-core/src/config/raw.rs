@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, TrainBackend,
+    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task, TrainBackend,
 };
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
@@ -80,6 +80,12 @@ pub struct RawSettings {
     pub metrics: Option<PathBuf>,
     /// `--memory-timeline`.
     pub memory_timeline: Option<PathBuf>,
+    /// `--task`.
+    pub task: Option<Task>,
+    /// `--sft-warmup-steps`.
+    pub sft_warmup_steps: Option<u64>,
+    /// `--rollout-temperature`.
+    pub rollout_temperature: Option<f64>,
 }
 
 impl RawSettings {
@@ -147,7 +153,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 32);
+        assert_eq!(keys.len(), 35);
         for key in [
             "offload",
             "offload_train",

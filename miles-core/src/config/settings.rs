@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, TrainBackend,
+    RawSettings, RolloutOffloadLevel, Task, TrainBackend,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -82,6 +82,12 @@ pub struct Settings {
     pub metrics: Option<PathBuf>,
     /// File for the device-memory timeline.
     pub memory_timeline: Option<PathBuf>,
+    /// The synthetic task the RL loop trains on.
+    pub task: Task,
+    /// Supervised steps on the task's correct answers before the first RL step.
+    pub sft_warmup_steps: u64,
+    /// Softmax temperature of rollout sampling (0 is greedy).
+    pub rollout_temperature: f64,
     /// Where each value came from.
     #[serde(skip)]
     pub sources: Sources,
@@ -121,6 +127,9 @@ impl Default for Settings {
             advantage_estimator: AdvantageEstimator::Grpo,
             metrics: None,
             memory_timeline: None,
+            task: Task::Repeat,
+            sft_warmup_steps: 0,
+            rollout_temperature: 1.0,
             sources: Sources::default(),
         }
     }
@@ -303,6 +312,9 @@ impl Settings {
             advantage_estimator: pick!(advantage_estimator),
             metrics: pick_optional!(metrics),
             memory_timeline: pick_optional!(memory_timeline),
+            task: pick!(task),
+            sft_warmup_steps: pick!(sft_warmup_steps),
+            rollout_temperature: pick!(rollout_temperature),
             sources: Sources::default(),
         };
         settings.sources = s;

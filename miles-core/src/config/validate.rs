@@ -174,6 +174,13 @@ fn check_ranges(s: &Settings) -> Vec<SettingsError> {
         f.to_string(),
         "above 0 and at most 1",
     );
+    let t = s.rollout_temperature;
+    require(
+        t.is_finite() && t >= 0.0,
+        "rollout-temperature",
+        t.to_string(),
+        "a number at least 0 (0 is greedy)",
+    );
     let u = s.update_weight_buffer_size;
     require(
         u > 0,

@@ -180,6 +180,24 @@ impl MemoryManager {
         Ok(self.region(tag)?.committed_bytes())
     }
 
+    /// Device bytes each tag holds now (nothing for a paused tag), sorted by tag name: what a
+    /// memory timeline draws.
+    pub fn resident_bytes(&self) -> Vec<(MemoryTag, u64)> {
+        let mut tags: Vec<(MemoryTag, u64)> = self
+            .lock()
+            .values()
+            .map(|region| {
+                let bytes = match region.state() {
+                    RegionState::Active | RegionState::Pausing => region.committed_bytes(),
+                    RegionState::Paused | RegionState::Resuming => 0,
+                };
+                (region.tag.clone(), bytes)
+            })
+            .collect();
+        tags.sort_by(|a, b| a.0.name().cmp(b.0.name()));
+        tags
+    }
+
     /// The reserved address range of `tag`'s arena.
     ///
     /// # Errors

@@ -1,0 +1,288 @@
+//! What the RL loop measures: seconds and bytes moved per phase, device memory at every phase
+//! boundary, one JSON line per step, and a memory timeline drawn as SVG.
+
+mod timeline;
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value, json};
+
+pub use timeline::{MemoryTimeline, TimelineSample};
+
+/// A phase of one RL step, in the order the loop runs them (DESIGN section 8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The engine generates the rollout.
+    Generate,
+    /// The engine's KV cache and weights leave the device (per `--offload-rollout-level`).
+    OffloadRollout,
+    /// The trainer's tensors come back.
+    OnloadTrain,
+    /// The optimizer steps (actor, and critic under PPO).
+    Train,
+    /// A checkpoint is written, when due.
+    Save,
+    /// The trainer's tensors leave the device for the offload target.
+    OffloadTrain,
+    /// The engine's weights come back.
+    OnloadWeights,
+    /// The trainer's weights go to the engine, in buckets.
+    Sync,
+    /// The engine's KV cache comes back.
+    OnloadKv,
+}
+
+impl Phase {
+    /// Every phase, in loop order.
+    pub const ALL: [Phase; 9] = [
+        Phase::Generate,
+        Phase::OffloadRollout,
+        Phase::OnloadTrain,
+        Phase::Train,
+        Phase::Save,
+        Phase::OffloadTrain,
+        Phase::OnloadWeights,
+        Phase::Sync,
+        Phase::OnloadKv,
+    ];
+
+    /// The phase's key in the metrics (`offload_rollout`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Generate => "generate",
+            Phase::OffloadRollout => "offload_rollout",
+            Phase::OnloadTrain => "onload_train",
+            Phase::Train => "train",
+            Phase::Save => "save",
+            Phase::OffloadTrain => "offload_train",
+            Phase::OnloadWeights => "onload_weights",
+            Phase::Sync => "sync",
+            Phase::OnloadKv => "onload_kv",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The figures of one RL step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepMetrics {
+    /// The RL step (1 for the first).
+    pub step: u64,
+    /// Mean reward of the rollout's samples.
+    pub reward_mean: f32,
+    /// Population standard deviation of the rewards.
+    pub reward_std: f32,
+    /// Mean training loss of the step's optimizer steps.
+    pub loss: f32,
+    /// Wall seconds of each phase, indexed like [`Phase::ALL`] (0 for a phase that did not run).
+    pub phase_seconds: [f64; 9],
+    /// Bytes each phase moved (offloaded, onloaded or synchronised), indexed like [`Phase::ALL`].
+    pub bytes_moved: [u64; 9],
+    /// Device memory in use at each phase boundary: `step_start`, then `after_<phase>`.
+    pub device_memory_bytes: Vec<(String, u64)>,
+    /// The largest of [`device_memory_bytes`](Self::device_memory_bytes).
+    pub peak_device_memory_bytes: u64,
+}
+
+impl StepMetrics {
+    /// Adds a phase's seconds and bytes.
+    pub fn add(&mut self, phase: Phase, seconds: f64, bytes: u64) {
+        self.phase_seconds[phase.index()] += seconds;
+        self.bytes_moved[phase.index()] += bytes;
+    }
+
+    /// Records device memory in use at boundary `name`, raising the peak.
+    pub fn boundary(&mut self, name: String, bytes: u64) {
+        self.peak_device_memory_bytes = self.peak_device_memory_bytes.max(bytes);
+        self.device_memory_bytes.push((name, bytes));
+    }
+
+    /// Seconds of `phase`.
+    pub fn seconds(&self, phase: Phase) -> f64 {
+        self.phase_seconds[phase.index()]
+    }
+
+    /// Bytes `phase` moved.
+    pub fn bytes(&self, phase: Phase) -> u64 {
+        self.bytes_moved[phase.index()]
+    }
+
+    /// The step as one JSON object with the keys `step`, `reward_mean`, `reward_std`, `loss`,
+    /// `phase_seconds`, `bytes_moved`, `device_memory_bytes`, `peak_device_memory_bytes`.
+    pub fn to_json(&self) -> Value {
+        let by_phase = |value: &dyn Fn(Phase) -> Value| -> Map<String, Value> {
+            Phase::ALL
+                .iter()
+                .map(|&p| (p.name().to_owned(), value(p)))
+                .collect()
+        };
+        let memory: Map<String, Value> = self
+            .device_memory_bytes
+            .iter()
+            .map(|(name, bytes)| (name.clone(), json!(bytes)))
+            .collect();
+        json!({
+            "step": self.step,
+            "reward_mean": self.reward_mean,
+            "reward_std": self.reward_std,
+            "loss": self.loss,
+            "phase_seconds": by_phase(&|p| json!(self.seconds(p))),
+            "bytes_moved": by_phase(&|p| json!(self.bytes(p))),
+            "device_memory_bytes": memory,
+            "peak_device_memory_bytes": self.peak_device_memory_bytes,
+        })
+    }
+}
+
+/// What went wrong writing metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// The metrics or timeline file could not be written.
+    #[error("cannot write {path}; check that its directory can be created and written")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The timeline could not be drawn.
+    #[error("cannot draw the memory timeline {path}: {reason}")]
+    Draw {
+        /// The SVG file.
+        path: PathBuf,
+        /// What the plotting library said.
+        reason: String,
+    },
+}
+
+/// Creates the directory `path` goes in, when missing.
+fn create_parent(path: &Path) -> Result<(), MetricsError> {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => {
+            std::fs::create_dir_all(dir).map_err(|source| MetricsError::Write {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Appends one JSON line per step to a file, flushed after each line so that a stopped run
+/// keeps every finished step.
+#[derive(Debug)]
+pub struct MetricsWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl MetricsWriter {
+    /// Opens `path` for appending (a resumed run continues the same file).
+    ///
+    /// # Errors
+    /// [`MetricsError::Write`] when the file cannot be opened.
+    pub fn append(path: &Path) -> Result<Self, MetricsError> {
+        create_parent(path)?;
+        let file = File::options()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| MetricsError::Write {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        })
+    }
+
+    /// Writes `metrics` as one line.
+    ///
+    /// # Errors
+    /// [`MetricsError::Write`].
+    pub fn write(&mut self, metrics: &StepMetrics) -> Result<(), MetricsError> {
+        let wrap = |source| MetricsError::Write {
+            path: self.path.clone(),
+            source,
+        };
+        writeln!(self.out, "{}", metrics.to_json()).map_err(wrap)?;
+        self.out.flush().map_err(wrap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_json_has_exactly_the_documented_keys_and_every_phase() {
+        let mut m = StepMetrics {
+            step: 3,
+            reward_mean: 0.25,
+            reward_std: 0.5,
+            loss: 1.5,
+            ..StepMetrics::default()
+        };
+        m.add(Phase::OffloadRollout, 0.5, 4096);
+        m.add(Phase::Sync, 0.25, 1024);
+        m.boundary("step_start".into(), 10);
+        m.boundary("after_generate".into(), 30);
+        m.boundary("after_offload_rollout".into(), 5);
+        let v = m.to_json();
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            [
+                "bytes_moved",
+                "device_memory_bytes",
+                "loss",
+                "peak_device_memory_bytes",
+                "phase_seconds",
+                "reward_mean",
+                "reward_std",
+                "step"
+            ]
+        );
+        for phase in Phase::ALL {
+            assert!(v["phase_seconds"][phase.name()].is_number(), "{phase:?}");
+            assert!(v["bytes_moved"][phase.name()].is_u64(), "{phase:?}");
+        }
+        assert_eq!(v["bytes_moved"]["offload_rollout"], 4096);
+        assert_eq!(v["phase_seconds"]["sync"], 0.25);
+        assert_eq!(v["device_memory_bytes"]["after_generate"], 30);
+        assert_eq!(v["peak_device_memory_bytes"], 30);
+        assert_eq!(v["step"], 3);
+    }
+
+    #[test]
+    fn writer_appends_one_parseable_line_per_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("new").join("m.jsonl");
+        for step in 1..=2 {
+            let mut w = MetricsWriter::append(&path).unwrap();
+            w.write(&StepMetrics {
+                step,
+                ..StepMetrics::default()
+            })
+            .unwrap();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let steps: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(steps, [1, 2]);
+    }
+}

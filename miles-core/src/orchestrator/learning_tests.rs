@@ -1,0 +1,340 @@
+//! The loop and the language-model critic on the real model: a single-rank training backend
+//! over [`Trainer`] and an engine that samples from the model's logits. They show that tasks,
+//! rewards, advantages and batches fit together into learning, before the real backends and
+//! engine are wired.
+
+use std::path::Path;
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::backend::{
+    BackendError, Batch, NamedTensor, OffloadStats, StepStats, TrainBackend, WeightBucket,
+    WeightSink,
+};
+use crate::config::{AdvantageEstimator, OffloadTarget, Task};
+use crate::memory::{MemoryTag, OffloadReport};
+use crate::model::{ByteTokenizer, LlamaConfig, TrainBatch, Trainer, Transformer, init_params};
+use crate::ops::AdamWConfig;
+
+fn tiny() -> LlamaConfig {
+    LlamaConfig::preset("tiny").unwrap()
+}
+
+fn init(seed: u64) -> Vec<f32> {
+    let config = tiny();
+    let model = Transformer::new(config.clone());
+    let mut params = vec![0.0; model.layout().len()];
+    init_params(model.layout(), &config, seed, &mut params).unwrap();
+    params
+}
+
+/// One rank, `Vec` buffers, no memory regions: it has nothing to offload.
+struct ModelActor {
+    config: LlamaConfig,
+    trainer: Trainer,
+    step: u64,
+}
+
+impl ModelActor {
+    fn new(seed: u64, lr: f32) -> Self {
+        let adamw = AdamWConfig {
+            lr,
+            ..AdamWConfig::default()
+        };
+        Self {
+            config: tiny(),
+            trainer: Trainer::new(Transformer::new(tiny()), init(seed), adamw).unwrap(),
+            step: 0,
+        }
+    }
+}
+
+fn unsupported(what: &str) -> BackendError {
+    BackendError::Settings {
+        backend: "test-model",
+        reason: format!("{what} is not part of this test backend"),
+    }
+}
+
+impl TrainBackend for ModelActor {
+    fn name(&self) -> &'static str {
+        "test-model"
+    }
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+    fn step(&self) -> u64 {
+        self.step
+    }
+    fn is_offloaded(&self) -> bool {
+        false
+    }
+    fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
+        batch.check(1)?;
+        let report = self.trainer.train_step(&batch.view())?;
+        self.step += 1;
+        Ok(StepStats {
+            step: self.step,
+            loss: report.loss,
+            grad_norm: 0.0,
+            tokens: (batch.batch * batch.seq) as u64,
+            seconds: 0.0,
+        })
+    }
+    fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {
+        let mut logprobs = Vec::new();
+        let loss = self.trainer.evaluate(&batch.view(), &mut logprobs)?;
+        Ok((logprobs, loss))
+    }
+    fn offload(&mut self, _: OffloadTarget) -> Result<OffloadStats, BackendError> {
+        Err(unsupported("offload"))
+    }
+    fn onload(&mut self) -> Result<OffloadStats, BackendError> {
+        Err(unsupported("onload"))
+    }
+    fn export_weights(
+        &mut self,
+        _bucket_bytes: usize,
+        sink: &mut WeightSink<'_>,
+    ) -> Result<(), BackendError> {
+        let params = &self.trainer.buffers().params;
+        let tensors = self
+            .trainer
+            .model()
+            .layout()
+            .specs()
+            .iter()
+            .map(|spec| NamedTensor {
+                name: spec.name.clone(),
+                shape: spec.shape.clone(),
+                data: params[spec.range()].to_vec(),
+            })
+            .collect();
+        sink(WeightBucket { tensors })
+    }
+    fn save(&mut self, _: &Path) -> Result<(), BackendError> {
+        Err(unsupported("save"))
+    }
+    fn load(&mut self, _: &Path) -> Result<(), BackendError> {
+        Err(unsupported("load"))
+    }
+}
+
+/// Samples token by token from a full forward pass of each sequence.
+struct ModelEngine {
+    model: Transformer,
+    params: Vec<f32>,
+}
+
+impl ModelEngine {
+    fn next_logits(&self, ids: &[u32]) -> Vec<f32> {
+        let t = ids.len();
+        let al = self.model.activation_layout(1, t).unwrap();
+        let mut acts = vec![0.0; al.len()];
+        let weights = vec![0.0; t];
+        let batch = TrainBatch {
+            batch: 1,
+            seq: t,
+            inputs: ids,
+            targets: ids,
+            weights: &weights,
+            normaliser: 1.0,
+        };
+        self.model
+            .forward(&self.params, &mut acts, &al, &batch)
+            .unwrap();
+        let v = self.model.config().vocab_size;
+        Transformer::logits(&al, &acts)[(t - 1) * v..t * v].to_vec()
+    }
+}
+
+impl RolloutEngine for ModelEngine {
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        n: usize,
+        sampling: &Sampling,
+    ) -> Result<Vec<Vec<Sample>>, EngineError> {
+        Ok(prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| {
+                (0..n)
+                    .map(|j| {
+                        let mut rng = ChaCha8Rng::seed_from_u64(
+                            sampling.seed ^ ((i as u64) << 20 | j as u64),
+                        );
+                        let mut ids = prompt.clone();
+                        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+                        while tokens.len() < sampling.max_new_tokens
+                            && !tokens
+                                .last()
+                                .is_some_and(|t| sampling.stop_tokens.contains(t))
+                        {
+                            let logits = self.next_logits(&ids);
+                            let top = logits.iter().copied().fold(f32::MIN, f32::max);
+                            let p: Vec<f64> = logits
+                                .iter()
+                                .map(|&l| f64::from((l - top) / sampling.temperature).exp())
+                                .collect();
+                            let total: f64 = p.iter().sum();
+                            let mut u = rng.random_range(0.0..total);
+                            let pick = p.iter().position(|&q| {
+                                u -= q;
+                                u < 0.0
+                            });
+                            let pick = pick.unwrap_or(p.len() - 1);
+                            tokens.push(pick as u32);
+                            logprobs.push((p[pick] / total).ln() as f32);
+                            ids.push(pick as u32);
+                        }
+                        let stopped = tokens
+                            .last()
+                            .is_some_and(|t| sampling.stop_tokens.contains(t));
+                        Sample {
+                            tokens,
+                            logprobs,
+                            stopped,
+                        }
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+    fn flush_cache(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
+    fn offload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn offload_weights(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn onload_weights(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn onload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        Ok(Vec::new())
+    }
+    fn update_weights(&mut self, bucket: &WeightBucket) -> Result<(), EngineError> {
+        let layout = self.model.layout().clone();
+        for tensor in &bucket.tensors {
+            let spec = layout
+                .specs()
+                .iter()
+                .find(|s| s.name == tensor.name)
+                .unwrap_or_else(|| panic!("unknown tensor {}", tensor.name));
+            self.params[spec.range()].copy_from_slice(&tensor.data);
+        }
+        Ok(())
+    }
+    fn resident_bytes(&self) -> Vec<(MemoryTag, u64)> {
+        vec![(MemoryTag::Weights, self.params.len() as u64 * 4)]
+    }
+}
+
+fn tokenizer() -> ByteTokenizer {
+    ByteTokenizer::from_config(&tiny()).unwrap()
+}
+
+/// Offloads off (this backend has no memory regions), 16 prompts x 8 samples per step, one
+/// optimizer step per rollout, a supervised start of 24 steps (the recipe of
+/// `examples/colocate-cpu.toml`).
+fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfig {
+    LoopConfig {
+        steps,
+        rollout_batch_size: 16,
+        n_samples_per_prompt: 8,
+        global_batch_size: 128,
+        seed: 42,
+        task: Task::Repeat,
+        sft_warmup_steps: 24,
+        temperature: 1.0,
+        offload_train: false,
+        offload_train_target: OffloadTarget::Cpu,
+        offload_rollout: false,
+        offload_kv: false,
+        offload_weights: false,
+        bucket_bytes: 1 << 20,
+        export_while_offloaded: false,
+        advantage_estimator,
+        save: None,
+        save_interval: None,
+        load: None,
+        metrics: None,
+        memory_timeline: None,
+    }
+}
+
+fn engine() -> ModelEngine {
+    let model = Transformer::new(tiny());
+    let params = vec![0.0; model.layout().len()];
+    ModelEngine { model, params }
+}
+
+#[test]
+fn grpo_raises_the_mean_reward_on_the_repeat_task() {
+    let mut o = Orchestrator::new(
+        repeat_task(12, AdvantageEstimator::Grpo),
+        Box::new(ModelActor::new(1, 5e-3)),
+        Box::new(engine()),
+        tokenizer(),
+    );
+    let summary = o.run(&mut |_| {}).unwrap();
+    let r = &summary.reward_means;
+    let start = r[0];
+    let end = r[r.len() - 3..].iter().sum::<f32>() / 3.0;
+    println!("mean reward per step: {r:?}");
+    assert!(
+        end > start + 0.1,
+        "reward {start} -> {end} (needs +0.1): {r:?}"
+    );
+}
+
+#[test]
+fn lm_critic_values_move_to_their_targets() {
+    let mut critic = LmCritic::new(Box::new(ModelActor::new(5, 1e-2)), tokenizer().pad);
+    let t = tokenizer();
+    let prompts: Vec<Vec<u32>> = ["r1=", "r2=", "r3="]
+        .iter()
+        .map(|p| t.encode(p, true))
+        .collect();
+    let targets = [0.9, 0.1, 0.5];
+    let before = critic.values(&prompts).unwrap();
+    for _ in 0..60 {
+        critic.train_values(&prompts, &targets).unwrap();
+    }
+    let after = critic.values(&prompts).unwrap();
+    let worst = after
+        .iter()
+        .zip(&targets)
+        .map(|(a, t)| (a - t).abs())
+        .fold(0.0f32, f32::max);
+    println!("values before {before:?}, after {after:?}");
+    assert!(
+        worst < 0.1,
+        "worst difference {worst} (tolerance 0.1): {after:?}"
+    );
+    assert!(critic.train_values(&prompts, &targets[..2]).is_err());
+}
+
+#[test]
+fn ppo_with_the_lm_critic_trains_on_the_model() {
+    let critic = LmCritic::new(Box::new(ModelActor::new(9, 1e-2)), tokenizer().pad);
+    let mut o = Orchestrator::new(
+        repeat_task(3, AdvantageEstimator::Ppo),
+        Box::new(ModelActor::new(1, 1e-2)),
+        Box::new(engine()),
+        tokenizer(),
+    )
+    .with_critic(Box::new(critic));
+    let mut losses = Vec::new();
+    let summary = o.run(&mut |m| losses.push(m.loss)).unwrap();
+    assert_eq!(summary.steps, 3);
+    assert!(
+        losses.iter().all(|l| l.is_finite() && *l != 0.0),
+        "{losses:?}"
+    );
+}

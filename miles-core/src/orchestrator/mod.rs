@@ -1,0 +1,34 @@
+//! The colocated RL loop (DESIGN section 8): rollout on an inference engine, rewards from a
+//! verifiable task, advantages, training on a backend, and the offload sequence that lets both
+//! share the devices.
+//!
+//! Start: the engine releases all its memory; the trainer (after an optional supervised
+//! warm-up) goes to sleep; the engine's weights come back; weights sync from the trainer; the KV
+//! cache comes back. Each step: generate; offload the rollout (per level); the trainer wakes and
+//! trains (actor, and critic under PPO); save if due; the trainer offloads to its target; the
+//! engine's weights come back; weight sync in buckets; the KV cache comes back. Every offload
+//! and onload happens only when its switch is on.
+
+mod advantage;
+mod batch;
+mod critic;
+mod engine;
+mod error;
+#[cfg(test)]
+mod learning_tests;
+mod probe;
+mod run;
+mod state;
+mod task;
+#[cfg(test)]
+mod tests;
+
+pub use advantage::{Critic, GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
+pub use batch::{Sequence, build_batch};
+pub use critic::LmCritic;
+pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
+pub use error::OrchestratorError;
+pub use probe::{ManagerProbe, MemoryProbe, ReportedMemory};
+pub use run::{LoopConfig, Orchestrator, RunSummary};
+pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
+pub use task::{Problem, ProblemSource, Stream, stream_seed};

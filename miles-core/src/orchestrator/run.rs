@@ -1,0 +1,762 @@
+//! The colocated RL loop of DESIGN section 8, phase by phase.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use crate::backend::{BackendError, TrainBackend, WeightBucket};
+use crate::config::{AdvantageEstimator, OffloadTarget, RolloutOffloadLevel, Settings, Task};
+use crate::memory::OffloadReport;
+use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, TimelineSample};
+use crate::model::ByteTokenizer;
+
+use super::OrchestratorError;
+use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
+use super::batch::{Sequence, build_batch};
+use super::engine::{EngineError, RolloutEngine, Sample, Sampling};
+use super::probe::{MemoryProbe, ReportedMemory};
+use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
+use super::task::{Problem, ProblemSource, Stream, stream_seed};
+
+/// What the loop runs: the part of [`Settings`] it reads, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoopConfig {
+    /// RL steps to reach (a resumed run continues to this count).
+    pub steps: u64,
+    /// Prompts per rollout.
+    pub rollout_batch_size: usize,
+    /// Samples per prompt.
+    pub n_samples_per_prompt: usize,
+    /// Samples per optimizer step.
+    pub global_batch_size: usize,
+    /// Seed of prompts and sampling.
+    pub seed: u64,
+    /// The task.
+    pub task: Task,
+    /// Supervised warm-up steps before the first RL step.
+    pub sft_warmup_steps: u64,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Training tensors leave the device between steps.
+    pub offload_train: bool,
+    /// Where they go.
+    pub offload_train_target: OffloadTarget,
+    /// Rollout tensors leave the device between rollouts (the engine releases all at start).
+    pub offload_rollout: bool,
+    /// The KV cache leaves after each rollout.
+    pub offload_kv: bool,
+    /// The engine's weights leave after each rollout.
+    pub offload_weights: bool,
+    /// Bytes per bucket of the weight sync.
+    pub bucket_bytes: usize,
+    /// The actor can export its weights while offloaded (from its host backup): the sync then
+    /// runs after the trainer sleeps, as DESIGN section 8 orders, and the weights cross the host
+    /// link once per step. Off: the weights are exported into host memory just before the
+    /// trainer offloads, and sent from there.
+    pub export_while_offloaded: bool,
+    /// How advantages are estimated.
+    pub advantage_estimator: AdvantageEstimator,
+    /// Checkpoint directory to save to.
+    pub save: Option<PathBuf>,
+    /// Save every this many steps (and after the last).
+    pub save_interval: Option<u64>,
+    /// Checkpoint directory to start from.
+    pub load: Option<PathBuf>,
+    /// JSON-lines metrics file.
+    pub metrics: Option<PathBuf>,
+    /// SVG memory timeline file.
+    pub memory_timeline: Option<PathBuf>,
+}
+
+impl LoopConfig {
+    /// The loop settings of a run (the settings were checked when resolved).
+    pub fn from_settings(s: &Settings) -> Self {
+        if s.offload_rollout
+            && s.offload_rollout_level
+                .contains(&RolloutOffloadLevel::CudaGraph)
+        {
+            tracing::info!(
+                "offload level cuda_graph: the rollout engine captures no graphs, nothing to move"
+            );
+        }
+        let level = |l| s.offload_rollout && s.offload_rollout_level.contains(&l);
+        Self {
+            steps: s.steps,
+            rollout_batch_size: s.rollout_batch_size,
+            n_samples_per_prompt: s.n_samples_per_prompt,
+            global_batch_size: s.global_batch_size,
+            seed: s.seed,
+            task: s.task,
+            sft_warmup_steps: s.sft_warmup_steps,
+            temperature: s.rollout_temperature as f32,
+            offload_train: s.offload_train,
+            offload_train_target: s.offload_train_target,
+            offload_rollout: s.offload_rollout,
+            offload_kv: level(RolloutOffloadLevel::KvCache),
+            offload_weights: level(RolloutOffloadLevel::Weight),
+            bucket_bytes: usize::try_from(s.update_weight_buffer_size).unwrap_or(usize::MAX),
+            export_while_offloaded: false,
+            advantage_estimator: s.advantage_estimator,
+            save: s.save.clone(),
+            save_interval: s.save_interval,
+            load: s.load.clone(),
+            metrics: s.metrics.clone(),
+            memory_timeline: s.memory_timeline.clone(),
+        }
+    }
+}
+
+/// How a run ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSummary {
+    /// RL steps finished, counting those of the run it resumed.
+    pub steps: u64,
+    /// Whether the stop flag (Ctrl-C) ended it early.
+    pub interrupted: bool,
+    /// Mean reward of every finished step, in order.
+    pub reward_means: Vec<f32>,
+}
+
+/// One rollout: problems, prompts and samples, and the rewards by prompt then sample.
+struct Rollout {
+    problems: Vec<Problem>,
+    prompts: Vec<Vec<u32>>,
+    samples: Vec<Vec<Sample>>,
+    rewards: Vec<f32>,
+}
+
+/// Whether the loop goes on after a phase.
+enum Next {
+    Continue,
+    Stop,
+}
+
+/// The colocated RL loop: drives a training backend (the actor, and a critic under PPO) and a
+/// rollout engine in the order of DESIGN section 8, honouring every offload switch.
+pub struct Orchestrator {
+    config: LoopConfig,
+    actor: Box<dyn TrainBackend>,
+    actor_memory: Option<Box<dyn MemoryProbe>>,
+    /// The actor's memory from its reports, where no probe is given.
+    actor_reported: ReportedMemory,
+    critic: Option<(Box<dyn Critic>, ReportedMemory)>,
+    engine: Box<dyn RolloutEngine>,
+    tokenizer: ByteTokenizer,
+    problems: ProblemSource,
+    stop: Arc<AtomicBool>,
+    state: LoopState,
+    timeline: MemoryTimeline,
+    started: Instant,
+    /// Weights exported before the trainer slept, for the coming sync.
+    staged: Option<Vec<WeightBucket>>,
+    kv_offloaded: bool,
+    weights_offloaded: bool,
+    /// Seconds the last weight export before an offload took.
+    export_seconds: f64,
+}
+
+impl Orchestrator {
+    /// A loop over `actor` and `engine`; the tokenizer formats prompts and answers. Nothing
+    /// runs until [`run`](Self::run).
+    ///
+    /// Device memory in the metrics is what the tags of engine, actor and critic hold: the
+    /// engine's as it reports them, the actor's through
+    /// [`with_actor_memory`](Self::with_actor_memory) when given a probe, else (like the
+    /// critic's) as their offload and onload reports tell.
+    pub fn new(
+        config: LoopConfig,
+        actor: Box<dyn TrainBackend>,
+        engine: Box<dyn RolloutEngine>,
+        tokenizer: ByteTokenizer,
+    ) -> Self {
+        let problems = ProblemSource::new(config.task, config.seed);
+        let state = LoopState {
+            seed: config.seed,
+            task: Some(config.task),
+            ..LoopState::default()
+        };
+        Self {
+            config,
+            actor,
+            actor_memory: None,
+            actor_reported: ReportedMemory::default(),
+            critic: None,
+            engine,
+            tokenizer,
+            problems,
+            stop: Arc::new(AtomicBool::new(false)),
+            state,
+            timeline: MemoryTimeline::default(),
+            started: Instant::now(),
+            staged: None,
+            kv_offloaded: false,
+            weights_offloaded: false,
+            export_seconds: 0.0,
+        }
+    }
+
+    /// Probes the actor's device memory with `memory` (a [`ManagerProbe`](super::ManagerProbe)
+    /// of its ranks' memory managers, say).
+    pub fn with_actor_memory(mut self, memory: Box<dyn MemoryProbe>) -> Self {
+        self.actor_memory = Some(memory);
+        self
+    }
+
+    /// Adds the PPO critic, trained and offloaded alongside the actor.
+    pub fn with_critic(mut self, critic: Box<dyn Critic>) -> Self {
+        self.critic = Some((critic, ReportedMemory::default()));
+        self
+    }
+
+    /// Uses `flag` as the stop flag (one a Ctrl-C handler already sets).
+    pub fn with_stop_flag(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.stop = flag;
+        self
+    }
+
+    /// The flag that stops the loop after the phase in progress (set it from a Ctrl-C handler).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.stop)
+    }
+
+    /// Where the loop stands.
+    pub fn state(&self) -> &LoopState {
+        &self.state
+    }
+
+    /// Device memory per tag at every phase boundary so far.
+    pub fn timeline(&self) -> &MemoryTimeline {
+        &self.timeline
+    }
+
+    /// Runs the start sequence, then RL steps until `config.steps`; calls `on_step` after each
+    /// step with its metrics. Writes the memory timeline at the end, also when stopped.
+    ///
+    /// # Errors
+    /// [`OrchestratorError`] naming the phase that failed; the metrics of finished steps are
+    /// already written.
+    pub fn run(
+        &mut self,
+        on_step: &mut dyn FnMut(&StepMetrics),
+    ) -> Result<RunSummary, OrchestratorError> {
+        if self.config.advantage_estimator == AdvantageEstimator::Ppo && self.critic.is_none() {
+            return Err(OrchestratorError::Settings(
+                "--advantage-estimator ppo needs a critic; build one or use grpo".into(),
+            ));
+        }
+        self.started = Instant::now();
+        if let Some(dir) = self.config.load.clone() {
+            self.load(&dir)?;
+        }
+        let mut writer = self
+            .config
+            .metrics
+            .as_deref()
+            .map(MetricsWriter::append)
+            .transpose()?;
+        let mut interrupted = matches!(self.start()?, Next::Stop);
+        while !interrupted && self.state.step < self.config.steps {
+            let step = self.state.step + 1;
+            match self.step(step)? {
+                Some(metrics) => {
+                    if let Some(w) = writer.as_mut() {
+                        w.write(&metrics)?;
+                    }
+                    on_step(&metrics);
+                }
+                None => interrupted = true,
+            }
+        }
+        if let Some(path) = &self.config.memory_timeline {
+            self.timeline.write_svg(path)?;
+        }
+        if interrupted {
+            tracing::warn!(step = self.state.step, "stopped on request after a phase");
+        }
+        Ok(RunSummary {
+            steps: self.state.step,
+            interrupted,
+            reward_means: self.state.reward_means.clone(),
+        })
+    }
+
+    fn stopped(&self) -> Next {
+        if self.stop.load(Ordering::SeqCst) {
+            Next::Stop
+        } else {
+            Next::Continue
+        }
+    }
+
+    /// Start: the engine releases all its memory; the trainer (after any supervised warm-up)
+    /// sleeps; the engine's weights come back; weights sync; the KV cache comes back.
+    fn start(&mut self) -> Result<Next, OrchestratorError> {
+        self.sample_memory("start".into());
+        if self.config.offload_rollout {
+            self.engine.flush_cache()?;
+            self.engine.offload_kv()?;
+            self.engine.offload_weights()?;
+            (self.kv_offloaded, self.weights_offloaded) = (true, true);
+            self.sample_memory("start after engine release".into());
+        }
+        while self.state.warmup_steps < self.config.sft_warmup_steps {
+            if let Next::Stop = self.stopped() {
+                return Ok(Next::Stop);
+            }
+            self.warmup_step()?;
+        }
+        let mut ignored = StepMetrics::default();
+        if self.config.offload_train {
+            self.offload_train()?;
+            // The start sequence keeps no phase timings.
+            self.export_seconds = 0.0;
+            self.sample_memory("start after trainer sleep".into());
+        }
+        for phase in [Phase::OnloadWeights, Phase::Sync, Phase::OnloadKv] {
+            if let Next::Stop = self.stopped() {
+                return Ok(Next::Stop);
+            }
+            self.run_phase(phase, &mut ignored, None)?;
+            self.sample_memory(format!("start after_{}", phase.name()));
+        }
+        Ok(self.stopped())
+    }
+
+    /// One RL step; `None` when the stop flag ended it after a phase.
+    fn step(&mut self, step: u64) -> Result<Option<StepMetrics>, OrchestratorError> {
+        let mut metrics = StepMetrics {
+            step,
+            ..StepMetrics::default()
+        };
+        let total = self.sample_memory(format!("step {step} step_start"));
+        metrics.boundary("step_start".into(), total);
+        let mut rollout = None;
+        for phase in Phase::ALL {
+            let started = Instant::now();
+            let bytes = match phase {
+                Phase::Generate => {
+                    rollout = Some(self.generate(step)?);
+                    0
+                }
+                _ => self.run_phase(phase, &mut metrics, rollout.as_ref())?,
+            };
+            // Exporting the weights before the trainer sleeps belongs to the sync.
+            let export = std::mem::take(&mut self.export_seconds);
+            metrics.add(phase, started.elapsed().as_secs_f64() - export, bytes);
+            metrics.add(Phase::Sync, export, 0);
+            let total = self.sample_memory(format!("step {step} after_{}", phase.name()));
+            metrics.boundary(format!("after_{}", phase.name()), total);
+            if phase == Phase::Generate
+                && let Some(r) = &rollout
+            {
+                (metrics.reward_mean, metrics.reward_std) = mean_std(&r.rewards);
+            }
+            if let Next::Stop = self.stopped() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(metrics))
+    }
+
+    /// Runs one phase other than generation; returns the bytes it moved.
+    fn run_phase(
+        &mut self,
+        phase: Phase,
+        metrics: &mut StepMetrics,
+        rollout: Option<&Rollout>,
+    ) -> Result<u64, OrchestratorError> {
+        let c = &self.config;
+        Ok(match phase {
+            Phase::Generate => 0,
+            Phase::OffloadRollout => {
+                let mut reports = Vec::new();
+                if c.offload_kv {
+                    self.engine.flush_cache()?;
+                    reports.extend(self.engine.offload_kv()?);
+                    self.kv_offloaded = true;
+                }
+                if c.offload_weights {
+                    reports.extend(self.engine.offload_weights()?);
+                    self.weights_offloaded = true;
+                }
+                report_bytes(&reports)
+            }
+            Phase::OnloadTrain => self.onload_train()?,
+            Phase::Train => {
+                if let Some(rollout) = rollout {
+                    metrics.loss = self.train(rollout)?;
+                    self.state.step = metrics.step;
+                    self.state.reward_means.push(metrics.reward_mean);
+                }
+                0
+            }
+            Phase::Save => {
+                if self.save_due(metrics.step) {
+                    self.save()?;
+                }
+                0
+            }
+            Phase::OffloadTrain => {
+                if c.offload_train {
+                    self.offload_train()?
+                } else {
+                    0
+                }
+            }
+            Phase::OnloadWeights => {
+                if self.weights_offloaded {
+                    let reports = self.engine.onload_weights()?;
+                    self.weights_offloaded = false;
+                    report_bytes(&reports)
+                } else {
+                    0
+                }
+            }
+            Phase::Sync => self.sync()?,
+            Phase::OnloadKv => {
+                if self.kv_offloaded {
+                    let reports = self.engine.onload_kv()?;
+                    self.kv_offloaded = false;
+                    report_bytes(&reports)
+                } else {
+                    0
+                }
+            }
+        })
+    }
+
+    fn generate(&mut self, step: u64) -> Result<Rollout, OrchestratorError> {
+        let c = &self.config;
+        let problems = self
+            .problems
+            .problems(Stream::Rollout, step, c.rollout_batch_size);
+        let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt(&self.tokenizer)).collect();
+        let sampling = Sampling {
+            temperature: c.temperature,
+            top_p: 1.0,
+            max_new_tokens: self.problems.max_answer_tokens(),
+            stop_tokens: vec![self.tokenizer.eos],
+            seed: stream_seed(c.seed, Stream::Sampling, step),
+        };
+        let n = c.n_samples_per_prompt;
+        let samples = self.engine.generate(&prompts, n, &sampling)?;
+        if samples.len() != prompts.len() || samples.iter().any(|s| s.len() != n) {
+            return Err(OrchestratorError::Rollout {
+                got: format!(
+                    "{} groups of sizes {:?}",
+                    samples.len(),
+                    samples.iter().map(Vec::len).collect::<Vec<_>>()
+                ),
+                expected: format!("{} prompts x {n} samples", prompts.len()),
+            });
+        }
+        let rewards = problems
+            .iter()
+            .zip(&samples)
+            .flat_map(|(p, group)| group.iter().map(|s| p.reward(&s.tokens, &self.tokenizer)))
+            .collect();
+        Ok(Rollout {
+            problems,
+            prompts,
+            samples,
+            rewards,
+        })
+    }
+
+    /// Advantages, then the actor's optimizer steps over the rollout in global batches (and the
+    /// critic's value regression under PPO); returns the actor's mean loss.
+    fn train(&mut self, rollout: &Rollout) -> Result<f32, OrchestratorError> {
+        let n = self.config.n_samples_per_prompt;
+        let advantages = match (&mut self.critic, self.config.advantage_estimator) {
+            (Some((critic, _)), AdvantageEstimator::Ppo) => {
+                let values = critic
+                    .values(&rollout.prompts)
+                    .map_err(OrchestratorError::train("critic", "compute values"))?;
+                ppo_advantages(&rollout.rewards, &values, n)
+            }
+            _ => grpo_advantages(&rollout.rewards, n),
+        };
+        let sequences: Vec<Sequence<'_>> = rollout
+            .prompts
+            .iter()
+            .zip(&rollout.samples)
+            .flat_map(|(prompt, group)| group.iter().map(move |s| (prompt, s)))
+            .zip(&advantages)
+            .map(|((prompt, sample), &weight)| Sequence {
+                prompt,
+                continuation: &sample.tokens,
+                weight,
+            })
+            .collect();
+        let mut losses = Vec::new();
+        for chunk in sequences.chunks(self.config.global_batch_size.max(1)) {
+            let batch = build_batch(chunk, self.tokenizer.pad);
+            let stats = self
+                .actor
+                .train_step(&batch)
+                .map_err(OrchestratorError::train("actor", "train"))?;
+            losses.push(stats.loss);
+        }
+        if let Some((critic, _)) = &mut self.critic {
+            let prompts: Vec<Vec<u32>> = rollout
+                .prompts
+                .iter()
+                .flat_map(|p| std::iter::repeat_n(p.clone(), n))
+                .collect();
+            let loss = critic
+                .train_values(&prompts, &rollout.rewards)
+                .map_err(OrchestratorError::train("critic", "train"))?;
+            tracing::debug!(loss, "critic value regression");
+        }
+        tracing::debug!(problems = rollout.problems.len(), "trained on the rollout");
+        Ok(mean_std(&losses).0)
+    }
+
+    /// One supervised step on correct answers of fresh problems.
+    fn warmup_step(&mut self) -> Result<(), OrchestratorError> {
+        let index = self.state.warmup_steps + 1;
+        let problems =
+            self.problems
+                .problems(Stream::Warmup, index, self.config.global_batch_size.max(1));
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> = problems
+            .iter()
+            .map(|p| (p.prompt(&self.tokenizer), p.answer_tokens(&self.tokenizer)))
+            .collect();
+        let sequences: Vec<Sequence<'_>> = pairs
+            .iter()
+            .map(|(prompt, answer)| Sequence {
+                prompt,
+                continuation: answer,
+                weight: 1.0,
+            })
+            .collect();
+        let stats = self
+            .actor
+            .train_step(&build_batch(&sequences, self.tokenizer.pad))
+            .map_err(OrchestratorError::train("actor", "run a warm-up step"))?;
+        self.state.warmup_steps = index;
+        tracing::info!(step = index, loss = stats.loss, "supervised warm-up");
+        Ok(())
+    }
+
+    fn onload_train(&mut self) -> Result<u64, OrchestratorError> {
+        let mut bytes = 0;
+        if self.actor.is_offloaded() {
+            let stats = self
+                .actor
+                .onload()
+                .map_err(OrchestratorError::train("actor", "onload"))?;
+            self.actor_reported.record(&stats, true);
+            bytes += stats.bytes();
+        }
+        if let Some((critic, reported)) = &mut self.critic
+            && critic.is_offloaded()
+        {
+            let stats = critic
+                .onload()
+                .map_err(OrchestratorError::train("critic", "onload"))?;
+            reported.record(&stats, true);
+            bytes += stats.bytes();
+        }
+        Ok(bytes)
+    }
+
+    /// Stages the weights for the coming sync unless the actor exports while offloaded, then
+    /// offloads actor and critic to the target.
+    fn offload_train(&mut self) -> Result<u64, OrchestratorError> {
+        if !self.config.export_while_offloaded {
+            let started = Instant::now();
+            let mut staged = Vec::new();
+            self.actor
+                .export_weights(self.config.bucket_bytes, &mut |bucket| {
+                    staged.push(bucket);
+                    Ok(())
+                })
+                .map_err(OrchestratorError::train("actor", "export weights"))?;
+            self.staged = Some(staged);
+            self.export_seconds = started.elapsed().as_secs_f64();
+        }
+        let target = self.config.offload_train_target;
+        let stats = self
+            .actor
+            .offload(target)
+            .map_err(OrchestratorError::train("actor", "offload"))?;
+        self.actor_reported.record(&stats, false);
+        let mut bytes = stats.bytes();
+        if let Some((critic, reported)) = &mut self.critic {
+            let stats = critic
+                .offload(target)
+                .map_err(OrchestratorError::train("critic", "offload"))?;
+            reported.record(&stats, false);
+            bytes += stats.bytes();
+        }
+        Ok(bytes)
+    }
+
+    /// Sends the trainer's weights to the engine in buckets: the staged ones when the trainer
+    /// is asleep, else straight from the trainer.
+    fn sync(&mut self) -> Result<u64, OrchestratorError> {
+        let mut bytes = 0u64;
+        if let Some(staged) = self.staged.take() {
+            for bucket in staged {
+                self.engine.update_weights(&bucket)?;
+                bytes += bucket.bytes() as u64;
+            }
+            return Ok(bytes);
+        }
+        let engine = &mut self.engine;
+        let mut failure: Option<EngineError> = None;
+        let exported = self
+            .actor
+            .export_weights(self.config.bucket_bytes, &mut |bucket| match engine
+                .update_weights(&bucket)
+            {
+                Ok(()) => {
+                    bytes += bucket.bytes() as u64;
+                    Ok(())
+                }
+                Err(error) => {
+                    let message = error.to_string();
+                    failure = Some(error);
+                    Err(BackendError::Sink(message))
+                }
+            });
+        if let Some(error) = failure {
+            return Err(error.into());
+        }
+        exported.map_err(OrchestratorError::train("actor", "export weights"))?;
+        Ok(bytes)
+    }
+
+    fn save_due(&self, step: u64) -> bool {
+        self.config.save.is_some()
+            && (step == self.config.steps
+                || self
+                    .config
+                    .save_interval
+                    .is_some_and(|every| step.is_multiple_of(every)))
+    }
+
+    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest.
+    fn save(&mut self) -> Result<(), OrchestratorError> {
+        let Some(save) = self.config.save.clone() else {
+            return Ok(());
+        };
+        let dir = step_dir(&save, self.state.step);
+        let create = |path: &Path| {
+            std::fs::create_dir_all(path).map_err(|source| OrchestratorError::Io {
+                action: "create",
+                path: path.to_path_buf(),
+                source,
+            })
+        };
+        create(&dir.join("actor"))?;
+        self.actor
+            .save(&dir.join("actor"))
+            .map_err(OrchestratorError::train("actor", "save"))?;
+        if let Some((critic, _)) = &mut self.critic {
+            create(&dir.join("critic"))?;
+            critic
+                .save(&dir.join("critic"))
+                .map_err(OrchestratorError::train("critic", "save"))?;
+        }
+        self.state.write(&dir)?;
+        mark_latest(&save, &dir)?;
+        tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
+        Ok(())
+    }
+
+    /// Restores actor, critic and loop state from a `--save` directory or one checkpoint of it;
+    /// a directory without loop state is a plain weights checkpoint and starts at step 0.
+    fn load(&mut self, dir: &Path) -> Result<(), OrchestratorError> {
+        let dir = resolve_checkpoint(dir)?;
+        if !dir.join(super::state::STATE_FILE).exists() {
+            tracing::info!(dir = %dir.display(), "initial weights from a checkpoint without loop state");
+            return self
+                .actor
+                .load(&dir)
+                .map_err(OrchestratorError::train("actor", "load"));
+        }
+        let state = LoopState::read(&dir)?;
+        if state.seed != self.config.seed || state.task != Some(self.config.task) {
+            tracing::warn!(
+                saved_seed = state.seed,
+                seed = self.config.seed,
+                "resuming with another seed or task than the checkpoint's: the run will not repeat the original"
+            );
+        }
+        self.actor
+            .load(&dir.join("actor"))
+            .map_err(OrchestratorError::train("actor", "load"))?;
+        if let Some((critic, _)) = &mut self.critic {
+            critic
+                .load(&dir.join("critic"))
+                .map_err(OrchestratorError::train("critic", "load"))?;
+        }
+        self.state = LoopState {
+            seed: self.config.seed,
+            task: Some(self.config.task),
+            ..state
+        };
+        tracing::info!(dir = %dir.display(), step = self.state.step, "resumed");
+        Ok(())
+    }
+
+    /// Records device memory per tag at a boundary; returns the total in use.
+    fn sample_memory(&mut self, label: String) -> u64 {
+        let mut tags: Vec<(String, u64)> = Vec::new();
+        let mut add = |owner: &str, list: Vec<(crate::memory::MemoryTag, u64)>| {
+            tags.extend(
+                list.into_iter()
+                    .map(|(tag, bytes)| (format!("{owner}/{tag}"), bytes)),
+            );
+        };
+        match &self.actor_memory {
+            Some(probe) => add("train", probe.resident_bytes()),
+            None => add("train", self.actor_reported.resident_bytes()),
+        }
+        if let Some((_, reported)) = &self.critic {
+            add("critic", reported.resident_bytes());
+        }
+        add("rollout", self.engine.resident_bytes());
+        let sample = TimelineSample {
+            seconds: self.started.elapsed().as_secs_f64(),
+            label,
+            tags,
+        };
+        let total = sample.total();
+        self.timeline.record(sample);
+        total
+    }
+}
+
+fn report_bytes(reports: &[OffloadReport]) -> u64 {
+    reports.iter().map(|r| r.bytes).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loop_config_follows_the_offload_switches_and_levels() {
+        let colocated = Settings {
+            colocate: true,
+            offload_train: true,
+            offload_rollout: true,
+            ..Settings::default()
+        };
+        let c = LoopConfig::from_settings(&colocated);
+        assert!(c.offload_train && c.offload_rollout && c.offload_kv && c.offload_weights);
+        let kv_only = Settings {
+            offload_rollout_level: vec![RolloutOffloadLevel::KvCache],
+            ..colocated.clone()
+        };
+        let c = LoopConfig::from_settings(&kv_only);
+        assert!(c.offload_kv && !c.offload_weights);
+        let c = LoopConfig::from_settings(&Settings::default());
+        assert!(!c.offload_train && !c.offload_rollout && !c.offload_kv && !c.offload_weights);
+        assert_eq!(c.bucket_bytes, 512 << 20);
+    }
+}

@@ -1,0 +1,798 @@
+//! The loop against in-test fakes of the trainer, the critic and the engine that record every
+//! call and keep their tensors in real memory-manager regions, so that the order of DESIGN
+//! section 8, the offload switches, residency, metrics, resume and stop are all checked.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::backend::{
+    BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, TrainBackend,
+    WeightBucket, WeightSink,
+};
+use crate::config::{AdvantageEstimator, OffloadTarget, Task};
+use crate::device::HostDevice;
+use crate::memory::{
+    BackupPolicy, Buffer, ManagerSettings, MemoryManager, MemoryTag, OffloadReport,
+};
+use crate::metrics::{Phase, StepMetrics};
+use crate::model::{ByteTokenizer, LlamaConfig};
+
+type Log = Arc<Mutex<Vec<String>>>;
+
+fn note(log: &Log, what: &str) {
+    log.lock().unwrap().push(what.to_owned());
+}
+
+const MIB: usize = 1 << 20;
+
+/// A manager on its own CPU device with one region per `(tag, policy, bytes)`, each filled.
+fn memory(regions: &[(MemoryTag, BackupPolicy, usize)]) -> (Arc<MemoryManager>, Vec<Buffer>) {
+    let m = MemoryManager::new(
+        Arc::new(HostDevice::new(256 << 20)),
+        ManagerSettings {
+            margin_bytes: 0,
+            disk: None,
+        },
+    )
+    .unwrap();
+    let buffers = regions
+        .iter()
+        .map(|(tag, policy, bytes)| {
+            m.create_region(tag.clone(), *policy, *bytes).unwrap();
+            m.alloc(tag, *bytes).unwrap()
+        })
+        .collect();
+    (Arc::new(m), buffers)
+}
+
+fn pause(m: &MemoryManager, tags: &[MemoryTag]) -> Vec<OffloadReport> {
+    tags.iter().map(|t| m.pause(t).unwrap()).collect()
+}
+
+fn resume(m: &MemoryManager, tags: &[MemoryTag]) -> Vec<OffloadReport> {
+    tags.iter().map(|t| m.resume(t).unwrap()).collect()
+}
+
+fn stats(target: OffloadTarget, reports: Vec<OffloadReport>) -> OffloadStats {
+    OffloadStats {
+        target,
+        ranks: vec![RankOffload::new(0, 0.0, reports)],
+        seconds: 0.0,
+    }
+}
+
+/// A trainer whose "model" is four small tensors updated by a fixed rule from each batch.
+struct FakeActor {
+    log: Log,
+    config: LlamaConfig,
+    memory: Arc<MemoryManager>,
+    _buffers: Vec<Buffer>,
+    tensors: Vec<Vec<f32>>,
+    step: u64,
+    offloaded: Option<OffloadTarget>,
+    /// Exports from its backup while offloaded, as a backend with host-pool export would.
+    exports_offloaded: bool,
+}
+
+const TRAIN_TAGS: [MemoryTag; 2] = [MemoryTag::Params, MemoryTag::Grads];
+
+impl FakeActor {
+    fn new(log: &Log) -> Self {
+        let (memory, buffers) = memory(&[
+            (MemoryTag::Params, BackupPolicy::Host, 6 * MIB),
+            (MemoryTag::Grads, BackupPolicy::None, 4 * MIB),
+        ]);
+        Self {
+            log: Arc::clone(log),
+            config: LlamaConfig::preset("tiny").unwrap(),
+            memory,
+            _buffers: buffers,
+            tensors: (0..4)
+                .map(|t| (0..256).map(|i| (t * 256 + i) as f32 * 1e-3).collect())
+                .collect(),
+            step: 0,
+            offloaded: None,
+            exports_offloaded: false,
+        }
+    }
+
+    fn checksum(&self) -> f32 {
+        self.tensors.iter().flatten().sum()
+    }
+}
+
+impl TrainBackend for FakeActor {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+    fn step(&self) -> u64 {
+        self.step
+    }
+    fn is_offloaded(&self) -> bool {
+        self.offloaded.is_some()
+    }
+    fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
+        note(&self.log, "actor.train_step");
+        if self.is_offloaded() {
+            return Err(BackendError::Offloaded { op: "train" });
+        }
+        batch.check(1)?;
+        let signal: f32 = batch
+            .weights
+            .iter()
+            .zip(&batch.targets)
+            .map(|(w, t)| w * (*t % 7) as f32)
+            .sum::<f32>()
+            / batch.normaliser;
+        for (t, tensor) in self.tensors.iter_mut().enumerate() {
+            for (i, v) in tensor.iter_mut().enumerate() {
+                *v += 1e-3 * signal * ((t + i) % 5) as f32;
+            }
+        }
+        self.step += 1;
+        Ok(StepStats {
+            step: self.step,
+            loss: signal + self.checksum() * 1e-3,
+            grad_norm: signal.abs(),
+            tokens: (batch.batch * batch.seq) as u64,
+            seconds: 0.0,
+        })
+    }
+    fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {
+        Ok((vec![-1.0; batch.inputs.len()], 1.0))
+    }
+    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+        note(&self.log, "actor.offload");
+        if self.is_offloaded() {
+            return Err(BackendError::Offloaded { op: "offload" });
+        }
+        self.offloaded = Some(target);
+        Ok(stats(target, pause(&self.memory, &TRAIN_TAGS)))
+    }
+    fn onload(&mut self) -> Result<OffloadStats, BackendError> {
+        note(&self.log, "actor.onload");
+        let target = self.offloaded.take().ok_or(BackendError::NotOffloaded)?;
+        Ok(stats(target, resume(&self.memory, &TRAIN_TAGS)))
+    }
+    fn export_weights(
+        &mut self,
+        bucket_bytes: usize,
+        sink: &mut WeightSink<'_>,
+    ) -> Result<(), BackendError> {
+        note(&self.log, "actor.export_weights");
+        if self.is_offloaded() && !self.exports_offloaded {
+            return Err(BackendError::Offloaded {
+                op: "export weights",
+            });
+        }
+        let mut bucket = WeightBucket::default();
+        for (t, data) in self.tensors.iter().enumerate() {
+            if !bucket.tensors.is_empty() && bucket.bytes() + data.len() * 4 > bucket_bytes {
+                sink(std::mem::take(&mut bucket))?;
+            }
+            bucket.tensors.push(NamedTensor {
+                name: format!("t{t}"),
+                shape: vec![data.len()],
+                data: data.clone(),
+            });
+        }
+        sink(bucket)
+    }
+    fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
+        note(&self.log, "actor.save");
+        let text = serde_json::to_string(&(self.step, &self.tensors)).unwrap();
+        std::fs::write(dir.join("fake.json"), text).unwrap();
+        Ok(())
+    }
+    fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
+        note(&self.log, "actor.load");
+        let text = std::fs::read_to_string(dir.join("fake.json")).unwrap();
+        (self.step, self.tensors) = serde_json::from_str(&text).unwrap();
+        Ok(())
+    }
+}
+
+/// A critic holding one learned value.
+struct FakeCritic {
+    log: Log,
+    memory: Arc<MemoryManager>,
+    _buffers: Vec<Buffer>,
+    value: f32,
+    offloaded: bool,
+}
+
+impl Critic for FakeCritic {
+    fn name(&self) -> &'static str {
+        "fake-critic"
+    }
+    fn values(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<f32>, BackendError> {
+        note(&self.log, "critic.values");
+        assert!(!self.offloaded, "values asked of an offloaded critic");
+        Ok(vec![self.value; prompts.len()])
+    }
+    fn train_values(&mut self, prompts: &[Vec<u32>], targets: &[f32]) -> Result<f32, BackendError> {
+        note(&self.log, "critic.train_values");
+        assert!(!self.offloaded && prompts.len() == targets.len());
+        let (mean, _) = mean_std(targets);
+        let loss = (mean - self.value).powi(2);
+        self.value += 0.5 * (mean - self.value);
+        Ok(loss)
+    }
+    fn is_offloaded(&self) -> bool {
+        self.offloaded
+    }
+    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+        note(&self.log, "critic.offload");
+        self.offloaded = true;
+        Ok(stats(target, pause(&self.memory, &[MemoryTag::Params])))
+    }
+    fn onload(&mut self) -> Result<OffloadStats, BackendError> {
+        note(&self.log, "critic.onload");
+        self.offloaded = false;
+        Ok(stats(
+            OffloadTarget::Cpu,
+            resume(&self.memory, &[MemoryTag::Params]),
+        ))
+    }
+    fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
+        note(&self.log, "critic.save");
+        std::fs::write(dir.join("value"), self.value.to_string()).unwrap();
+        Ok(())
+    }
+    fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
+        note(&self.log, "critic.load");
+        self.value = std::fs::read_to_string(dir.join("value"))
+            .unwrap()
+            .parse()
+            .unwrap();
+        Ok(())
+    }
+}
+
+/// An engine that samples digits and EOS from a generator keyed by the seed, the prompt, the
+/// sample and the weights it was sent, so a change of weights changes the rollout.
+struct FakeEngine {
+    log: Log,
+    memory: Arc<MemoryManager>,
+    _buffers: Vec<Buffer>,
+    weights: f32,
+    kv_offloaded: bool,
+    weights_offloaded: bool,
+    tokenizer: ByteTokenizer,
+    stop_during_generate: Option<Arc<AtomicBool>>,
+}
+
+impl FakeEngine {
+    fn new(log: &Log) -> Self {
+        let (memory, buffers) = memory(&[
+            (MemoryTag::Weights, BackupPolicy::Host, 3 * MIB),
+            (MemoryTag::KvCache, BackupPolicy::None, 8 * MIB),
+        ]);
+        Self {
+            log: Arc::clone(log),
+            memory,
+            _buffers: buffers,
+            weights: 0.0,
+            kv_offloaded: false,
+            weights_offloaded: false,
+            tokenizer: tokenizer(),
+            stop_during_generate: None,
+        }
+    }
+}
+
+fn failure(action: &'static str, reason: &str) -> EngineError {
+    EngineError::Engine {
+        action,
+        source: reason.to_owned().into(),
+    }
+}
+
+impl RolloutEngine for FakeEngine {
+    fn generate(
+        &mut self,
+        prompts: &[Vec<u32>],
+        n: usize,
+        sampling: &Sampling,
+    ) -> Result<Vec<Vec<Sample>>, EngineError> {
+        note(&self.log, "engine.generate");
+        if self.kv_offloaded || self.weights_offloaded {
+            return Err(failure("generate", "offloaded"));
+        }
+        if let Some(flag) = &self.stop_during_generate {
+            flag.store(true, Ordering::SeqCst);
+        }
+        let eos = self.tokenizer.eos;
+        Ok((0..prompts.len())
+            .map(|i| {
+                (0..n)
+                    .map(|j| {
+                        let key = sampling.seed
+                            ^ (i * 131 + j) as u64
+                            ^ u64::from(self.weights.to_bits());
+                        let mut rng = ChaCha8Rng::seed_from_u64(key);
+                        let mut tokens = Vec::new();
+                        while tokens.len() < sampling.max_new_tokens && tokens.last() != Some(&eos)
+                        {
+                            let pick = rng.random_range(0..11u32);
+                            tokens.push(if pick == 10 {
+                                eos
+                            } else {
+                                u32::from(b'0') + pick
+                            });
+                        }
+                        Sample {
+                            logprobs: vec![-2.0; tokens.len()],
+                            stopped: tokens.last() == Some(&eos),
+                            tokens,
+                        }
+                    })
+                    .collect()
+            })
+            .collect())
+    }
+    fn flush_cache(&mut self) -> Result<(), EngineError> {
+        note(&self.log, "engine.flush_cache");
+        Ok(())
+    }
+    fn offload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        note(&self.log, "engine.offload_kv");
+        self.kv_offloaded = true;
+        Ok(pause(&self.memory, &[MemoryTag::KvCache]))
+    }
+    fn offload_weights(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        note(&self.log, "engine.offload_weights");
+        self.weights_offloaded = true;
+        Ok(pause(&self.memory, &[MemoryTag::Weights]))
+    }
+    fn onload_weights(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        note(&self.log, "engine.onload_weights");
+        self.weights_offloaded = false;
+        Ok(resume(&self.memory, &[MemoryTag::Weights]))
+    }
+    fn onload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        note(&self.log, "engine.onload_kv");
+        self.kv_offloaded = false;
+        Ok(resume(&self.memory, &[MemoryTag::KvCache]))
+    }
+    fn update_weights(&mut self, bucket: &WeightBucket) -> Result<(), EngineError> {
+        note(&self.log, "engine.update_weights");
+        if self.weights_offloaded {
+            return Err(failure("update the weights", "weights are offloaded"));
+        }
+        if bucket.tensors.first().is_some_and(|t| t.name == "t0") {
+            self.weights = 0.0;
+        }
+        self.weights += bucket.tensors.iter().flat_map(|t| &t.data).sum::<f32>();
+        Ok(())
+    }
+    fn resident_bytes(&self) -> Vec<(MemoryTag, u64)> {
+        self.memory.resident_bytes()
+    }
+}
+
+fn tokenizer() -> ByteTokenizer {
+    ByteTokenizer::from_config(&LlamaConfig::preset("tiny").unwrap()).unwrap()
+}
+
+/// Colocated, both offloads on at both levels, 2 prompts x 4 samples, one optimizer step per
+/// rollout, buckets of two of the actor's four tensors.
+fn colocated(steps: u64) -> LoopConfig {
+    LoopConfig {
+        steps,
+        rollout_batch_size: 2,
+        n_samples_per_prompt: 4,
+        global_batch_size: 8,
+        seed: 17,
+        task: Task::Reverse,
+        sft_warmup_steps: 0,
+        temperature: 1.0,
+        offload_train: true,
+        offload_train_target: OffloadTarget::Cpu,
+        offload_rollout: true,
+        offload_kv: true,
+        offload_weights: true,
+        bucket_bytes: 2 * 256 * 4,
+        export_while_offloaded: false,
+        advantage_estimator: AdvantageEstimator::Grpo,
+        save: None,
+        save_interval: None,
+        load: None,
+        metrics: None,
+        memory_timeline: None,
+    }
+}
+
+fn orchestrator(config: LoopConfig, log: &Log) -> Orchestrator {
+    let actor = FakeActor::new(log);
+    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
+    Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(log)),
+        tokenizer(),
+    )
+    .with_actor_memory(Box::new(probe))
+}
+
+fn run(o: &mut Orchestrator) -> (RunSummary, Vec<StepMetrics>) {
+    let mut steps = Vec::new();
+    let summary = o.run(&mut |m| steps.push(m.clone())).unwrap();
+    (summary, steps)
+}
+
+fn calls(log: &Log) -> Vec<String> {
+    log.lock().unwrap().clone()
+}
+
+const START: [&str; 9] = [
+    "engine.flush_cache",
+    "engine.offload_kv",
+    "engine.offload_weights",
+    "actor.export_weights",
+    "actor.offload",
+    "engine.onload_weights",
+    "engine.update_weights",
+    "engine.update_weights",
+    "engine.onload_kv",
+];
+
+#[test]
+fn colocated_loop_runs_design_section_8_in_order() {
+    let log = Log::default();
+    let save = tempfile::tempdir().unwrap();
+    let mut config = colocated(2);
+    config.save = Some(save.path().to_path_buf());
+    config.save_interval = Some(1);
+    let mut o = orchestrator(config, &log);
+    let (summary, steps) = run(&mut o);
+    assert_eq!(summary.steps, 2);
+    assert!(!summary.interrupted);
+    assert_eq!(steps.len(), 2);
+    let step = [
+        "engine.generate",
+        "engine.flush_cache",
+        "engine.offload_kv",
+        "engine.offload_weights",
+        "actor.onload",
+        "actor.train_step",
+        "actor.save",
+        "actor.export_weights",
+        "actor.offload",
+        "engine.onload_weights",
+        "engine.update_weights",
+        "engine.update_weights",
+        "engine.onload_kv",
+    ];
+    let expected: Vec<&str> = START.iter().chain(&step).chain(&step).copied().collect();
+    assert_eq!(calls(&log), expected);
+}
+
+#[test]
+fn disabled_offloads_are_never_called() {
+    let log = Log::default();
+    let config = LoopConfig {
+        offload_train: false,
+        offload_rollout: false,
+        offload_kv: false,
+        offload_weights: false,
+        ..colocated(2)
+    };
+    let (_, steps) = run(&mut orchestrator(config, &log));
+    let step = [
+        "engine.generate",
+        "actor.train_step",
+        "actor.export_weights",
+        "engine.update_weights",
+        "engine.update_weights",
+    ];
+    let start = [
+        "actor.export_weights",
+        "engine.update_weights",
+        "engine.update_weights",
+    ];
+    let expected: Vec<&str> = start.iter().chain(&step).chain(&step).copied().collect();
+    assert_eq!(calls(&log), expected);
+    for m in &steps {
+        for phase in [
+            Phase::OffloadRollout,
+            Phase::OnloadTrain,
+            Phase::OffloadTrain,
+        ] {
+            assert_eq!(m.bytes(phase), 0, "{phase:?} moved bytes with offload off");
+        }
+    }
+}
+
+#[test]
+fn kv_cache_level_offloads_only_the_kv_cache_after_each_rollout() {
+    let log = Log::default();
+    let config = LoopConfig {
+        offload_weights: false,
+        ..colocated(1)
+    };
+    run(&mut orchestrator(config, &log));
+    let step_calls: Vec<String> = calls(&log).split_off(START.len());
+    assert_eq!(
+        step_calls,
+        [
+            "engine.generate",
+            "engine.flush_cache",
+            "engine.offload_kv",
+            "actor.onload",
+            "actor.train_step",
+            "actor.export_weights",
+            "actor.offload",
+            "engine.update_weights",
+            "engine.update_weights",
+            "engine.onload_kv",
+        ]
+    );
+}
+
+#[test]
+fn offloaded_tags_hold_no_device_memory_and_the_peak_stays_below_both_phases() {
+    let log = Log::default();
+    let mut o = orchestrator(colocated(2), &log);
+    let (_, steps) = run(&mut o);
+    let held = |label: &str, tag: &str| {
+        let sample = o
+            .timeline()
+            .samples()
+            .iter()
+            .find(|s| s.label == label)
+            .unwrap_or_else(|| panic!("no sample {label}"));
+        sample
+            .tags
+            .iter()
+            .find(|(n, _)| n == tag)
+            .map_or(0, |(_, b)| *b)
+    };
+    for tag in ["rollout/kv_cache", "rollout/weights"] {
+        assert_eq!(held("step 2 after_offload_rollout", tag), 0, "{tag}");
+        assert!(held("step 2 after_generate", tag) > 0, "{tag}");
+    }
+    for tag in ["train/params", "train/grads"] {
+        assert_eq!(held("step 2 after_offload_train", tag), 0, "{tag}");
+        assert!(held("step 2 after_train", tag) > 0, "{tag}");
+    }
+    let train: u64 = (6 + 4) * MIB as u64;
+    let rollout: u64 = (3 + 8) * MIB as u64;
+    for m in &steps {
+        assert!(
+            m.peak_device_memory_bytes < train + rollout,
+            "peak {} not below {}",
+            m.peak_device_memory_bytes,
+            train + rollout
+        );
+        assert!(m.bytes(Phase::OffloadTrain) >= 6 * MIB as u64);
+        assert!(m.bytes(Phase::OnloadWeights) >= 3 * MIB as u64);
+        assert_eq!(m.bytes(Phase::Sync), 4 * 256 * 4);
+        assert_eq!(m.device_memory_bytes.len(), 10);
+    }
+}
+
+#[test]
+fn metrics_file_has_a_line_per_step_and_the_timeline_is_drawn() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = colocated(3);
+    config.metrics = Some(dir.path().join("metrics.jsonl"));
+    config.memory_timeline = Some(dir.path().join("timeline.svg"));
+    let log = Log::default();
+    let (_, steps) = run(&mut orchestrator(config, &log));
+    let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (line, m) in lines.iter().zip(&steps) {
+        assert_eq!(line["step"], m.step);
+        assert_eq!(line["reward_mean"].as_f64().unwrap() as f32, m.reward_mean);
+        assert!(
+            line["device_memory_bytes"]["after_onload_kv"]
+                .as_u64()
+                .unwrap()
+                > 0
+        );
+    }
+    let svg = std::fs::read_to_string(dir.path().join("timeline.svg")).unwrap();
+    assert!(svg.contains("rollout/kv_cache") && svg.contains("train/params"));
+}
+
+#[test]
+fn resume_from_a_checkpoint_repeats_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let full_log = Log::default();
+    let (_, full) = run(&mut orchestrator(colocated(4), &full_log));
+
+    let mut first = colocated(2);
+    first.save = Some(dir.path().to_path_buf());
+    let log = Log::default();
+    run(&mut orchestrator(first, &log));
+
+    let mut second = colocated(4);
+    second.load = Some(dir.path().to_path_buf());
+    let log = Log::default();
+    let mut resumed = orchestrator(second, &log);
+    let (summary, rest) = run(&mut resumed);
+    assert_eq!(calls(&log)[0], "actor.load");
+    assert_eq!(summary.steps, 4);
+    assert_eq!(rest.iter().map(|m| m.step).collect::<Vec<_>>(), [3, 4]);
+    for (a, b) in full[2..].iter().zip(&rest) {
+        assert_eq!(
+            (a.reward_mean, a.reward_std, a.loss),
+            (b.reward_mean, b.reward_std, b.loss)
+        );
+    }
+    assert_eq!(
+        summary.reward_means,
+        full.iter().map(|m| m.reward_mean).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn stop_flag_ends_the_loop_after_the_phase_in_progress() {
+    let log = Log::default();
+    let actor = FakeActor::new(&log);
+    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
+    let mut engine = FakeEngine::new(&log);
+    // The engine raises the flag mid-generation, as Ctrl-C would.
+    let flag = Arc::new(AtomicBool::new(false));
+    engine.stop_during_generate = Some(Arc::clone(&flag));
+    let mut o = Orchestrator::new(colocated(3), Box::new(actor), Box::new(engine), tokenizer())
+        .with_actor_memory(Box::new(probe))
+        .with_stop_flag(flag);
+    let mut seen = 0;
+    let summary = o.run(&mut |_| seen += 1).unwrap();
+    assert!(summary.interrupted);
+    assert_eq!((seen, summary.steps), (0, 0));
+    let calls = calls(&log);
+    assert_eq!(calls[START.len()..], ["engine.generate"]);
+}
+
+#[test]
+fn ppo_trains_and_offloads_the_critic_with_the_actor() {
+    let log = Log::default();
+    let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
+    let critic = FakeCritic {
+        log: Arc::clone(&log),
+        memory: Arc::clone(&memory),
+        _buffers: buffers,
+        value: 0.25,
+        offloaded: false,
+    };
+    let config = LoopConfig {
+        advantage_estimator: AdvantageEstimator::Ppo,
+        ..colocated(1)
+    };
+    let mut o = orchestrator(config, &log).with_critic(Box::new(critic));
+    run(&mut o);
+    let calls = calls(&log);
+    let pos = |c: &str| {
+        calls
+            .iter()
+            .rposition(|x| x == c)
+            .unwrap_or_else(|| panic!("{c} missing"))
+    };
+    assert!(pos("actor.onload") < pos("critic.onload"));
+    assert!(pos("critic.onload") < pos("critic.values"));
+    assert!(pos("critic.values") < pos("actor.train_step"));
+    assert!(pos("actor.train_step") < pos("critic.train_values"));
+    assert!(pos("actor.offload") < pos("critic.offload"));
+    assert_eq!(calls.iter().filter(|c| *c == "critic.offload").count(), 2);
+    let sample = o
+        .timeline()
+        .samples()
+        .iter()
+        .find(|s| s.label == "step 1 after_offload_train")
+        .unwrap();
+    assert!(
+        sample
+            .tags
+            .iter()
+            .any(|(n, b)| n == "critic/params" && *b == 0)
+    );
+}
+
+#[test]
+fn ppo_without_a_critic_is_refused_before_anything_runs() {
+    let log = Log::default();
+    let config = LoopConfig {
+        advantage_estimator: AdvantageEstimator::Ppo,
+        ..colocated(1)
+    };
+    let error = orchestrator(config, &log).run(&mut |_| {}).unwrap_err();
+    assert!(error.to_string().contains("critic"), "{error}");
+    assert!(calls(&log).is_empty());
+}
+
+#[test]
+fn warmup_trains_on_answers_before_the_trainer_first_sleeps() {
+    let log = Log::default();
+    let config = LoopConfig {
+        sft_warmup_steps: 2,
+        ..colocated(1)
+    };
+    let mut o = orchestrator(config, &log);
+    run(&mut o);
+    assert_eq!(
+        &calls(&log)[..6],
+        [
+            "engine.flush_cache",
+            "engine.offload_kv",
+            "engine.offload_weights",
+            "actor.train_step",
+            "actor.train_step",
+            "actor.export_weights",
+        ]
+    );
+    assert_eq!(o.state().warmup_steps, 2);
+}
+
+#[test]
+fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
+    let log = Log::default();
+    let mut actor = FakeActor::new(&log);
+    actor.exports_offloaded = true;
+    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
+    let config = LoopConfig {
+        export_while_offloaded: true,
+        ..colocated(1)
+    };
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    )
+    .with_actor_memory(Box::new(probe));
+    run(&mut o);
+    let tail = [
+        "actor.offload",
+        "engine.onload_weights",
+        "actor.export_weights",
+        "engine.update_weights",
+        "engine.update_weights",
+        "engine.onload_kv",
+    ];
+    let calls = calls(&log);
+    assert_eq!(calls[calls.len() - tail.len()..], tail);
+    assert_eq!(calls[3..9], tail);
+}
+
+#[test]
+fn without_a_probe_the_actor_memory_comes_from_its_reports() {
+    let log = Log::default();
+    let mut o = Orchestrator::new(
+        colocated(2),
+        Box::new(FakeActor::new(&log)),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    run(&mut o);
+    let held = |label: &str| {
+        let sample = o
+            .timeline()
+            .samples()
+            .iter()
+            .find(|s| s.label == label)
+            .unwrap();
+        sample
+            .tags
+            .iter()
+            .find(|(n, _)| n == "train/params")
+            .map(|(_, b)| *b)
+    };
+    assert_eq!(held("step 2 after_offload_train"), Some(0));
+    assert!(held("step 2 after_train").unwrap() >= 6 * MIB as u64);
+    assert!(held("step 2 after_onload_kv") == Some(0));
+}
