@@ -10,8 +10,8 @@ use miles_core::config::Settings;
 /// binary was built without, or the backend's failure to start.
 pub fn build_backend(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
     match settings.train_backend {
-        miles_core::TrainBackend::Megatron => megatron(settings),
-        miles_core::TrainBackend::Fsdp => fsdp(settings),
+        miles_core::TrainBackendKind::Megatron => megatron(settings),
+        miles_core::TrainBackendKind::Fsdp => fsdp(settings),
     }
 }
 
@@ -34,7 +34,7 @@ fn megatron(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
 
 #[cfg(not(feature = "megatron"))]
 fn megatron(_: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackend::Megatron).into())
+    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
 }
 
 #[cfg(feature = "fsdp")]
@@ -45,5 +45,5 @@ fn fsdp(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
 
 #[cfg(not(feature = "fsdp"))]
 fn fsdp(_: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackend::Fsdp).into())
+    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }

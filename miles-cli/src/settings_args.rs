@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use miles_core::config::{
     AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, RawSettings,
-    Settings, Task, TrainBackend,
+    Settings, Task, TrainBackendKind,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -19,7 +19,7 @@ pub struct SettingsArgs {
     pub config: Option<PathBuf>,
     /// Which training backend runs [default: megatron]
     #[arg(long, value_name = "megatron|fsdp", help_heading = "Settings")]
-    pub train_backend: Option<TrainBackend>,
+    pub train_backend: Option<TrainBackendKind>,
     /// Training and rollout share the same devices (turns both offloads on unless set)
     #[arg(long, help_heading = "Settings")]
     pub colocate: bool,
@@ -139,8 +139,8 @@ impl SettingsArgs {
     pub fn load(&self) -> anyhow::Result<Settings> {
         let settings = Settings::load(self.to_raw(), self.config.as_deref())?;
         let built = match settings.train_backend {
-            TrainBackend::Megatron => cfg!(feature = "megatron"),
-            TrainBackend::Fsdp => cfg!(feature = "fsdp"),
+            TrainBackendKind::Megatron => cfg!(feature = "megatron"),
+            TrainBackendKind::Fsdp => cfg!(feature = "fsdp"),
         };
         if !built {
             return Err(BackendNotBuilt(settings.train_backend).into());
@@ -198,7 +198,7 @@ impl SettingsArgs {
 
 /// `--train-backend` names a backend this binary was built without.
 #[derive(Debug)]
-pub struct BackendNotBuilt(pub TrainBackend);
+pub struct BackendNotBuilt(pub TrainBackendKind);
 
 impl fmt::Display for BackendNotBuilt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -13,14 +13,14 @@ pub mod orchestrator;
 pub mod store;
 
 pub use backend::{
-    BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket,
-    WeightSink,
+    BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, TrainBackend,
+    WeightBucket, WeightSink,
 };
 pub use comm::{CommError, Communicator, LocalComm};
 pub use config::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, Task, TrainBackend,
-    UnknownChoice,
+    RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, Task,
+    TrainBackendKind, UnknownChoice,
 };
 pub use device::{
     AddressRange, CudaDevice, CudaOptions, Device, DeviceAddress, DeviceError, DeviceKind, Fence,

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use miles_core::config::{
     MomentDtype, OffloadTarget, RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source,
-    TrainBackend,
+    TrainBackendKind,
 };
 
 /// A short, exact name for each error variant (with the fields that tell cases apart).
@@ -46,7 +46,7 @@ const CASES: &[(&str, &str, Expect)] = &[
         "",
         Expect::Valid(|s| {
             assert!(!s.colocate && !s.offload_train && !s.offload_rollout);
-            assert_eq!(s.train_backend, TrainBackend::Megatron);
+            assert_eq!(s.train_backend, TrainBackendKind::Megatron);
             assert_eq!(s.offload_train_disk_chunk_mb, 64);
             assert_eq!(s.train_memory_margin_bytes, 1 << 30);
         }),
@@ -339,7 +339,7 @@ fn flags_override_the_file_value_by_value() {
         layer("steps = 6\noffload_rollout_level = [\"weight\"]\ntrain_backend = \"megatron\"");
     let s = Settings::resolve(flags, file).unwrap();
     assert_eq!(s.steps, 6);
-    assert_eq!(s.train_backend, TrainBackend::Megatron);
+    assert_eq!(s.train_backend, TrainBackendKind::Megatron);
     assert_eq!(s.offload_rollout_level, [RolloutOffloadLevel::Weight]);
     assert_eq!(s.lr, 0.5);
     assert_eq!(s.offload_train_disk_chunk_mb, 8);

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use miles_core::backend::TrainBackend;
-use miles_core::config::{OffloadTarget, RawSettings, Settings, TrainBackend as BackendChoice};
+use miles_core::config::{OffloadTarget, RawSettings, Settings, TrainBackendKind as BackendChoice};
 use miles_core::model::{LlamaConfig, Trainer, Transformer, init_params};
 use miles_core::ops::AdamWConfig;
 use miles_core::{Batch, Device, HostDevice, MemoryTag};

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use miles_core::backend::TrainBackend;
-use miles_core::config::TrainBackend as BackendChoice;
+use miles_core::config::TrainBackendKind as BackendChoice;
 use miles_core::model::{ByteTokenizer, LlamaConfig};
 use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator, RunSummary};
 use miles_core::{

@@ -129,7 +129,7 @@ macro_rules! choice {
 
 choice! {
     /// Which training backend crate runs (`--train-backend`).
-    pub enum TrainBackend ("train backend") {
+    pub enum TrainBackendKind ("train backend") {
         /// Tensor parallelism and a distributed optimizer (miles-megatron).
         Megatron => "megatron",
         /// Fully sharded data parallelism (miles-fsdp).
@@ -237,13 +237,16 @@ mod tests {
                 *level
             );
         }
-        assert_eq!("fsdp".parse::<TrainBackend>(), Ok(TrainBackend::Fsdp));
+        assert_eq!(
+            "fsdp".parse::<TrainBackendKind>(),
+            Ok(TrainBackendKind::Fsdp)
+        );
         assert_eq!("bf16".parse::<MomentDtype>(), Ok(MomentDtype::Bf16));
     }
 
     #[test]
     fn unknown_names_are_rejected_with_a_suggestion() {
-        let error = "fsdpp".parse::<TrainBackend>().unwrap_err();
+        let error = "fsdpp".parse::<TrainBackendKind>().unwrap_err();
         assert_eq!(error.suggestion, Some("fsdp"));
         assert_eq!(
             error.to_string(),

@@ -14,7 +14,7 @@ mod validate;
 
 pub use choice::{
     AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
-    TrainBackend, UnknownChoice,
+    TrainBackendKind, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use raw::RawSettings;

@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task, TrainBackend,
+    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task,
+    TrainBackendKind,
 };
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
@@ -17,7 +18,7 @@ use super::{
 #[serde(deny_unknown_fields)]
 pub struct RawSettings {
     /// `--train-backend`.
-    pub train_backend: Option<TrainBackend>,
+    pub train_backend: Option<TrainBackendKind>,
     /// `--colocate`.
     pub colocate: Option<bool>,
     /// `--offload`: shorthand for both offloads; the explicit switches of the same layer win.
@@ -171,7 +172,7 @@ mod tests {
              offload_train_disk_chunk_mb = 16\nlr = 3e-4\n",
         )
         .unwrap();
-        assert_eq!(raw.train_backend, Some(TrainBackend::Fsdp));
+        assert_eq!(raw.train_backend, Some(TrainBackendKind::Fsdp));
         assert_eq!(raw.colocate, Some(true));
         assert_eq!(raw.offload_rollout_level, Some(vec!["weight".to_owned()]));
         assert_eq!(raw.offload_train_disk_chunk_mb, Some(16));

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Task, TrainBackend,
+    RawSettings, RolloutOffloadLevel, Task, TrainBackendKind,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -21,7 +21,7 @@ use super::{
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     /// Which training backend crate runs.
-    pub train_backend: TrainBackend,
+    pub train_backend: TrainBackendKind,
     /// Training and rollout share the same devices.
     pub colocate: bool,
     /// Training tensors leave the device between train steps.
@@ -96,7 +96,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Settings {
         Settings {
-            train_backend: TrainBackend::Megatron,
+            train_backend: TrainBackendKind::Megatron,
             colocate: false,
             offload_train: false,
             offload_rollout: false,

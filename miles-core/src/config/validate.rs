@@ -5,7 +5,9 @@ use std::io::Write;
 use std::path::Path;
 
 use super::choice::nearest;
-use super::{OffloadTarget, RolloutOffloadLevel, Settings, SettingsError, Source, TrainBackend};
+use super::{
+    OffloadTarget, RolloutOffloadLevel, Settings, SettingsError, Source, TrainBackendKind,
+};
 use crate::device::probe::filesystem;
 
 /// Rule 5: parses rollout offload levels (each value may hold several names separated by spaces
@@ -35,7 +37,7 @@ pub(crate) fn parse_rollout_levels(
 
 /// Rule 6: FSDP's native CPU offload yields to core training offload, with one warning.
 pub(crate) fn resolve_fsdp_cpu_offload(settings: &mut Settings) {
-    if settings.train_backend == TrainBackend::Fsdp
+    if settings.train_backend == TrainBackendKind::Fsdp
         && settings.fsdp_cpu_offload
         && settings.offload_train
     {
@@ -97,7 +99,7 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
         }
     }
     // Rule 7.
-    if s.fsdp_cpu_offload && s.train_backend == TrainBackend::Megatron {
+    if s.fsdp_cpu_offload && s.train_backend == TrainBackendKind::Megatron {
         errors.push(SettingsError::FsdpCpuOffloadWithMegatron);
     }
     errors.extend(check_ranges(s));
