@@ -1,0 +1,178 @@
+//! The two training backends against each other: the fsdp backend at several data-parallel
+//! sizes against the megatron backend at TP=1, DP=1, and checkpoints passed between them.
+//!
+//! Both start from the same seeded weights (`init_weights`, Hugging Face's initialisation) with
+//! the same AdamW settings and train on the same seeded batches through
+//! [`TrainBackend`], so any difference is the backends' own.
+
+// Helpers of a test crate are test code: they may unwrap and panic.
+#![allow(clippy::unwrap_used, clippy::panic, clippy::expect_used)]
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use miles_core::backend::TrainBackend;
+use miles_core::config::{Settings, TrainBackendKind};
+use miles_core::model::LlamaConfig;
+use miles_core::ops::AdamWConfig;
+use miles_core::{Batch, Device, HostDevice};
+use miles_fsdp::FsdpBackend;
+use miles_megatron::{MegatronOptions, MegatronTrainer, init_weights};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const STEPS: usize = 5;
+const SEED: u64 = 5;
+const LR: f64 = 3e-3;
+const ROWS: usize = 4;
+const SEQ: usize = 9;
+
+fn tiny() -> LlamaConfig {
+    LlamaConfig::preset("tiny").unwrap()
+}
+
+/// The fsdp backend at `dp` ranks, one CPU device each, initialised from [`SEED`].
+fn fsdp(dp: usize) -> FsdpBackend {
+    let settings = Settings {
+        train_backend: TrainBackendKind::Fsdp,
+        data_parallel_size: dp,
+        lr: LR,
+        seed: SEED,
+        device_memory_gib: 0.5,
+        train_memory_margin_bytes: 0,
+        ..Settings::default()
+    };
+    let devices = (0..dp)
+        .map(|_| Arc::new(HostDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
+        .collect();
+    FsdpBackend::new(tiny(), &settings, devices).unwrap()
+}
+
+/// The megatron backend at TP=1 and `dp` ranks, from the weights [`SEED`] gives, with the
+/// fsdp backend's AdamW settings.
+fn megatron(dp: usize) -> MegatronTrainer {
+    let config = tiny();
+    let params = init_weights(&config, SEED).unwrap();
+    let options = MegatronOptions {
+        tensor_parallel: 1,
+        data_parallel: dp,
+        adamw: AdamWConfig {
+            lr: LR as f32,
+            ..AdamWConfig::default()
+        },
+        device_bytes: 256 << 20,
+        ..MegatronOptions::default()
+    };
+    MegatronTrainer::new(config, &params, options).unwrap()
+}
+
+/// Step `step`'s batch: seeded tokens and weights (some masked, some negative advantages).
+fn batch(step: usize) -> Batch {
+    let mut rng = ChaCha8Rng::seed_from_u64(100 + step as u64);
+    let n = ROWS * SEQ;
+    let v = tiny().vocab_size as u32;
+    Batch {
+        batch: ROWS,
+        seq: SEQ,
+        inputs: (0..n).map(|_| rng.random_range(0..v)).collect(),
+        targets: (0..n).map(|_| rng.random_range(0..v)).collect(),
+        weights: (0..n)
+            .map(|i| {
+                if i % 7 == 3 {
+                    0.0
+                } else {
+                    rng.random::<f32>() * 1.5 - 0.25
+                }
+            })
+            .collect(),
+        normaliser: n as f32,
+    }
+}
+
+/// The losses of `steps` on `backend`.
+fn train(backend: &mut dyn TrainBackend, steps: Range<usize>) -> Vec<f32> {
+    steps
+        .map(|s| backend.train_step(&batch(s)).unwrap().loss)
+        .collect()
+}
+
+fn worst_relative(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs() / f64::from(y.abs()).max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn fsdp_at_dp_1_2_and_4_gives_the_megatron_losses_at_tp1_dp1_over_five_steps() {
+    let reference = train(&mut megatron(1), 0..STEPS);
+    assert!(
+        reference[STEPS - 1] < reference[0],
+        "megatron must learn: {reference:?}"
+    );
+    for dp in [1, 2, 4] {
+        let losses = train(&mut fsdp(dp), 0..STEPS);
+        let worst = worst_relative(&losses, &reference);
+        eprintln!("fsdp dp {dp} vs megatron tp 1 dp 1: worst relative loss difference {worst:e}");
+        // Tolerance 1e-5 relative (issue 7): the backends reduce gradients in other orders.
+        assert!(
+            worst < 1e-5,
+            "fsdp dp {dp}: losses {losses:?} vs megatron {reference:?}, worst relative {worst:e}"
+        );
+    }
+}
+
+/// Trains steps 0..3 on `first`, saves into `dir`, loads `dir` into `resumed` and checks the
+/// checkpoint's step; returns the losses of steps 3..5 after the load.
+fn resume(first: &mut dyn TrainBackend, resumed: &mut dyn TrainBackend, dir: &Path) -> Vec<f32> {
+    train(first, 0..3);
+    first.save(dir).unwrap();
+    resumed.load(dir).unwrap();
+    assert_eq!(resumed.step(), 3, "{} after loading", resumed.name());
+    train(resumed, 3..STEPS)
+}
+
+fn check(what: &str, got: &[f32], expected: &[f32], tolerance: f64) {
+    let worst = worst_relative(got, expected);
+    eprintln!("{what}: worst relative loss difference {worst:e}");
+    assert!(
+        worst <= tolerance,
+        "{what}: steps 4-5 {got:?} vs uninterrupted megatron {expected:?}, worst relative {worst:e} (tolerance {tolerance:e})"
+    );
+}
+
+#[test]
+fn checkpoints_are_interchangeable_between_megatron_and_fsdp() {
+    let straight = train(&mut megatron(1), 0..STEPS);
+    let expected = &straight[3..];
+
+    // Megatron saves at TP=1, DP=1.
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = megatron(1);
+    let again = resume(&mut first, &mut megatron(1), dir.path());
+    // Same backend, same layout, the same bytes back: bit-exact.
+    check("megatron dp 1 -> megatron dp 1", &again, expected, 0.0);
+    let mut first = megatron(1);
+    let got = resume(&mut first, &mut fsdp(2), dir.path());
+    // Tolerance 1e-6 relative: the loaded weights and moments are the saved fp32 values, and
+    // only steps 4-5 differ, by two ranks summing their gradients in another order than one
+    // rank does (the whole five-step trajectory at DP=2 stays near 1e-7).
+    check("megatron dp 1 -> fsdp dp 2", &got, expected, 1e-6);
+
+    // The reverse: fsdp saves, megatron loads. The megatron backend reads its optimizer files
+    // only at the sizes they were written with, so fsdp at DP=1 goes to megatron at DP=1 and
+    // fsdp at DP=2 to megatron at DP=2.
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = fsdp(1);
+    let got = resume(&mut first, &mut megatron(1), dir.path());
+    // Bit-exact: fsdp at DP=1 computes the megatron TP=1, DP=1 operations in the same order,
+    // and the checkpoint carries the exact fp32 state.
+    check("fsdp dp 1 -> megatron dp 1", &got, expected, 0.0);
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = fsdp(2);
+    let got = resume(&mut first, &mut megatron(2), dir.path());
+    // Tolerance 1e-6 relative, as megatron -> fsdp at DP=2: every step ran on two ranks.
+    check("fsdp dp 2 -> megatron dp 2", &got, expected, 1e-6);
+}
