@@ -134,13 +134,14 @@ fn resume(first: &mut dyn TrainBackend, resumed: &mut dyn TrainBackend, dir: &Pa
     train(resumed, 3..STEPS)
 }
 
-fn check(what: &str, got: &[f32], expected: &[f32], tolerance: f64) {
+/// Asserts `got` within `tolerance` relative of `expected`; returns the worst difference.
+fn check(what: &str, got: &[f32], expected: &[f32], tolerance: f64) -> f64 {
     let worst = worst_relative(got, expected);
-    eprintln!("{what}: worst relative loss difference {worst:e}");
     assert!(
         worst <= tolerance,
         "{what}: steps 4-5 {got:?} vs uninterrupted megatron {expected:?}, worst relative {worst:e} (tolerance {tolerance:e})"
     );
+    worst
 }
 
 #[test]
@@ -153,13 +154,15 @@ fn checkpoints_are_interchangeable_between_megatron_and_fsdp() {
     let mut first = megatron(1);
     let again = resume(&mut first, &mut megatron(1), dir.path());
     // Same backend, same layout, the same bytes back: bit-exact.
-    check("megatron dp 1 -> megatron dp 1", &again, expected, 0.0);
+    let worst = check("megatron dp 1 -> megatron dp 1", &again, expected, 0.0);
+    eprintln!("megatron dp 1 -> megatron dp 1: worst relative loss difference {worst:e}");
     let mut first = megatron(1);
     let got = resume(&mut first, &mut fsdp(2), dir.path());
     // Tolerance 1e-6 relative: the loaded weights and moments are the saved fp32 values, and
     // only steps 4-5 differ, by two ranks summing their gradients in another order than one
     // rank does (the whole five-step trajectory at DP=2 stays near 1e-7).
-    check("megatron dp 1 -> fsdp dp 2", &got, expected, 1e-6);
+    let worst = check("megatron dp 1 -> fsdp dp 2", &got, expected, 1e-6);
+    eprintln!("megatron dp 1 -> fsdp dp 2: worst relative loss difference {worst:e}");
 
     // The reverse: fsdp saves, megatron loads. The megatron backend reads its optimizer files
     // only at the sizes they were written with, so fsdp at DP=1 goes to megatron at DP=1 and
@@ -169,10 +172,12 @@ fn checkpoints_are_interchangeable_between_megatron_and_fsdp() {
     let got = resume(&mut first, &mut megatron(1), dir.path());
     // Bit-exact: fsdp at DP=1 computes the megatron TP=1, DP=1 operations in the same order,
     // and the checkpoint carries the exact fp32 state.
-    check("fsdp dp 1 -> megatron dp 1", &got, expected, 0.0);
+    let worst = check("fsdp dp 1 -> megatron dp 1", &got, expected, 0.0);
+    eprintln!("fsdp dp 1 -> megatron dp 1: worst relative loss difference {worst:e}");
     let dir = tempfile::tempdir().unwrap();
     let mut first = fsdp(2);
     let got = resume(&mut first, &mut megatron(2), dir.path());
     // Tolerance 1e-6 relative, as megatron -> fsdp at DP=2: every step ran on two ranks.
-    check("fsdp dp 2 -> megatron dp 2", &got, expected, 1e-6);
+    let worst = check("fsdp dp 2 -> megatron dp 2", &got, expected, 1e-6);
+    eprintln!("fsdp dp 2 -> megatron dp 2: worst relative loss difference {worst:e}");
 }
