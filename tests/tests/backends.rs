@@ -124,14 +124,18 @@ fn fsdp_at_dp_1_2_and_4_gives_the_megatron_losses_at_tp1_dp1_over_five_steps() {
     }
 }
 
-/// Trains steps 0..3 on `first`, saves into `dir`, loads `dir` into `resumed` and checks the
-/// checkpoint's step; returns the losses of steps 3..5 after the load.
-fn resume(first: &mut dyn TrainBackend, resumed: &mut dyn TrainBackend, dir: &Path) -> Vec<f32> {
-    train(first, 0..3);
-    first.save(dir).unwrap();
-    resumed.load(dir).unwrap();
-    assert_eq!(resumed.step(), 3, "{} after loading", resumed.name());
-    train(resumed, 3..STEPS)
+/// Trains steps 0..3 on `backend` and saves it into `dir`.
+fn save_after_three_steps(backend: &mut dyn TrainBackend, dir: &Path) {
+    train(backend, 0..3);
+    backend.save(dir).unwrap();
+}
+
+/// Loads `dir` into `backend`, checks the checkpoint's step and returns the losses of steps
+/// 3..5 after the load.
+fn resume(backend: &mut dyn TrainBackend, dir: &Path) -> Vec<f32> {
+    backend.load(dir).unwrap();
+    assert_eq!(backend.step(), 3, "{} after loading", backend.name());
+    train(backend, 3..STEPS)
 }
 
 /// Asserts `got` within `tolerance` relative of `expected`; returns the worst difference.
@@ -149,15 +153,14 @@ fn checkpoints_are_interchangeable_between_megatron_and_fsdp() {
     let straight = train(&mut megatron(1), 0..STEPS);
     let expected = &straight[3..];
 
-    // Megatron saves at TP=1, DP=1.
+    // Megatron saves at TP=1, DP=1; a fresh megatron and a fresh fsdp load the same files.
     let dir = tempfile::tempdir().unwrap();
-    let mut first = megatron(1);
-    let again = resume(&mut first, &mut megatron(1), dir.path());
+    save_after_three_steps(&mut megatron(1), dir.path());
+    let again = resume(&mut megatron(1), dir.path());
     // Same backend, same layout, the same bytes back: bit-exact.
     let worst = check("megatron dp 1 -> megatron dp 1", &again, expected, 0.0);
     eprintln!("megatron dp 1 -> megatron dp 1: worst relative loss difference {worst:e}");
-    let mut first = megatron(1);
-    let got = resume(&mut first, &mut fsdp(2), dir.path());
+    let got = resume(&mut fsdp(2), dir.path());
     // Tolerance 1e-6 relative: the loaded weights and moments are the saved fp32 values, and
     // only steps 4-5 differ, by two ranks summing their gradients in another order than one
     // rank does (the whole five-step trajectory at DP=2 stays near 1e-7).
@@ -168,15 +171,15 @@ fn checkpoints_are_interchangeable_between_megatron_and_fsdp() {
     // only at the sizes they were written with, so fsdp at DP=1 goes to megatron at DP=1 and
     // fsdp at DP=2 to megatron at DP=2.
     let dir = tempfile::tempdir().unwrap();
-    let mut first = fsdp(1);
-    let got = resume(&mut first, &mut megatron(1), dir.path());
+    save_after_three_steps(&mut fsdp(1), dir.path());
+    let got = resume(&mut megatron(1), dir.path());
     // Bit-exact: fsdp at DP=1 computes the megatron TP=1, DP=1 operations in the same order,
     // and the checkpoint carries the exact fp32 state.
     let worst = check("fsdp dp 1 -> megatron dp 1", &got, expected, 0.0);
     eprintln!("fsdp dp 1 -> megatron dp 1: worst relative loss difference {worst:e}");
     let dir = tempfile::tempdir().unwrap();
-    let mut first = fsdp(2);
-    let got = resume(&mut first, &mut megatron(2), dir.path());
+    save_after_three_steps(&mut fsdp(2), dir.path());
+    let got = resume(&mut megatron(2), dir.path());
     // Tolerance 1e-6 relative, as megatron -> fsdp at DP=2: every step ran on two ranks.
     let worst = check("fsdp dp 2 -> megatron dp 2", &got, expected, 1e-6);
     eprintln!("fsdp dp 2 -> megatron dp 2: worst relative loss difference {worst:e}");
