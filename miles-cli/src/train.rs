@@ -11,9 +11,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::model::{ByteTokenizer, LlamaConfig};
-use miles_core::orchestrator::{
-    Critic, LmCritic, LoopConfig, MemoryProbe, Orchestrator, RolloutEngine,
-};
+use miles_core::orchestrator::{Critic, LmCritic, LoopConfig, Orchestrator, RolloutEngine};
 use miles_core::{StepMetrics, backend::TrainBackend};
 
 use crate::settings_args::SettingsArgs;
@@ -26,9 +24,6 @@ pub struct TrainArgs {
     pub settings: SettingsArgs,
 }
 
-/// The training side: the backend and, where the backend offers one, a probe of its device
-/// memory.
-type Trainer = (Box<dyn TrainBackend>, Option<Box<dyn MemoryProbe>>);
 /// Runs the loop and prints where its metrics went.
 ///
 /// # Errors
@@ -39,8 +34,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
     let tokenizer = ByteTokenizer::from_config(&model)?;
     let engine = build_engine(&settings, &model)?;
-    let (actor, actor_memory) = build_actor(&settings, &model)?;
-    let critic = build_critic(&settings, &model, tokenizer.pad)?;
+    let actor = build_actor(&settings)?;
+    let critic = build_critic(&settings, tokenizer.pad)?;
     let stop = Arc::new(AtomicBool::new(false));
     let handler_flag = Arc::clone(&stop);
     ctrlc::set_handler(move || {
@@ -55,9 +50,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         tokenizer,
     )
     .with_stop_flag(stop);
-    if let Some(memory) = actor_memory {
-        orchestrator = orchestrator.with_actor_memory(memory);
-    }
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
     }
@@ -112,18 +104,16 @@ fn build_engine(
 }
 
 /// The actor: the `--train-backend` backend, built without `--load` (the loop resolves the
-/// checkpoint it names and restores the actor itself). No probe: the backends keep their
-/// memory managers on their rank threads, so the loop reads their memory from their offload
-/// and onload reports.
+/// checkpoint it names and restores the actor itself).
 ///
 /// # Errors
 /// As [`build_backend`](crate::backends::build_backend).
-fn build_actor(settings: &Settings, _model: &LlamaConfig) -> anyhow::Result<Trainer> {
+fn build_actor(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
     let fresh = Settings {
         load: None,
         ..settings.clone()
     };
-    Ok((crate::backends::build_backend(&fresh)?, None))
+    crate::backends::build_backend(&fresh)
 }
 
 /// The PPO critic (none under GRPO): a second backend of the same kind, its language model
@@ -131,15 +121,11 @@ fn build_actor(settings: &Settings, _model: &LlamaConfig) -> anyhow::Result<Trai
 ///
 /// # Errors
 /// As [`build_actor`].
-fn build_critic(
-    settings: &Settings,
-    model: &LlamaConfig,
-    pad: u32,
-) -> anyhow::Result<Option<Box<dyn Critic>>> {
+fn build_critic(settings: &Settings, pad: u32) -> anyhow::Result<Option<Box<dyn Critic>>> {
     match settings.advantage_estimator {
         AdvantageEstimator::Grpo => Ok(None),
         AdvantageEstimator::Ppo => {
-            let (backend, _) = build_actor(settings, model).context("cannot build the critic")?;
+            let backend = build_actor(settings).context("cannot build the critic")?;
             Ok(Some(Box::new(LmCritic::new(backend, pad))))
         }
     }

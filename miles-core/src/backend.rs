@@ -14,7 +14,7 @@ use std::path::Path;
 
 use crate::comm::CommError;
 use crate::config::OffloadTarget;
-use crate::memory::{MemoryError, OffloadReport};
+use crate::memory::{MemoryError, MemoryTag, OffloadReport};
 use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::StoreError;
 
@@ -222,6 +222,10 @@ pub trait TrainBackend: Send {
     /// Whether the training tensors are offloaded (and must be onloaded before training).
     fn is_offloaded(&self) -> bool;
 
+    /// Device bytes each memory tag of the backend holds now, summed over its ranks (0 for a
+    /// paused tag): what the loop's memory metrics and timeline read at every phase boundary.
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)>;
+
     /// One optimizer step on `batch`: forward, backward, gradient reduction, AdamW.
     ///
     /// # Errors
@@ -278,6 +282,22 @@ pub trait TrainBackend: Send {
     /// [`BackendError::Offloaded`], [`BackendError::Model`], [`BackendError::Io`] or
     /// [`BackendError::Checkpoint`] for files that do not match the backend.
     fn load(&mut self, dir: &Path) -> Result<(), BackendError>;
+}
+
+/// Sums per-rank tag lists (each as [`MemoryManager::resident_bytes`](crate::MemoryManager::resident_bytes)
+/// gives it) tag by tag, tags in the order first seen: a multi-rank backend's
+/// [`TrainBackend::device_memory`].
+pub fn sum_over_ranks(
+    ranks: impl IntoIterator<Item = Vec<(MemoryTag, u64)>>,
+) -> Vec<(MemoryTag, u64)> {
+    let mut tags: Vec<(MemoryTag, u64)> = Vec::new();
+    for (tag, bytes) in ranks.into_iter().flatten() {
+        match tags.iter_mut().find(|(t, _)| *t == tag) {
+            Some((_, total)) => *total += bytes,
+            None => tags.push((tag, bytes)),
+        }
+    }
+    tags
 }
 
 /// What went wrong in a training backend.
@@ -381,6 +401,16 @@ mod tests {
         assert!(matches!(b.check(3), Err(BackendError::Batch(m)) if m.contains("3 data-parallel")));
         b.weights.pop();
         assert!(matches!(b.check(1), Err(BackendError::Batch(m)) if m.contains("weights")));
+    }
+
+    #[test]
+    fn sum_over_ranks_adds_each_tag_over_the_ranks() {
+        let rank = |params, grads| vec![(MemoryTag::Grads, grads), (MemoryTag::Params, params)];
+        assert_eq!(
+            sum_over_ranks([rank(3, 5), rank(7, 0)]),
+            [(MemoryTag::Grads, 5), (MemoryTag::Params, 10)]
+        );
+        assert!(sum_over_ranks(Vec::new()).is_empty());
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub use memory::{
 };
 pub use metrics::{MemoryTimeline, MetricsError, MetricsWriter, Phase, StepMetrics};
 pub use orchestrator::{
-    Critic, EngineError, LoopConfig, ManagerProbe, MemoryProbe, Orchestrator, OrchestratorError,
-    RolloutEngine, RunSummary, Sample, Sampling,
+    Critic, EngineError, LoopConfig, Orchestrator, OrchestratorError, RolloutEngine, RunSummary,
+    Sample, Sampling,
 };
 pub use store::{DiskBackup, DiskStore, HostPool, StoreError};

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use miles_core::backend::{TrainBackend, WeightSink};
+use miles_core::backend::{TrainBackend, WeightSink, sum_over_ranks};
 use miles_core::config::{DeviceChoice, OffloadTarget, Settings};
 use miles_core::memory::BackupPolicy;
 use miles_core::model::{
@@ -12,8 +12,8 @@ use miles_core::model::{
 };
 use miles_core::ops::AdamWConfig;
 use miles_core::{
-    BackendError, Batch, CommError, Communicator, Device, HostDevice, LocalComm, NamedTensor,
-    OffloadStats, RankOffload, StepStats, WeightBucket,
+    BackendError, Batch, CommError, Communicator, Device, HostDevice, LocalComm, MemoryTag,
+    NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket,
 };
 
 use crate::checkpoint::{OptimizerState, load_optimizer, save_optimizer};
@@ -299,6 +299,10 @@ impl TrainBackend for FsdpBackend {
 
     fn is_offloaded(&self) -> bool {
         self.offloaded.is_some()
+    }
+
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        sum_over_ranks(self.ranks.iter().map(|r| r.memory().resident_bytes()))
     }
 
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {

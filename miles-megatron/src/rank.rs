@@ -84,7 +84,7 @@ pub(crate) struct Rank {
     pub grid: Grid,
     comms: Option<Comms>,
     host: Arc<HostDevice>,
-    manager: MemoryManager,
+    manager: Arc<MemoryManager>,
     model: Transformer,
     adamw: AdamWConfig,
     local_len: usize,
@@ -113,13 +113,13 @@ impl Rank {
         let grid = spec.grid;
         let host = Arc::new(HostDevice::new(spec.device_bytes));
         let device: Arc<dyn miles_core::Device> = host.clone();
-        let manager = MemoryManager::new(
+        let manager = Arc::new(MemoryManager::new(
             Arc::clone(&device),
             ManagerSettings {
                 margin_bytes: spec.margin_bytes,
                 disk: spec.disk.clone(),
             },
-        )?;
+        )?);
         let layout = spec.model.layout().clone();
         let local_len = layout.len();
         let shard_len = local_len.div_ceil(grid.dp);
@@ -447,6 +447,12 @@ impl Rank {
             start.elapsed().as_secs_f64(),
             reports,
         ))
+    }
+
+    /// The rank's memory manager, shared with the trainer so it can read the device memory
+    /// of each tag without a round trip to the rank.
+    pub(crate) fn manager(&self) -> Arc<MemoryManager> {
+        Arc::clone(&self.manager)
     }
 
     /// Bytes of the rank's tags resident in RAM (the CPU device's stand-in for device memory).

@@ -6,15 +6,15 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use miles_core::backend::TrainBackend;
+use miles_core::backend::{TrainBackend, sum_over_ranks};
 use miles_core::config::{OffloadTarget, Settings};
 use miles_core::model::{
     LlamaConfig, ParamLayout, Transformer, init_params, load_checkpoint, save_checkpoint,
 };
 use miles_core::ops::AdamWConfig;
 use miles_core::{
-    BackendError, Batch, CommError, Communicator, DiskSettings, LocalComm, NamedTensor,
-    OffloadStats, RankOffload, StepStats, WeightBucket, WeightSink,
+    BackendError, Batch, CommError, Communicator, DiskSettings, LocalComm, MemoryManager,
+    MemoryTag, NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket, WeightSink,
 };
 
 use crate::checkpoint::{OPTIMIZER_DIR, read_optimizer, write_optimizer};
@@ -28,12 +28,22 @@ type Job = Box<dyn FnOnce(&mut Rank) -> Result<Reply, BackendError> + Send>;
 /// What a rank sends back.
 #[derive(Debug)]
 enum Reply {
-    Step { loss: f32, grad_norm: f32 },
-    Logprobs { loss: f32, logprobs: Vec<f32> },
+    Step {
+        loss: f32,
+        grad_norm: f32,
+    },
+    Logprobs {
+        loss: f32,
+        logprobs: Vec<f32>,
+    },
     Offload(RankOffload),
     Params(Vec<f32>),
     Bytes(u64),
-    Loaded { step: Option<u64> },
+    /// A rank is built; its memory manager, for the trainer to read.
+    Built(Arc<MemoryManager>),
+    Loaded {
+        step: Option<u64>,
+    },
     Done,
 }
 
@@ -127,6 +137,8 @@ pub struct MegatronTrainer {
     local_layout: ParamLayout,
     options: MegatronOptions,
     workers: Vec<Worker>,
+    /// Each rank's memory manager, in rank order.
+    managers: Vec<Arc<MemoryManager>>,
     step: u64,
     offloaded: bool,
 }
@@ -215,10 +227,18 @@ impl MegatronTrainer {
             local_layout,
             options,
             workers,
+            managers: Vec::new(),
             step: 0,
             offloaded: false,
         };
-        trainer.collect()?;
+        trainer.managers = trainer
+            .collect()?
+            .into_iter()
+            .map(|r| match r {
+                Reply::Built(manager) => Ok(manager),
+                other => Err(unexpected(&other)),
+            })
+            .collect::<Result<_, _>>()?;
         Ok(trainer)
     }
 
@@ -409,7 +429,7 @@ fn spawn_rank(
             drop(full);
             let mut rank = match built {
                 Ok(rank) => {
-                    if reply_tx.send(Ok(Reply::Done)).is_err() {
+                    if reply_tx.send(Ok(Reply::Built(rank.manager()))).is_err() {
                         return;
                     }
                     rank
@@ -501,6 +521,10 @@ impl TrainBackend for MegatronTrainer {
 
     fn is_offloaded(&self) -> bool {
         self.offloaded
+    }
+
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        sum_over_ranks(self.managers.iter().map(|m| m.resident_bytes()))
     }
 
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {

@@ -182,6 +182,71 @@ fn offloaded_tags_hold_no_device_memory_and_the_peak_stays_below_both_phases() {
 }
 
 #[test]
+fn metrics_hold_the_trainer_memory_read_from_the_backend_at_every_boundary() {
+    for backend in BACKENDS {
+        let mut o = orchestrator(&colocated(backend));
+        let (_, steps) = run(&mut o);
+        let samples = o.timeline().samples();
+        // Known before the trainer first moves anything.
+        let start: u64 = samples[0]
+            .tags
+            .iter()
+            .filter(|(tag, _)| tag.starts_with("train/"))
+            .map(|(_, bytes)| bytes)
+            .sum();
+        assert!(
+            start > 1 << 20,
+            "{backend}: {start} at {}",
+            samples[0].label
+        );
+        for m in &steps {
+            let at = |boundary: &str| {
+                let label = format!("step {} {boundary}", m.step);
+                let sample = samples
+                    .iter()
+                    .find(|s| s.label == label)
+                    .unwrap_or_else(|| panic!("{backend}: no sample {label}"));
+                let reported = m
+                    .device_memory_bytes
+                    .iter()
+                    .find(|(name, _)| name == boundary)
+                    .map(|(_, bytes)| *bytes);
+                assert_eq!(reported, Some(sample.total()), "{backend}: {label}");
+                let held = |owner: &str| -> u64 {
+                    sample
+                        .tags
+                        .iter()
+                        .filter(|(tag, _)| tag.starts_with(owner))
+                        .map(|(_, bytes)| bytes)
+                        .sum()
+                };
+                (held("train/"), held("rollout/"))
+            };
+            let (trained, _) = at("after_train");
+            let (onloaded, _) = at("after_onload_train");
+            // Parameters, optimizer state and gradients of the tiny preset: over 1 MiB.
+            assert!(trained > 1 << 20, "{backend}: {trained} after train");
+            assert!(onloaded > 1 << 20, "{backend}: {onloaded} after onload");
+            // Near zero: whatever the trainer keeps on the device while asleep stays under 1%.
+            let (asleep, _) = at("after_offload_train");
+            assert!(
+                asleep * 100 < trained,
+                "{backend}: {asleep} of {trained} asleep"
+            );
+            let (_, rollout) = at("after_offload_rollout");
+            let (_, generating) = at("after_generate");
+            assert!(generating > 0, "{backend}");
+            assert!(
+                rollout * 100 < generating,
+                "{backend}: {rollout} of {generating}"
+            );
+            let most = m.device_memory_bytes.iter().map(|(_, b)| *b).max();
+            assert_eq!(Some(m.peak_device_memory_bytes), most, "{backend}");
+        }
+    }
+}
+
+#[test]
 fn the_ci_sized_run_raises_the_mean_reward() {
     for backend in BACKENDS {
         let mut s = colocated(backend);

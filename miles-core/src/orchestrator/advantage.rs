@@ -7,6 +7,7 @@ use std::path::Path;
 
 use crate::backend::{BackendError, OffloadStats};
 use crate::config::OffloadTarget;
+use crate::memory::MemoryTag;
 
 /// Added to the standard deviation of a group so that a group of equal rewards gets zero
 /// advantages rather than a division by zero.
@@ -51,6 +52,10 @@ pub fn mean_std(values: &[f32]) -> (f32, f32) {
 pub trait Critic: Send {
     /// The critic's name in logs.
     fn name(&self) -> &'static str;
+
+    /// Device bytes each memory tag of the critic holds now, summed over its ranks (0 for a
+    /// paused tag), as [`TrainBackend::device_memory`](crate::backend::TrainBackend::device_memory).
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)>;
 
     /// The value of each prompt (token ids, `BOS` first).
     ///

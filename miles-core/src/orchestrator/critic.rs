@@ -11,6 +11,7 @@ use std::path::Path;
 
 use crate::backend::{BackendError, Batch, OffloadStats, TrainBackend};
 use crate::config::OffloadTarget;
+use crate::memory::MemoryTag;
 
 use super::advantage::Critic;
 
@@ -76,6 +77,10 @@ fn with_query(prompt: &[u32]) -> Vec<u32> {
 impl Critic for LmCritic {
     fn name(&self) -> &'static str {
         self.backend.name()
+    }
+
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        self.backend.device_memory()
     }
 
     fn values(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<f32>, BackendError> {

@@ -71,6 +71,9 @@ impl TrainBackend for ModelActor {
     fn is_offloaded(&self) -> bool {
         false
     }
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        Vec::new()
+    }
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
         batch.check(1)?;
         let report = self.trainer.train_step(&batch.view())?;

@@ -16,7 +16,6 @@ mod engine;
 mod error;
 #[cfg(test)]
 mod learning_tests;
-mod probe;
 mod run;
 mod state;
 mod task;
@@ -28,7 +27,6 @@ pub use batch::{Sequence, build_batch};
 pub use critic::LmCritic;
 pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
 pub use error::OrchestratorError;
-pub use probe::{ManagerProbe, MemoryProbe, ReportedMemory};
 pub use run::{LoopConfig, Orchestrator, RunSummary};
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
 pub use task::{Problem, ProblemSource, Stream, stream_seed};

@@ -15,7 +15,6 @@ use super::OrchestratorError;
 use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
 use super::batch::{Sequence, build_batch};
 use super::engine::{EngineError, RolloutEngine, Sample, Sampling};
-use super::probe::{MemoryProbe, ReportedMemory};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 
@@ -137,10 +136,7 @@ enum Next {
 pub struct Orchestrator {
     config: LoopConfig,
     actor: Box<dyn TrainBackend>,
-    actor_memory: Option<Box<dyn MemoryProbe>>,
-    /// The actor's memory from its reports, where no probe is given.
-    actor_reported: ReportedMemory,
-    critic: Option<(Box<dyn Critic>, ReportedMemory)>,
+    critic: Option<Box<dyn Critic>>,
     engine: Box<dyn RolloutEngine>,
     tokenizer: ByteTokenizer,
     problems: ProblemSource,
@@ -160,10 +156,9 @@ impl Orchestrator {
     /// A loop over `actor` and `engine`; the tokenizer formats prompts and answers. Nothing
     /// runs until [`run`](Self::run).
     ///
-    /// Device memory in the metrics is what the tags of engine, actor and critic hold: the
-    /// engine's as it reports them, the actor's through
-    /// [`with_actor_memory`](Self::with_actor_memory) when given a probe, else (like the
-    /// critic's) as their offload and onload reports tell.
+    /// Device memory in the metrics is what the tags of engine, actor and critic hold now, as
+    /// each reports it ([`RolloutEngine::resident_bytes`],
+    /// [`TrainBackend::device_memory`], [`Critic::device_memory`]).
     pub fn new(
         config: LoopConfig,
         actor: Box<dyn TrainBackend>,
@@ -179,8 +174,6 @@ impl Orchestrator {
         Self {
             config,
             actor,
-            actor_memory: None,
-            actor_reported: ReportedMemory::default(),
             critic: None,
             engine,
             tokenizer,
@@ -196,16 +189,9 @@ impl Orchestrator {
         }
     }
 
-    /// Probes the actor's device memory with `memory` (a [`ManagerProbe`](super::ManagerProbe)
-    /// of its ranks' memory managers, say).
-    pub fn with_actor_memory(mut self, memory: Box<dyn MemoryProbe>) -> Self {
-        self.actor_memory = Some(memory);
-        self
-    }
-
     /// Adds the PPO critic, trained and offloaded alongside the actor.
     pub fn with_critic(mut self, critic: Box<dyn Critic>) -> Self {
-        self.critic = Some((critic, ReportedMemory::default()));
+        self.critic = Some(critic);
         self
     }
 
@@ -469,7 +455,7 @@ impl Orchestrator {
     fn train(&mut self, rollout: &Rollout) -> Result<f32, OrchestratorError> {
         let n = self.config.n_samples_per_prompt;
         let advantages = match (&mut self.critic, self.config.advantage_estimator) {
-            (Some((critic, _)), AdvantageEstimator::Ppo) => {
+            (Some(critic), AdvantageEstimator::Ppo) => {
                 let values = critic
                     .values(&rollout.prompts)
                     .map_err(OrchestratorError::train("critic", "compute values"))?;
@@ -498,7 +484,7 @@ impl Orchestrator {
                 .map_err(OrchestratorError::train("actor", "train"))?;
             losses.push(stats.loss);
         }
-        if let Some((critic, _)) = &mut self.critic {
+        if let Some(critic) = &mut self.critic {
             let prompts: Vec<Vec<u32>> = rollout
                 .prompts
                 .iter()
@@ -547,16 +533,14 @@ impl Orchestrator {
                 .actor
                 .onload()
                 .map_err(OrchestratorError::train("actor", "onload"))?;
-            self.actor_reported.record(&stats, true);
             bytes += stats.bytes();
         }
-        if let Some((critic, reported)) = &mut self.critic
+        if let Some(critic) = &mut self.critic
             && critic.is_offloaded()
         {
             let stats = critic
                 .onload()
                 .map_err(OrchestratorError::train("critic", "onload"))?;
-            reported.record(&stats, true);
             bytes += stats.bytes();
         }
         Ok(bytes)
@@ -582,13 +566,11 @@ impl Orchestrator {
             .actor
             .offload(target)
             .map_err(OrchestratorError::train("actor", "offload"))?;
-        self.actor_reported.record(&stats, false);
         let mut bytes = stats.bytes();
-        if let Some((critic, reported)) = &mut self.critic {
+        if let Some(critic) = &mut self.critic {
             let stats = critic
                 .offload(target)
                 .map_err(OrchestratorError::train("critic", "offload"))?;
-            reported.record(&stats, false);
             bytes += stats.bytes();
         }
         Ok(bytes)
@@ -655,7 +637,7 @@ impl Orchestrator {
         self.actor
             .save(&dir.join("actor"))
             .map_err(OrchestratorError::train("actor", "save"))?;
-        if let Some((critic, _)) = &mut self.critic {
+        if let Some(critic) = &mut self.critic {
             create(&dir.join("critic"))?;
             critic
                 .save(&dir.join("critic"))
@@ -689,7 +671,7 @@ impl Orchestrator {
         self.actor
             .load(&dir.join("actor"))
             .map_err(OrchestratorError::train("actor", "load"))?;
-        if let Some((critic, _)) = &mut self.critic {
+        if let Some(critic) = &mut self.critic {
             critic
                 .load(&dir.join("critic"))
                 .map_err(OrchestratorError::train("critic", "load"))?;
@@ -712,12 +694,9 @@ impl Orchestrator {
                     .map(|(tag, bytes)| (format!("{owner}/{tag}"), bytes)),
             );
         };
-        match &self.actor_memory {
-            Some(probe) => add("train", probe.resident_bytes()),
-            None => add("train", self.actor_reported.resident_bytes()),
-        }
-        if let Some((_, reported)) = &self.critic {
-            add("critic", reported.resident_bytes());
+        add("train", self.actor.device_memory());
+        if let Some(critic) = &self.critic {
+            add("critic", critic.device_memory());
         }
         add("rollout", self.engine.resident_bytes());
         let sample = TimelineSample {

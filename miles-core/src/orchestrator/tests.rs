@@ -119,6 +119,9 @@ impl TrainBackend for FakeActor {
     fn is_offloaded(&self) -> bool {
         self.offloaded.is_some()
     }
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        self.memory.resident_bytes()
+    }
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
         note(&self.log, "actor.train_step");
         if self.is_offloaded() {
@@ -212,6 +215,9 @@ struct FakeCritic {
 impl Critic for FakeCritic {
     fn name(&self) -> &'static str {
         "fake-critic"
+    }
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        self.memory.resident_bytes()
     }
     fn values(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<f32>, BackendError> {
         note(&self.log, "critic.values");
@@ -412,15 +418,12 @@ fn colocated(steps: u64) -> LoopConfig {
 }
 
 fn orchestrator(config: LoopConfig, log: &Log) -> Orchestrator {
-    let actor = FakeActor::new(log);
-    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
     Orchestrator::new(
         config,
-        Box::new(actor),
+        Box::new(FakeActor::new(log)),
         Box::new(FakeEngine::new(log)),
         tokenizer(),
     )
-    .with_actor_memory(Box::new(probe))
 }
 
 fn run(o: &mut Orchestrator) -> (RunSummary, Vec<StepMetrics>) {
@@ -643,13 +646,11 @@ fn resume_from_a_checkpoint_repeats_the_uninterrupted_run() {
 fn stop_flag_ends_the_loop_after_the_phase_in_progress() {
     let log = Log::default();
     let actor = FakeActor::new(&log);
-    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
     let mut engine = FakeEngine::new(&log);
     // The engine raises the flag mid-generation, as Ctrl-C would.
     let flag = Arc::new(AtomicBool::new(false));
     engine.stop_during_generate = Some(Arc::clone(&flag));
     let mut o = Orchestrator::new(colocated(3), Box::new(actor), Box::new(engine), tokenizer())
-        .with_actor_memory(Box::new(probe))
         .with_stop_flag(flag);
     let mut seen = 0;
     let summary = o.run(&mut |_| seen += 1).unwrap();
@@ -743,7 +744,6 @@ fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
     let log = Log::default();
     let mut actor = FakeActor::new(&log);
     actor.exports_offloaded = true;
-    let probe = ManagerProbe::new(vec![Arc::clone(&actor.memory)]);
     let config = LoopConfig {
         export_while_offloaded: true,
         ..colocated(1)
@@ -753,8 +753,7 @@ fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
         Box::new(actor),
         Box::new(FakeEngine::new(&log)),
         tokenizer(),
-    )
-    .with_actor_memory(Box::new(probe));
+    );
     run(&mut o);
     let tail = [
         "actor.offload",
@@ -770,14 +769,9 @@ fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
 }
 
 #[test]
-fn without_a_probe_the_actor_memory_comes_from_its_reports() {
+fn the_actor_memory_is_read_from_the_backend_from_the_start() {
     let log = Log::default();
-    let mut o = Orchestrator::new(
-        colocated(2),
-        Box::new(FakeActor::new(&log)),
-        Box::new(FakeEngine::new(&log)),
-        tokenizer(),
-    );
+    let mut o = orchestrator(colocated(2), &log);
     run(&mut o);
     let held = |label: &str| {
         let sample = o
@@ -785,14 +779,18 @@ fn without_a_probe_the_actor_memory_comes_from_its_reports() {
             .samples()
             .iter()
             .find(|s| s.label == label)
-            .unwrap();
-        sample
-            .tags
-            .iter()
-            .find(|(n, _)| n == "train/params")
-            .map(|(_, b)| *b)
+            .unwrap_or_else(|| panic!("no sample {label}"));
+        ["train/params", "train/grads"].map(|tag| {
+            sample
+                .tags
+                .iter()
+                .find(|(n, _)| n == tag)
+                .map_or(0, |(_, b)| *b)
+        })
     };
-    assert_eq!(held("step 2 after_offload_train"), Some(0));
-    assert!(held("step 2 after_train").unwrap() >= 6 * MIB as u64);
-    assert!(held("step 2 after_onload_kv") == Some(0));
+    // Before the trainer ever offloads, its memory is already known.
+    assert_eq!(held("start"), [6 * MIB as u64, 4 * MIB as u64]);
+    assert_eq!(held("start after trainer sleep"), [0, 0]);
+    assert_eq!(held("step 2 after_train"), [6 * MIB as u64, 4 * MIB as u64]);
+    assert_eq!(held("step 2 after_onload_kv"), [0, 0]);
 }
