@@ -4,8 +4,10 @@
 //!
 //! Pause: the calling thread copies chunk k+1 from the device into a staging buffer and
 //! checksums it while writer threads write chunks k and k-1 (O_DIRECT where the filesystem
-//! allows). Resume: a few threads each read a chunk, verify its checksum and copy it to the
-//! device, so reads stay in flight while other chunks are verified and copied.
+//! allows). Resume: a few threads each read a chunk and verify its checksum, so reads stay in
+//! flight while other chunks are verified. On a device the host addresses (the CPU device) a
+//! chunk is read straight into its device ranges and verified there, sparing a copy; elsewhere it
+//! goes through a staging buffer and is verified before it is copied to the device.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
@@ -17,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{AddressRange, Device, HostBuffer};
+use crate::device::{AddressRange, Device, HostBuffer, ViewAccess};
 
 use super::{HostPool, StoreError};
 
@@ -293,7 +295,7 @@ impl DiskStore {
     }
 
     /// Read `backup` back into the device ranges `runs` (committed, the same ranges it was saved
-    /// from), verifying every chunk's checksum before it reaches the device.
+    /// from), verifying every chunk's checksum.
     ///
     /// # Errors
     /// [`StoreError::Manifest`] when the manifest on disk is missing or does not match;
@@ -315,7 +317,7 @@ impl DiskStore {
             });
         }
         let data_path = backup.dir.join(DATA_FILE);
-        let (file, _) = open_data(&data_path, false)?;
+        let (file, direct) = open_data(&data_path, false)?;
         let chunk_bytes = on_disk.chunk_bytes;
         let total = on_disk.total_bytes;
         let chunks = on_disk.crc32c.len();
@@ -342,13 +344,20 @@ impl DiskStore {
                                 break;
                             }
                             let (offset, len) = chunk_span(index, chunk_bytes, total);
-                            let step = read_chunk(file, data_path, index, offset, len, &mut buffer)
-                                .and_then(|()| {
-                                    verify_chunk(data_path, index, crcs[index], len, &buffer)
-                                })
-                                .and_then(|()| {
-                                    unstage_chunk(device, runs, offset, len, &mut buffer)
-                                });
+                            let chunk = Chunk {
+                                file,
+                                path: data_path,
+                                direct,
+                                index,
+                                offset,
+                                len,
+                                crc: crcs[index],
+                            };
+                            let step = match chunk.load_in_place(device, runs) {
+                                Ok(true) => Ok(()),
+                                Ok(false) => chunk.load_staged(device, runs, &mut buffer),
+                                Err(error) => Err(error),
+                            };
                             if let Err(error) = step {
                                 lock(first_error).get_or_insert(error);
                                 break;
@@ -492,17 +501,102 @@ fn stage_chunk(
     Ok(())
 }
 
-fn unstage_chunk(
-    device: &dyn Device,
-    runs: &[AddressRange],
+/// A chunk of a data file being loaded, with its checksum.
+struct Chunk<'a> {
+    file: &'a File,
+    path: &'a Path,
+    direct: bool,
+    index: usize,
     offset: u64,
     len: usize,
-    buffer: &mut HostBuffer,
-) -> Result<(), StoreError> {
-    for (range, at) in pieces(runs, offset, len) {
-        device.copy_from_host(buffer, at, range)?.wait()?;
+    crc: u32,
+}
+
+impl Chunk<'_> {
+    /// Read the chunk straight into its device ranges and verify it there, when the device
+    /// lets the host address them and they suit the file's alignment; `false` when not (nothing
+    /// was read then).
+    fn load_in_place(
+        &self,
+        device: &dyn Device,
+        runs: &[AddressRange],
+    ) -> Result<bool, StoreError> {
+        let parts = pieces(runs, self.offset, self.len);
+        let aligned = |range: &AddressRange| {
+            (range.start as usize).is_multiple_of(DIRECT_ALIGN)
+                && range.len.is_multiple_of(DIRECT_ALIGN)
+        };
+        if self.direct && !parts.iter().all(|(range, _)| aligned(range)) {
+            return Ok(false);
+        }
+        let mut views = Vec::with_capacity(parts.len());
+        for (range, _) in &parts {
+            match device.host_view(*range, ViewAccess::Write)? {
+                Some(view) => views.push(view),
+                None => return Ok(false),
+            }
+        }
+        let mut found = 0;
+        for (view, (range, at)) in views.iter_mut().zip(&parts) {
+            let bytes = view.as_mut_slice::<u8>()?;
+            self.read_into(self.offset + *at as u64, bytes, range.len)?;
+            found = crc32c::crc32c_append(found, bytes);
+        }
+        self.check(found)?;
+        Ok(true)
     }
-    Ok(())
+
+    /// Read the chunk into `buffer`, verify it, then copy it to its device ranges.
+    fn load_staged(
+        &self,
+        device: &dyn Device,
+        runs: &[AddressRange],
+        buffer: &mut HostBuffer,
+    ) -> Result<(), StoreError> {
+        let bytes = buffer.as_mut_slice()?;
+        let padded = self.len.next_multiple_of(DIRECT_ALIGN).min(bytes.len());
+        self.read_into(self.offset, &mut bytes[..padded], self.len)?;
+        self.check(crc32c::crc32c(&buffer.as_slice()?[..self.len]))?;
+        for (range, at) in pieces(runs, self.offset, self.len) {
+            device.copy_from_host(buffer, at, range)?.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Read file bytes from `offset` into `bytes` until `len` of them are in (`bytes` may be
+    /// longer, padded to the O_DIRECT alignment).
+    fn read_into(&self, offset: u64, bytes: &mut [u8], len: usize) -> Result<(), StoreError> {
+        let action = || format!("read chunk {} of", self.index);
+        let mut done = 0;
+        while done < len {
+            match self.file.read_at(&mut bytes[done..], offset + done as u64) {
+                Ok(0) => {
+                    return Err(StoreError::Io {
+                        action: action(),
+                        path: self.path.to_path_buf(),
+                        source: std::io::Error::from(ErrorKind::UnexpectedEof),
+                    });
+                }
+                Ok(n) => done += n,
+                Err(error) if error.kind() == ErrorKind::Interrupted => {}
+                Err(error) => return Err(io_error(&action(), self.path)(error)),
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, found: u32) -> Result<(), StoreError> {
+        if found == self.crc {
+            Ok(())
+        } else {
+            Err(StoreError::ChecksumMismatch {
+                path: self.path.to_path_buf(),
+                chunk: self.index,
+                expected: self.crc,
+                found,
+            })
+        }
+    }
 }
 
 fn write_chunk(
@@ -523,54 +617,6 @@ fn write_chunk(
     bytes[len..padded].fill(0);
     file.write_all_at(&bytes[..padded], (index * chunk_bytes) as u64)
         .map_err(io_error(&format!("write chunk {index} of"), path))
-}
-
-fn read_chunk(
-    file: &File,
-    path: &Path,
-    index: usize,
-    offset: u64,
-    len: usize,
-    buffer: &mut HostBuffer,
-) -> Result<(), StoreError> {
-    let bytes = buffer.as_mut_slice()?;
-    let padded = len.next_multiple_of(DIRECT_ALIGN).min(bytes.len());
-    let mut done = 0;
-    while done < len {
-        match file.read_at(&mut bytes[done..padded], offset + done as u64) {
-            Ok(0) => {
-                return Err(StoreError::Io {
-                    action: format!("read chunk {index} of"),
-                    path: path.to_path_buf(),
-                    source: std::io::Error::from(ErrorKind::UnexpectedEof),
-                });
-            }
-            Ok(n) => done += n,
-            Err(error) if error.kind() == ErrorKind::Interrupted => {}
-            Err(error) => return Err(io_error(&format!("read chunk {index} of"), path)(error)),
-        }
-    }
-    Ok(())
-}
-
-fn verify_chunk(
-    path: &Path,
-    index: usize,
-    expected: u32,
-    len: usize,
-    buffer: &HostBuffer,
-) -> Result<(), StoreError> {
-    let found = crc32c::crc32c(&buffer.as_slice()?[..len]);
-    if found == expected {
-        Ok(())
-    } else {
-        Err(StoreError::ChecksumMismatch {
-            path: path.to_path_buf(),
-            chunk: index,
-            expected,
-            found,
-        })
-    }
 }
 
 /// Open the data file with O_DIRECT, or buffered where the filesystem refuses O_DIRECT (tmpfs);
