@@ -855,4 +855,39 @@ mod tests {
         device.copy_to_host(part, &mut back, 0).unwrap();
         assert!(back.as_slice().unwrap() == pattern.as_slice());
     }
+
+    #[test]
+    fn a_release_right_after_a_commit_leaves_nothing_resident_while_prefaulting() {
+        let device = device();
+        let range = device.reserve(64 * MIB).unwrap();
+        for _ in 0..20 {
+            device.commit(range).unwrap();
+            device.release(range).unwrap();
+            assert_eq!(device.resident_bytes_in(range).unwrap(), 0);
+        }
+    }
+
+    #[test]
+    fn cancelling_a_range_keeps_the_queued_parts_around_it() {
+        let prefaulter = Prefaulter::default();
+        let queued = AddressRange {
+            start: 1 << 30,
+            len: 10 * GRANULE,
+        };
+        prefaulter.supported.store(true, Ordering::Relaxed);
+        prefaulter.push(queued);
+        prefaulter.cancel(queued.slice(3 * GRANULE, 4 * GRANULE).unwrap());
+        prefaulter.cancel(AddressRange {
+            start: queued.end(),
+            len: GRANULE,
+        });
+        let pending: Vec<AddressRange> = lock(&prefaulter.queue).pending.iter().copied().collect();
+        assert_eq!(
+            pending,
+            vec![
+                queued.slice(0, 3 * GRANULE).unwrap(),
+                queued.slice(7 * GRANULE, 3 * GRANULE).unwrap()
+            ]
+        );
+    }
 }
