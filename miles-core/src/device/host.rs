@@ -18,13 +18,14 @@
 //! call on a range that is not reserved or committed, or that conflicts with a view, is an error
 //! rather than undefined behaviour.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+mod prefault;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use rayon::prelude::{IndexedParallelIterator, ParallelIterator, ParallelSlice, ParallelSliceMut};
 
+use self::prefault::Prefault;
 use super::view::{HostView, ViewAccess, ViewClaim};
 use super::{
     AddressRange, Device, DeviceError, DeviceKind, Fence, HostAllocation, HostBuffer, MemoryInfo,
@@ -39,10 +40,6 @@ const PARALLEL_COPY_BYTES: usize = 8 << 20;
 /// Piece of a parallel copy handed to one worker at a time.
 const COPY_PIECE_BYTES: usize = 4 << 20;
 
-/// Piece of a committed range the prefault thread populates at a time: small, so that a release
-/// waits at most a millisecond or two for the piece in progress.
-const PREFAULT_PIECE_BYTES: usize = 8 << 20;
-
 /// The CPU device: reservations are anonymous `mmap` ranges, release drops their pages.
 #[derive(Debug)]
 pub struct HostDevice {
@@ -53,27 +50,7 @@ pub struct HostDevice {
 #[derive(Debug)]
 struct Shared {
     state: Mutex<HostState>,
-    prefaulter: Arc<Prefaulter>,
-    /// The prefault thread; `None` when it could not be started (pages then fault on first use).
-    prefault_thread: Option<JoinHandle<()>>,
-}
-
-/// Committed ranges whose pages the prefault thread is to fault in.
-#[derive(Debug, Default)]
-struct Prefaulter {
-    queue: Mutex<PrefaultQueue>,
-    /// Signalled when work arrives, when a piece is done and on shutdown.
-    changed: Condvar,
-    /// Cleared when the kernel lacks `MADV_POPULATE_WRITE` (before Linux 5.14).
-    supported: AtomicBool,
-}
-
-#[derive(Debug, Default)]
-struct PrefaultQueue {
-    pending: VecDeque<AddressRange>,
-    /// The piece being populated now; releases of ranges overlapping it wait for it.
-    current: Option<AddressRange>,
-    stopping: bool,
+    prefault: Prefault,
 }
 
 #[derive(Debug, Default)]
@@ -103,22 +80,11 @@ struct Claim {
 impl HostDevice {
     /// A CPU device that can commit up to `capacity_bytes` at once.
     pub fn new(capacity_bytes: u64) -> HostDevice {
-        let prefaulter = Arc::new(Prefaulter {
-            supported: AtomicBool::new(true),
-            ..Prefaulter::default()
-        });
-        let worker = Arc::clone(&prefaulter);
-        let prefault_thread = std::thread::Builder::new()
-            .name("miles-cpu-prefault".to_string())
-            .spawn(move || worker.run())
-            .map_err(|error| tracing::warn!(%error, "no prefault thread: pages fault on first use"))
-            .ok();
         HostDevice {
             capacity: capacity_bytes,
             shared: Arc::new(Shared {
                 state: Mutex::new(HostState::default()),
-                prefaulter,
-                prefault_thread,
+                prefault: Prefault::start(),
             }),
         }
     }
@@ -216,119 +182,9 @@ impl HostState {
     }
 }
 
-impl Prefaulter {
-    /// Queue a committed range for populating.
-    fn push(&self, range: AddressRange) {
-        if self.supported.load(Ordering::Relaxed) {
-            lock(&self.queue).pending.push_back(range);
-            self.changed.notify_all();
-        }
-    }
-
-    /// Drop `range` from the queue and wait for a piece of it in progress, so that nothing
-    /// populates it once this returns (before its pages are released or unmapped).
-    fn cancel(&self, range: AddressRange) {
-        let mut queue = lock(&self.queue);
-        let pending = std::mem::take(&mut queue.pending);
-        for queued in pending {
-            let before = AddressRange {
-                start: queued.start,
-                len: range
-                    .start
-                    .saturating_sub(queued.start)
-                    .min(queued.len as u64) as usize,
-            };
-            let after_start = range.end().clamp(queued.start, queued.end());
-            let after = AddressRange {
-                start: after_start,
-                len: (queued.end() - after_start) as usize,
-            };
-            queue
-                .pending
-                .extend([before, after].into_iter().filter(|part| part.len > 0));
-        }
-        while queue.current.is_some_and(|piece| overlaps(piece, range)) {
-            queue = self
-                .changed
-                .wait(queue)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// Tell the thread to stop after the piece in progress; the queue is dropped.
-    fn stop(&self) {
-        let mut queue = lock(&self.queue);
-        queue.stopping = true;
-        queue.pending.clear();
-        self.changed.notify_all();
-    }
-
-    /// The prefault thread: populate queued ranges a piece at a time until stopped.
-    fn run(&self) {
-        let mut queue = lock(&self.queue);
-        loop {
-            if queue.stopping {
-                return;
-            }
-            let Some(front) = queue.pending.front_mut() else {
-                queue = self
-                    .changed
-                    .wait(queue)
-                    .unwrap_or_else(PoisonError::into_inner);
-                continue;
-            };
-            let piece = AddressRange {
-                start: front.start,
-                len: front.len.min(PREFAULT_PIECE_BYTES),
-            };
-            front.start += piece.len as u64;
-            front.len -= piece.len;
-            if front.len == 0 {
-                queue.pending.pop_front();
-            }
-            queue.current = Some(piece);
-            drop(queue);
-            self.populate(piece);
-            queue = lock(&self.queue);
-            queue.current = None;
-            self.changed.notify_all();
-        }
-    }
-
-    fn populate(&self, piece: AddressRange) {
-        // SAFETY: the piece is committed in a mapping of this device, and stays mapped while it
-        // is `current`: release and unreserve cancel it and wait, and the device's drop joins
-        // this thread before it unmaps. Populating faults pages in and changes no byte.
-        let rc = unsafe {
-            libc::madvise(
-                piece.start as usize as *mut libc::c_void,
-                piece.len,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-        if rc != 0 {
-            let error = std::io::Error::last_os_error();
-            if error.raw_os_error() == Some(libc::EINVAL) {
-                self.supported.store(false, Ordering::Relaxed);
-                lock(&self.queue).pending.clear();
-            }
-            tracing::debug!(%error, "cannot prefault device pages; they fault on first use");
-        }
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl Drop for Shared {
     fn drop(&mut self) {
-        self.prefaulter.stop();
-        if let Some(thread) = self.prefault_thread.take()
-            && thread.join().is_err()
-        {
-            tracing::error!("the cpu device's prefault thread panicked");
-        }
+        self.prefault.stop();
         let state = self.lock();
         for (&start, reservation) in &state.reservations {
             if let Err(error) = unmap(start, reservation.len) {
@@ -404,7 +260,7 @@ impl Device for HostDevice {
             });
         }
         state.check_unclaimed(range, ViewAccess::Write)?;
-        self.shared.prefaulter.cancel(range);
+        self.shared.prefault.cancel(range);
         unmap(range.start, range.len)?;
         if let Some(reservation) = state.reservations.remove(&range.start) {
             let granules = reservation.committed.iter().filter(|&&c| c).count();
@@ -441,7 +297,7 @@ impl Device for HostDevice {
         }
         reservation.committed[first..last].fill(true);
         state.committed_bytes += range.len as u64;
-        self.shared.prefaulter.push(range);
+        self.shared.prefault.push(range);
         Ok(())
     }
 
@@ -450,7 +306,7 @@ impl Device for HostDevice {
         let (start, first, last) = state.granules(range)?;
         state.check_committed(range)?;
         state.check_unclaimed(range, ViewAccess::Write)?;
-        self.shared.prefaulter.cancel(range);
+        self.shared.prefault.cancel(range);
         drop_pages(range)?;
         if let Some(reservation) = state.reservations.get_mut(&start) {
             reservation.committed[first..last].fill(false);
@@ -865,29 +721,5 @@ mod tests {
             device.release(range).unwrap();
             assert_eq!(device.resident_bytes_in(range).unwrap(), 0);
         }
-    }
-
-    #[test]
-    fn cancelling_a_range_keeps_the_queued_parts_around_it() {
-        let prefaulter = Prefaulter::default();
-        let queued = AddressRange {
-            start: 1 << 30,
-            len: 10 * GRANULE,
-        };
-        prefaulter.supported.store(true, Ordering::Relaxed);
-        prefaulter.push(queued);
-        prefaulter.cancel(queued.slice(3 * GRANULE, 4 * GRANULE).unwrap());
-        prefaulter.cancel(AddressRange {
-            start: queued.end(),
-            len: GRANULE,
-        });
-        let pending: Vec<AddressRange> = lock(&prefaulter.queue).pending.iter().copied().collect();
-        assert_eq!(
-            pending,
-            vec![
-                queued.slice(0, 3 * GRANULE).unwrap(),
-                queued.slice(7 * GRANULE, 3 * GRANULE).unwrap()
-            ]
-        );
     }
 }
