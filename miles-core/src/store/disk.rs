@@ -4,8 +4,10 @@
 //!
 //! Pause: the calling thread copies chunk k+1 from the device into a staging buffer and
 //! checksums it while writer threads write chunks k and k-1 (O_DIRECT where the filesystem
-//! allows). Resume: a few threads each read a chunk, verify its checksum and copy it to the
-//! device, so reads stay in flight while other chunks are verified and copied.
+//! allows). Resume: a few threads each read a chunk and verify its checksum, so reads stay in
+//! flight while other chunks are verified. On a device the host addresses (the CPU device) a
+//! chunk is read straight into its device ranges and verified there, sparing a copy; elsewhere it
+//! goes through a staging buffer and is verified before it is copied to the device.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
@@ -17,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{AddressRange, Device, HostBuffer};
+use crate::device::{AddressRange, Device, HostBuffer, ViewAccess};
 
 use super::{HostPool, StoreError};
 
@@ -293,7 +295,7 @@ impl DiskStore {
     }
 
     /// Read `backup` back into the device ranges `runs` (committed, the same ranges it was saved
-    /// from), verifying every chunk's checksum before it reaches the device.
+    /// from), verifying every chunk's checksum.
     ///
     /// # Errors
     /// [`StoreError::Manifest`] when the manifest on disk is missing or does not match;
@@ -315,7 +317,7 @@ impl DiskStore {
             });
         }
         let data_path = backup.dir.join(DATA_FILE);
-        let (file, _) = open_data(&data_path, false)?;
+        let (file, direct) = open_data(&data_path, false)?;
         let chunk_bytes = on_disk.chunk_bytes;
         let total = on_disk.total_bytes;
         let chunks = on_disk.crc32c.len();
@@ -342,13 +344,20 @@ impl DiskStore {
                                 break;
                             }
                             let (offset, len) = chunk_span(index, chunk_bytes, total);
-                            let step = read_chunk(file, data_path, index, offset, len, &mut buffer)
-                                .and_then(|()| {
-                                    verify_chunk(data_path, index, crcs[index], len, &buffer)
-                                })
-                                .and_then(|()| {
-                                    unstage_chunk(device, runs, offset, len, &mut buffer)
-                                });
+                            let chunk = Chunk {
+                                file,
+                                path: data_path,
+                                direct,
+                                index,
+                                offset,
+                                len,
+                                crc: crcs[index],
+                            };
+                            let step = match chunk.load_in_place(device, runs) {
+                                Ok(true) => Ok(()),
+                                Ok(false) => chunk.load_staged(device, runs, &mut buffer),
+                                Err(error) => Err(error),
+                            };
                             if let Err(error) = step {
                                 lock(first_error).get_or_insert(error);
                                 break;
@@ -492,17 +501,102 @@ fn stage_chunk(
     Ok(())
 }
 
-fn unstage_chunk(
-    device: &dyn Device,
-    runs: &[AddressRange],
+/// A chunk of a data file being loaded, with its checksum.
+struct Chunk<'a> {
+    file: &'a File,
+    path: &'a Path,
+    direct: bool,
+    index: usize,
     offset: u64,
     len: usize,
-    buffer: &mut HostBuffer,
-) -> Result<(), StoreError> {
-    for (range, at) in pieces(runs, offset, len) {
-        device.copy_from_host(buffer, at, range)?.wait()?;
+    crc: u32,
+}
+
+impl Chunk<'_> {
+    /// Read the chunk straight into its device ranges and verify it there, when the device
+    /// lets the host address them and they suit the file's alignment; `false` when not (nothing
+    /// was read then).
+    fn load_in_place(
+        &self,
+        device: &dyn Device,
+        runs: &[AddressRange],
+    ) -> Result<bool, StoreError> {
+        let parts = pieces(runs, self.offset, self.len);
+        let aligned = |range: &AddressRange| {
+            (range.start as usize).is_multiple_of(DIRECT_ALIGN)
+                && range.len.is_multiple_of(DIRECT_ALIGN)
+        };
+        if self.direct && !parts.iter().all(|(range, _)| aligned(range)) {
+            return Ok(false);
+        }
+        let mut views = Vec::with_capacity(parts.len());
+        for (range, _) in &parts {
+            match device.host_view(*range, ViewAccess::Write)? {
+                Some(view) => views.push(view),
+                None => return Ok(false),
+            }
+        }
+        let mut found = 0;
+        for (view, (range, at)) in views.iter_mut().zip(&parts) {
+            let bytes = view.as_mut_slice::<u8>()?;
+            self.read_into(self.offset + *at as u64, bytes, range.len)?;
+            found = crc32c::crc32c_append(found, bytes);
+        }
+        self.check(found)?;
+        Ok(true)
     }
-    Ok(())
+
+    /// Read the chunk into `buffer`, verify it, then copy it to its device ranges.
+    fn load_staged(
+        &self,
+        device: &dyn Device,
+        runs: &[AddressRange],
+        buffer: &mut HostBuffer,
+    ) -> Result<(), StoreError> {
+        let bytes = buffer.as_mut_slice()?;
+        let padded = self.len.next_multiple_of(DIRECT_ALIGN).min(bytes.len());
+        self.read_into(self.offset, &mut bytes[..padded], self.len)?;
+        self.check(crc32c::crc32c(&buffer.as_slice()?[..self.len]))?;
+        for (range, at) in pieces(runs, self.offset, self.len) {
+            device.copy_from_host(buffer, at, range)?.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Read file bytes from `offset` into `bytes` until `len` of them are in (`bytes` may be
+    /// longer, padded to the O_DIRECT alignment).
+    fn read_into(&self, offset: u64, bytes: &mut [u8], len: usize) -> Result<(), StoreError> {
+        let action = || format!("read chunk {} of", self.index);
+        let mut done = 0;
+        while done < len {
+            match self.file.read_at(&mut bytes[done..], offset + done as u64) {
+                Ok(0) => {
+                    return Err(StoreError::Io {
+                        action: action(),
+                        path: self.path.to_path_buf(),
+                        source: std::io::Error::from(ErrorKind::UnexpectedEof),
+                    });
+                }
+                Ok(n) => done += n,
+                Err(error) if error.kind() == ErrorKind::Interrupted => {}
+                Err(error) => return Err(io_error(&action(), self.path)(error)),
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, found: u32) -> Result<(), StoreError> {
+        if found == self.crc {
+            Ok(())
+        } else {
+            Err(StoreError::ChecksumMismatch {
+                path: self.path.to_path_buf(),
+                chunk: self.index,
+                expected: self.crc,
+                found,
+            })
+        }
+    }
 }
 
 fn write_chunk(
@@ -523,54 +617,6 @@ fn write_chunk(
     bytes[len..padded].fill(0);
     file.write_all_at(&bytes[..padded], (index * chunk_bytes) as u64)
         .map_err(io_error(&format!("write chunk {index} of"), path))
-}
-
-fn read_chunk(
-    file: &File,
-    path: &Path,
-    index: usize,
-    offset: u64,
-    len: usize,
-    buffer: &mut HostBuffer,
-) -> Result<(), StoreError> {
-    let bytes = buffer.as_mut_slice()?;
-    let padded = len.next_multiple_of(DIRECT_ALIGN).min(bytes.len());
-    let mut done = 0;
-    while done < len {
-        match file.read_at(&mut bytes[done..padded], offset + done as u64) {
-            Ok(0) => {
-                return Err(StoreError::Io {
-                    action: format!("read chunk {index} of"),
-                    path: path.to_path_buf(),
-                    source: std::io::Error::from(ErrorKind::UnexpectedEof),
-                });
-            }
-            Ok(n) => done += n,
-            Err(error) if error.kind() == ErrorKind::Interrupted => {}
-            Err(error) => return Err(io_error(&format!("read chunk {index} of"), path)(error)),
-        }
-    }
-    Ok(())
-}
-
-fn verify_chunk(
-    path: &Path,
-    index: usize,
-    expected: u32,
-    len: usize,
-    buffer: &HostBuffer,
-) -> Result<(), StoreError> {
-    let found = crc32c::crc32c(&buffer.as_slice()?[..len]);
-    if found == expected {
-        Ok(())
-    } else {
-        Err(StoreError::ChecksumMismatch {
-            path: path.to_path_buf(),
-            chunk: index,
-            expected,
-            found,
-        })
-    }
 }
 
 /// Open the data file with O_DIRECT, or buffered where the filesystem refuses O_DIRECT (tmpfs);
@@ -637,5 +683,139 @@ fn io_error<'a>(action: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) 
         action: action.to_string(),
         path: path.to_path_buf(),
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::device::{DeviceError, DeviceKind, Fence, HostDevice, MemoryInfo};
+
+    const MIB: usize = 1 << 20;
+
+    /// The CPU device with its host views hidden, as on CUDA: loads go through staging buffers.
+    #[derive(Debug)]
+    struct NoViews(HostDevice);
+
+    impl Device for NoViews {
+        fn kind(&self) -> DeviceKind {
+            self.0.kind()
+        }
+        fn name(&self) -> String {
+            self.0.name()
+        }
+        fn granularity(&self) -> usize {
+            self.0.granularity()
+        }
+        fn reserve(&self, len: usize) -> Result<AddressRange, DeviceError> {
+            self.0.reserve(len)
+        }
+        fn unreserve(&self, range: AddressRange) -> Result<(), DeviceError> {
+            self.0.unreserve(range)
+        }
+        fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
+            self.0.commit(range)
+        }
+        fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
+            self.0.release(range)
+        }
+        fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
+            self.0.memory_info()
+        }
+        fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
+            self.0.alloc_host(len)
+        }
+        fn copy_to_host(
+            &self,
+            src: AddressRange,
+            dst: &mut HostBuffer,
+            offset: usize,
+        ) -> Result<Fence, DeviceError> {
+            self.0.copy_to_host(src, dst, offset)
+        }
+        fn copy_from_host(
+            &self,
+            src: &mut HostBuffer,
+            offset: usize,
+            dst: AddressRange,
+        ) -> Result<Fence, DeviceError> {
+            self.0.copy_from_host(src, offset, dst)
+        }
+        fn read(&self, src: AddressRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+            self.0.read(src, dst)
+        }
+        fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError> {
+            self.0.write(src, dst)
+        }
+    }
+
+    /// Save two separate runs in 3 MiB chunks (so chunks straddle them), load them back, then
+    /// flip one byte of chunk 1 on disk and load again.
+    fn round_trip_then_corrupt(device: Arc<dyn Device>) {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Arc::new(HostPool::new(Arc::clone(&device)));
+        let store = DiskStore::new(dir.path(), 0, 3 * MIB, pool).unwrap();
+        let arena = device.reserve(16 * MIB).unwrap();
+        let runs = [
+            arena.slice(0, 4 * MIB).unwrap(),
+            arena.slice(8 * MIB, 6 * MIB).unwrap(),
+        ];
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut expected = Vec::new();
+        for run in runs {
+            device.commit(run).unwrap();
+            let bytes: Vec<u8> = (0..run.len).map(|_| rng.random()).collect();
+            device.write(&bytes, run).unwrap();
+            expected.push(bytes);
+        }
+        let backup = store.save(device.as_ref(), "weights", &runs).unwrap();
+        let reload = |device: &dyn Device| {
+            for run in runs {
+                device.release(run).unwrap();
+                device.commit(run).unwrap();
+            }
+            store.load(device, &backup, &runs)
+        };
+        reload(device.as_ref()).unwrap();
+        for (run, bytes) in runs.iter().zip(&expected) {
+            let mut back = vec![0u8; run.len];
+            device.read(*run, &mut back).unwrap();
+            assert!(
+                back == *bytes,
+                "run at {:#x} differs after the load",
+                run.start
+            );
+        }
+        let data = backup.dir().join(DATA_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&data)
+            .unwrap();
+        let mut byte = [0u8; 1];
+        file.read_exact_at(&mut byte, (5 * MIB + 17) as u64)
+            .unwrap();
+        file.write_all_at(&[byte[0] ^ 0x10], (5 * MIB + 17) as u64)
+            .unwrap();
+        file.sync_all().unwrap();
+        let err = reload(device.as_ref()).unwrap_err();
+        assert!(
+            matches!(err, StoreError::ChecksumMismatch { chunk: 1, .. }),
+            "{err}"
+        );
+        assert!(data.exists(), "the files are kept after a failed load");
+    }
+
+    #[test]
+    fn loads_into_host_addressable_memory_restore_every_byte_and_catch_a_flipped_one() {
+        round_trip_then_corrupt(Arc::new(HostDevice::new(64 * MIB as u64)));
+    }
+
+    #[test]
+    fn staged_loads_restore_every_byte_and_catch_a_flipped_one() {
+        round_trip_then_corrupt(Arc::new(NoViews(HostDevice::new(64 * MIB as u64))));
     }
 }
