@@ -362,7 +362,7 @@ impl TrainBackend for FsdpBackend {
         }
         let stats = self.offload_stats(target, false)?;
         self.offloaded = Some(target);
-        tracing::info!(%target, bytes = stats.bytes(), seconds = stats.seconds, "fsdp offloaded");
+        tracing::debug!(%target, bytes = stats.bytes(), seconds = stats.seconds, "fsdp offloaded");
         Ok(stats)
     }
 
@@ -372,7 +372,7 @@ impl TrainBackend for FsdpBackend {
         };
         let stats = self.offload_stats(target, true)?;
         self.offloaded = None;
-        tracing::info!(%target, bytes = stats.bytes(), seconds = stats.seconds, "fsdp onloaded");
+        tracing::debug!(%target, bytes = stats.bytes(), seconds = stats.seconds, "fsdp onloaded");
         Ok(stats)
     }
 

@@ -298,7 +298,7 @@ impl Region {
         }
         let free_after = self.device.memory_info().map_err(self.device_error())?.free;
         let seconds = started.elapsed().as_secs_f64();
-        tracing::info!(tag = %self.tag, policy = %self.policy, bytes, seconds, "paused");
+        tracing::debug!(tag = %self.tag, policy = %self.policy, bytes, seconds, "paused");
         Ok(OffloadReport::new(
             self.tag.clone(),
             bytes,
@@ -399,7 +399,7 @@ impl Region {
         let bytes = released.iter().map(|r| r.len as u64).sum();
         let free_after = self.device.memory_info().map_err(self.device_error())?.free;
         let seconds = started.elapsed().as_secs_f64();
-        tracing::info!(tag = %self.tag, policy = %self.policy, bytes, seconds, "resumed");
+        tracing::debug!(tag = %self.tag, policy = %self.policy, bytes, seconds, "resumed");
         Ok(OffloadReport::new(
             self.tag.clone(),
             bytes,
