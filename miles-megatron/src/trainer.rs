@@ -17,7 +17,7 @@ use miles_core::{
     MemoryTag, NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket, WeightSink,
 };
 
-use crate::checkpoint::{OPTIMIZER_DIR, read_optimizer, write_optimizer};
+use crate::checkpoint::{own_slice, read_full_optimizer, write_optimizer};
 use crate::error::invalid;
 use crate::rank::{Comms, Grid, Rank, RankSpec, StreamSpec};
 use crate::shard::{gather_tensor, scatter, shard_config};
@@ -698,44 +698,38 @@ impl TrainBackend for MegatronTrainer {
             });
         }
         let full = Arc::new(params);
+        let optimizer = Arc::new(read_full_optimizer(dir, &self.config, &self.full_layout)?);
         let full_layout = self.full_layout.clone();
-        let (tp, dp) = (self.options.tensor_parallel, self.options.data_parallel);
-        let dir = Arc::new(dir.to_path_buf());
         let steps = self.run_all(false, |_| {
-            let (full, full_layout, dir) =
-                (Arc::clone(&full), full_layout.clone(), Arc::clone(&dir));
+            let (full, full_layout, optimizer) = (
+                Arc::clone(&full),
+                full_layout.clone(),
+                Arc::clone(&optimizer),
+            );
             Box::new(move |rank| {
+                let (tp_rank, dp_rank) = (rank.grid.tp_rank(), rank.grid.dp_rank());
                 let mut local = vec![0.0; rank.layout().len()];
-                scatter(
-                    &full_layout,
-                    rank.layout(),
-                    &full,
-                    &mut local,
-                    rank.grid.tp_rank(),
-                );
+                scatter(&full_layout, rank.layout(), &full, &mut local, tp_rank);
                 rank.set_local_params(&local)?;
-                match read_optimizer(&dir, rank.grid.rank, tp, dp)? {
-                    Some(saved) if saved.m.len() != rank.shard_len() || saved.v.len() != rank.shard_len() => {
-                        Err(BackendError::Checkpoint {
-                            path: dir.join(OPTIMIZER_DIR),
-                            reason: format!(
-                                "rank {} owns {} optimizer elements, its file holds {} and {}; the checkpoint is of another model",
-                                rank.grid.rank,
-                                rank.shard_len(),
-                                saved.m.len(),
-                                saved.v.len()
-                            ),
-                        })
-                    }
-                    Some(saved) => {
-                        rank.set_moments(&saved.m, &saved.v)?;
-                        rank.step = saved.step;
-                        Ok(Reply::Loaded {
-                            step: Some(saved.step),
-                        })
-                    }
-                    None => Ok(Reply::Loaded { step: None }),
-                }
+                let Some(saved) = optimizer.as_ref() else {
+                    return Ok(Reply::Loaded { step: None });
+                };
+                let slice = |full: &[f32]| {
+                    own_slice(
+                        &full_layout,
+                        rank.layout(),
+                        full,
+                        tp_rank,
+                        dp_rank,
+                        rank.shard_len(),
+                    )
+                };
+                let (m, v) = (slice(&saved.m), slice(&saved.v));
+                rank.set_moments(&m, &v)?;
+                rank.step = saved.step;
+                Ok(Reply::Loaded {
+                    step: Some(saved.step),
+                })
             })
         })?;
         if let Some(Reply::Loaded { step: Some(step) }) = steps.first() {
