@@ -20,8 +20,6 @@ use miles_core::ops::AdamWConfig;
 use miles_core::{Batch, Device, HostDevice};
 use miles_fsdp::FsdpBackend;
 use miles_megatron::{MegatronOptions, MegatronTrainer, init_weights};
-use rand::{RngExt, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 const STEPS: usize = 5;
 const SEED: u64 = 5;
@@ -68,27 +66,9 @@ fn megatron(dp: usize) -> MegatronTrainer {
     MegatronTrainer::new(config, &params, options).unwrap()
 }
 
-/// Step `step`'s batch: seeded tokens and weights (some masked, some negative advantages).
+/// Step `step`'s batch (see [`miles_tests::seeded_batch`]).
 fn batch(step: usize) -> Batch {
-    let mut rng = ChaCha8Rng::seed_from_u64(100 + step as u64);
-    let n = ROWS * SEQ;
-    let v = tiny().vocab_size as u32;
-    Batch {
-        batch: ROWS,
-        seq: SEQ,
-        inputs: (0..n).map(|_| rng.random_range(0..v)).collect(),
-        targets: (0..n).map(|_| rng.random_range(0..v)).collect(),
-        weights: (0..n)
-            .map(|i| {
-                if i % 7 == 3 {
-                    0.0
-                } else {
-                    rng.random::<f32>() * 1.5 - 0.25
-                }
-            })
-            .collect(),
-        normaliser: n as f32,
-    }
+    miles_tests::seeded_batch(&tiny(), step, ROWS, SEQ)
 }
 
 /// The losses of `steps` on `backend`.

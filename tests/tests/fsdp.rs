@@ -17,8 +17,6 @@ use miles_core::model::{LlamaConfig, Trainer, Transformer, init_params};
 use miles_core::ops::AdamWConfig;
 use miles_core::{Batch, Device, HostDevice, MemoryTag};
 use miles_fsdp::FsdpBackend;
-use rand::{RngExt, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 const STEPS: usize = 5;
 const MIB: u64 = 1 << 20;
@@ -50,27 +48,9 @@ fn tiny() -> LlamaConfig {
     LlamaConfig::preset("tiny").unwrap()
 }
 
-/// Step `step`'s batch: seeded tokens and weights (some masked, some negative advantages).
+/// Step `step`'s batch (see [`miles_tests::seeded_batch`]).
 fn batch(config: &LlamaConfig, step: usize, b: usize, t: usize) -> Batch {
-    let mut rng = ChaCha8Rng::seed_from_u64(100 + step as u64);
-    let n = b * t;
-    let v = config.vocab_size as u32;
-    Batch {
-        batch: b,
-        seq: t,
-        inputs: (0..n).map(|_| rng.random_range(0..v)).collect(),
-        targets: (0..n).map(|_| rng.random_range(0..v)).collect(),
-        weights: (0..n)
-            .map(|i| {
-                if i % 7 == 3 {
-                    0.0
-                } else {
-                    rng.random::<f32>() * 1.5 - 0.25
-                }
-            })
-            .collect(),
-        normaliser: n as f32,
-    }
+    miles_tests::seeded_batch(config, step, b, t)
 }
 
 /// The single-rank reference: the whole model, `Trainer`, same init and AdamW; its losses over
