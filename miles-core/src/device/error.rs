@@ -80,6 +80,16 @@ pub enum DeviceError {
         /// The driver's description of the error.
         message: String,
     },
+    /// A tensor handed to a GPU op holds the wrong number of elements.
+    #[error("{what} holds {actual} elements where the op needs {expected}; check the shapes")]
+    ShapeMismatch {
+        /// Which tensor.
+        what: &'static str,
+        /// Elements the op needs.
+        expected: usize,
+        /// Elements it holds.
+        actual: usize,
+    },
     /// No CUDA driver or GPU could be used.
     #[error(
         "cuda is not available: {0}; use --device cpu, or run `miles doctor` to see what is missing"

@@ -271,6 +271,25 @@ pub(crate) fn cudarc_driver_ready() -> Result<(), String> {
     RESULT.get_or_init(check_cudarc_library).clone()
 }
 
+/// Whether the CUDA library `name` (`nvrtc`, `cublas`, `cublasLt`) loads under one of the names
+/// cudarc's loader tries: checked before cudarc touches it, since cudarc panics otherwise.
+pub(crate) fn cudarc_library_ready(name: &str) -> Result<(), String> {
+    let candidates = cudarc::get_lib_name_candidates(name);
+    // SAFETY: loading a CUDA library runs its initialisers, which have no preconditions; the
+    // handle is dropped at once.
+    let found = candidates
+        .iter()
+        .any(|candidate| unsafe { libloading::Library::new(candidate) }.is_ok());
+    if found {
+        Ok(())
+    } else {
+        Err(format!(
+            "no {name} library found (tried {}); install the cuda toolkit or add its lib directory to LD_LIBRARY_PATH",
+            candidates.join(", ")
+        ))
+    }
+}
+
 fn check_cudarc_library() -> Result<(), String> {
     // The same names, in the same order, as cudarc's own loader tries, so the library checked
     // here is the one cudarc opens.

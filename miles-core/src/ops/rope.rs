@@ -39,6 +39,16 @@ impl RopeTable {
         self.cos.len() / self.half.max(1)
     }
 
+    /// Cosines `(P, D/2)`, position-major.
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// Sines `(P, D/2)`, position-major.
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
     fn at(&self, pos: usize) -> (&[f32], &[f32]) {
         let r = pos * self.half..(pos + 1) * self.half;
         (&self.cos[r.clone()], &self.sin[r])

@@ -22,6 +22,7 @@
 //! symbol it needs: cudarc panics otherwise. Every driver call runs with the device's primary
 //! context made current on the calling thread, so the device can be used from any thread.
 
+pub mod compute;
 mod context;
 mod copies;
 mod driver;
@@ -150,6 +151,11 @@ impl CudaDevice {
             engine,
             context,
         })
+    }
+
+    /// The GPU's ordinal (`cuda:N`).
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
     }
 
     /// The options in effect (after rounding).

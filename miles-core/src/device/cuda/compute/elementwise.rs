@@ -1,0 +1,192 @@
+//! Wrappers of the forward kernels (`kernels/forward.cu`): shapes checked, then queued.
+
+use half::bf16;
+
+use super::{Gpu, GpuSlice, elementwise, per_row};
+use crate::device::DeviceError;
+
+/// Threads per block of the per-row kernels (norms).
+const ROW_THREADS: u32 = 256;
+
+fn as_i64(n: usize) -> i64 {
+    n as i64
+}
+
+fn as_i32(what: &'static str, n: usize) -> Result<i32, DeviceError> {
+    i32::try_from(n).map_err(|_| DeviceError::ShapeMismatch {
+        what,
+        expected: i32::MAX as usize,
+        actual: n,
+    })
+}
+
+impl Gpu {
+    /// `out = bf16(x)`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for lengths that differ; the launch's error.
+    pub fn cast_to_bf16(&self, out: GpuSlice<bf16>, x: GpuSlice<f32>) -> Result<(), DeviceError> {
+        out.expect_len("cast output", x.len())?;
+        let n = as_i64(x.len());
+        self.launch(
+            "cast_f32_to_bf16",
+            elementwise(x.len()),
+            &[&out.address(), &x.address(), &n],
+        )
+    }
+
+    /// `out = f32(x)`.
+    ///
+    /// # Errors
+    /// As [`Gpu::cast_to_bf16`].
+    pub fn cast_to_f32(&self, out: GpuSlice<f32>, x: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        out.expect_len("cast output", x.len())?;
+        let n = as_i64(x.len());
+        self.launch(
+            "cast_bf16_to_f32",
+            elementwise(x.len()),
+            &[&out.address(), &x.address(), &n],
+        )
+    }
+
+    /// `out (N, C)` = rows `ids (N)` of `table (V, C)`. Ids are trusted to be below `V`
+    /// (the model checks tokens before it uploads them).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn embedding_forward(
+        &self,
+        out: GpuSlice<bf16>,
+        ids: GpuSlice<u32>,
+        table: GpuSlice<bf16>,
+        c: usize,
+    ) -> Result<(), DeviceError> {
+        out.expect_len("embedding output", ids.len() * c)?;
+        if c == 0 || !table.len().is_multiple_of(c) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "embedding table",
+                expected: c,
+                actual: table.len(),
+            });
+        }
+        let c32 = as_i32("embedding width", c)?;
+        self.launch(
+            "embedding_forward",
+            per_row(ids.len(), ROW_THREADS),
+            &[&out.address(), &ids.address(), &table.address(), &c32],
+        )
+    }
+
+    /// RMSNorm of each row of `x (N, C)` with weight `w (C)` into `out`; `rstd (N)` gets each
+    /// row's reciprocal RMS when given (training keeps it for the backward pass).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn rmsnorm_forward(
+        &self,
+        out: GpuSlice<bf16>,
+        rstd: Option<GpuSlice<f32>>,
+        x: GpuSlice<bf16>,
+        w: GpuSlice<bf16>,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
+        let c = w.len();
+        out.expect_len("rmsnorm output", x.len())?;
+        if c == 0 || !x.len().is_multiple_of(c) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "rmsnorm input",
+                expected: c,
+                actual: x.len(),
+            });
+        }
+        let rows = x.len() / c;
+        if let Some(r) = rstd {
+            r.expect_len("rmsnorm rstd", rows)?;
+        }
+        let rstd_addr = rstd.map_or(0u64, |r| r.address());
+        let c32 = as_i32("rmsnorm width", c)?;
+        self.launch(
+            "rmsnorm_forward",
+            per_row(rows, ROW_THREADS),
+            &[
+                &out.address(),
+                &rstd_addr,
+                &x.address(),
+                &w.address(),
+                &c32,
+                &eps,
+            ],
+        )
+    }
+
+    /// Rotates `x (N, heads, D)` in place, row `i` at `positions[i]`, with the rotary tables
+    /// `cos`, `sin` `(P, D/2)` (see `ops::RopeTable`). Positions are trusted to be below `P`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn rope_forward(
+        &self,
+        x: GpuSlice<bf16>,
+        positions: GpuSlice<u32>,
+        cos: GpuSlice<f32>,
+        sin: GpuSlice<f32>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<(), DeviceError> {
+        let n = positions.len();
+        x.expect_len("rope input", n * heads * head_dim)?;
+        sin.expect_len("rope sin table", cos.len())?;
+        let (n64, h32, d32) = (
+            as_i64(n),
+            as_i32("rope heads", heads)?,
+            as_i32("rope head dim", head_dim)?,
+        );
+        self.launch(
+            "rope_forward",
+            elementwise(n * heads * head_dim / 2),
+            &[
+                &x.address(),
+                &positions.address(),
+                &cos.address(),
+                &sin.address(),
+                &n64,
+                &h32,
+                &d32,
+            ],
+        )
+    }
+
+    /// `out = silu(gate) * up`, elementwise.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn swiglu_forward(
+        &self,
+        out: GpuSlice<bf16>,
+        gate: GpuSlice<bf16>,
+        up: GpuSlice<bf16>,
+    ) -> Result<(), DeviceError> {
+        out.expect_len("swiglu output", gate.len())?;
+        up.expect_len("swiglu up", gate.len())?;
+        let n = as_i64(gate.len());
+        self.launch(
+            "swiglu_forward",
+            elementwise(gate.len()),
+            &[&out.address(), &gate.address(), &up.address(), &n],
+        )
+    }
+
+    /// `x += y`, elementwise.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn residual_add(&self, x: GpuSlice<bf16>, y: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        y.expect_len("residual addend", x.len())?;
+        let n = as_i64(x.len());
+        self.launch(
+            "residual_add",
+            elementwise(x.len()),
+            &[&x.address(), &y.address(), &n],
+        )
+    }
+}

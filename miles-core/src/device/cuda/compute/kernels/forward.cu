@@ -1,0 +1,83 @@
+// Forward kernels shared by training and inference. Row-major tensors; `n` rows (tokens) of
+// `c` columns unless said otherwise.
+
+// out[i] = bf16(x[i]), i < n.
+extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = f2bf(x[i]);
+    }
+}
+
+// out[i] = float(x[i]), i < n.
+extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = bf2f(x[i]);
+    }
+}
+
+// out (n, c) = table[ids[row]] (rows of c); one block a row.
+extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids, const bf16* table,
+                                             int c) {
+    const long long row = blockIdx.x;
+    const bf16* src = table + (long long)ids[row] * c;
+    bf16* dst = out + row * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) dst[j] = src[j];
+}
+
+// out = x / rms(x) * w per row, rstd[row] = 1 / rms(x); one block a row, 32 floats of shared.
+extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w,
+                                           int c, float eps) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const bf16* xr = x + row * c;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        const float v = bf2f(xr[j]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float r = rsqrtf(ss / (float)c + eps);
+    if (threadIdx.x == 0 && rstd) rstd[row] = r;
+    bf16* o = out + row * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+}
+
+// Rotary embedding in place on x (n, heads, d), rotate-half convention (Hugging Face Llama):
+// pair (i, i + d/2) of each head turns by positions[row] * inv_freq[i]. cos/sin tables are
+// (max_pos, d/2) fp32. One thread a pair.
+extern "C" __global__ void rope_forward(bf16* x, const unsigned int* positions, const float* cos_t,
+                                        const float* sin_t, long long n, int heads, int d) {
+    const int half = d / 2;
+    const long long pairs = n * heads * half;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int p = (int)(i % half);
+        const long long head = i / half;
+        const long long row = head / heads;
+        const long long pos = positions[row];
+        const float cs = cos_t[pos * half + p], sn = sin_t[pos * half + p];
+        bf16* h = x + head * d;
+        const float a = bf2f(h[p]), b = bf2f(h[p + half]);
+        h[p] = f2bf(a * cs - b * sn);
+        h[p + half] = f2bf(b * cs + a * sn);
+    }
+}
+
+// out = silu(gate) * up, elementwise over n values.
+extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf16* up, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float g = bf2f(gate[i]);
+        out[i] = f2bf(g / (1.0f + __expf(-g)) * bf2f(up[i]));
+    }
+}
+
+// x += y, elementwise over n values (the residual stream).
+extern "C" __global__ void residual_add(bf16* x, const bf16* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
+    }
+}

@@ -1,0 +1,421 @@
+//! GPU compute for the transformer: kernels compiled at start-up by NVRTC (for `compute_90`),
+//! matrix products through cuBLAS, all queued on one compute stream of the device's primary
+//! context.
+//!
+//! Tensors are [`GpuSlice`]s: a device address and an element count, typically carved out of a
+//! memory-manager buffer (`Buffer::address`). A kernel that reaches past a committed range faults
+//! on the GPU and comes back as [`DeviceError::Cuda`] from the next synchronising call; it cannot
+//! touch host memory. Activations and parameters are bf16 ([`half::bf16`]); arithmetic, norms'
+//! statistics, gradients of weights and optimizer state are fp32.
+//!
+//! Every call only queues work; [`Gpu::synchronize`] (or a download) waits for it, and
+//! [`Gpu::record_fence`] hands the memory manager a fence after the last use of a tag.
+
+mod blas;
+mod elementwise;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+pub(crate) mod testing;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod tests;
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+pub use blas::{Gemm, GemmOutput, Transpose};
+
+use super::CudaDevice;
+use crate::device::{AddressRange, DeviceError, Fence};
+
+/// The kernel sources, compiled as one program: the shared header first.
+const SOURCES: [&str; 2] = [
+    include_str!("kernels/common.cuh"),
+    include_str!("kernels/forward.cu"),
+];
+
+/// Every `extern "C"` kernel of [`SOURCES`], looked up once at start-up.
+const KERNELS: [&str; 7] = [
+    "cast_f32_to_bf16",
+    "cast_bf16_to_f32",
+    "embedding_forward",
+    "rmsnorm_forward",
+    "rope_forward",
+    "swiglu_forward",
+    "residual_add",
+];
+
+/// The architecture the kernels are compiled for: Hopper (H100, H200).
+const ARCH: &str = "compute_90";
+
+/// Element types a [`GpuSlice`] may hold.
+pub trait GpuElement: Copy + Send + Sync + 'static {}
+impl GpuElement for f32 {}
+impl GpuElement for bf16 {}
+impl GpuElement for u32 {}
+
+/// `len` elements of `T` at a device address: a view, owning nothing.
+#[derive(Debug)]
+pub struct GpuSlice<T> {
+    addr: u64,
+    len: usize,
+    element: PhantomData<T>,
+}
+
+impl<T> Clone for GpuSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for GpuSlice<T> {}
+
+impl<T: GpuElement> GpuSlice<T> {
+    /// The elements of `range`.
+    ///
+    /// # Errors
+    /// [`DeviceError::OutOfRange`] when the range's start is not aligned to `T` or its length is
+    /// not a whole number of elements.
+    pub fn of(range: AddressRange) -> Result<GpuSlice<T>, DeviceError> {
+        let size = std::mem::size_of::<T>();
+        if !range.start.is_multiple_of(size as u64) || !range.len.is_multiple_of(size) {
+            return Err(DeviceError::OutOfRange {
+                offset: (range.start % size as u64) as usize,
+                len: range.len,
+                range_len: range.len - range.len % size,
+            });
+        }
+        Ok(GpuSlice {
+            addr: range.start,
+            len: range.len / size,
+            element: PhantomData,
+        })
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of the first element.
+    pub fn address(&self) -> u64 {
+        self.addr
+    }
+
+    /// Elements `[start, start + len)`.
+    ///
+    /// # Errors
+    /// [`DeviceError::OutOfRange`] when they do not lie inside the slice.
+    pub fn sub(&self, start: usize, len: usize) -> Result<GpuSlice<T>, DeviceError> {
+        match start.checked_add(len) {
+            Some(end) if end <= self.len => Ok(GpuSlice {
+                addr: self.addr + (start * std::mem::size_of::<T>()) as u64,
+                len,
+                element: PhantomData,
+            }),
+            _ => Err(DeviceError::OutOfRange {
+                offset: start,
+                len,
+                range_len: self.len,
+            }),
+        }
+    }
+
+    /// Bytes it spans.
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// Checks it holds exactly `len` elements; `what` names it in the error.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] otherwise.
+    pub fn expect_len(&self, what: &'static str, len: usize) -> Result<(), DeviceError> {
+        if self.len == len {
+            Ok(())
+        } else {
+            Err(DeviceError::ShapeMismatch {
+                what,
+                expected: len,
+                actual: self.len,
+            })
+        }
+    }
+}
+
+/// Compute on one GPU: the compiled kernels, a cuBLAS handle and the compute stream.
+pub struct Gpu {
+    stream: Arc<CudaStream>,
+    kernels: HashMap<&'static str, CudaFunction>,
+    blas: blas::Blas,
+    device: Arc<CudaDevice>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("device", &self.device)
+            .field("kernels", &self.kernels.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gpu {
+    /// Compute on `device`'s GPU: compiles the kernels with NVRTC, loads them, and opens cuBLAS
+    /// on a new compute stream.
+    ///
+    /// # Errors
+    /// [`DeviceError::CudaUnavailable`] when NVRTC or cuBLAS cannot be loaded;
+    /// [`DeviceError::Cuda`] with the compiler's log when the kernels do not compile.
+    pub fn new(device: Arc<CudaDevice>) -> Result<Gpu, DeviceError> {
+        for library in ["nvrtc", "cublas", "cublasLt"] {
+            crate::device::probe::cudarc_library_ready(library)
+                .map_err(DeviceError::CudaUnavailable)?;
+        }
+        let ptx = compile()?;
+        let context = CudaContext::new(device.ordinal() as usize).map_err(cuda("cuCtxRetain"))?;
+        let stream = context.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
+        let kernels = KERNELS
+            .iter()
+            .map(|&name| {
+                module
+                    .load_function(name)
+                    .map(|function| (name, function))
+                    .map_err(cuda("cuModuleGetFunction"))
+            })
+            .collect::<Result<HashMap<_, _>, _>>()?;
+        let blas = blas::Blas::new(&stream)?;
+        tracing::info!(
+            kernels = kernels.len(),
+            arch = ARCH,
+            "compiled the gpu kernels"
+        );
+        Ok(Gpu {
+            stream,
+            kernels,
+            blas,
+            device,
+        })
+    }
+
+    /// The device whose memory the tensors live in.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Waits for every kernel queued so far.
+    ///
+    /// # Errors
+    /// The first error a queued kernel hit.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        self.stream
+            .synchronize()
+            .map_err(cuda("cuStreamSynchronize"))
+    }
+
+    /// A fence after the work queued so far: hand it to the memory manager as a tag's last use.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn record_fence(&self) -> Result<Fence, DeviceError> {
+        self.device.record_fence(&self.stream)
+    }
+
+    /// Makes later kernels wait, on the device, for `fence` (a resume's, say).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn wait_for(&self, fence: &Fence) -> Result<(), DeviceError> {
+        self.device.stream_wait(&self.stream, fence)
+    }
+
+    /// Copies `src` into `dst` (same length) and waits for it.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for lengths that differ; the driver's error.
+    pub fn upload<T: GpuElement>(&self, dst: GpuSlice<T>, src: &[T]) -> Result<(), DeviceError> {
+        dst.expect_len("upload destination", src.len())?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("cuCtxSetCurrent"))?;
+        // SAFETY: `dst` spans exactly `src`'s bytes; the stream is synchronised before `src`'s
+        // borrow ends, so the pageable source outlives the copy.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst.addr, src, self.stream.cu_stream())
+        }
+        .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        self.synchronize()
+    }
+
+    /// Copies `src` into `dst` (same length) after the queued work, and waits for it.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for lengths that differ; the driver's error, or the first
+    /// error a queued kernel hit.
+    pub fn download<T: GpuElement>(
+        &self,
+        dst: &mut [T],
+        src: GpuSlice<T>,
+    ) -> Result<(), DeviceError> {
+        src.expect_len("download source", dst.len())?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("cuCtxSetCurrent"))?;
+        // SAFETY: `src` spans exactly `dst`'s bytes; the stream is synchronised before `dst`'s
+        // borrow ends.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, src.addr, self.stream.cu_stream())
+        }
+        .map_err(cuda("cuMemcpyDtoHAsync"))?;
+        self.synchronize()
+    }
+
+    /// Sets every byte of `dst` to zero (queued).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn zero<T: GpuElement>(&self, dst: GpuSlice<T>) -> Result<(), DeviceError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("cuCtxSetCurrent"))?;
+        // SAFETY: `dst` is a view of device memory the caller holds; zero bytes are a valid value
+        // of every `GpuElement`.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                dst.addr,
+                0,
+                dst.bytes(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(cuda("cuMemsetD8Async"))
+    }
+
+    /// Copies `src` into `dst` (same length) on the device (queued).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the driver's error.
+    pub fn copy<T: GpuElement>(
+        &self,
+        dst: GpuSlice<T>,
+        src: GpuSlice<T>,
+    ) -> Result<(), DeviceError> {
+        dst.expect_len("copy destination", src.len())?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("cuCtxSetCurrent"))?;
+        // SAFETY: both views span the same number of bytes of device memory the caller holds.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                dst.addr,
+                src.addr,
+                src.bytes(),
+                self.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(cuda("cuMemcpyDtoDAsync"))
+    }
+
+    fn kernel(&self, name: &'static str) -> Result<&CudaFunction, DeviceError> {
+        self.kernels.get(name).ok_or_else(|| DeviceError::Cuda {
+            call: "cuModuleGetFunction",
+            message: format!("kernel {name} is not in the compiled module"),
+        })
+    }
+
+    /// Queues `name` with `args` (each a `DeviceRepr` value: device addresses as `u64`, sizes
+    /// as `i32`/`i64`, scalars as `f32`) on the compute stream.
+    fn launch(
+        &self,
+        name: &'static str,
+        config: LaunchConfig,
+        args: &[&dyn KernelArg],
+    ) -> Result<(), DeviceError> {
+        let function = self.kernel(name)?;
+        let mut builder = self.stream.launch_builder(function);
+        for arg in args {
+            arg.push(&mut builder);
+        }
+        // SAFETY: every kernel of `SOURCES` takes exactly the arguments its wrapper in this
+        // module passes, in order and of the same C types (u64 for pointers); the pointers are
+        // views of device memory (a kernel that strays faults on the GPU, not on the host).
+        unsafe { builder.launch(config) }
+            .map(drop)
+            .map_err(cuda("cuLaunchKernel"))
+    }
+}
+
+/// A kernel argument: a plain value pushed by reference.
+trait KernelArg {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
+    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
+        builder.arg(self);
+    }
+}
+
+/// Compiles [`SOURCES`] to PTX for [`ARCH`].
+fn compile() -> Result<cudarc::nvrtc::Ptx, DeviceError> {
+    let options = cudarc::nvrtc::CompileOptions {
+        arch: Some(ARCH),
+        options: vec!["--std=c++17".into()],
+        name: Some("miles_kernels.cu".into()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(SOURCES.concat(), options).map_err(|error| {
+        let message = match &error {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        DeviceError::Cuda {
+            call: "nvrtcCompileProgram",
+            message,
+        }
+    })
+}
+
+/// Maps a cudarc driver error to ours, naming the call.
+fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError {
+    move |error| DeviceError::Cuda {
+        call,
+        message: error.to_string(),
+    }
+}
+
+/// A launch of one thread per element over `n` elements, in blocks of 256, at most 65535 *
+/// 8 blocks (kernels loop over what remains).
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65535 * 8) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A launch of one block of `threads` per row over `rows` rows.
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

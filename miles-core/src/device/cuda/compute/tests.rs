@@ -1,0 +1,181 @@
+//! Kernel tests: each against the CPU implementation (`crate::ops`) on seeded random inputs
+//! rounded to bf16, within bf16 tolerance. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test
+//! -p miles-core compute -- --test-threads=1`; elsewhere they skip, except the compile check,
+//! which needs only NVRTC (`libnvrtc.so.13` on the library path).
+
+use super::testing::{TestGpu, assert_close};
+use super::*;
+use crate::ops::testing::seeded_vec as seeded;
+use crate::ops::{RopeTable, rmsnorm_forward, rope_forward, swiglu_forward};
+
+/// bf16 rounding of one result plus fp32 accumulation order: 1% of the value's size.
+const BF16_TOLERANCE: f32 = 1e-2;
+
+#[test]
+fn kernels_compile_with_nvrtc_for_hopper() {
+    if let Err(why) = crate::device::probe::cudarc_library_ready("nvrtc") {
+        eprintln!("skipping kernels_compile_with_nvrtc_for_hopper: {why}");
+        return;
+    }
+    let ptx = compile().unwrap_or_else(|e| panic!("{e}"));
+    let text = ptx.to_src();
+    for name in KERNELS {
+        assert!(
+            text.contains(&format!(".entry {name}(")),
+            "kernel {name} is missing from the ptx"
+        );
+    }
+}
+
+#[test]
+fn gpu_gemm_matches_the_cpu_in_every_transpose() {
+    let Some(mut t) = TestGpu::open("gpu_gemm_matches_the_cpu_in_every_transpose", 64 << 20) else {
+        return;
+    };
+    let (m, n, k) = (67, 45, 129);
+    for (ta, tb) in [
+        (Transpose::No, Transpose::No),
+        (Transpose::No, Transpose::Yes),
+        (Transpose::Yes, Transpose::No),
+        (Transpose::Yes, Transpose::Yes),
+    ] {
+        let (a, a_host) = t.put_bf16(&seeded(1, m * k));
+        let (b, b_host) = t.put_bf16(&seeded(2, k * n));
+        let c = t.alloc::<f32>(m * n);
+        t.gpu
+            .gemm(Gemm::new(m, n, k, ta, tb), c, a, b)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let at = |i: usize, p: usize| match ta {
+            Transpose::No => a_host[i * k + p],
+            Transpose::Yes => a_host[p * m + i],
+        };
+        let bt = |p: usize, j: usize| match tb {
+            Transpose::No => b_host[p * n + j],
+            Transpose::Yes => b_host[j * k + p],
+        };
+        let want: Vec<f32> = (0..m * n)
+            .map(|ij| (0..k).map(|p| at(ij / n, p) * bt(p, ij % n)).sum())
+            .collect();
+        assert_close(&format!("gemm {ta:?} {tb:?}"), &t.get(c), &want, 1e-4);
+    }
+}
+
+#[test]
+fn gpu_batched_gemm_accumulates_into_bf16() {
+    let Some(mut t) = TestGpu::open("gpu_batched_gemm_accumulates_into_bf16", 64 << 20) else {
+        return;
+    };
+    let (batch, m, n, k) = (3, 16, 24, 40);
+    let (a, a_host) = t.put_bf16(&seeded(3, batch * m * k));
+    let (b, b_host) = t.put_bf16(&seeded(4, batch * k * n));
+    let (c, c_host) = t.put_bf16(&seeded(5, batch * m * n));
+    let g = Gemm::new(m, n, k, Transpose::No, Transpose::No)
+        .scaled(0.5)
+        .accumulate()
+        .batched(batch, m * k, k * n, m * n);
+    t.gpu.gemm(g, c, a, b).unwrap_or_else(|e| panic!("{e}"));
+    let want: Vec<f32> = (0..batch * m * n)
+        .map(|x| {
+            let (z, i, j) = (x / (m * n), (x / n) % m, x % n);
+            let dot: f32 = (0..k)
+                .map(|p| a_host[z * m * k + i * k + p] * b_host[z * k * n + p * n + j])
+                .sum();
+            c_host[x] + 0.5 * dot
+        })
+        .collect();
+    assert_close("batched gemm", &t.get_bf16(c), &want, BF16_TOLERANCE);
+}
+
+#[test]
+fn gpu_rmsnorm_forward_matches_the_cpu() {
+    let Some(mut t) = TestGpu::open("gpu_rmsnorm_forward_matches_the_cpu", 64 << 20) else {
+        return;
+    };
+    let (rows, c) = (37, 320);
+    let (x, x_host) = t.put_bf16(&seeded(6, rows * c));
+    let (w, w_host) = t.put_bf16(&seeded(7, c));
+    let out = t.alloc::<bf16>(rows * c);
+    let rstd = t.alloc::<f32>(rows);
+    t.gpu
+        .rmsnorm_forward(out, Some(rstd), x, w, 1e-5)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (mut want, mut want_rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
+    rmsnorm_forward(&mut want, &mut want_rstd, &x_host, &w_host, 1e-5);
+    assert_close("rmsnorm out", &t.get_bf16(out), &want, BF16_TOLERANCE);
+    assert_close("rmsnorm rstd", &t.get(rstd), &want_rstd, 1e-4);
+}
+
+#[test]
+fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
+    let Some(mut t) = TestGpu::open("gpu_rope_swiglu_residual_and_embedding", 64 << 20) else {
+        return;
+    };
+    let (n, heads, d) = (29, 3, 64);
+    let table = RopeTable::new(d, 10000.0, 128);
+    let positions: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 128).collect();
+    let (x, mut want) = t.put_bf16(&seeded(8, n * heads * d));
+    let pos = t.put(&positions);
+    let (cos, sin) = (t.put(table.cos()), t.put(table.sin()));
+    t.gpu
+        .rope_forward(x, pos, cos, sin, heads, d)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let host_positions: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+    rope_forward(&mut want, &host_positions, heads, &table);
+    assert_close("rope", &t.get_bf16(x), &want, BF16_TOLERANCE);
+
+    let len = 1000;
+    let (gate, gate_host) = t.put_bf16(&seeded(9, len));
+    let (up, up_host) = t.put_bf16(&seeded(10, len));
+    let out = t.alloc::<bf16>(len);
+    t.gpu
+        .swiglu_forward(out, gate, up)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut want = vec![0.0; len];
+    swiglu_forward(&mut want, &gate_host, &up_host);
+    assert_close("swiglu", &t.get_bf16(out), &want, BF16_TOLERANCE);
+
+    t.gpu
+        .residual_add(out, gate)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let summed: Vec<f32> = want.iter().zip(&gate_host).map(|(a, b)| a + b).collect();
+    assert_close("residual", &t.get_bf16(out), &summed, BF16_TOLERANCE);
+
+    let (vocab, c) = (50, 96);
+    let (emb, emb_host) = t.put_bf16(&seeded(11, vocab * c));
+    let ids: Vec<u32> = (0..17u32).map(|i| (i * 13) % vocab as u32).collect();
+    let ids_dev = t.put(&ids);
+    let rows = t.alloc::<bf16>(ids.len() * c);
+    t.gpu
+        .embedding_forward(rows, ids_dev, emb, c)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&id| emb_host[id as usize * c..(id as usize + 1) * c].to_vec())
+        .collect();
+    assert_close("embedding", &t.get_bf16(rows), &want, 0.0);
+}
+
+#[test]
+fn gpu_casts_round_trip_through_bf16() {
+    let Some(mut t) = TestGpu::open("gpu_casts_round_trip_through_bf16", 16 << 20) else {
+        return;
+    };
+    let mut values = seeded(12, 4097);
+    values[0] = f32::NAN;
+    let x = t.put(&values);
+    let half = t.alloc::<bf16>(values.len());
+    let back = t.alloc::<f32>(values.len());
+    t.gpu
+        .cast_to_bf16(half, x)
+        .unwrap_or_else(|e| panic!("{e}"));
+    t.gpu
+        .cast_to_f32(back, half)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let got = t.get(back);
+    assert!(got[0].is_nan(), "NaN must stay NaN through bf16");
+    let want: Vec<f32> = values[1..]
+        .iter()
+        .map(|&v| bf16::from_f32(v).to_f32())
+        .collect();
+    assert_close("cast round trip", &got[1..], &want, 0.0);
+}
