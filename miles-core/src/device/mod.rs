@@ -18,7 +18,9 @@ pub mod probe;
 mod view;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
-pub use cuda::compute::{Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose};
+pub use cuda::compute::{
+    AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, Transpose,
+};
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 pub use host::HostDevice;

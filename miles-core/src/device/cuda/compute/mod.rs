@@ -19,6 +19,7 @@ pub(crate) mod testing;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod tests;
+mod train;
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -28,18 +29,25 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
+pub use train::{AdamWStep, HeadShape};
 
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
 /// The kernel sources, compiled as one program: the shared header first.
-const SOURCES: [&str; 2] = [
+const SOURCES: [&str; 3] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/forward.cu"),
+    include_str!("kernels/train.cu"),
 ];
 
 /// Every `extern "C"` kernel of [`SOURCES`], looked up once at start-up.
-const KERNELS: [&str; 7] = [
+fn kernel_names() -> impl Iterator<Item = &'static str> {
+    FORWARD_KERNELS.into_iter().chain(train::KERNELS)
+}
+
+/// The kernels of `kernels/forward.cu`.
+const FORWARD_KERNELS: [&str; 7] = [
     "cast_f32_to_bf16",
     "cast_bf16_to_f32",
     "embedding_forward",
@@ -184,9 +192,8 @@ impl Gpu {
         let context = CudaContext::new(device.ordinal() as usize).map_err(cuda("cuCtxRetain"))?;
         let stream = context.new_stream().map_err(cuda("cuStreamCreate"))?;
         let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
-        let kernels = KERNELS
-            .iter()
-            .map(|&name| {
+        let kernels = kernel_names()
+            .map(|name| {
                 module
                     .load_function(name)
                     .map(|function| (name, function))

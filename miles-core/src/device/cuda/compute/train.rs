@@ -1,0 +1,423 @@
+//! Wrappers of the training kernels (`kernels/train.cu`): backward passes, attention's head
+//! reshapes and causal softmax, the fused cross-entropy, and AdamW on fp32 master weights.
+//!
+//! Attention runs as cuBLAS batched products over `(batch, head)` with the scores materialised:
+//! `to_heads` lays q, k, v out as `(B, H, T, D)` (k and v repeated over each query group),
+//! `causal_softmax_forward` turns the fp32 scores into bf16 probabilities, and `from_heads`
+//! brings outputs (and, summing each group, the k and v gradients) back to `(B, T, heads*D)`.
+
+use half::bf16;
+
+use super::{Gpu, GpuSlice, elementwise, per_row};
+use crate::device::DeviceError;
+
+/// The kernels of `kernels/train.cu`.
+pub(super) const KERNELS: [&str; 11] = [
+    "rmsnorm_backward",
+    "rope_backward",
+    "swiglu_backward",
+    "embedding_backward",
+    "to_heads",
+    "from_heads",
+    "causal_softmax_forward",
+    "causal_softmax_backward",
+    "crossentropy",
+    "sum_of_squares",
+    "adamw_update",
+];
+
+/// Threads per block of the per-row kernels.
+const ROW_THREADS: u32 = 256;
+
+/// The shape of a head reshape: `batch` sequences of `seq` positions, `head_dim` channels per
+/// head, `rows_heads` heads in the `(B, T, heads*D)` layout and `split_heads` in `(B, H, T, D)`.
+/// `split_heads` is a multiple of `rows_heads` (grouped-query attention repeats each k/v head
+/// over its group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShape {
+    /// `B`.
+    pub batch: usize,
+    /// `T`.
+    pub seq: usize,
+    /// Heads of the `(B, T, heads*D)` side.
+    pub rows_heads: usize,
+    /// Heads of the `(B, H, T, D)` side.
+    pub split_heads: usize,
+    /// `D`.
+    pub head_dim: usize,
+}
+
+impl HeadShape {
+    fn check(
+        &self,
+        rows: &GpuSlice<bf16>,
+        split: &GpuSlice<bf16>,
+    ) -> Result<[i32; 5], DeviceError> {
+        let bt = self.batch * self.seq;
+        rows.expect_len("heads rows side", bt * self.rows_heads * self.head_dim)?;
+        split.expect_len("heads split side", bt * self.split_heads * self.head_dim)?;
+        if self.rows_heads == 0 || !self.split_heads.is_multiple_of(self.rows_heads) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "split heads (a multiple of the rows' heads)",
+                expected: self.rows_heads,
+                actual: self.split_heads,
+            });
+        }
+        Ok([
+            int("batch", self.batch)?,
+            int("seq", self.seq)?,
+            int("rows heads", self.rows_heads)?,
+            int("split heads", self.split_heads)?,
+            int("head dim", self.head_dim)?,
+        ])
+    }
+}
+
+/// AdamW's scalars for one step, worked out on the host as `ops::adamw_update` does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bias2_sqrt: f32,
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// `beta1`.
+    pub beta1: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// The clipping factor applied to every gradient.
+    pub grad_scale: f32,
+}
+
+fn int(what: &'static str, n: usize) -> Result<i32, DeviceError> {
+    i32::try_from(n).map_err(|_| DeviceError::ShapeMismatch {
+        what,
+        expected: i32::MAX as usize,
+        actual: n,
+    })
+}
+
+fn rows_of(what: &'static str, len: usize, width: usize) -> Result<usize, DeviceError> {
+    if width == 0 || !len.is_multiple_of(width) {
+        return Err(DeviceError::ShapeMismatch {
+            what,
+            expected: width,
+            actual: len,
+        });
+    }
+    Ok(len / width)
+}
+
+impl Gpu {
+    /// Backward of [`Gpu::rmsnorm_forward`]: `dx += d(x)` (bf16) and `dw += d(w)` (fp32), from
+    /// `dout`, the forward's input `x`, weight `w` and saved `rstd`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn rmsnorm_backward(
+        &self,
+        dx: GpuSlice<bf16>,
+        dw: GpuSlice<f32>,
+        dout: GpuSlice<bf16>,
+        x: GpuSlice<bf16>,
+        w: GpuSlice<bf16>,
+        rstd: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
+        let c = w.len();
+        let rows = rows_of("rmsnorm input", x.len(), c)?;
+        dx.expect_len("rmsnorm dx", x.len())?;
+        dout.expect_len("rmsnorm dout", x.len())?;
+        dw.expect_len("rmsnorm dw", c)?;
+        rstd.expect_len("rmsnorm rstd", rows)?;
+        let c32 = int("rmsnorm width", c)?;
+        self.launch(
+            "rmsnorm_backward",
+            per_row(rows, ROW_THREADS),
+            &[
+                &dx.address(),
+                &dw.address(),
+                &dout.address(),
+                &x.address(),
+                &w.address(),
+                &rstd.address(),
+                &c32,
+            ],
+        )
+    }
+
+    /// Backward of [`Gpu::rope_forward`]: rotates `dx (N, heads, D)` back, in place.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn rope_backward(
+        &self,
+        dx: GpuSlice<bf16>,
+        positions: GpuSlice<u32>,
+        cos: GpuSlice<f32>,
+        sin: GpuSlice<f32>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<(), DeviceError> {
+        let n = positions.len();
+        dx.expect_len("rope dx", n * heads * head_dim)?;
+        sin.expect_len("rope sin table", cos.len())?;
+        let (n64, h32, d32) = (
+            n as i64,
+            int("rope heads", heads)?,
+            int("rope head dim", head_dim)?,
+        );
+        self.launch(
+            "rope_backward",
+            elementwise(n * heads * head_dim / 2),
+            &[
+                &dx.address(),
+                &positions.address(),
+                &cos.address(),
+                &sin.address(),
+                &n64,
+                &h32,
+                &d32,
+            ],
+        )
+    }
+
+    /// Backward of [`Gpu::swiglu_forward`]: overwrites `dgate` and `dup` from `dout`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn swiglu_backward(
+        &self,
+        dgate: GpuSlice<bf16>,
+        dup: GpuSlice<bf16>,
+        dout: GpuSlice<bf16>,
+        gate: GpuSlice<bf16>,
+        up: GpuSlice<bf16>,
+    ) -> Result<(), DeviceError> {
+        let n = gate.len();
+        for (what, s) in [
+            ("swiglu dgate", dgate),
+            ("swiglu dup", dup),
+            ("swiglu dout", dout),
+        ] {
+            s.expect_len(what, n)?;
+        }
+        up.expect_len("swiglu up", n)?;
+        let n64 = n as i64;
+        self.launch(
+            "swiglu_backward",
+            elementwise(n),
+            &[
+                &dgate.address(),
+                &dup.address(),
+                &dout.address(),
+                &gate.address(),
+                &up.address(),
+                &n64,
+            ],
+        )
+    }
+
+    /// Backward of [`Gpu::embedding_forward`]: `dtable[ids[i]] += dout[i]` (fp32, atomic, so
+    /// repeated ids add up).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn embedding_backward(
+        &self,
+        dtable: GpuSlice<f32>,
+        dout: GpuSlice<bf16>,
+        ids: GpuSlice<u32>,
+        c: usize,
+    ) -> Result<(), DeviceError> {
+        dout.expect_len("embedding dout", ids.len() * c)?;
+        rows_of("embedding dtable", dtable.len(), c)?;
+        let c32 = int("embedding width", c)?;
+        self.launch(
+            "embedding_backward",
+            per_row(ids.len(), ROW_THREADS),
+            &[&dtable.address(), &dout.address(), &ids.address(), &c32],
+        )
+    }
+
+    /// `split (B, H, T, D)` from `rows (B, T, heads*D)`: split head `h` copies rows head
+    /// `h / (H / heads)` (grouped-query attention's repeat).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn to_heads(
+        &self,
+        split: GpuSlice<bf16>,
+        rows: GpuSlice<bf16>,
+        shape: HeadShape,
+    ) -> Result<(), DeviceError> {
+        let [b, t, hr, hs, d] = shape.check(&rows, &split)?;
+        self.launch(
+            "to_heads",
+            elementwise(split.len()),
+            &[&split.address(), &rows.address(), &b, &t, &hr, &hs, &d],
+        )
+    }
+
+    /// `rows (B, T, heads*D)` from `split (B, H, T, D)`, overwritten: rows head `g` is the sum
+    /// of the `H / heads` split heads of its group (a plain reshape when `H == heads`; the
+    /// gradient of [`Gpu::to_heads`] otherwise).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn from_heads(
+        &self,
+        rows: GpuSlice<bf16>,
+        split: GpuSlice<bf16>,
+        shape: HeadShape,
+    ) -> Result<(), DeviceError> {
+        let [b, t, hr, hs, d] = shape.check(&rows, &split)?;
+        self.launch(
+            "from_heads",
+            elementwise(rows.len()),
+            &[&rows.address(), &split.address(), &b, &t, &hr, &hs, &d],
+        )
+    }
+
+    /// Causal softmax of fp32 `scores` rows of `seq` (row `r` is query `r % seq`, which sees
+    /// keys `0..=r % seq`) into bf16 `probs`; masked entries get 0. Scaling is the caller's
+    /// (the scores' product carries `1/sqrt(D)`).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn causal_softmax_forward(
+        &self,
+        probs: GpuSlice<bf16>,
+        scores: GpuSlice<f32>,
+        seq: usize,
+    ) -> Result<(), DeviceError> {
+        let rows = rows_of("softmax scores", scores.len(), seq)?;
+        probs.expect_len("softmax probs", scores.len())?;
+        let t = int("softmax seq", seq)?;
+        self.launch(
+            "causal_softmax_forward",
+            per_row(rows, ROW_THREADS),
+            &[&probs.address(), &scores.address(), &t],
+        )
+    }
+
+    /// Backward of [`Gpu::causal_softmax_forward`]: `dscores = probs * (dprobs - sum(probs *
+    /// dprobs))` per row (bf16, overwritten; 0 where masked).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn causal_softmax_backward(
+        &self,
+        dscores: GpuSlice<bf16>,
+        probs: GpuSlice<bf16>,
+        dprobs: GpuSlice<f32>,
+        seq: usize,
+    ) -> Result<(), DeviceError> {
+        let rows = rows_of("softmax probs", probs.len(), seq)?;
+        dscores.expect_len("softmax dscores", probs.len())?;
+        dprobs.expect_len("softmax dprobs", probs.len())?;
+        let t = int("softmax seq", seq)?;
+        self.launch(
+            "causal_softmax_backward",
+            per_row(rows, ROW_THREADS),
+            &[&dscores.address(), &probs.address(), &dprobs.address(), &t],
+        )
+    }
+
+    /// Token cross-entropy over fp32 `logits (N, V)`: `logprobs[i] = log p(targets[i])`, and
+    /// when `dlogits` is given it is overwritten with `weights[i] / normaliser * (softmax -
+    /// onehot(targets[i]))` (bf16). The loss is `-sum(weights * logprobs) / normaliser`, summed
+    /// by the caller from the downloaded log-probs.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn crossentropy(
+        &self,
+        logprobs: GpuSlice<f32>,
+        dlogits: Option<GpuSlice<bf16>>,
+        logits: GpuSlice<f32>,
+        targets: GpuSlice<u32>,
+        weights: GpuSlice<f32>,
+        normaliser: f32,
+    ) -> Result<(), DeviceError> {
+        let n = targets.len();
+        let v = rows_of("crossentropy logits", logits.len(), n.max(1))?;
+        logprobs.expect_len("crossentropy logprobs", n)?;
+        weights.expect_len("crossentropy weights", n)?;
+        if let Some(d) = dlogits {
+            d.expect_len("crossentropy dlogits", logits.len())?;
+        }
+        let d_addr = dlogits.map_or(0u64, |d| d.address());
+        let v32 = int("vocabulary", v)?;
+        self.launch(
+            "crossentropy",
+            per_row(n, ROW_THREADS),
+            &[
+                &logprobs.address(),
+                &d_addr,
+                &logits.address(),
+                &targets.address(),
+                &weights.address(),
+                &v32,
+                &normaliser,
+            ],
+        )
+    }
+
+    /// `acc[0] += sum(x^2)` (fp32 atomics over block partial sums).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn sum_of_squares(&self, acc: GpuSlice<f32>, x: GpuSlice<f32>) -> Result<(), DeviceError> {
+        acc.expect_len("sum of squares accumulator", 1)?;
+        let n = x.len() as i64;
+        self.launch(
+            "sum_of_squares",
+            elementwise(x.len()),
+            &[&acc.address(), &x.address(), &n],
+        )
+    }
+
+    /// One AdamW step as `ops::adamw_update` takes it, on fp32 `master` weights and moments
+    /// `m`, `v` from fp32 `grads`; `params` gets the updated weights rounded to bf16.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn adamw_update(
+        &self,
+        master: GpuSlice<f32>,
+        params: GpuSlice<bf16>,
+        m: GpuSlice<f32>,
+        v: GpuSlice<f32>,
+        grads: GpuSlice<f32>,
+        s: AdamWStep,
+    ) -> Result<(), DeviceError> {
+        let n = master.len();
+        params.expect_len("adamw params", n)?;
+        for (what, x) in [("adamw m", m), ("adamw v", v), ("adamw grads", grads)] {
+            x.expect_len(what, n)?;
+        }
+        let n64 = n as i64;
+        self.launch(
+            "adamw_update",
+            elementwise(n),
+            &[
+                &master.address(),
+                &params.address(),
+                &m.address(),
+                &v.address(),
+                &grads.address(),
+                &n64,
+                &s.step_size,
+                &s.bias2_sqrt,
+                &s.decay,
+                &s.beta1,
+                &s.beta2,
+                &s.eps,
+                &s.grad_scale,
+            ],
+        )
+    }
+}
