@@ -20,6 +20,9 @@ pub(crate) mod testing;
 #[allow(clippy::panic, clippy::print_stderr)]
 mod tests;
 mod train;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod train_tests;
 
 use std::collections::HashMap;
 use std::marker::PhantomData;

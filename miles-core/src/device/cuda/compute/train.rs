@@ -26,7 +26,8 @@ pub(super) const KERNELS: [&str; 11] = [
     "adamw_update",
 ];
 
-/// Threads per block of the per-row kernels.
+/// Threads per block of the per-row kernels. Their wrappers return before launching when there
+/// is no row: `per_row` launches at least one block, which would touch row 0 of empty tensors.
 const ROW_THREADS: u32 = 256;
 
 /// The shape of a head reshape: `batch` sequences of `seq` positions, `head_dim` channels per
@@ -133,6 +134,9 @@ impl Gpu {
         dw.expect_len("rmsnorm dw", c)?;
         rstd.expect_len("rmsnorm rstd", rows)?;
         let c32 = int("rmsnorm width", c)?;
+        if rows == 0 {
+            return Ok(());
+        }
         self.launch(
             "rmsnorm_backward",
             per_row(rows, ROW_THREADS),
@@ -235,6 +239,9 @@ impl Gpu {
         dout.expect_len("embedding dout", ids.len() * c)?;
         rows_of("embedding dtable", dtable.len(), c)?;
         let c32 = int("embedding width", c)?;
+        if ids.is_empty() {
+            return Ok(());
+        }
         self.launch(
             "embedding_backward",
             per_row(ids.len(), ROW_THREADS),
@@ -296,6 +303,9 @@ impl Gpu {
         let rows = rows_of("softmax scores", scores.len(), seq)?;
         probs.expect_len("softmax probs", scores.len())?;
         let t = int("softmax seq", seq)?;
+        if rows == 0 {
+            return Ok(());
+        }
         self.launch(
             "causal_softmax_forward",
             per_row(rows, ROW_THREADS),
@@ -319,6 +329,9 @@ impl Gpu {
         dscores.expect_len("softmax dscores", probs.len())?;
         dprobs.expect_len("softmax dprobs", probs.len())?;
         let t = int("softmax seq", seq)?;
+        if rows == 0 {
+            return Ok(());
+        }
         self.launch(
             "causal_softmax_backward",
             per_row(rows, ROW_THREADS),
@@ -351,6 +364,9 @@ impl Gpu {
         }
         let d_addr = dlogits.map_or(0u64, |d| d.address());
         let v32 = int("vocabulary", v)?;
+        if n == 0 {
+            return Ok(());
+        }
         self.launch(
             "crossentropy",
             per_row(n, ROW_THREADS),

@@ -24,3 +24,210 @@
 // adamw_update(float* master, bf16* params, float* m, float* v, const float* grads,
 //              long long n, float step_size, float bias2_sqrt, float decay, float beta1,
 //              float beta2, float eps, float grad_scale)                      grid-stride
+
+// One row of c columns a block: dx += r*w*dout - r^3/c * sum(dout*w*x) * x (bf16, read-modify-
+// write), dw += dout*x*r (fp32 atomics: many rows share a column).
+extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x,
+                                           const bf16* w, const float* rstd, int c) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const bf16* xr = x + row * c;
+    const bf16* dyr = dout + row * c;
+    bf16* dxr = dx + row * c;
+    const float r = rstd[row];
+    float dot = 0.0f;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        dot += bf2f(dyr[j]) * bf2f(w[j]) * bf2f(xr[j]);
+    }
+    dot = block_sum(dot, scratch);
+    const float k = r * r * r * dot / (float)c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        const float dy = bf2f(dyr[j]), xv = bf2f(xr[j]);
+        dxr[j] = f2bf(bf2f(dxr[j]) + (r * bf2f(w[j]) * dy - k * xv));
+        atomicAdd(dw + j, dy * xv * r);
+    }
+}
+
+// The forward rotation with the sine negated, in place on dx (n, heads, d); one thread a pair.
+extern "C" __global__ void rope_backward(bf16* dx, const unsigned int* positions,
+                                         const float* cos_t, const float* sin_t, long long n,
+                                         int heads, int d) {
+    const int half = d / 2;
+    const long long pairs = n * heads * half;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int p = (int)(i % half);
+        const long long head = i / half;
+        const long long row = head / heads;
+        const long long pos = positions[row];
+        const float cs = cos_t[pos * half + p], sn = -sin_t[pos * half + p];
+        bf16* h = dx + head * d;
+        const float a = bf2f(h[p]), b = bf2f(h[p + half]);
+        h[p] = f2bf(a * cs - b * sn);
+        h[p + half] = f2bf(b * cs + a * sn);
+    }
+}
+
+// dgate = dout * up * s * (1 + g * (1 - s)), dup = dout * g * s with s = sigmoid(g); both
+// overwritten.
+extern "C" __global__ void swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout,
+                                           const bf16* gate, const bf16* up, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float g = bf2f(gate[i]), u = bf2f(up[i]), d = bf2f(dout[i]);
+        const float s = 1.0f / (1.0f + expf(-g));
+        dup[i] = f2bf(d * g * s);
+        dgate[i] = f2bf(d * u * s * (1.0f + g * (1.0f - s)));
+    }
+}
+
+// dtable[ids[row]] += dout[row] (fp32 atomics: repeated ids add up); one block a row.
+extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout,
+                                              const unsigned int* ids, int c) {
+    const long long row = blockIdx.x;
+    float* dst = dtable + (long long)ids[row] * c;
+    const bf16* src = dout + row * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) atomicAdd(dst + j, bf2f(src[j]));
+}
+
+// split (b, split_heads, t, d) from rows (b, t, rows_heads * d): split head h copies rows head
+// h / (split_heads / rows_heads). One thread an output element.
+extern "C" __global__ void to_heads(bf16* split, const bf16* rows, int b, int t, int rows_heads,
+                                    int split_heads, int d) {
+    const long long total = (long long)b * split_heads * t * d;
+    const int group = split_heads / rows_heads;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long ch = i % d;
+        const long long pos = (i / d) % t;
+        const long long h = (i / ((long long)d * t)) % split_heads;
+        const long long seq = i / ((long long)d * t * split_heads);
+        const long long g = h / group;
+        split[i] = rows[((seq * t + pos) * rows_heads + g) * d + ch];
+    }
+}
+
+// rows (b, t, rows_heads * d) from split (b, split_heads, t, d), overwritten: rows head g is the
+// fp32 sum of split heads g*group .. (g+1)*group - 1. One thread an output element.
+extern "C" __global__ void from_heads(bf16* rows, const bf16* split, int b, int t, int rows_heads,
+                                      int split_heads, int d) {
+    const long long total = (long long)b * t * rows_heads * d;
+    const int group = split_heads / rows_heads;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long ch = i % d;
+        const long long g = (i / d) % rows_heads;
+        const long long pos = (i / ((long long)d * rows_heads)) % t;
+        const long long seq = i / ((long long)d * rows_heads * t);
+        float acc = 0.0f;
+        for (int k = 0; k < group; ++k) {
+            const long long h = g * group + k;
+            acc += bf2f(split[((seq * split_heads + h) * t + pos) * d + ch]);
+        }
+        rows[i] = f2bf(acc);
+    }
+}
+
+// probs = softmax(scores) over keys 0..=q of each row of t, q = row % t; masked keys get 0.
+// One block a row.
+extern "C" __global__ void causal_softmax_forward(bf16* probs, const float* scores, int t) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const int live = (int)(row % t) + 1;
+    const float* s = scores + row * t;
+    bf16* p = probs + row * t;
+    float mx = NEG_INF;
+    for (int j = threadIdx.x; j < live; j += blockDim.x) mx = fmaxf(mx, s[j]);
+    mx = block_max(mx, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < live; j += blockDim.x) sum += expf(s[j] - mx);
+    sum = block_sum(sum, scratch);
+    const float inv = 1.0f / sum;
+    for (int j = threadIdx.x; j < t; j += blockDim.x) {
+        p[j] = j < live ? f2bf(expf(s[j] - mx) * inv) : (bf16)0;
+    }
+}
+
+// dscores = probs * (dprobs - sum(probs * dprobs)) over keys 0..=q of each row of t, q = row % t;
+// masked keys get 0. One block a row.
+extern "C" __global__ void causal_softmax_backward(bf16* dscores, const bf16* probs,
+                                                   const float* dprobs, int t) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const int live = (int)(row % t) + 1;
+    const bf16* p = probs + row * t;
+    const float* dp = dprobs + row * t;
+    bf16* ds = dscores + row * t;
+    float dot = 0.0f;
+    for (int j = threadIdx.x; j < live; j += blockDim.x) dot += bf2f(p[j]) * dp[j];
+    dot = block_sum(dot, scratch);
+    for (int j = threadIdx.x; j < t; j += blockDim.x) {
+        ds[j] = j < live ? f2bf(bf2f(p[j]) * (dp[j] - dot)) : (bf16)0;
+    }
+}
+
+// logprobs[row] = log softmax(logits[row])[targets[row]] over v fp32 logits; when dlogits is not
+// null, dlogits[row] = weights[row] / normaliser * (softmax - onehot(target)) (bf16, overwritten).
+// A target outside the vocabulary yields NaN, never a silent value. One block a row.
+extern "C" __global__ void crossentropy(float* logprobs, bf16* dlogits, const float* logits,
+                                        const unsigned int* targets, const float* weights, int v,
+                                        float normaliser) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const float* x = logits + row * v;
+    const unsigned int y = targets[row];
+    const bool valid = y < (unsigned int)v;
+    float mx = NEG_INF;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) sum += expf(x[j] - mx);
+    sum = block_sum(sum, scratch);
+    const float nan = __int_as_float(0x7fc00000);
+    if (threadIdx.x == 0) logprobs[row] = valid ? x[y] - mx - logf(sum) : nan;
+    if (dlogits) {
+        const float scale = valid ? weights[row] / normaliser : nan;
+        const float inv = 1.0f / sum;
+        bf16* d = dlogits + row * v;
+        for (int j = threadIdx.x; j < v; j += blockDim.x) {
+            const float onehot = (unsigned int)j == y ? 1.0f : 0.0f;
+            d[j] = f2bf(scale * (expf(x[j] - mx) * inv - onehot));
+        }
+    }
+}
+
+// acc[0] += sum(x^2): a partial sum per thread, then per block, then one atomic per block.
+extern "C" __global__ void sum_of_squares(float* acc, const float* x, long long n) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        s += x[i] * x[i];
+    }
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) atomicAdd(acc, s);
+}
+
+// One AdamW step with ops::adamw_update's arithmetic, operation for operation (explicitly
+// rounded so the compiler fuses nothing into FMAs): the fp32 master weights and moments update,
+// params get the master weights rounded to bf16.
+extern "C" __global__ void adamw_update(float* master, bf16* params, float* m, float* v,
+                                        const float* grads, long long n, float step_size,
+                                        float bias2_sqrt, float decay, float beta1, float beta2,
+                                        float eps, float grad_scale) {
+    const float one_minus_b1 = __fsub_rn(1.0f, beta1), one_minus_b2 = __fsub_rn(1.0f, beta2);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float g = __fmul_rn(grads[i], grad_scale);
+        float p = __fmul_rn(master[i], decay);
+        const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(one_minus_b1, g));
+        const float vi =
+            __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
+        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bias2_sqrt), eps);
+        p = __fsub_rn(p, __fdiv_rn(__fmul_rn(step_size, mi), denom));
+        m[i] = mi;
+        v[i] = vi;
+        master[i] = p;
+        params[i] = f2bf(p);
+    }
+}

@@ -1,0 +1,759 @@
+//! Training kernels' tests: each against the CPU implementation (`crate::ops`) on seeded random
+//! inputs rounded to bf16, within the tolerance each states. On a GPU machine:
+//! `MILES_TEST_DEVICE=cuda cargo test -p miles-core compute -- --test-threads=1`; elsewhere they
+//! skip.
+
+use half::bf16;
+
+use super::testing::{TestGpu, assert_close};
+use super::{AdamWStep, Gemm, HeadShape, Transpose};
+use crate::device::DeviceError;
+use crate::ops::testing::seeded_vec as seeded;
+use crate::ops::{
+    AdamWConfig, AttentionShape, RopeTable, adamw_update, attention_backward, attention_forward,
+    clip_scale, crossentropy_backward, crossentropy_forward, embedding_backward, global_grad_norm,
+    rmsnorm_backward, rmsnorm_forward, rope_backward, swiglu_backward,
+};
+
+/// One bf16 rounding of a result computed in fp32 (at most 2^-8, 0.39%, of its size) plus fp32
+/// summation order: 1% of the value's size.
+const BF16_TOLERANCE: f32 = 1e-2;
+
+/// A chain of up to four bf16 roundings (2^-8 each) through fp32 arithmetic: 2%.
+const BF16_CHAIN_TOLERANCE: f32 = 2e-2;
+
+/// Each test's arena: every tensor here is well under a MiB.
+const ARENA: usize = 64 << 20;
+
+fn ok<T>(result: Result<T, DeviceError>) -> T {
+    result.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `values` times `factor`.
+fn scaled(values: Vec<f32>, factor: f32) -> Vec<f32> {
+    values.into_iter().map(|v| v * factor).collect()
+}
+
+/// Checks `|got - want| <= rel * max(|want|, floor)` elementwise (through [`assert_close`], so
+/// the worst difference is printed and NaN never passes): for probabilities and loss gradients,
+/// whose small values an absolute floor of 1 would wave through.
+fn assert_close_relative(what: &str, got: &[f32], want: &[f32], rel: f32, floor: f32) {
+    let unit = |x: f32, w: f32| x / w.abs().max(floor);
+    let got: Vec<f32> = got.iter().zip(want).map(|(&g, &w)| unit(g, w)).collect();
+    let want: Vec<f32> = want.iter().map(|&w| unit(w, w)).collect();
+    assert_close(what, &got, &want, rel);
+}
+
+/// Causal softmax of rows of `t` (row `r` is query `r % t`), masked entries 0, in fp32.
+fn causal_softmax_reference(scores: &[f32], t: usize) -> Vec<f32> {
+    let mut out = vec![0.0; scores.len()];
+    for (r, (o, s)) in out.chunks_mut(t).zip(scores.chunks(t)).enumerate() {
+        let live = r % t + 1;
+        let max = s[..live].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = s[..live].iter().map(|x| (x - max).exp()).sum();
+        for (o, x) in o[..live].iter_mut().zip(&s[..live]) {
+            *o = (x - max).exp() / sum;
+        }
+    }
+    out
+}
+
+/// Checks every masked entry (past the query) of rows of `t` is exactly 0.
+fn assert_masked_zero(what: &str, values: &[f32], t: usize) {
+    for (r, row) in values.chunks(t).enumerate() {
+        let live = r % t + 1;
+        if let Some(u) = row[live..].iter().position(|&p| p != 0.0) {
+            panic!(
+                "{what}: row {r} key {} is {}, want 0",
+                live + u,
+                row[live + u]
+            );
+        }
+    }
+}
+
+/// Index in `(B, H, T, D)` of batch `b`, split head `h`, position `t`, channel `c`.
+fn split_index(s: HeadShape, b: usize, h: usize, t: usize, c: usize) -> usize {
+    ((b * s.split_heads + h) * s.seq + t) * s.head_dim + c
+}
+
+/// Index in `(B, T, heads*D)` of batch `b`, position `t`, rows head `g`, channel `c`.
+fn rows_index(s: HeadShape, b: usize, t: usize, g: usize, c: usize) -> usize {
+    ((b * s.seq + t) * s.rows_heads + g) * s.head_dim + c
+}
+
+/// AdamW's scalars for step `step`, worked out as `ops::adamw_update` does.
+fn adamw_scalars(cfg: &AdamWConfig, step: u64, grad_scale: f32) -> AdamWStep {
+    let t = step.min(i32::MAX as u64) as i32;
+    AdamWStep {
+        step_size: cfg.lr / (1.0 - cfg.beta1.powi(t)),
+        bias2_sqrt: (1.0 - cfg.beta2.powi(t)).sqrt(),
+        decay: 1.0 - cfg.lr * cfg.weight_decay,
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.eps,
+        grad_scale,
+    }
+}
+
+#[test]
+fn gpu_rmsnorm_backward_adds_the_cpu_gradients() {
+    let Some(mut t) = TestGpu::open("gpu_rmsnorm_backward_adds_the_cpu_gradients", ARENA) else {
+        return;
+    };
+    // 320 columns: more than a block's 256 threads.
+    let (rows, c) = (37, 320);
+    let (x, x_host) = t.put_bf16(&seeded(21, rows * c));
+    let (w, w_host) = t.put_bf16(&seeded(22, c));
+    let (dout, dout_host) = t.put_bf16(&seeded(23, rows * c));
+    let (dx, mut want_dx) = t.put_bf16(&seeded(24, rows * c));
+    let mut want_dw = seeded(25, c);
+    let dw = t.put(&want_dw);
+    let (mut normed, mut rstd_host) = (vec![0.0; rows * c], vec![0.0; rows]);
+    rmsnorm_forward(&mut normed, &mut rstd_host, &x_host, &w_host, 1e-5);
+    let rstd = t.put(&rstd_host);
+    ok(t.gpu.rmsnorm_backward(dx, dw, dout, x, w, rstd));
+    rmsnorm_backward(
+        &mut want_dx,
+        &mut want_dw,
+        &dout_host,
+        &x_host,
+        &w_host,
+        &rstd_host,
+    );
+    assert_close("rmsnorm dx (+=)", &t.get_bf16(dx), &want_dx, BF16_TOLERANCE);
+    // fp32 sums of 37 rows in another order.
+    assert_close("rmsnorm dw (+=)", &t.get(dw), &want_dw, 1e-4);
+}
+
+#[test]
+fn gpu_rope_backward_rotates_back_as_the_cpu_does() {
+    let Some(mut t) = TestGpu::open("gpu_rope_backward_rotates_back_as_the_cpu_does", ARENA) else {
+        return;
+    };
+    let (n, heads, d) = (29, 3, 64);
+    let table = RopeTable::new(d, 10000.0, 128);
+    let positions: Vec<u32> = (0..n as u32).map(|i| (i * 7 + 3) % 128).collect();
+    let host_positions: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+    let pos = t.put(&positions);
+    let (cos, sin) = (t.put(table.cos()), t.put(table.sin()));
+
+    let (dx, mut want) = t.put_bf16(&seeded(26, n * heads * d));
+    ok(t.gpu.rope_backward(dx, pos, cos, sin, heads, d));
+    rope_backward(&mut want, &host_positions, heads, &table);
+    assert_close("rope backward", &t.get_bf16(dx), &want, BF16_TOLERANCE);
+
+    // Forward then backward is the identity, up to two bf16 roundings, the second of a pair's
+    // rotated (rounded) values.
+    let (x, x_host) = t.put_bf16(&seeded(27, n * heads * d));
+    ok(t.gpu.rope_forward(x, pos, cos, sin, heads, d));
+    ok(t.gpu.rope_backward(x, pos, cos, sin, heads, d));
+    assert_close(
+        "rope round trip",
+        &t.get_bf16(x),
+        &x_host,
+        BF16_CHAIN_TOLERANCE,
+    );
+}
+
+#[test]
+fn gpu_swiglu_backward_overwrites_with_the_cpu_gradients() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_swiglu_backward_overwrites_with_the_cpu_gradients",
+        ARENA,
+    ) else {
+        return;
+    };
+    let len = 1500;
+    let (gate, gate_host) = t.put_bf16(&scaled(seeded(28, len), 4.0));
+    let (up, up_host) = t.put_bf16(&seeded(29, len));
+    let (dout, dout_host) = t.put_bf16(&seeded(30, len));
+    // Stale values the kernel must overwrite.
+    let (dgate, _) = t.put_bf16(&seeded(31, len));
+    let (dup, _) = t.put_bf16(&seeded(32, len));
+    ok(t.gpu.swiglu_backward(dgate, dup, dout, gate, up));
+    let (mut want_dgate, mut want_dup) = (vec![0.0; len], vec![0.0; len]);
+    swiglu_backward(
+        &mut want_dgate,
+        &mut want_dup,
+        &dout_host,
+        &gate_host,
+        &up_host,
+    );
+    assert_close(
+        "swiglu dgate",
+        &t.get_bf16(dgate),
+        &want_dgate,
+        BF16_TOLERANCE,
+    );
+    assert_close("swiglu dup", &t.get_bf16(dup), &want_dup, BF16_TOLERANCE);
+}
+
+#[test]
+fn gpu_embedding_backward_adds_every_row_of_repeated_ids() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_embedding_backward_adds_every_row_of_repeated_ids",
+        ARENA,
+    ) else {
+        return;
+    };
+    let (vocab, c, n) = (50, 300, 40);
+    // 40 rows over 17 ids: most ids come two or three times.
+    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 13) % 17).collect();
+    let mut want = seeded(33, vocab * c);
+    let dtable = t.put(&want);
+    let (dout, dout_host) = t.put_bf16(&seeded(34, n * c));
+    let ids_dev = t.put(&ids);
+    ok(t.gpu.embedding_backward(dtable, dout, ids_dev, c));
+    embedding_backward(&mut want, &dout_host, &ids, c);
+    // At most three fp32 additions per value, in another order.
+    assert_close("embedding dtable (+=)", &t.get(dtable), &want, 1e-6);
+}
+
+#[test]
+fn gpu_head_reshapes_repeat_and_sum_grouped_query_heads() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_head_reshapes_repeat_and_sum_grouped_query_heads",
+        ARENA,
+    ) else {
+        return;
+    };
+    // 8 query heads over 2 kv heads: groups of 4.
+    let s = HeadShape {
+        batch: 2,
+        seq: 5,
+        rows_heads: 2,
+        split_heads: 8,
+        head_dim: 16,
+    };
+    let group = s.split_heads / s.rows_heads;
+    let (n_rows, n_split) = (
+        s.batch * s.seq * s.rows_heads * s.head_dim,
+        s.batch * s.seq * s.split_heads * s.head_dim,
+    );
+    let (rows, rows_host) = t.put_bf16(&seeded(35, n_rows));
+    let split = t.alloc::<bf16>(n_split);
+    ok(t.gpu.to_heads(split, rows, s));
+    let mut want = vec![0.0; n_split];
+    for b in 0..s.batch {
+        for h in 0..s.split_heads {
+            for p in 0..s.seq {
+                for c in 0..s.head_dim {
+                    want[split_index(s, b, h, p, c)] = rows_host[rows_index(s, b, p, h / group, c)];
+                }
+            }
+        }
+    }
+    // A copy: exact.
+    assert_close("to_heads", &t.get_bf16(split), &want, 0.0);
+
+    // Stale values from_heads must overwrite; 4 equal bf16 values sum exactly.
+    let (back, _) = t.put_bf16(&seeded(36, n_rows));
+    ok(t.gpu.from_heads(back, split, s));
+    let times_group = scaled(rows_host.clone(), group as f32);
+    assert_close(
+        "from_heads(to_heads(x)) = 4x",
+        &t.get_bf16(back),
+        &times_group,
+        0.0,
+    );
+
+    // Distinct split heads: each rows head is its group's fp32 sum, rounded once.
+    let (split2, split_host) = t.put_bf16(&seeded(37, n_split));
+    ok(t.gpu.from_heads(back, split2, s));
+    let mut want = vec![0.0; n_rows];
+    for b in 0..s.batch {
+        for p in 0..s.seq {
+            for g in 0..s.rows_heads {
+                for c in 0..s.head_dim {
+                    want[rows_index(s, b, p, g, c)] = (0..group)
+                        .map(|k| split_host[split_index(s, b, g * group + k, p, c)])
+                        .sum();
+                }
+            }
+        }
+    }
+    assert_close(
+        "from_heads group sums",
+        &t.get_bf16(back),
+        &want,
+        BF16_TOLERANCE,
+    );
+
+    // Equal head counts: a plain reshape both ways.
+    let plain = HeadShape {
+        rows_heads: 4,
+        split_heads: 4,
+        ..s
+    };
+    let n_plain = s.batch * s.seq * 4 * s.head_dim;
+    let (x, x_host) = t.put_bf16(&seeded(38, n_plain));
+    let (x_split, x_back) = (t.alloc::<bf16>(n_plain), t.alloc::<bf16>(n_plain));
+    ok(t.gpu.to_heads(x_split, x, plain));
+    ok(t.gpu.from_heads(x_back, x_split, plain));
+    assert_close(
+        "plain reshape round trip",
+        &t.get_bf16(x_back),
+        &x_host,
+        0.0,
+    );
+}
+
+#[test]
+fn gpu_causal_softmax_rows_sum_to_one_and_masked_entries_are_zero() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_causal_softmax_rows_sum_to_one_and_masked_entries_are_zero",
+        ARENA,
+    ) else {
+        return;
+    };
+    // Rows of 300 keys: more than a block's 256 threads; two (batch, head) pairs.
+    let (seq, pairs) = (300, 2);
+    let n = pairs * seq * seq;
+    let scores_host = scaled(seeded(39, n), 4.0);
+    let scores = t.put(&scores_host);
+    let (probs, _) = t.put_bf16(&seeded(40, n)); // stale values
+    ok(t.gpu.causal_softmax_forward(probs, scores, seq));
+    let got = t.get_bf16(probs);
+    let want = causal_softmax_reference(&scores_host, seq);
+    assert_close_relative("causal softmax", &got, &want, BF16_TOLERANCE, 1e-30);
+    assert_masked_zero("causal softmax", &got, seq);
+    let sums: Vec<f32> = got.chunks(seq).map(|row| row.iter().sum()).collect();
+    // Up to 300 values each rounded to bf16 (2^-8 of each at most): the sum is off by 2^-8.
+    assert_close(
+        "causal softmax row sums",
+        &sums,
+        &vec![1.0; sums.len()],
+        1e-2,
+    );
+
+    // A NaN score among a row's live keys makes that row's probabilities NaN.
+    let (seq, rows) = (8, 8);
+    let mut scores_host = seeded(41, rows * seq);
+    scores_host[5 * seq + 2] = f32::NAN;
+    let scores = t.put(&scores_host);
+    let probs = t.alloc::<bf16>(rows * seq);
+    ok(t.gpu.causal_softmax_forward(probs, scores, seq));
+    let got = t.get_bf16(probs);
+    assert!(
+        got[5 * seq..5 * seq + 6].iter().all(|p| p.is_nan()),
+        "a NaN score must give NaN probabilities, got {:?}",
+        &got[5 * seq..6 * seq]
+    );
+    assert_masked_zero("causal softmax with a NaN", &got, seq);
+    assert!(
+        got.chunks(seq)
+            .enumerate()
+            .filter(|&(r, _)| r != 5)
+            .all(|(_, row)| row.iter().all(|p| p.is_finite())),
+        "a NaN in row 5 leaked into another row"
+    );
+}
+
+#[test]
+fn gpu_causal_softmax_backward_matches_the_formula() {
+    let Some(mut t) = TestGpu::open("gpu_causal_softmax_backward_matches_the_formula", ARENA)
+    else {
+        return;
+    };
+    let (seq, pairs) = (300, 2);
+    let n = pairs * seq * seq;
+    let (probs, p) = t.put_bf16(&causal_softmax_reference(&scaled(seeded(42, n), 4.0), seq));
+    let dprobs_host = seeded(43, n);
+    let dprobs = t.put(&dprobs_host);
+    let (dscores, _) = t.put_bf16(&seeded(44, n)); // stale values
+    ok(t.gpu.causal_softmax_backward(dscores, probs, dprobs, seq));
+    let mut want = vec![0.0; n];
+    for (r, ((w, p), dp)) in want
+        .chunks_mut(seq)
+        .zip(p.chunks(seq))
+        .zip(dprobs_host.chunks(seq))
+        .enumerate()
+    {
+        let live = r % seq + 1;
+        let dot: f32 = p[..live].iter().zip(&dp[..live]).map(|(a, b)| a * b).sum();
+        for ((w, p), dp) in w[..live].iter_mut().zip(&p[..live]).zip(&dp[..live]) {
+            *w = p * (dp - dot);
+        }
+    }
+    let got = t.get_bf16(dscores);
+    // dprobs - dot cancels: values below 1e-3 are compared to within 1e-5 absolute, ten times
+    // what the fp32 dot's summation order (~1e-6 over 300 keys) can move them; larger ones to
+    // 1%, one bf16 rounding plus that.
+    assert_close_relative("causal softmax backward", &got, &want, BF16_TOLERANCE, 1e-3);
+    assert_masked_zero("causal softmax backward", &got, seq);
+}
+
+#[test]
+fn gpu_crossentropy_matches_the_cpu_logprobs_and_gradients() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_crossentropy_matches_the_cpu_logprobs_and_gradients",
+        ARENA,
+    ) else {
+        return;
+    };
+    let (n, v) = (13, 1003);
+    let logits_host = scaled(seeded(45, n * v), 8.0);
+    let targets_host: Vec<u32> = (0..n as u32).map(|i| (i * 379 + 11) % v as u32).collect();
+    let mut weights_host: Vec<f32> = seeded(46, n).iter().map(|w| w.abs() + 0.1).collect();
+    weights_host[4] = 0.0; // a masked token: a log-prob, no gradient
+    let normaliser = 7.5;
+    let (logits, targets, weights) = (
+        t.put(&logits_host),
+        t.put(&targets_host),
+        t.put(&weights_host),
+    );
+    let logprobs = t.alloc::<f32>(n);
+    let (dlogits, _) = t.put_bf16(&seeded(47, n * v)); // stale values
+    ok(t.gpu.crossentropy(
+        logprobs,
+        Some(dlogits),
+        logits,
+        targets,
+        weights,
+        normaliser,
+    ));
+    let (mut probs, mut want_lp) = (vec![0.0; n * v], vec![0.0; n]);
+    crossentropy_forward(
+        &mut probs,
+        &mut want_lp,
+        &logits_host,
+        &targets_host,
+        &weights_host,
+        normaliser,
+    );
+    let mut want_d = vec![0.0; n * v];
+    crossentropy_backward(
+        &mut want_d,
+        &probs,
+        &targets_host,
+        &weights_host,
+        normaliser,
+    );
+    // Log-probs near -10: fp32 sums of 1003 exponentials in another order.
+    assert_close("crossentropy logprobs", &t.get(logprobs), &want_lp, 1e-5);
+    assert_close_relative(
+        "crossentropy dlogits",
+        &t.get_bf16(dlogits),
+        &want_d,
+        BF16_TOLERANCE,
+        1e-30,
+    );
+
+    // Without dlogits: the same log-probs.
+    let logprobs_only = t.alloc::<f32>(n);
+    ok(t.gpu
+        .crossentropy(logprobs_only, None, logits, targets, weights, normaliser));
+    assert_close(
+        "crossentropy logprobs without gradients",
+        &t.get(logprobs_only),
+        &want_lp,
+        1e-5,
+    );
+}
+
+#[test]
+fn gpu_crossentropy_turns_a_nan_logit_or_a_bad_target_into_nan() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_crossentropy_turns_a_nan_logit_or_a_bad_target_into_nan",
+        ARENA,
+    ) else {
+        return;
+    };
+    let (n, v) = (4, 300);
+    let mut logits_host = scaled(seeded(48, n * v), 4.0);
+    logits_host[v + 7] = f32::NAN; // row 1
+    let targets_host: Vec<u32> = vec![3, 250, 17, v as u32]; // row 3 past the vocabulary
+    let weights_host = vec![1.0; n];
+    let (logits, targets, weights) = (
+        t.put(&logits_host),
+        t.put(&targets_host),
+        t.put(&weights_host),
+    );
+    let logprobs = t.alloc::<f32>(n);
+    let dlogits = t.alloc::<bf16>(n * v);
+    ok(t.gpu
+        .crossentropy(logprobs, Some(dlogits), logits, targets, weights, 2.0));
+    let (lp, d) = (t.get(logprobs), t.get_bf16(dlogits));
+    for bad in [1, 3] {
+        assert!(
+            lp[bad].is_nan(),
+            "row {bad}: log-prob {} is not NaN",
+            lp[bad]
+        );
+        assert!(
+            d[bad * v..(bad + 1) * v].iter().all(|x| x.is_nan()),
+            "row {bad}: a gradient is not NaN"
+        );
+    }
+    // Rows 0 and 2 are untouched by the others' NaN.
+    let good = [0, 2];
+    let good_logits: Vec<f32> = good
+        .iter()
+        .flat_map(|&r| logits_host[r * v..(r + 1) * v].to_vec())
+        .collect();
+    let good_targets: Vec<u32> = good.iter().map(|&r| targets_host[r]).collect();
+    let (mut probs, mut want_lp) = (vec![0.0; 2 * v], vec![0.0; 2]);
+    crossentropy_forward(
+        &mut probs,
+        &mut want_lp,
+        &good_logits,
+        &good_targets,
+        &[1.0, 1.0],
+        2.0,
+    );
+    let mut want_d = vec![0.0; 2 * v];
+    crossentropy_backward(&mut want_d, &probs, &good_targets, &[1.0, 1.0], 2.0);
+    let got_lp: Vec<f32> = good.iter().map(|&r| lp[r]).collect();
+    let got_d: Vec<f32> = good
+        .iter()
+        .flat_map(|&r| d[r * v..(r + 1) * v].to_vec())
+        .collect();
+    assert_close("crossentropy good rows' logprobs", &got_lp, &want_lp, 1e-5);
+    assert_close_relative(
+        "crossentropy good rows' dlogits",
+        &got_d,
+        &want_d,
+        BF16_TOLERANCE,
+        1e-30,
+    );
+}
+
+#[test]
+fn gpu_sum_of_squares_adds_the_squared_global_norm() {
+    let Some(mut t) = TestGpu::open("gpu_sum_of_squares_adds_the_squared_global_norm", ARENA)
+    else {
+        return;
+    };
+    let n = 300_001;
+    let mut x_host = seeded(49, n);
+    let x = t.put(&x_host);
+    let start = 2.5f32;
+    let acc = t.put(&[start]);
+    ok(t.gpu.sum_of_squares(acc, x));
+    let norm = f64::from(global_grad_norm(&x_host));
+    let want = (f64::from(start) + norm * norm) as f32;
+    // About 1200 fp32 atomic additions of block partials into a total near 1e5.
+    assert_close("sum of squares (+=)", &t.get(acc), &[want], 1e-4);
+
+    // A NaN gradient shows in the norm, never clipped away.
+    x_host[123_457] = f32::NAN;
+    ok(t.gpu.upload(x, &x_host));
+    ok(t.gpu.upload(acc, &[0.0]));
+    ok(t.gpu.sum_of_squares(acc, x));
+    let got = t.get(acc)[0];
+    assert!(
+        got.is_nan(),
+        "a NaN gradient gave a sum of squares of {got}"
+    );
+}
+
+#[test]
+fn gpu_adamw_three_steps_match_the_cpu_with_clipping_and_weight_decay() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_adamw_three_steps_match_the_cpu_with_clipping_and_weight_decay",
+        ARENA,
+    ) else {
+        return;
+    };
+    let n = 5000;
+    let cfg = AdamWConfig {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        max_grad_norm: Some(30.0),
+    };
+    // A state some steps in: moments not zero.
+    let mut master_host = seeded(50, n);
+    let mut m_host = scaled(seeded(51, n), 0.1);
+    let mut v_host: Vec<f32> = seeded(52, n).iter().map(|x| x * x * 0.01).collect();
+    let (master, m, v) = (t.put(&master_host), t.put(&m_host), t.put(&v_host));
+    let params = t.alloc::<bf16>(n);
+    let grads = t.alloc::<f32>(n);
+    // Gradient norms near 41, 20 and 82 against a clip of 30: clipped, not, clipped.
+    for (step, size) in [(1u64, 1.0f32), (2, 0.5), (3, 2.0)] {
+        let g = scaled(seeded(52 + step, n), size);
+        ok(t.gpu.upload(grads, &g));
+        let scale = clip_scale(&cfg, global_grad_norm(&g));
+        adamw_update(
+            &mut master_host,
+            &g,
+            &mut m_host,
+            &mut v_host,
+            step,
+            &cfg,
+            scale,
+        );
+        ok(t.gpu.adamw_update(
+            master,
+            params,
+            m,
+            v,
+            grads,
+            adamw_scalars(&cfg, step, scale),
+        ));
+        // The kernel does the CPU's fp32 operations in the CPU's order, unfused, so it should
+        // agree to the bit; 1e-6 (of max(1, |value|) for the weights and the first moment,
+        // which may cancel; of the value for the second moment, a sum of positives) allows a
+        // few ulps.
+        let what = |x: &str| format!("adamw step {step} {x}");
+        assert_close(&what("master"), &t.get(master), &master_host, 1e-6);
+        assert_close(&what("m"), &t.get(m), &m_host, 1e-6);
+        assert_close_relative(&what("v"), &t.get(v), &v_host, 1e-6, 1e-30);
+        // One bf16 rounding of the master weights: at most 2^-8 (0.39%) of each.
+        assert_close_relative(
+            &what("bf16 params"),
+            &t.get_bf16(params),
+            &master_host,
+            5e-3,
+            1e-30,
+        );
+    }
+}
+
+#[test]
+fn gpu_attention_composition_matches_the_cpu_forward_and_backward_with_grouped_heads() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_attention_composition_matches_the_cpu_forward_and_backward_with_grouped_heads",
+        ARENA,
+    ) else {
+        return;
+    };
+    let s = AttentionShape {
+        batch: 2,
+        seq: 37,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (tl, d) = (s.seq, s.head_dim);
+    let (n, bh) = (s.batch * tl, s.batch * s.heads);
+    let (tt, td) = (tl * tl, tl * d);
+    let scale = 1.0 / (d as f32).sqrt();
+    let q_shape = HeadShape {
+        batch: s.batch,
+        seq: tl,
+        rows_heads: s.heads,
+        split_heads: s.heads,
+        head_dim: d,
+    };
+    let kv_shape = HeadShape {
+        rows_heads: s.kv_heads,
+        ..q_shape
+    };
+    let (q, q_host) = t.put_bf16(&seeded(61, n * s.heads * d));
+    let (k, k_host) = t.put_bf16(&seeded(62, n * s.kv_heads * d));
+    let (v, v_host) = t.put_bf16(&seeded(63, n * s.kv_heads * d));
+    let (dout, dout_host) = t.put_bf16(&seeded(64, n * s.heads * d));
+
+    // Forward: (B, H, T, D) heads, scores (B*H, T, T) fp32, bf16 probabilities, their product
+    // with v, back to (B, T, H*D).
+    let (qs, ks, vs) = (
+        t.alloc::<bf16>(bh * td),
+        t.alloc::<bf16>(bh * td),
+        t.alloc::<bf16>(bh * td),
+    );
+    ok(t.gpu.to_heads(qs, q, q_shape));
+    ok(t.gpu.to_heads(ks, k, kv_shape));
+    ok(t.gpu.to_heads(vs, v, kv_shape));
+    let scores = t.alloc::<f32>(bh * tt);
+    let qk = Gemm::new(tl, tl, d, Transpose::No, Transpose::Yes)
+        .scaled(scale)
+        .batched(bh, td, td, tt);
+    ok(t.gpu.gemm(qk, scores, qs, ks));
+    let probs = t.alloc::<bf16>(bh * tt);
+    ok(t.gpu.causal_softmax_forward(probs, scores, tl));
+    let out_split = t.alloc::<bf16>(bh * td);
+    let pv = Gemm::new(tl, d, tl, Transpose::No, Transpose::No).batched(bh, tt, td, td);
+    ok(t.gpu.gemm(pv, out_split, probs, vs));
+    let out = t.alloc::<bf16>(n * s.heads * d);
+    ok(t.gpu.from_heads(out, out_split, q_shape));
+
+    let (mut want_out, mut att) = (vec![0.0; n * s.heads * d], vec![0.0; n * s.heads * tl]);
+    attention_forward(&mut want_out, &mut att, &q_host, &k_host, &v_host, s)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // The CPU's probabilities are (B, T, H, T); ours (B, H, T, T).
+    let att_split: Vec<f32> = (0..bh * tt)
+        .map(|i| {
+            let (u, query, bhi) = (i % tl, (i / tl) % tl, i / tt);
+            let (b, h) = (bhi / s.heads, bhi % s.heads);
+            att[((b * tl + query) * s.heads + h) * tl + u]
+        })
+        .collect();
+    assert_close_relative(
+        "attention probabilities",
+        &t.get_bf16(probs),
+        &att_split,
+        BF16_TOLERANCE,
+        1e-30,
+    );
+    // Averages of v with bf16 probabilities, rounded once more.
+    assert_close(
+        "attention output",
+        &t.get_bf16(out),
+        &want_out,
+        BF16_CHAIN_TOLERANCE,
+    );
+
+    // Backward: dprobs = dout v^T, softmax backward, then dq = ds k, dk = ds^T q (both scaled
+    // by 1/sqrt(D)), dv = p^T dout; from_heads sums each kv group.
+    let douts = t.alloc::<bf16>(bh * td);
+    ok(t.gpu.to_heads(douts, dout, q_shape));
+    let dprobs = t.alloc::<f32>(bh * tt);
+    let dov = Gemm::new(tl, tl, d, Transpose::No, Transpose::Yes).batched(bh, td, td, tt);
+    ok(t.gpu.gemm(dov, dprobs, douts, vs));
+    let dscores = t.alloc::<bf16>(bh * tt);
+    ok(t.gpu.causal_softmax_backward(dscores, probs, dprobs, tl));
+    let (dqs, dks, dvs) = (
+        t.alloc::<bf16>(bh * td),
+        t.alloc::<bf16>(bh * td),
+        t.alloc::<bf16>(bh * td),
+    );
+    let ds_k = Gemm::new(tl, d, tl, Transpose::No, Transpose::No)
+        .scaled(scale)
+        .batched(bh, tt, td, td);
+    ok(t.gpu.gemm(ds_k, dqs, dscores, ks));
+    let dst_q = Gemm::new(tl, d, tl, Transpose::Yes, Transpose::No)
+        .scaled(scale)
+        .batched(bh, tt, td, td);
+    ok(t.gpu.gemm(dst_q, dks, dscores, qs));
+    let pt_dout = Gemm::new(tl, d, tl, Transpose::Yes, Transpose::No).batched(bh, tt, td, td);
+    ok(t.gpu.gemm(pt_dout, dvs, probs, douts));
+    let (dq, dk, dv) = (
+        t.alloc::<bf16>(n * s.heads * d),
+        t.alloc::<bf16>(n * s.kv_heads * d),
+        t.alloc::<bf16>(n * s.kv_heads * d),
+    );
+    ok(t.gpu.from_heads(dq, dqs, q_shape));
+    ok(t.gpu.from_heads(dk, dks, kv_shape));
+    ok(t.gpu.from_heads(dv, dvs, kv_shape));
+
+    let (mut want_dq, mut want_dk, mut want_dv) = (
+        vec![0.0; n * s.heads * d],
+        vec![0.0; n * s.kv_heads * d],
+        vec![0.0; n * s.kv_heads * d],
+    );
+    let mut datt = vec![0.0; n * s.heads * tl];
+    attention_backward(
+        &mut want_dq,
+        &mut want_dk,
+        &mut want_dv,
+        &mut datt,
+        &dout_host,
+        &q_host,
+        &k_host,
+        &v_host,
+        &att,
+        s,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    // bf16 probabilities and score gradients through fp32 products, rounded to bf16 per head
+    // and again by the kv groups' sums (emulating these roundings on the CPU gives 0.73% for
+    // dv, the worst).
+    let chain = BF16_CHAIN_TOLERANCE;
+    assert_close("attention dq", &t.get_bf16(dq), &want_dq, chain);
+    assert_close("attention dk", &t.get_bf16(dk), &want_dk, chain);
+    assert_close("attention dv", &t.get_bf16(dv), &want_dv, chain);
+}
