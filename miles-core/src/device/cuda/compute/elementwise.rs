@@ -69,6 +69,9 @@ impl Gpu {
                 actual: table.len(),
             });
         }
+        if ids.is_empty() {
+            return Ok(());
+        }
         let c32 = as_i32("embedding width", c)?;
         self.launch(
             "embedding_forward",
@@ -102,6 +105,9 @@ impl Gpu {
         let rows = x.len() / c;
         if let Some(r) = rstd {
             r.expect_len("rmsnorm rstd", rows)?;
+        }
+        if rows == 0 {
+            return Ok(());
         }
         let rstd_addr = rstd.map_or(0u64, |r| r.address());
         let c32 = as_i32("rmsnorm width", c)?;
