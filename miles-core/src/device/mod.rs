@@ -18,7 +18,7 @@ pub mod probe;
 mod view;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
-pub use cuda::{CudaDevice, CudaOptions};
+pub use cuda::{CudaDevice, CudaOptions, ReleaseMode};
 pub use error::DeviceError;
 pub use host::HostDevice;
 pub use open::{OpenedDevice, open, open_test_device, open_with, resolve};
