@@ -5,7 +5,8 @@
 //! - `commit` creates physical memory in pieces of [`CudaOptions::commit_chunk`] bytes
 //!   (`cuMemCreate`), maps each at its place (`cuMemMap`) and grants access to the whole range in
 //!   one `cuMemSetAccess`. Fewer, larger pieces make commit and release cheaper; the granularity
-//!   (2 MiB on an H200) only bounds what a caller may ask for.
+//!   (2 MiB on an H200) only bounds what a caller may ask for. With
+//!   [`CudaOptions::touch_on_commit`] it then writes the fresh memory once on the device.
 //! - `release` waits for the copies still queued on the range (their events), then unmaps and
 //!   releases its pieces as [`CudaOptions::release`] says (`release.rs`). A release that cuts a
 //!   piece in two keeps the bytes of the parts that stay committed by moving them into new
