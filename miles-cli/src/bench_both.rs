@@ -10,7 +10,7 @@ use miles_core::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag};
 use serde_json::json;
 
 use crate::baseline::CopyBaseline;
-use crate::bench_offload::{OffloadBenchArgs, fill, prepin_host_pool, verify};
+use crate::bench_offload::{OffloadBenchArgs, fill, prepin_host_pool, settings_json, verify};
 
 struct Cycle {
     seconds: f64,
@@ -33,7 +33,8 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
             margin_bytes: 0,
             disk: None,
         },
-    )?;
+    )?
+    .with_resume_pieces(args.resume_piece_mib << 20);
     let tags = [
         MemoryTag::Named("outgoing".to_string()),
         MemoryTag::Named("incoming".to_string()),
@@ -113,6 +114,7 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
                 "copy_out_plus_in_gbps": base_gbps,
             },
             "ratio": combined_gbps / base_gbps,
+            "settings": settings_json(args, opened),
         });
         writeln!(out, "{report}")?;
         return Ok(());

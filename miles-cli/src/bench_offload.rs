@@ -4,15 +4,15 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use miles_core::device::{self, OpenedDevice};
+use miles_core::device::{self, OpenedDevice, ReleaseMode};
 use miles_core::{
     BackupPolicy, Buffer, CudaOptions, DeviceChoice, DiskSettings, ManagerSettings, MemoryManager,
     MemoryTag, OffloadReport,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::baseline::{CopyBaseline, DirectIoBaseline, pattern_block};
 use crate::settings_args::BadSettings;
@@ -29,6 +29,29 @@ pub enum OffloadTarget {
     Host,
     /// Checksummed chunk files in `--disk-dir`.
     Disk,
+}
+
+/// How the CUDA device gives memory back on a release (see `ReleaseMode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReleaseArg {
+    /// `cuMemUnmap` then `cuMemRelease` per piece, one piece after the other.
+    EachMapping,
+    /// One `cuMemUnmap` per run of adjacent pieces, then `cuMemRelease` of their handles on
+    /// `--cuda-release-threads` threads.
+    UnmapThenRelease,
+    /// Handles released at commit, so that one `cuMemUnmap` per run of adjacent pieces frees
+    /// the memory.
+    MappingOwns,
+}
+
+impl From<ReleaseArg> for ReleaseMode {
+    fn from(arg: ReleaseArg) -> ReleaseMode {
+        match arg {
+            ReleaseArg::EachMapping => ReleaseMode::EachMapping,
+            ReleaseArg::UnmapThenRelease => ReleaseMode::UnmapThenRelease,
+            ReleaseArg::MappingOwns => ReleaseMode::MappingOwns,
+        }
+    }
 }
 
 /// Settings of `miles bench offload`.
@@ -68,10 +91,80 @@ pub struct OffloadBenchArgs {
     /// device's, 1 GiB).
     #[arg(long)]
     pub cuda_commit_chunk_mib: Option<usize>,
+    /// CUDA only: bytes per queued copy, in MiB (default: the device's, 64 MiB).
+    #[arg(long)]
+    pub cuda_copy_chunk_mib: Option<usize>,
+    /// CUDA only: copy streams per direction (default: the device's, 2).
+    #[arg(long)]
+    pub cuda_streams: Option<usize>,
+    /// CUDA only: how a release gives memory back (default: the device's).
+    #[arg(long, value_enum)]
+    pub cuda_release: Option<ReleaseArg>,
+    /// CUDA only: threads releasing handles with `--cuda-release unmap-then-release`.
+    #[arg(long)]
+    pub cuda_release_threads: Option<usize>,
+    /// CUDA only: write fresh memory once on the device at commit, before any copy into it.
+    #[arg(long)]
+    pub cuda_touch_on_commit: bool,
+    /// Resume host backups in pieces of this many MiB, each piece's copy running while the
+    /// next commits (0: commit the whole tag, then copy).
+    #[arg(long, default_value_t = 0)]
+    pub resume_piece_mib: usize,
+    /// Diagnostic: sleep this long between each pause and the resume after it (not timed), to
+    /// tell the driver's work after a release from the cost of the resume itself. Not with
+    /// `--both-directions`.
+    #[arg(long, default_value_t = 0)]
+    pub pause_gap_ms: u64,
     /// Two tags of `--size` each, host target: one pauses while the other resumes, on two
     /// threads; reports the bytes of both over the wall time.
     #[arg(long)]
     pub both_directions: bool,
+}
+
+/// The CUDA device's options: its defaults, with what the flags set.
+fn cuda_options(args: &OffloadBenchArgs) -> CudaOptions {
+    let defaults = CudaOptions::default();
+    CudaOptions {
+        commit_chunk: args
+            .cuda_commit_chunk_mib
+            .map_or(defaults.commit_chunk, |mib| mib * MIB),
+        copy_chunk: args
+            .cuda_copy_chunk_mib
+            .map_or(defaults.copy_chunk, |mib| mib * MIB),
+        streams_per_direction: args.cuda_streams.unwrap_or(defaults.streams_per_direction),
+        release: args
+            .cuda_release
+            .map_or(defaults.release, ReleaseMode::from),
+        release_threads: args
+            .cuda_release_threads
+            .unwrap_or(defaults.release_threads),
+        touch_on_commit: args.cuda_touch_on_commit || defaults.touch_on_commit,
+        ..defaults
+    }
+}
+
+/// The settings a run measured, for its JSON report: the CUDA device's options in effect (after
+/// rounding) and the memory manager's.
+pub(crate) fn settings_json(args: &OffloadBenchArgs, opened: &OpenedDevice) -> Value {
+    let cuda = match opened {
+        OpenedDevice::Cuda(device) => {
+            let options = device.options();
+            json!({
+                "commit_chunk": options.commit_chunk,
+                "copy_chunk": options.copy_chunk,
+                "streams_per_direction": options.streams_per_direction,
+                "release": format!("{:?}", options.release),
+                "release_threads": options.release_threads,
+                "touch_on_commit": options.touch_on_commit,
+            })
+        }
+        OpenedDevice::Cpu(_) => Value::Null,
+    };
+    json!({
+        "cuda": cuda,
+        "resume_piece": args.resume_piece_mib * MIB,
+        "pause_gap_ms": args.pause_gap_ms,
+    })
 }
 
 fn parse_size(text: &str) -> Result<u64, String> {
@@ -131,15 +224,17 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     if args.both_directions && args.target != OffloadTarget::Host {
         return Err(BadSettings("--both-directions needs --target host".to_string()).into());
     }
+    if args.both_directions && args.pause_gap_ms > 0 {
+        return Err(
+            BadSettings("--pause-gap-ms does not apply to --both-directions".to_string()).into(),
+        );
+    }
     let size = usize::try_from(args.size).context("--size does not fit this machine")?;
-    let defaults = CudaOptions::default();
-    let cuda = CudaOptions {
-        commit_chunk: args
-            .cuda_commit_chunk_mib
-            .map_or(defaults.commit_chunk, |mib| mib * MIB),
-        ..defaults
-    };
-    let opened = device::open_with(args.device, args.device_memory_gib * GIB, cuda)?;
+    let opened = device::open_with(
+        args.device,
+        args.device_memory_gib * GIB,
+        cuda_options(args),
+    )?;
     if args.both_directions {
         return crate::bench_both::run(args, &opened, size);
     }
@@ -176,7 +271,8 @@ fn bench(
     dir: &Path,
 ) -> anyhow::Result<()> {
     let device = opened.shared();
-    let memory = MemoryManager::new(Arc::clone(&device), settings)?;
+    let memory = MemoryManager::new(Arc::clone(&device), settings)?
+        .with_resume_pieces(args.resume_piece_mib * MIB);
     let tag = MemoryTag::Named("bench".to_string());
     memory.create_region(tag.clone(), policy, size)?;
     let mut buffer = memory.alloc(&tag, size)?;
@@ -195,6 +291,7 @@ fn bench(
         let resident_before = device.resident_bytes()?;
         let pause = memory.pause(&tag)?;
         let resident_after = device.resident_bytes()?;
+        std::thread::sleep(Duration::from_millis(args.pause_gap_ms));
         let resume = memory.resume(&tag)?;
         if policy == BackupPolicy::None {
             // The contents were dropped; write them again, as a KV cache would be, so the next
@@ -276,6 +373,7 @@ fn bench(
                 "read_gbps": read_gbps,
             },
             "ratio": {"pause": ratio.0, "resume": ratio.1},
+            "settings": settings_json(args, opened),
         });
         writeln!(out, "{report}")?;
         return Ok(());

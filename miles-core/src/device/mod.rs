@@ -21,7 +21,7 @@ pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::compute::{
     AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, Transpose,
 };
-pub use cuda::{CudaDevice, CudaOptions};
+pub use cuda::{CudaDevice, CudaOptions, ReleaseMode};
 pub use error::DeviceError;
 pub use host::HostDevice;
 pub use open::{OpenedDevice, open, open_test_device, open_with, resolve};

@@ -262,6 +262,7 @@ const CUDARC_SYMBOLS: &[&str] = &[
     "cuMemcpyDtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoD_v2",
+    "cuMemsetD32Async",
 ];
 
 /// Whether cudarc's driver calls are safe to make: `Ok` when the library cudarc would load opens

@@ -40,6 +40,8 @@ pub struct MemoryManager {
     margin_bytes: u64,
     stores: Arc<Stores>,
     regions: Mutex<HashMap<MemoryTag, Arc<Region>>>,
+    /// Bytes per piece of a pipelined resume of a host backup; 0: commit whole, then copy.
+    resume_piece: usize,
 }
 
 impl MemoryManager {
@@ -63,7 +65,18 @@ impl MemoryManager {
             margin_bytes: settings.margin_bytes,
             stores: Arc::new(Stores { pool, disk }),
             regions: Mutex::new(HashMap::new()),
+            resume_piece: 0,
         })
+    }
+
+    /// Resume host-backed tags in pieces of `bytes` (rounded up to the granularity): commit a
+    /// piece, queue its copy in, and commit the next while it runs. 0, the default, commits a
+    /// tag's memory whole before copying.
+    pub fn with_resume_pieces(self, bytes: usize) -> MemoryManager {
+        MemoryManager {
+            resume_piece: bytes,
+            ..self
+        }
     }
 
     /// The device.
@@ -161,7 +174,8 @@ impl MemoryManager {
     /// [`MemoryError::TagBusy`]; [`MemoryError::Store`] or [`MemoryError::Device`] when the
     /// restore fails, and the tag then stays paused with its backup.
     pub fn resume(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
-        self.region(tag)?.resume(self.margin_bytes)
+        self.region(tag)?
+            .resume(self.margin_bytes, self.resume_piece)
     }
 
     /// Where `tag` stands.

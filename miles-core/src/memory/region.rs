@@ -342,8 +342,10 @@ impl Region {
     }
 
     /// Check room for the region (need + margin), commit its memory at the same addresses and
-    /// copy its bytes back; on any failure the region stays paused with its backup.
-    pub(crate) fn resume(&self, margin: u64) -> Result<OffloadReport, MemoryError> {
+    /// copy its bytes back; on any failure the region stays paused with its backup. With a host
+    /// backup and `piece > 0`, commits and copies go piece by piece (see
+    /// [`Region::restore_pipelined`]).
+    pub(crate) fn resume(&self, margin: u64, piece: usize) -> Result<OffloadReport, MemoryError> {
         let started = Instant::now();
         let (released, saved, mut backup, free_before) = {
             let mut core = self.lock();
@@ -375,15 +377,21 @@ impl Region {
             let backup = std::mem::replace(&mut core.backup, Backup::Nothing);
             (core.released.clone(), core.saved.clone(), backup, free)
         };
-        let restored =
-            self.commit_all(&released)
-                .and_then(|()| match self.restore(&saved, &mut backup) {
-                    Ok(()) => Ok(()),
-                    Err(error) => {
-                        released.iter().for_each(|run| self.release_logged(*run));
-                        Err(error)
-                    }
-                });
+        let restored = match &mut backup {
+            Backup::Host(buffer) if piece > 0 => {
+                self.restore_pipelined(&saved, released.len(), buffer, piece)
+            }
+            _ => {
+                self.commit_all(&released)
+                    .and_then(|()| match self.restore(&saved, &mut backup) {
+                        Ok(()) => Ok(()),
+                        Err(error) => {
+                            released.iter().for_each(|run| self.release_logged(*run));
+                            Err(error)
+                        }
+                    })
+            }
+        };
         if let Err(error) = restored {
             self.lock().backup = backup;
             self.settle(RegionState::Paused);
@@ -418,6 +426,40 @@ impl Region {
             }
         }
         Ok(())
+    }
+
+    /// Commit `runs` and copy `buffer` (laid out by [`copy_out`]) back into them in pieces of
+    /// `piece` bytes (rounded up to the granularity), so that each piece's copy runs while the
+    /// next piece commits; waits for every copy. Only the first `released` runs were released
+    /// by the pause, and only they are committed. On failure the pieces committed here are
+    /// released again.
+    fn restore_pipelined(
+        &self,
+        runs: &[AddressRange],
+        released: usize,
+        buffer: &mut HostBuffer,
+        piece: usize,
+    ) -> Result<(), MemoryError> {
+        let piece = piece.next_multiple_of(self.device.granularity());
+        let mut committed = Vec::new();
+        let mut fences = Vec::new();
+        let queued = queue_pipelined(
+            self.device.as_ref(),
+            runs,
+            released,
+            buffer,
+            piece,
+            &mut committed,
+            &mut fences,
+        );
+        let waited = fences
+            .iter()
+            .try_for_each(Fence::wait)
+            .and_then(|()| buffer.wait());
+        queued.and(waited).map_err(|error| {
+            committed.iter().for_each(|part| self.release_logged(*part));
+            self.device_error()(error)
+        })
     }
 
     fn restore(&self, runs: &[AddressRange], backup: &mut Backup) -> Result<(), MemoryError> {
@@ -476,6 +518,34 @@ fn copy_out(
     buffer.wait()
 }
 
+/// Commit (the first `released` runs) and queue the copy back of `runs` piece by piece,
+/// recording what was committed and the copies' fences as it goes.
+fn queue_pipelined(
+    device: &dyn Device,
+    runs: &[AddressRange],
+    released: usize,
+    buffer: &mut HostBuffer,
+    piece: usize,
+    committed: &mut Vec<AddressRange>,
+    fences: &mut Vec<Fence>,
+) -> Result<(), DeviceError> {
+    let mut offset = 0;
+    for (index, run) in runs.iter().enumerate() {
+        let mut done = 0;
+        while done < run.len {
+            let part = run.slice(done, piece.min(run.len - done))?;
+            if index < released {
+                device.commit(part)?;
+                committed.push(part);
+            }
+            fences.push(device.copy_from_host(buffer, offset + done, part)?);
+            done += part.len;
+        }
+        offset += run.len;
+    }
+    Ok(())
+}
+
 /// Copy `buffer`, laid out by [`copy_out`], back into `runs` and wait for every copy.
 fn copy_in(
     device: &dyn Device,
@@ -490,4 +560,189 @@ fn copy_in(
     }
     fences.iter().try_for_each(Fence::wait)?;
     buffer.wait()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use crate::device::{DeviceKind, MemoryInfo, open_test_device};
+    use crate::memory::{Buffer, ManagerSettings, MemoryManager};
+
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    /// The test device (see [`open_test_device`]) whose `fail_in`-th commit from now fails as
+    /// out of memory (0: none fails).
+    #[derive(Debug)]
+    struct FailingCommit {
+        inner: Arc<dyn Device>,
+        fail_in: AtomicUsize,
+    }
+
+    impl Device for FailingCommit {
+        fn kind(&self) -> DeviceKind {
+            self.inner.kind()
+        }
+        fn name(&self) -> String {
+            self.inner.name()
+        }
+        fn granularity(&self) -> usize {
+            self.inner.granularity()
+        }
+        fn reserve(&self, len: usize) -> Result<AddressRange, DeviceError> {
+            self.inner.reserve(len)
+        }
+        fn unreserve(&self, range: AddressRange) -> Result<(), DeviceError> {
+            self.inner.unreserve(range)
+        }
+        fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
+            let left = self.fail_in.load(Ordering::SeqCst);
+            if left > 0 {
+                self.fail_in.store(left - 1, Ordering::SeqCst);
+                if left == 1 {
+                    return Err(DeviceError::OutOfMemory {
+                        device: self.kind(),
+                        requested: range.len as u64,
+                        free: 0,
+                    });
+                }
+            }
+            self.inner.commit(range)
+        }
+        fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
+            self.inner.release(range)
+        }
+        fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
+            self.inner.memory_info()
+        }
+        fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
+            self.inner.alloc_host(len)
+        }
+        fn copy_to_host(
+            &self,
+            src: AddressRange,
+            dst: &mut HostBuffer,
+            offset: usize,
+        ) -> Result<Fence, DeviceError> {
+            self.inner.copy_to_host(src, dst, offset)
+        }
+        fn copy_from_host(
+            &self,
+            src: &mut HostBuffer,
+            offset: usize,
+            dst: AddressRange,
+        ) -> Result<Fence, DeviceError> {
+            self.inner.copy_from_host(src, offset, dst)
+        }
+        fn read(&self, src: AddressRange, dst: &mut [u8]) -> Result<(), DeviceError> {
+            self.inner.read(src, dst)
+        }
+        fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError> {
+            self.inner.write(src, dst)
+        }
+    }
+
+    /// A manager resuming in pieces of `piece` bytes on a [`FailingCommit`] test device of
+    /// `capacity` bytes.
+    fn pipelined(capacity: usize, piece: usize) -> (Arc<FailingCommit>, MemoryManager) {
+        let device = Arc::new(FailingCommit {
+            inner: open_test_device(capacity as u64).unwrap().shared(),
+            fail_in: AtomicUsize::new(0),
+        });
+        let settings = ManagerSettings {
+            margin_bytes: 0,
+            disk: None,
+        };
+        let memory = MemoryManager::new(Arc::clone(&device) as Arc<dyn Device>, settings)
+            .unwrap()
+            .with_resume_pieces(piece);
+        (device, memory)
+    }
+
+    /// Buffers of several sizes in a host-backed tag, filled with seeded random bytes; their
+    /// blocks commit as more than one run.
+    fn filled(memory: &MemoryManager, tag: &MemoryTag, seed: u64) -> Vec<(Buffer, Vec<u8>)> {
+        memory
+            .create_region(tag.clone(), BackupPolicy::Host, 64 * MIB)
+            .unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        [5 * MIB + 3, 1, 11 * MIB + 17, 300_001]
+            .iter()
+            .map(|&len| {
+                let mut buffer = memory.alloc(tag, len).unwrap();
+                let mut data = vec![0u8; len];
+                rng.fill_bytes(&mut data);
+                buffer.write(0, &data).unwrap();
+                (buffer, data)
+            })
+            .collect()
+    }
+
+    fn first_difference_in(buffers: &[(Buffer, Vec<u8>)]) -> Option<(usize, usize)> {
+        buffers
+            .iter()
+            .enumerate()
+            .find_map(|(index, (buffer, data))| {
+                let mut back = vec![0u8; buffer.len()];
+                buffer.read(0, &mut back).unwrap();
+                back.iter()
+                    .zip(data)
+                    .position(|(x, y)| x != y)
+                    .map(|at| (index, at))
+            })
+    }
+
+    #[test]
+    fn a_pipelined_resume_restores_every_byte_at_the_same_addresses() {
+        let (_, memory) = pipelined(128 * MIB, 3 * MIB);
+        let tag = MemoryTag::Named("pipelined".to_string());
+        let buffers = filled(&memory, &tag, 31);
+        let addresses: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
+        for cycle in 0..3 {
+            let paused = memory.pause(&tag).unwrap();
+            assert_eq!(paused.bytes, memory.region_bytes(&tag).unwrap());
+            assert!(paused.free_after > paused.free_before, "cycle {cycle}");
+            let resumed = memory.resume(&tag).unwrap();
+            assert_eq!(resumed.bytes, paused.bytes, "cycle {cycle}");
+            let diff = first_difference_in(&buffers);
+            assert_eq!(diff, None, "cycle {cycle}: (buffer, byte) differing first");
+        }
+        let now: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
+        assert_eq!(now, addresses);
+    }
+
+    #[test]
+    fn a_pipelined_resume_that_fails_half_way_releases_its_pieces_and_stays_paused() {
+        let (device, memory) = pipelined(128 * MIB, 2 * MIB);
+        let tag = MemoryTag::Named("half-way".to_string());
+        let buffers = filled(&memory, &tag, 37);
+        memory.pause(&tag).unwrap();
+        let free_paused = device.memory_info().unwrap().free;
+        device.fail_in.store(3, Ordering::SeqCst);
+        let error = memory.resume(&tag).unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                MemoryError::Device {
+                    source: DeviceError::OutOfMemory { .. },
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+        assert_eq!(
+            device.memory_info().unwrap().free,
+            free_paused,
+            "the pieces committed before the failure are released again"
+        );
+        memory.resume(&tag).unwrap();
+        let diff = first_difference_in(&buffers);
+        assert_eq!(diff, None, "(buffer, byte) differing first after the retry");
+    }
 }

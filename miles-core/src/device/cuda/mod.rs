@@ -5,11 +5,12 @@
 //! - `commit` creates physical memory in pieces of [`CudaOptions::commit_chunk`] bytes
 //!   (`cuMemCreate`), maps each at its place (`cuMemMap`) and grants access to the whole range in
 //!   one `cuMemSetAccess`. Fewer, larger pieces make commit and release cheaper; the granularity
-//!   (2 MiB on an H200) only bounds what a caller may ask for.
+//!   (2 MiB on an H200) only bounds what a caller may ask for. With
+//!   [`CudaOptions::touch_on_commit`] it then writes the fresh memory once on the device.
 //! - `release` waits for the copies still queued on the range (their events), then unmaps and
-//!   releases its pieces. A release that cuts a piece in two keeps the bytes of the parts that
-//!   stay committed by moving them into new pieces (a device-to-device copy); releasing whole
-//!   commits never does this.
+//!   releases its pieces as [`CudaOptions::release`] says (`release.rs`). A release that cuts a
+//!   piece in two keeps the bytes of the parts that stay committed by moving them into new
+//!   pieces (a device-to-device copy); releasing whole commits never does this.
 //! - `copy_to_host` / `copy_from_host` cut a copy into [`CudaOptions::copy_chunk`] pieces spread
 //!   over [`CudaOptions::streams_per_direction`] streams, one stream set per direction so that one
 //!   tag goes out while another comes in. A copy runs after earlier copies it conflicts with
@@ -28,19 +29,22 @@ mod copies;
 mod driver;
 mod pinned;
 mod ranges;
+mod release;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
 
-use self::context::{Context, Event, EventWork};
+use self::context::{Context, Event, EventWork, Stream};
 use self::copies::{CopyEngine, Direction, InFlightCopies};
 use self::pinned::PinnedMemory;
 use self::ranges::{Mapping, Reservations};
 use super::{
     AddressRange, Device, DeviceError, DeviceKind, Fence, HostBuffer, MemoryInfo, PendingWork,
 };
+
+pub use self::release::ReleaseMode;
 
 /// How a [`CudaDevice`] cuts its work; the defaults are the fastest measured on an H200 (see
 /// `bench/RESULTS.md`).
@@ -61,6 +65,14 @@ pub struct CudaOptions {
     /// GPU shared with another process that holds the rest; tests use it to make out-of-memory
     /// real at small sizes.
     pub memory_limit: Option<u64>,
+    /// How a release gives the memory back.
+    pub release: ReleaseMode,
+    /// Threads that release the handles of one release with
+    /// [`ReleaseMode::UnmapThenRelease`] (1: the calling thread).
+    pub release_threads: usize,
+    /// Whether a commit writes its fresh memory once on the device (`cuMemsetD32Async`, zeros)
+    /// and waits for it, so that a first copy into it does not pay for first touches.
+    pub touch_on_commit: bool,
 }
 
 impl Default for CudaOptions {
@@ -71,6 +83,9 @@ impl Default for CudaOptions {
             streams_per_direction: 2,
             pin_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
             memory_limit: None,
+            release: ReleaseMode::default(),
+            release_threads: 1,
+            touch_on_commit: false,
         }
     }
 }
@@ -134,8 +149,8 @@ impl CudaDevice {
             commit_chunk: options.commit_chunk.max(1).next_multiple_of(granularity),
             copy_chunk: options.copy_chunk.max(1),
             streams_per_direction: options.streams_per_direction.max(1),
-            pin_threads: options.pin_threads,
-            memory_limit: options.memory_limit,
+            release_threads: options.release_threads.max(1),
+            ..options
         };
         let engine = CopyEngine::new(&context, options.streams_per_direction, options.copy_chunk)?;
         let name = driver::device_get_name(device)?;
@@ -300,16 +315,6 @@ impl CudaDevice {
         }
     }
 
-    /// Unmap and release one mapping no copy uses any more, and forget it once unmapped.
-    fn unmap(&self, book: &mut Reservations, mapping: Mapping) -> Result<(), DeviceError> {
-        // SAFETY: the mapping is one whole `cuMemMap` of ours; the caller holds the state lock
-        // taken by `quiet`, so no queued copy uses it.
-        unsafe { driver::mem_unmap(mapping.start, mapping.len) }?;
-        book.forget(mapping);
-        // SAFETY: the handle is ours, now unmapped, and released once.
-        unsafe { driver::mem_release(mapping.handle) }
-    }
-
     /// Map the handle `handle` of `range.len` bytes at `range` and grant access.
     fn map(&self, range: AddressRange, handle: u64) -> Result<(), DeviceError> {
         // SAFETY: `range` lies in a reservation of ours with nothing mapped there (checked by the
@@ -361,6 +366,17 @@ impl CudaDevice {
         }
     }
 
+    /// Write zeros over the freshly mapped `range` on a stream of its own and wait for it.
+    fn touch(&self, range: AddressRange) -> Result<(), DeviceError> {
+        let stream = Stream::new(&self.context)?;
+        // SAFETY: `range` was just mapped whole with access granted by the commit holding the
+        // state lock, so nothing else uses it; commits are granule multiples, so whole words.
+        unsafe { driver::memset_d32_async(range.start, 0, range.len / 4, stream.raw()) }?;
+        // SAFETY: the stream is live and belongs to the current context.
+        let done = unsafe { Event::record(&self.context, stream.raw()) }?;
+        EventWork::new(vec![done]).wait()
+    }
+
     /// Release the part of `mapping` inside `cut`, keeping the bytes of the rest.
     fn split(
         &self,
@@ -405,41 +421,29 @@ impl CudaDevice {
         self.unmap(book, mapping)?;
         for (part, handle) in fresh {
             self.map(part, handle)?;
-            book.add(Mapping {
+            let mut mapping = [Mapping {
                 start: part.start,
                 len: part.len,
-                handle,
-            })?;
+                handle: Some(handle),
+            }];
+            self.hand_memory_to_mappings(&mut mapping);
+            book.add(mapping[0])?;
         }
         Ok(())
-    }
-
-    /// Release every byte of `range` that is mapped, with the state lock of `quiet(range)`.
-    fn release_locked(
-        &self,
-        book: &mut Reservations,
-        range: AddressRange,
-    ) -> Result<(), DeviceError> {
-        let (inside, cut): (Vec<Mapping>, Vec<Mapping>) =
-            book.overlapping(range).into_iter().partition(|mapping| {
-                range.start <= mapping.start && mapping.range().end() <= range.end()
-            });
-        cut.into_iter()
-            .try_for_each(|mapping| self.split(book, mapping, range))?;
-        // One after the other: threads measured no faster (bench/RESULTS.md, round 3).
-        inside
-            .into_iter()
-            .try_for_each(|mapping| self.unmap(book, mapping))
     }
 
     /// Undo the pieces of a commit that failed.
     fn undo_commit(&self, created: &[Mapping], unmapped: Option<u64>) {
         for mapping in created {
             // SAFETY: these pieces were mapped by the failed commit and nothing uses them yet.
-            if let Err(error) = unsafe { driver::mem_unmap(mapping.start, mapping.len) }
-                // SAFETY: and their handles are released once.
-                .and(unsafe { driver::mem_release(mapping.handle) })
-            {
+            let mut undone = unsafe { driver::mem_unmap(mapping.start, mapping.len) };
+            // A failed commit still holds every handle: it hands memory to its mappings only
+            // once it succeeded.
+            if let Some(handle) = mapping.handle {
+                // SAFETY: the handle is ours, now unmapped, and released once.
+                undone = undone.and(unsafe { driver::mem_release(handle) });
+            }
+            if let Err(error) = undone {
                 tracing::error!(%error, "cannot undo part of a failed commit");
             }
         }
@@ -569,13 +573,20 @@ impl Device for CudaDevice {
                 failure = Some((error, Some(handle)));
                 break;
             }
-            created.push(Mapping { start, len, handle });
+            created.push(Mapping {
+                start,
+                len,
+                handle: Some(handle),
+            });
             offset += len;
         }
         if failure.is_none() {
             // SAFETY: the whole range was just mapped by this commit.
             let access = unsafe { driver::mem_set_access(range.start, range.len, self.device) };
             failure = access.err().map(|error| (error, None));
+        }
+        if failure.is_none() && self.options.touch_on_commit {
+            failure = self.touch(range).err().map(|error| (error, None));
         }
         if let Some((error, unmapped)) = failure {
             self.undo_commit(&created, unmapped);
@@ -589,6 +600,7 @@ impl Device for CudaDevice {
             }
             return Err(error);
         }
+        self.hand_memory_to_mappings(&mut created);
         created
             .into_iter()
             .try_for_each(|mapping| state.book.add(mapping))

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""PyTorch eager baseline for `miles bench train --device cuda`: the same Llama shapes (a miles
+preset's config.json) trained with forward + backward + AdamW, fp32 master weights and moments,
+bf16 autocast for the compute, on the same batch of B sequences of T tokens.
+
+Prints one JSON object: tokens/s over the timed steps (after untimed warm-up steps), seconds per
+step, the attention implementation, the parameter count and the last loss.
+
+  python3 bench/torch_train.py --config miles-core/presets/1b.json --batch 8 --seq 512 --attn sdpa
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="a miles preset's config.json")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--attn",
+        choices=["eager", "sdpa"],
+        default="sdpa",
+        help="eager: matmul + softmax + matmul (scores in memory); sdpa: PyTorch's fused kernels",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("torch sees no cuda device")
+
+    with open(args.config) as f:
+        raw = json.load(f)
+    raw["torch_dtype"] = "float32"
+    config = LlamaConfig(**raw)
+    config._attn_implementation = args.attn
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).cuda().train()
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=generator).cuda()
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = 0.0
+    for _ in range(args.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": args.steps * args.batch * args.seq / seconds,
+                "step_s": seconds / args.steps,
+                "attn": args.attn,
+                "params": params,
+                "loss": loss,
+                "torch": torch.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
