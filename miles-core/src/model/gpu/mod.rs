@@ -9,6 +9,7 @@
 mod backward;
 mod forward;
 mod layout;
+mod sizing;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod tests;
