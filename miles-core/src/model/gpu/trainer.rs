@@ -38,7 +38,7 @@ pub struct GpuTrainerSpec {
     pub max_batch_tokens: usize,
 }
 
-/// The activation buffers of the largest batch shape seen since they were last allocated.
+/// The activation buffers: allocated for one batch shape, reused for every shape they hold.
 struct ActivationBuffers {
     capacity: GpuActivationLayout,
     bf16: Buffer,
@@ -54,6 +54,10 @@ struct ActivationBuffers {
 /// The trainer creates the four regions; the manager must not have them yet, and keeps them
 /// after the trainer drops (one trainer per manager). Every call that queues GPU work records
 /// a fence on every buffer, so a pause of any of the tags waits for that work.
+///
+/// Attention probabilities are materialised (`L * B * H * T * T` bf16 per micro-batch): the
+/// activation region reserves address space for the largest shape within `max_batch_tokens`
+/// and commits only what the batch at hand needs.
 pub struct GpuTrainer {
     gpu: Arc<Gpu>,
     memory: Arc<MemoryManager>,
