@@ -18,6 +18,8 @@ pub mod probe;
 mod view;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
+#[cfg(test)]
+pub(crate) use cuda::compute::testing;
 pub use cuda::compute::{
     AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, Transpose,
 };

@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use crate::device::GemmShapeError;
+use crate::device::{DeviceError, GemmShapeError};
+use crate::memory::MemoryError;
 
 /// What went wrong in the model.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +53,32 @@ pub enum ModelError {
     /// A matrix product on operands of the wrong size (a bug in a caller's shapes).
     #[error(transparent)]
     Gemm(#[from] GemmShapeError),
+    /// A GPU kernel, matrix product or copy failed (or was handed tensors of the wrong shape).
+    #[error(transparent)]
+    Gpu(#[from] DeviceError),
+    /// The memory manager failed (a region, an allocation, a pause or a resume).
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// An operation that needs the trainer's tensors on the device, called while offloaded.
+    #[error("cannot {action}: the trainer's tensors are offloaded; call onload first")]
+    Offloaded {
+        /// What was asked.
+        action: &'static str,
+    },
+    /// Onload of a trainer that is on the device.
+    #[error("cannot onload: the trainer's tensors are on the device already; offload them first")]
+    NotOffloaded,
+    /// An optimizer step number that AdamW cannot take.
+    #[error("optimizer step {step} is invalid: steps count from 1")]
+    InvalidStep {
+        /// The step asked for.
+        step: u64,
+    },
+    /// A GPU and a memory manager over different devices.
+    #[error(
+        "the memory manager's device is not the gpu's device; build both over one Arc<CudaDevice>"
+    )]
+    DeviceMismatch,
     /// A file of a checkpoint could not be read or written.
     #[error("cannot {action} {path}: {source}")]
     Io {

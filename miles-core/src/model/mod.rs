@@ -5,6 +5,7 @@ mod checkpoint;
 mod config;
 mod decode;
 mod error;
+mod gpu;
 mod init;
 mod layout;
 mod passes;
@@ -20,6 +21,9 @@ pub use checkpoint::{
 pub use config::LlamaConfig;
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
 pub use error::ModelError;
+pub use gpu::{
+    ForwardMode, GpuActivationLayout, GpuActivations, GpuTrainer, GpuTrainerSpec, GpuTransformer,
+};
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
 pub use tokenizer::ByteTokenizer;

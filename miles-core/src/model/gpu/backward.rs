@@ -1,0 +1,222 @@
+//! The GPU transformer's backward pass: the chain rule of the forward pass, op for op as the CPU
+//! [`Transformer::backward`](crate::model::Transformer::backward) runs it, accumulating (`+=`)
+//! fp32 weight gradients in the flat gradient buffer.
+
+use half::bf16;
+
+use super::GpuTransformer;
+use super::forward::AttentionScratch;
+use super::layout::{GpuActivations, LayerActs};
+use super::weights::{LayerTensors, tensor};
+use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
+use crate::model::layout::layer_block;
+use crate::model::{ModelError, ParamKind};
+
+/// The backward pass's per-batch scratch (the gradients flowing through one layer).
+struct Flow {
+    d_res: GpuSlice<bf16>,     // (B, T, C): gradient of the residual stream
+    d_ln: GpuSlice<bf16>,      // (B, T, C)
+    d_att_out: GpuSlice<bf16>, // (B, T, H*D)
+    d_q: GpuSlice<bf16>,       // (B, T, H*D)
+    d_k: GpuSlice<bf16>,       // (B, T, K*D)
+    d_v: GpuSlice<bf16>,       // (B, T, K*D)
+    d_gate: GpuSlice<bf16>,    // (B, T, F)
+    d_up: GpuSlice<bf16>,      // (B, T, F)
+    d_sw: GpuSlice<bf16>,      // (B, T, F)
+}
+
+impl Flow {
+    fn of(acts: &GpuActivations) -> Result<Flow, ModelError> {
+        let a = acts.layout();
+        Ok(Flow {
+            d_res: acts.bf(&a.d_residual)?,
+            d_ln: acts.bf(&a.d_ln)?,
+            d_att_out: acts.bf(&a.d_att_out)?,
+            d_q: acts.bf(&a.d_q)?,
+            d_k: acts.bf(&a.d_k)?,
+            d_v: acts.bf(&a.d_v)?,
+            d_gate: acts.bf(&a.d_gate)?,
+            d_up: acts.bf(&a.d_up)?,
+            d_sw: acts.bf(&a.d_swiglu)?,
+        })
+    }
+}
+
+/// `dX (n, in) = dY (n, out) W (out, in)`, overwriting.
+fn input_grad(n: usize, inp: usize, out: usize) -> Gemm {
+    Gemm::new(n, inp, out, Transpose::No, Transpose::No)
+}
+
+/// `dW (out, in) += dY^T (out, n) X (n, in)`.
+fn weight_grad(out: usize, inp: usize, n: usize) -> Gemm {
+    Gemm::new(out, inp, n, Transpose::Yes, Transpose::No).accumulate()
+}
+
+impl GpuTransformer {
+    /// Queues the backward pass of the last [`forward`](Self::forward) on `acts` (run in
+    /// [`ForwardMode::Train`](super::ForwardMode::Train)), accumulating into `grads` (`+=`:
+    /// zero them first for a fresh step).
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] for buffers of the wrong length or a failed launch.
+    pub fn backward(
+        &self,
+        gpu: &Gpu,
+        params: GpuSlice<bf16>,
+        grads: GpuSlice<f32>,
+        acts: &GpuActivations,
+    ) -> Result<(), ModelError> {
+        let lay = self.layout();
+        params.expect_len("gpu params (bf16)", lay.len())?;
+        grads.expect_len("gpu grads (f32)", lay.len())?;
+        let c = self.config();
+        let a = acts.layout();
+        let (n, h, v, layers) = (a.batch * a.seq, c.hidden_size, c.vocab_size, c.num_layers);
+        let flow = Flow::of(acts)?;
+        let (d_logits, lnf) = (acts.bf(&a.d_logits)?, acts.bf(&a.lnf)?);
+        let head = tensor(lay, params, ParamKind::LmHead, 0)?;
+        let d_head = tensor(lay, grads, ParamKind::LmHead, 0)?;
+        gpu.gemm(input_grad(n, h, v), flow.d_ln, d_logits, head)?;
+        gpu.gemm(weight_grad(v, h, n), d_head, d_logits, lnf)?;
+        gpu.zero(flow.d_res)?;
+        gpu.rmsnorm_backward(
+            flow.d_res,
+            tensor(lay, grads, ParamKind::FinalNorm, 0)?,
+            flow.d_ln,
+            acts.bf(&layer_block(&a.residual, layers, layers + 1))?,
+            tensor(lay, params, ParamKind::FinalNorm, 0)?,
+            acts.f(&a.lnf_rstd)?,
+        )?;
+        for l in (0..layers).rev() {
+            let w = LayerTensors::of(lay, params, l)?;
+            let dw = LayerTensors::of(lay, grads, l)?;
+            self.layer_backward(gpu, &w, &dw, &acts.layer(l, layers)?, &flow, acts)?;
+        }
+        gpu.embedding_backward(
+            tensor(lay, grads, ParamKind::Embedding, 0)?,
+            flow.d_res,
+            acts.u(&a.inputs)?,
+            h,
+        )?;
+        Ok(())
+    }
+
+    /// Layer `l`'s backward pass; `flow.d_res` holds the gradient of the residual stream
+    /// leaving the layer and is left holding the one entering it.
+    fn layer_backward(
+        &self,
+        gpu: &Gpu,
+        w: &LayerTensors<bf16>,
+        dw: &LayerTensors<f32>,
+        la: &LayerActs,
+        flow: &Flow,
+        acts: &GpuActivations,
+    ) -> Result<(), ModelError> {
+        let c = self.config();
+        let a = acts.layout();
+        let (n, h, f) = (a.batch * a.seq, c.hidden_size, c.intermediate_size);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let d_res = flow.d_res;
+        // MLP: res_out = res_mid + down(swiglu(gate(ln2), up(ln2))).
+        gpu.gemm(input_grad(n, f, h), flow.d_sw, d_res, w.down)?;
+        gpu.gemm(weight_grad(h, f, n), dw.down, d_res, la.sw)?;
+        gpu.swiglu_backward(flow.d_gate, flow.d_up, flow.d_sw, la.gate, la.up)?;
+        gpu.gemm(input_grad(n, h, f), flow.d_ln, flow.d_gate, w.gate)?;
+        gpu.gemm(input_grad(n, h, f).accumulate(), flow.d_ln, flow.d_up, w.up)?;
+        gpu.gemm(weight_grad(f, h, n), dw.gate, flow.d_gate, la.ln2)?;
+        gpu.gemm(weight_grad(f, h, n), dw.up, flow.d_up, la.ln2)?;
+        gpu.rmsnorm_backward(
+            d_res,
+            dw.post_norm,
+            flow.d_ln,
+            la.res_mid,
+            w.post_norm,
+            la.rstd2,
+        )?;
+        // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
+        gpu.gemm(input_grad(n, qd, h), flow.d_att_out, d_res, w.o)?;
+        gpu.gemm(weight_grad(h, qd, n), dw.o, d_res, la.att_out)?;
+        self.attention_backward(gpu, la, flow, acts)?;
+        gpu.gemm(input_grad(n, h, qd), flow.d_ln, flow.d_q, w.q)?;
+        gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_k, w.k)?;
+        gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_v, w.v)?;
+        gpu.gemm(weight_grad(qd, h, n), dw.q, flow.d_q, la.ln1)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.k, flow.d_k, la.ln1)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, la.ln1)?;
+        gpu.rmsnorm_backward(
+            d_res,
+            dw.input_norm,
+            flow.d_ln,
+            la.res_in,
+            w.input_norm,
+            la.rstd1,
+        )?;
+        Ok(())
+    }
+
+    /// From `flow.d_att_out` to the gradients of the rotated-back q, k, v rows: the split
+    /// heads are recomputed from the layer's kept q, k, v (the forward's scratch served the
+    /// later layers), then `dP = dO vh^T`, `dvh = P^T dO`, the softmax's backward, `dqh = dS
+    /// kh / sqrt(D)`, `dkh = dS^T qh / sqrt(D)`; k and v gradients sum over each query group.
+    fn attention_backward(
+        &self,
+        gpu: &Gpu,
+        la: &LayerActs,
+        flow: &Flow,
+        acts: &GpuActivations,
+    ) -> Result<(), ModelError> {
+        let c = self.config();
+        let a = acts.layout();
+        let s = AttentionScratch::of(c, acts)?;
+        let (d_qh, d_kh, d_vh) = (acts.bf(&a.d_qh)?, acts.bf(&a.d_kh)?, acts.bf(&a.d_vh)?);
+        let d_scores = acts.bf(&a.d_scores)?;
+        let (q_heads, kv_heads) = (s.heads(c.num_heads), s.heads(c.num_kv_heads));
+        let (d_oh, d_probs) = (s.oh, s.scores);
+        gpu.to_heads(s.qh, la.q, q_heads)?;
+        gpu.to_heads(s.kh, la.k, kv_heads)?;
+        gpu.to_heads(s.vh, la.v, kv_heads)?;
+        gpu.to_heads(d_oh, flow.d_att_out, q_heads)?;
+        let (t, d, count) = (a.seq, c.head_dim, s.count);
+        let (td, tt) = (t * d, t * t);
+        gpu.gemm(
+            Gemm::new(t, t, d, Transpose::No, Transpose::Yes).batched(count, td, td, tt),
+            d_probs,
+            d_oh,
+            s.vh,
+        )?;
+        gpu.gemm(
+            Gemm::new(t, d, t, Transpose::Yes, Transpose::No).batched(count, tt, td, td),
+            d_vh,
+            la.probs,
+            d_oh,
+        )?;
+        gpu.causal_softmax_backward(d_scores, la.probs, d_probs, t)?;
+        gpu.gemm(
+            Gemm::new(t, d, t, Transpose::No, Transpose::No)
+                .scaled(s.scale)
+                .batched(count, tt, td, td),
+            d_qh,
+            d_scores,
+            s.kh,
+        )?;
+        gpu.gemm(
+            Gemm::new(t, d, t, Transpose::Yes, Transpose::No)
+                .scaled(s.scale)
+                .batched(count, tt, td, td),
+            d_kh,
+            d_scores,
+            s.qh,
+        )?;
+        gpu.from_heads(flow.d_q, d_qh, q_heads)?;
+        gpu.from_heads(flow.d_k, d_kh, kv_heads)?;
+        gpu.from_heads(flow.d_v, d_vh, kv_heads)?;
+        let (pos, cos, sin) = (
+            acts.u(&a.positions)?,
+            acts.f(&a.rope_cos)?,
+            acts.f(&a.rope_sin)?,
+        );
+        gpu.rope_backward(flow.d_q, pos, cos, sin, c.num_heads, d)?;
+        gpu.rope_backward(flow.d_k, pos, cos, sin, c.num_kv_heads, d)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,319 @@
+//! The GPU transformer and its forward pass: the CPU [`Transformer`]'s ops, one for one, as
+//! kernels and cuBLAS products on bf16 parameters and activations.
+
+use half::bf16;
+
+use super::layout::{GpuActivationLayout, GpuActivations, LayerActs};
+use super::weights::{LayerTensors, tensor};
+use crate::device::{Gemm, Gpu, GpuSlice, HeadShape, Transpose};
+use crate::model::layout::layer_block;
+use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
+
+/// What a forward pass is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardMode {
+    /// Log-probs (and the loss) only.
+    Score,
+    /// Log-probs, and the logits' gradient that [`GpuTransformer::backward`] starts from.
+    Train,
+}
+
+/// The Llama decoder on the GPU: config, parameter table and rotary tables; no storage.
+///
+/// Parameters are one bf16 buffer and gradients one fp32 buffer, both laid out by the model's
+/// [`ParamLayout`] (the CPU's offsets); activations are a [`GpuActivations`]. Every pass only
+/// queues work on the [`Gpu`]'s stream, except the uploads of a batch's inputs and the
+/// download of log-probs, which wait.
+#[derive(Clone, Debug)]
+pub struct GpuTransformer {
+    model: Transformer,
+}
+
+impl GpuTransformer {
+    /// The model of `config`.
+    pub fn new(config: LlamaConfig) -> GpuTransformer {
+        GpuTransformer {
+            model: Transformer::new(config),
+        }
+    }
+
+    /// The config.
+    pub fn config(&self) -> &LlamaConfig {
+        self.model.config()
+    }
+
+    /// The parameter table (also that of gradients, master weights and moments).
+    pub fn layout(&self) -> &ParamLayout {
+        self.model.layout()
+    }
+
+    /// The activation table for `batch` sequences of `seq` positions.
+    ///
+    /// # Errors
+    /// [`ModelError::Batch`] when `seq` exceeds `max_position_embeddings` or a size is zero.
+    pub fn activation_layout(
+        &self,
+        batch: usize,
+        seq: usize,
+    ) -> Result<GpuActivationLayout, ModelError> {
+        self.model.activation_layout(batch, seq)?;
+        Ok(GpuActivationLayout::new(self.config(), batch, seq))
+    }
+
+    /// Checks `batch` as the CPU model does: sizes, lengths, normaliser, and every token id
+    /// inside the vocabulary.
+    ///
+    /// # Errors
+    /// [`ModelError::Batch`] or [`ModelError::TokenOutOfRange`].
+    pub fn check_batch(&self, batch: &TrainBatch<'_>) -> Result<(), ModelError> {
+        let al = self.model.activation_layout(batch.batch, batch.seq)?;
+        self.model.check_batch(&al, batch)
+    }
+
+    /// Uploads `batch`'s inputs and queues the forward pass: the per-token log-probs are then
+    /// in `acts` ([`logprobs`](Self::logprobs) reads them), with the logits' gradient as well
+    /// for [`ForwardMode::Train`].
+    ///
+    /// # Errors
+    /// [`ModelError::Batch`] or [`ModelError::TokenOutOfRange`] before any GPU work;
+    /// [`ModelError::Gpu`] for buffers of the wrong length or a failed launch.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        params: GpuSlice<bf16>,
+        acts: &GpuActivations,
+        batch: &TrainBatch<'_>,
+        mode: ForwardMode,
+    ) -> Result<(), ModelError> {
+        self.check_batch(batch)?;
+        acts.check_shape(batch)?;
+        params.expect_len("gpu params (bf16)", self.layout().len())?;
+        self.upload_inputs(gpu, acts, batch)?;
+        let c = self.config();
+        let (layers, a) = (c.num_layers, acts.layout());
+        let embedding = tensor(self.layout(), params, ParamKind::Embedding, 0)?;
+        let res0 = acts.bf(&layer_block(&a.residual, 0, layers + 1))?;
+        gpu.embedding_forward(res0, acts.u(&a.inputs)?, embedding, c.hidden_size)?;
+        for l in 0..layers {
+            let w = LayerTensors::of(self.layout(), params, l)?;
+            self.layer_forward(gpu, &w, &acts.layer(l, layers)?, acts)?;
+        }
+        self.head_forward(gpu, params, acts, batch.normaliser, mode)
+    }
+
+    /// The per-token log-probs `(B, T)` of the last forward pass on `acts` (waits for it).
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`]: the download's error, or the first error a queued kernel hit.
+    pub fn logprobs(&self, gpu: &Gpu, acts: &GpuActivations) -> Result<Vec<f32>, ModelError> {
+        let a = acts.layout();
+        let mut out = vec![0.0; a.batch * a.seq];
+        gpu.download(&mut out, acts.f(&a.logprobs)?)?;
+        Ok(out)
+    }
+
+    /// The loss of `batch` from its per-token `logprobs`, as the CPU's cross-entropy sums it.
+    pub fn loss(logprobs: &[f32], batch: &TrainBatch<'_>) -> f32 {
+        (nll_sum(logprobs, batch.weights) / f64::from(batch.normaliser)) as f32
+    }
+
+    /// Uploads the ids, targets and positions (one copy) and the weights and the first `T`
+    /// rows of the rotary tables (another).
+    fn upload_inputs(
+        &self,
+        gpu: &Gpu,
+        acts: &GpuActivations,
+        batch: &TrainBatch<'_>,
+    ) -> Result<(), ModelError> {
+        let (n, t) = (batch.batch * batch.seq, batch.seq);
+        let mut ids = Vec::with_capacity(3 * n);
+        ids.extend_from_slice(batch.inputs);
+        ids.extend_from_slice(batch.targets);
+        ids.extend((0..n).map(|i| (i % t) as u32));
+        gpu.upload(acts.u32_all(), &ids)?;
+        let rows = t * self.config().head_dim / 2;
+        let rope = self.model.rope();
+        let (Some(cos), Some(sin)) = (rope.cos().get(..rows), rope.sin().get(..rows)) else {
+            return Err(ModelError::Batch(format!(
+                "sequence of {t} positions exceeds the rotary table of {} positions",
+                rope.max_positions()
+            )));
+        };
+        let mut floats = Vec::with_capacity(n + 2 * rows);
+        floats.extend_from_slice(batch.weights);
+        floats.extend_from_slice(cos);
+        floats.extend_from_slice(sin);
+        gpu.upload(acts.f(&acts.layout().f32_inputs)?, &floats)?;
+        Ok(())
+    }
+
+    /// Layer `l`'s forward pass: `res_out = res_mid + down(swiglu(gate(ln2), up(ln2)))` with
+    /// `res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1)))`.
+    fn layer_forward(
+        &self,
+        gpu: &Gpu,
+        w: &LayerTensors<bf16>,
+        la: &LayerActs,
+        acts: &GpuActivations,
+    ) -> Result<(), ModelError> {
+        let c = self.config();
+        let a = acts.layout();
+        let (n, h, f) = (a.batch * a.seq, c.hidden_size, c.intermediate_size);
+        let (qd, kvd, eps) = (c.q_dim(), c.kv_dim(), c.rms_norm_eps);
+        let (pos, cos, sin) = (
+            acts.u(&a.positions)?,
+            acts.f(&a.rope_cos)?,
+            acts.f(&a.rope_sin)?,
+        );
+        // y (n, out) = x (n, in) W^T, W stored (out, in).
+        let linear = |out: usize, inp: usize| Gemm::new(n, out, inp, Transpose::No, Transpose::Yes);
+        gpu.rmsnorm_forward(la.ln1, Some(la.rstd1), la.res_in, w.input_norm, eps)?;
+        gpu.gemm(linear(qd, h), la.q, la.ln1, w.q)?; // (B, T, H*D)
+        gpu.gemm(linear(kvd, h), la.k, la.ln1, w.k)?; // (B, T, K*D)
+        gpu.gemm(linear(kvd, h), la.v, la.ln1, w.v)?; // (B, T, K*D)
+        gpu.rope_forward(la.q, pos, cos, sin, c.num_heads, c.head_dim)?;
+        gpu.rope_forward(la.k, pos, cos, sin, c.num_kv_heads, c.head_dim)?;
+        self.attention_forward(gpu, la, acts)?; // (B, T, H*D), probs (B, H, T, T)
+        gpu.gemm(linear(h, qd), la.res_mid, la.att_out, w.o)?; // (B, T, C)
+        gpu.residual_add(la.res_mid, la.res_in)?;
+        gpu.rmsnorm_forward(la.ln2, Some(la.rstd2), la.res_mid, w.post_norm, eps)?;
+        gpu.gemm(linear(f, h), la.gate, la.ln2, w.gate)?; // (B, T, F)
+        gpu.gemm(linear(f, h), la.up, la.ln2, w.up)?; // (B, T, F)
+        gpu.swiglu_forward(la.sw, la.gate, la.up)?;
+        gpu.gemm(linear(h, f), la.res_out, la.sw, w.down)?; // (B, T, C)
+        gpu.residual_add(la.res_out, la.res_mid)?;
+        Ok(())
+    }
+
+    /// Causal attention over `(B, H)` batched products: scores `qh kh^T / sqrt(D)` (fp32
+    /// scratch), probabilities kept in the layer's `probs`, `oh = probs vh`, back to rows.
+    fn attention_forward(
+        &self,
+        gpu: &Gpu,
+        la: &LayerActs,
+        acts: &GpuActivations,
+    ) -> Result<(), ModelError> {
+        let s = AttentionScratch::of(self.config(), acts)?;
+        gpu.to_heads(s.qh, la.q, s.heads(self.config().num_heads))?;
+        gpu.to_heads(s.kh, la.k, s.heads(self.config().num_kv_heads))?;
+        gpu.to_heads(s.vh, la.v, s.heads(self.config().num_kv_heads))?;
+        let (t, d) = (s.shape.seq, s.shape.head_dim);
+        gpu.gemm(
+            Gemm::new(t, t, d, Transpose::No, Transpose::Yes)
+                .scaled(s.scale)
+                .batched(s.count, t * d, t * d, t * t),
+            s.scores,
+            s.qh,
+            s.kh,
+        )?;
+        gpu.causal_softmax_forward(la.probs, s.scores, t)?;
+        gpu.gemm(
+            Gemm::new(t, d, t, Transpose::No, Transpose::No).batched(s.count, t * t, t * d, t * d),
+            s.oh,
+            la.probs,
+            s.vh,
+        )?;
+        gpu.from_heads(la.att_out, s.oh, s.heads(self.config().num_heads))?;
+        Ok(())
+    }
+
+    /// Final norm, LM head into fp32 logits, and the fused cross-entropy.
+    fn head_forward(
+        &self,
+        gpu: &Gpu,
+        params: GpuSlice<bf16>,
+        acts: &GpuActivations,
+        normaliser: f32,
+        mode: ForwardMode,
+    ) -> Result<(), ModelError> {
+        let c = self.config();
+        let a = acts.layout();
+        let (n, h, v, layers) = (a.batch * a.seq, c.hidden_size, c.vocab_size, c.num_layers);
+        let norm = tensor(self.layout(), params, ParamKind::FinalNorm, 0)?;
+        let head = tensor(self.layout(), params, ParamKind::LmHead, 0)?;
+        let (lnf, logits) = (acts.bf(&a.lnf)?, acts.f(&a.logits)?);
+        let res_last = acts.bf(&layer_block(&a.residual, layers, layers + 1))?;
+        gpu.rmsnorm_forward(
+            lnf,
+            Some(acts.f(&a.lnf_rstd)?),
+            res_last,
+            norm,
+            c.rms_norm_eps,
+        )?;
+        gpu.gemm(
+            Gemm::new(n, v, h, Transpose::No, Transpose::Yes),
+            logits,
+            lnf,
+            head,
+        )?; // (B, T, V), fp32
+        let d_logits = match mode {
+            ForwardMode::Train => Some(acts.bf(&a.d_logits)?),
+            ForwardMode::Score => None,
+        };
+        gpu.crossentropy(
+            acts.f(&a.logprobs)?,
+            d_logits,
+            logits,
+            acts.u(&a.targets)?,
+            acts.f(&a.weights)?,
+            normaliser,
+        )?;
+        Ok(())
+    }
+}
+
+/// `-sum(weights * logprobs)`, in f64 as the CPU's cross-entropy sums it.
+pub(super) fn nll_sum(logprobs: &[f32], weights: &[f32]) -> f64 {
+    logprobs
+        .iter()
+        .zip(weights)
+        .map(|(&lp, &w)| -f64::from(w) * f64::from(lp))
+        .sum()
+}
+
+/// Attention's scratch, shared by every layer, and the batched products' shape.
+pub(super) struct AttentionScratch {
+    pub shape: HeadShape,
+    /// Products in a batch: `B * H`.
+    pub count: usize,
+    /// `1 / sqrt(D)`, as the CPU's attention scales.
+    pub scale: f32,
+    pub qh: GpuSlice<bf16>,    // (B, H, T, D)
+    pub kh: GpuSlice<bf16>,    // (B, H, T, D)
+    pub vh: GpuSlice<bf16>,    // (B, H, T, D)
+    pub oh: GpuSlice<bf16>,    // (B, H, T, D); dO in the backward pass
+    pub scores: GpuSlice<f32>, // (B, H, T, T); dP in the backward pass
+}
+
+impl AttentionScratch {
+    pub(super) fn of(
+        c: &LlamaConfig,
+        acts: &GpuActivations,
+    ) -> Result<AttentionScratch, ModelError> {
+        let a = acts.layout();
+        Ok(AttentionScratch {
+            shape: HeadShape {
+                batch: a.batch,
+                seq: a.seq,
+                rows_heads: c.num_heads,
+                split_heads: c.num_heads,
+                head_dim: c.head_dim,
+            },
+            count: a.batch * c.num_heads,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            qh: acts.bf(&a.qh)?,
+            kh: acts.bf(&a.kh)?,
+            vh: acts.bf(&a.vh)?,
+            oh: acts.bf(&a.oh)?,
+            scores: acts.f(&a.scores)?,
+        })
+    }
+
+    /// The reshape between `(B, T, heads*D)` rows and the `(B, H, T, D)` split heads.
+    pub(super) fn heads(&self, rows_heads: usize) -> HeadShape {
+        HeadShape {
+            rows_heads,
+            ..self.shape
+        }
+    }
+}

@@ -1,0 +1,416 @@
+//! The GPU activation table: where every activation of a batch of `B` sequences of `T` positions
+//! lives in three flat device buffers, one per element type (bf16 activations, fp32 statistics,
+//! scores, logits and inputs, u32 token ids and positions).
+//!
+//! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout): attention runs
+//! as batched products over `(B, H)`, so it keeps each layer's probabilities `(B, H, T, T)` and
+//! has scratch for the head-split q, k, v `(B, H, T, D)`; the scores are fp32 scratch shared by
+//! the layers (and by the backward pass's `dP`).
+
+use std::ops::Range;
+
+use half::bf16;
+
+use crate::device::{DeviceError, GpuElement, GpuSlice};
+use crate::model::layout::layer_block;
+use crate::model::{LlamaConfig, ModelError, TrainBatch};
+
+/// Where each activation of one batch shape lives, in elements of its type's buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuActivationLayout {
+    pub(super) batch: usize,
+    pub(super) seq: usize,
+    // bf16 buffer.
+    pub(super) residual: Range<usize>,     // (L+1, B, T, C)
+    pub(super) ln1: Range<usize>,          // (L, B, T, C)
+    pub(super) q: Range<usize>,            // (L, B, T, H*D), rotated
+    pub(super) k: Range<usize>,            // (L, B, T, K*D), rotated
+    pub(super) v: Range<usize>,            // (L, B, T, K*D)
+    pub(super) probs: Range<usize>,        // (L, B, H, T, T)
+    pub(super) att_out: Range<usize>,      // (L, B, T, H*D)
+    pub(super) residual_mid: Range<usize>, // (L, B, T, C)
+    pub(super) ln2: Range<usize>,          // (L, B, T, C)
+    pub(super) gate: Range<usize>,         // (L, B, T, F)
+    pub(super) up: Range<usize>,           // (L, B, T, F)
+    pub(super) swiglu: Range<usize>,       // (L, B, T, F)
+    pub(super) lnf: Range<usize>,          // (B, T, C)
+    pub(super) qh: Range<usize>,           // (B, H, T, D) scratch
+    pub(super) kh: Range<usize>,           // (B, H, T, D) scratch, k repeated over groups
+    pub(super) vh: Range<usize>,           // (B, H, T, D) scratch, v repeated over groups
+    pub(super) oh: Range<usize>,           // (B, H, T, D) scratch; d_oh in the backward pass
+    pub(super) d_residual: Range<usize>,   // (B, T, C)
+    pub(super) d_ln: Range<usize>,         // (B, T, C)
+    pub(super) d_att_out: Range<usize>,    // (B, T, H*D)
+    pub(super) d_q: Range<usize>,          // (B, T, H*D)
+    pub(super) d_k: Range<usize>,          // (B, T, K*D)
+    pub(super) d_v: Range<usize>,          // (B, T, K*D)
+    pub(super) d_qh: Range<usize>,         // (B, H, T, D)
+    pub(super) d_kh: Range<usize>,         // (B, H, T, D)
+    pub(super) d_vh: Range<usize>,         // (B, H, T, D)
+    pub(super) d_scores: Range<usize>,     // (B, H, T, T)
+    pub(super) d_gate: Range<usize>,       // (B, T, F)
+    pub(super) d_up: Range<usize>,         // (B, T, F)
+    pub(super) d_swiglu: Range<usize>,     // (B, T, F)
+    pub(super) d_logits: Range<usize>,     // (B, T, V)
+    bf16_len: usize,
+    // fp32 buffer.
+    pub(super) ln1_rstd: Range<usize>, // (L, B, T)
+    pub(super) ln2_rstd: Range<usize>, // (L, B, T)
+    pub(super) lnf_rstd: Range<usize>, // (B, T)
+    pub(super) scores: Range<usize>,   // (B, H, T, T) scratch; dP in the backward pass
+    pub(super) logits: Range<usize>,   // (B, T, V)
+    pub(super) logprobs: Range<usize>, // (B, T)
+    /// The uploaded fp32 inputs, contiguous: `weights`, `rope_cos`, `rope_sin`.
+    pub(super) f32_inputs: Range<usize>,
+    pub(super) weights: Range<usize>,  // (B, T)
+    pub(super) rope_cos: Range<usize>, // (T, D/2)
+    pub(super) rope_sin: Range<usize>, // (T, D/2)
+    f32_len: usize,
+    // u32 buffer: the uploaded ids, contiguous.
+    pub(super) inputs: Range<usize>,    // (B, T)
+    pub(super) targets: Range<usize>,   // (B, T)
+    pub(super) positions: Range<usize>, // (B, T)
+    u32_len: usize,
+}
+
+/// Hands out consecutive ranges of one buffer.
+struct Cursor(usize);
+
+impl Cursor {
+    fn take(&mut self, len: usize) -> Range<usize> {
+        let r = self.0..self.0 + len;
+        self.0 += len;
+        r
+    }
+}
+
+impl GpuActivationLayout {
+    /// The layout for `batch` sequences of `seq` positions under `c` (sizes unchecked: the
+    /// model's [`activation_layout`](super::GpuTransformer::activation_layout) checks them).
+    pub(super) fn new(c: &LlamaConfig, batch: usize, seq: usize) -> GpuActivationLayout {
+        let n = batch * seq;
+        let (l, h, f, v) = (
+            c.num_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.vocab_size,
+        );
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let split = batch * c.num_heads * seq * c.head_dim;
+        let square = batch * c.num_heads * seq * seq;
+        let mut b = Cursor(0);
+        let mut f32s = Cursor(0);
+        let mut u32s = Cursor(0);
+        let residual = b.take((l + 1) * n * h);
+        let ln1 = b.take(l * n * h);
+        let q = b.take(l * n * qd);
+        let k = b.take(l * n * kvd);
+        let vv = b.take(l * n * kvd);
+        let probs = b.take(l * square);
+        let att_out = b.take(l * n * qd);
+        let residual_mid = b.take(l * n * h);
+        let ln2 = b.take(l * n * h);
+        let gate = b.take(l * n * f);
+        let up = b.take(l * n * f);
+        let swiglu = b.take(l * n * f);
+        let lnf = b.take(n * h);
+        let (qh, kh, vh, oh) = (b.take(split), b.take(split), b.take(split), b.take(split));
+        let d_residual = b.take(n * h);
+        let d_ln = b.take(n * h);
+        let d_att_out = b.take(n * qd);
+        let d_q = b.take(n * qd);
+        let d_k = b.take(n * kvd);
+        let d_v = b.take(n * kvd);
+        let (d_qh, d_kh, d_vh) = (b.take(split), b.take(split), b.take(split));
+        let d_scores = b.take(square);
+        let d_gate = b.take(n * f);
+        let d_up = b.take(n * f);
+        let d_swiglu = b.take(n * f);
+        let d_logits = b.take(n * v);
+        let ln1_rstd = f32s.take(l * n);
+        let ln2_rstd = f32s.take(l * n);
+        let lnf_rstd = f32s.take(n);
+        let scores = f32s.take(square);
+        let logits = f32s.take(n * v);
+        let logprobs = f32s.take(n);
+        let rope = seq * c.head_dim / 2;
+        let weights = f32s.take(n);
+        let rope_cos = f32s.take(rope);
+        let rope_sin = f32s.take(rope);
+        let f32_inputs = weights.start..rope_sin.end;
+        let inputs = u32s.take(n);
+        let targets = u32s.take(n);
+        let positions = u32s.take(n);
+        GpuActivationLayout {
+            batch,
+            seq,
+            residual,
+            ln1,
+            q,
+            k,
+            v: vv,
+            probs,
+            att_out,
+            residual_mid,
+            ln2,
+            gate,
+            up,
+            swiglu,
+            lnf,
+            qh,
+            kh,
+            vh,
+            oh,
+            d_residual,
+            d_ln,
+            d_att_out,
+            d_q,
+            d_k,
+            d_v,
+            d_qh,
+            d_kh,
+            d_vh,
+            d_scores,
+            d_gate,
+            d_up,
+            d_swiglu,
+            d_logits,
+            bf16_len: b.0,
+            ln1_rstd,
+            ln2_rstd,
+            lnf_rstd,
+            scores,
+            logits,
+            logprobs,
+            f32_inputs,
+            weights,
+            rope_cos,
+            rope_sin,
+            f32_len: f32s.0,
+            inputs,
+            targets,
+            positions,
+            u32_len: u32s.0,
+        }
+    }
+
+    /// `B`.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// `T`.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// Elements of the bf16 buffer.
+    pub fn bf16_len(&self) -> usize {
+        self.bf16_len
+    }
+
+    /// Elements of the fp32 buffer.
+    pub fn f32_len(&self) -> usize {
+        self.f32_len
+    }
+
+    /// Elements of the u32 buffer.
+    pub fn u32_len(&self) -> usize {
+        self.u32_len
+    }
+
+    /// Bytes of the three buffers together.
+    pub fn bytes(&self) -> usize {
+        self.bf16_len * std::mem::size_of::<bf16>()
+            + self.f32_len * std::mem::size_of::<f32>()
+            + self.u32_len * std::mem::size_of::<u32>()
+    }
+
+    /// Whether buffers of this layout's lengths hold one of `other`'s.
+    pub fn holds(&self, other: &GpuActivationLayout) -> bool {
+        self.bf16_len >= other.bf16_len
+            && self.f32_len >= other.f32_len
+            && self.u32_len >= other.u32_len
+    }
+}
+
+/// A batch's activations on the device: the three buffers of a [`GpuActivationLayout`].
+#[derive(Clone, Debug)]
+pub struct GpuActivations {
+    layout: GpuActivationLayout,
+    bf16: GpuSlice<bf16>,
+    f32: GpuSlice<f32>,
+    u32: GpuSlice<u32>,
+}
+
+impl GpuActivations {
+    /// The activations of `layout` at the starts of `bf16`, `f32` and `u32` (each at least as
+    /// long as the layout's part; longer buffers serve smaller batches).
+    ///
+    /// # Errors
+    /// [`ModelError::BufferLength`] naming the buffer that is too short.
+    pub fn new(
+        layout: GpuActivationLayout,
+        bf16: GpuSlice<bf16>,
+        f32: GpuSlice<f32>,
+        u32: GpuSlice<u32>,
+    ) -> Result<GpuActivations, ModelError> {
+        for (buffer, len, need) in [
+            ("gpu activations (bf16)", bf16.len(), layout.bf16_len),
+            ("gpu activations (f32)", f32.len(), layout.f32_len),
+            ("gpu activations (u32)", u32.len(), layout.u32_len),
+        ] {
+            if len < need {
+                return Err(ModelError::BufferLength { buffer, len, need });
+            }
+        }
+        Ok(GpuActivations {
+            bf16: bf16.sub(0, layout.bf16_len)?,
+            f32: f32.sub(0, layout.f32_len)?,
+            u32: u32.sub(0, layout.u32_len)?,
+            layout,
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &GpuActivationLayout {
+        &self.layout
+    }
+
+    /// Checks that `batch` has this layout's shape.
+    ///
+    /// # Errors
+    /// [`ModelError::Batch`].
+    pub(super) fn check_shape(&self, batch: &TrainBatch<'_>) -> Result<(), ModelError> {
+        if batch.batch != self.layout.batch || batch.seq != self.layout.seq {
+            return Err(ModelError::Batch(format!(
+                "batch is {} x {} but the gpu activations are {} x {}; build them for this batch",
+                batch.batch, batch.seq, self.layout.batch, self.layout.seq
+            )));
+        }
+        Ok(())
+    }
+
+    /// The bf16 activation at `r`.
+    pub(super) fn bf(&self, r: &Range<usize>) -> Result<GpuSlice<bf16>, DeviceError> {
+        view(self.bf16, r)
+    }
+
+    /// The fp32 activation at `r`.
+    pub(super) fn f(&self, r: &Range<usize>) -> Result<GpuSlice<f32>, DeviceError> {
+        view(self.f32, r)
+    }
+
+    /// The u32 input at `r`.
+    pub(super) fn u(&self, r: &Range<usize>) -> Result<GpuSlice<u32>, DeviceError> {
+        view(self.u32, r)
+    }
+
+    /// The whole u32 buffer (the ids, uploaded in one copy).
+    pub(super) fn u32_all(&self) -> GpuSlice<u32> {
+        self.u32
+    }
+
+    /// Layer `l`'s activations.
+    pub(super) fn layer(&self, l: usize, layers: usize) -> Result<LayerActs, DeviceError> {
+        let a = &self.layout;
+        let per = |r: &Range<usize>| layer_block(r, l, layers);
+        Ok(LayerActs {
+            res_in: self.bf(&layer_block(&a.residual, l, layers + 1))?,
+            ln1: self.bf(&per(&a.ln1))?,
+            rstd1: self.f(&per(&a.ln1_rstd))?,
+            q: self.bf(&per(&a.q))?,
+            k: self.bf(&per(&a.k))?,
+            v: self.bf(&per(&a.v))?,
+            probs: self.bf(&per(&a.probs))?,
+            att_out: self.bf(&per(&a.att_out))?,
+            res_mid: self.bf(&per(&a.residual_mid))?,
+            ln2: self.bf(&per(&a.ln2))?,
+            rstd2: self.f(&per(&a.ln2_rstd))?,
+            gate: self.bf(&per(&a.gate))?,
+            up: self.bf(&per(&a.up))?,
+            sw: self.bf(&per(&a.swiglu))?,
+            res_out: self.bf(&layer_block(&a.residual, l + 1, layers + 1))?,
+        })
+    }
+}
+
+fn view<T: GpuElement>(buf: GpuSlice<T>, r: &Range<usize>) -> Result<GpuSlice<T>, DeviceError> {
+    buf.sub(r.start, r.end - r.start)
+}
+
+/// One layer's activations, kept from the forward pass for the backward pass.
+pub(super) struct LayerActs {
+    pub res_in: GpuSlice<bf16>,  // (B, T, C)
+    pub ln1: GpuSlice<bf16>,     // (B, T, C)
+    pub rstd1: GpuSlice<f32>,    // (B, T)
+    pub q: GpuSlice<bf16>,       // (B, T, H*D)
+    pub k: GpuSlice<bf16>,       // (B, T, K*D)
+    pub v: GpuSlice<bf16>,       // (B, T, K*D)
+    pub probs: GpuSlice<bf16>,   // (B, H, T, T)
+    pub att_out: GpuSlice<bf16>, // (B, T, H*D)
+    pub res_mid: GpuSlice<bf16>, // (B, T, C)
+    pub ln2: GpuSlice<bf16>,     // (B, T, C)
+    pub rstd2: GpuSlice<f32>,    // (B, T)
+    pub gate: GpuSlice<bf16>,    // (B, T, F)
+    pub up: GpuSlice<bf16>,      // (B, T, F)
+    pub sw: GpuSlice<bf16>,      // (B, T, F)
+    pub res_out: GpuSlice<bf16>, // (B, T, C)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_activation_layout_tiles_each_buffer_without_gaps() {
+        let c = LlamaConfig::preset("small").unwrap();
+        let a = GpuActivationLayout::new(&c, 3, 17);
+        let mut bf = [
+            &a.residual,
+            &a.ln1,
+            &a.q,
+            &a.k,
+            &a.v,
+            &a.probs,
+            &a.att_out,
+            &a.residual_mid,
+            &a.ln2,
+            &a.gate,
+            &a.up,
+            &a.swiglu,
+            &a.lnf,
+            &a.qh,
+            &a.kh,
+            &a.vh,
+            &a.oh,
+            &a.d_residual,
+            &a.d_ln,
+            &a.d_att_out,
+            &a.d_q,
+            &a.d_k,
+            &a.d_v,
+            &a.d_qh,
+            &a.d_kh,
+            &a.d_vh,
+            &a.d_scores,
+            &a.d_gate,
+            &a.d_up,
+            &a.d_swiglu,
+            &a.d_logits,
+        ];
+        bf.sort_by_key(|r| r.start);
+        let end = bf.iter().fold(0, |next, r| {
+            assert_eq!(r.start, next, "gap or overlap before {r:?}");
+            r.end
+        });
+        assert_eq!(end, a.bf16_len());
+        let n = 3 * 17;
+        assert_eq!(a.probs.len(), c.num_layers * 3 * c.num_heads * 17 * 17);
+        assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
+        assert_eq!(a.f32_inputs.end, a.f32_len());
+        assert_eq!(a.u32_len(), 3 * n);
+        let smaller = GpuActivationLayout::new(&c, 2, 17);
+        assert!(a.holds(&smaller) && !smaller.holds(&a));
+    }
+}

@@ -1,0 +1,21 @@
+//! The transformer on the GPU: [`GpuTransformer`] runs the CPU model's forward and backward
+//! passes op for op on bf16 parameters and activations (cuBLAS products with fp32
+//! accumulation, fp32 weight gradients and logits), and [`GpuTrainer`] trains it with AdamW on
+//! fp32 master weights, its state in memory-manager regions.
+//!
+//! GPU tests run with `MILES_TEST_DEVICE=cuda cargo test -p miles-core model::gpu --
+//! --test-threads=1` on a GPU machine and skip elsewhere.
+
+mod backward;
+mod forward;
+mod layout;
+mod sizing;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod tests;
+mod trainer;
+mod weights;
+
+pub use forward::{ForwardMode, GpuTransformer};
+pub use layout::{GpuActivationLayout, GpuActivations};
+pub use trainer::{GpuTrainer, GpuTrainerSpec};

@@ -1,0 +1,585 @@
+//! The GPU trainer: bf16 parameters, fp32 master weights, AdamW moments and gradients, and the
+//! activations, each in its memory-manager region, so that an offload is four pauses.
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use super::forward::nll_sum;
+use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
+use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer};
+use crate::device::{AdamWStep, DeviceError, Gpu, GpuElement, GpuSlice};
+use crate::memory::{
+    BackupPolicy, Buffer, MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
+};
+use crate::model::{LlamaConfig, ModelError, StepReport, TrainBatch};
+use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
+
+/// The trainer's regions, in the order [`GpuTrainer::offload`] pauses them.
+const TAGS: [MemoryTag; 4] = [
+    MemoryTag::Params,
+    MemoryTag::Optimizer,
+    MemoryTag::Grads,
+    MemoryTag::Activations,
+];
+
+/// What a [`GpuTrainer`] trains and how.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuTrainerSpec {
+    /// The model.
+    pub config: LlamaConfig,
+    /// The optimizer.
+    pub adamw: AdamWConfig,
+    /// Where the parameters and the optimizer state go when offloaded (gradients and
+    /// activations are dropped).
+    pub backup: BackupPolicy,
+    /// Activations are sized for this many tokens; a larger batch runs as micro-batches of
+    /// whole sequences whose gradients add up.
+    pub max_batch_tokens: usize,
+}
+
+/// The activation buffers: allocated for one batch shape, reused for every shape they hold.
+struct ActivationBuffers {
+    capacity: GpuActivationLayout,
+    bf16: Buffer,
+    f32: Buffer,
+    u32: Buffer,
+}
+
+/// A transformer trained with AdamW on one GPU, its state in memory-manager regions:
+/// [`MemoryTag::Params`] (bf16 weights), [`MemoryTag::Optimizer`] (fp32 master weights and
+/// both moments), [`MemoryTag::Grads`] (fp32) and [`MemoryTag::Activations`] (everything
+/// per step, inputs included).
+///
+/// The trainer creates the four regions; the manager must not have them yet, and keeps them
+/// after the trainer drops (one trainer per manager). Every call that queues GPU work records
+/// a fence on every buffer, so a pause of any of the tags waits for that work.
+///
+/// Attention probabilities are materialised (`L * B * H * T * T` bf16 per micro-batch): the
+/// activation region reserves address space for the largest shape within `max_batch_tokens`
+/// and commits only what the batch at hand needs.
+pub struct GpuTrainer {
+    gpu: Arc<Gpu>,
+    memory: Arc<MemoryManager>,
+    model: GpuTransformer,
+    adamw: AdamWConfig,
+    max_batch_tokens: usize,
+    params: Buffer, // (P) bf16, Params
+    master: Buffer, // (P) fp32, Optimizer
+    m: Buffer,      // (P) fp32, Optimizer
+    v: Buffer,      // (P) fp32, Optimizer
+    grads: Buffer,  // (P) fp32, Grads
+    norm: Buffer,   // (1) fp32, Activations: the gradients' sum of squares
+    acts: Option<ActivationBuffers>,
+    offloaded: bool,
+}
+
+impl std::fmt::Debug for GpuTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuTrainer")
+            .field("params", &self.model.layout().len())
+            .field("max_batch_tokens", &self.max_batch_tokens)
+            .field("offloaded", &self.offloaded)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuTrainer {
+    /// A trainer on `gpu` starting from the fp32 `params` (laid out by the config's
+    /// [`ParamLayout`](crate::model::ParamLayout)), with zero moments; `memory` must manage
+    /// the gpu's device.
+    ///
+    /// # Errors
+    /// [`ModelError::BufferLength`] for `params` of the wrong length; [`ModelError::Batch`]
+    /// for `max_batch_tokens` 0; [`ModelError::DeviceMismatch`];
+    /// [`ModelError::Memory`] when a region exists already or the device is out of memory;
+    /// [`ModelError::Gpu`] when the upload fails.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        memory: Arc<MemoryManager>,
+        spec: GpuTrainerSpec,
+        params: &[f32],
+    ) -> Result<GpuTrainer, ModelError> {
+        let model = GpuTransformer::new(spec.config);
+        model.layout().check("params", params)?;
+        if spec.max_batch_tokens == 0 {
+            return Err(ModelError::Batch(
+                "max_batch_tokens is 0; size the activations for at least one sequence".into(),
+            ));
+        }
+        let same_device =
+            std::ptr::addr_eq(Arc::as_ptr(memory.device()), Arc::as_ptr(gpu.device()));
+        if !same_device {
+            return Err(ModelError::DeviceMismatch);
+        }
+        let n = model.layout().len();
+        let (half, full) = (n * size_of::<bf16>(), n * size_of::<f32>());
+        let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
+        for (tag, policy, bytes) in [
+            (MemoryTag::Params, spec.backup, half + BLOCK_SLACK),
+            (MemoryTag::Optimizer, spec.backup, 3 * (full + BLOCK_SLACK)),
+            (MemoryTag::Grads, BackupPolicy::None, full + BLOCK_SLACK),
+            (MemoryTag::Activations, BackupPolicy::None, act_bytes),
+        ] {
+            memory.create_region(tag, policy, bytes)?;
+        }
+        let trainer = GpuTrainer {
+            params: memory.alloc(&MemoryTag::Params, half)?,
+            master: memory.alloc(&MemoryTag::Optimizer, full)?,
+            m: memory.alloc(&MemoryTag::Optimizer, full)?,
+            v: memory.alloc(&MemoryTag::Optimizer, full)?,
+            grads: memory.alloc(&MemoryTag::Grads, full)?,
+            norm: memory.alloc(&MemoryTag::Activations, size_of::<f32>())?,
+            gpu,
+            memory,
+            model,
+            adamw: spec.adamw,
+            max_batch_tokens: spec.max_batch_tokens,
+            acts: None,
+            offloaded: false,
+        };
+        trainer.gpu.zero(slice::<f32>(&trainer.m)?)?;
+        trainer.gpu.zero(slice::<f32>(&trainer.v)?)?;
+        trainer.gpu.zero(slice::<f32>(&trainer.grads)?)?;
+        trainer.upload_params(params)?;
+        tracing::debug!(
+            params = n,
+            activation_arena = act_bytes,
+            "gpu trainer ready"
+        );
+        Ok(trainer)
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &LlamaConfig {
+        self.model.config()
+    }
+
+    /// The memory manager holding the trainer's regions.
+    pub fn memory(&self) -> &Arc<MemoryManager> {
+        &self.memory
+    }
+
+    /// Whether [`offload`](Self::offload) has paused the trainer's regions.
+    pub fn is_offloaded(&self) -> bool {
+        self.offloaded
+    }
+
+    /// One training step: zero the gradients, forward and backward over each micro-batch,
+    /// the global gradient norm, clipping, and AdamW step `step` (counting from 1).
+    ///
+    /// # Errors
+    /// [`ModelError::InvalidStep`] for step 0, [`ModelError::Offloaded`], and any batch error,
+    /// before any GPU work; as [`compute_grads`](Self::compute_grads) and
+    /// [`apply_grads`](Self::apply_grads).
+    pub fn train_step(
+        &mut self,
+        batch: &TrainBatch<'_>,
+        step: u64,
+    ) -> Result<StepReport, ModelError> {
+        if step == 0 {
+            return Err(ModelError::InvalidStep { step });
+        }
+        let loss = self.compute_grads(batch)?;
+        let optimizer = self.apply_grads(step)?;
+        Ok(StepReport { loss, optimizer })
+    }
+
+    /// Zeroes the gradients and fills them with those of `batch` (micro-batch by micro-batch
+    /// when it holds more than `max_batch_tokens` tokens); returns the loss.
+    ///
+    /// # Errors
+    /// [`ModelError::Offloaded`] (or [`ModelError::Memory`] for a region paused by someone
+    /// else), [`ModelError::Batch`] or [`ModelError::TokenOutOfRange`], all before any GPU
+    /// work; [`ModelError::Memory`] when activations cannot be allocated; [`ModelError::Gpu`].
+    pub fn compute_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f32, ModelError> {
+        self.ensure_active("compute gradients")?;
+        self.check_batch(batch)?;
+        let result = self.accumulate_grads(batch);
+        let fenced = self.record_fences();
+        let nll = result?;
+        fenced?;
+        Ok((nll / f64::from(batch.normaliser)) as f32)
+    }
+
+    /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
+    /// the clipping factor as `ops::clip_scale` computes it, then the update of the master
+    /// weights, moments and bf16 weights.
+    ///
+    /// # Errors
+    /// [`ModelError::InvalidStep`], [`ModelError::Offloaded`]; [`ModelError::Gpu`].
+    pub fn apply_grads(&mut self, step: u64) -> Result<AdamWStepStats, ModelError> {
+        if step == 0 {
+            return Err(ModelError::InvalidStep { step });
+        }
+        self.ensure_active("take an optimizer step")?;
+        let result = self.adamw_step(step);
+        let fenced = self.record_fences();
+        let stats = result?;
+        fenced?;
+        Ok(stats)
+    }
+
+    /// The per-token log-probs `(B, T)` of `batch` and its loss, from a forward pass alone.
+    ///
+    /// # Errors
+    /// As [`compute_grads`](Self::compute_grads).
+    pub fn logprobs(&mut self, batch: &TrainBatch<'_>) -> Result<(Vec<f32>, f32), ModelError> {
+        self.ensure_active("score a batch")?;
+        self.check_batch(batch)?;
+        let result = self.score(batch);
+        let fenced = self.record_fences();
+        let (logprobs, nll) = result?;
+        fenced?;
+        Ok((logprobs, (nll / f64::from(batch.normaliser)) as f32))
+    }
+
+    /// The fp32 master weights, in [`ParamLayout`](crate::model::ParamLayout) order.
+    ///
+    /// # Errors
+    /// [`ModelError::Offloaded`]; [`ModelError::Gpu`].
+    pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
+        self.ensure_active("read the master weights")?;
+        self.download(&self.master)
+    }
+
+    /// Replaces the master weights with `params` and the bf16 weights with their rounding;
+    /// the moments stay.
+    ///
+    /// # Errors
+    /// [`ModelError::BufferLength`], [`ModelError::Offloaded`]; [`ModelError::Gpu`].
+    pub fn set_params(&mut self, params: &[f32]) -> Result<(), ModelError> {
+        self.model.layout().check("params", params)?;
+        self.ensure_active("set the parameters")?;
+        self.upload_params(params)
+    }
+
+    /// The AdamW moments `(m, v)`, in [`ParamLayout`](crate::model::ParamLayout) order.
+    ///
+    /// # Errors
+    /// As [`master_params`](Self::master_params).
+    pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        self.ensure_active("read the optimizer moments")?;
+        Ok((self.download(&self.m)?, self.download(&self.v)?))
+    }
+
+    /// Replaces the AdamW moments.
+    ///
+    /// # Errors
+    /// As [`set_params`](Self::set_params).
+    pub fn set_moments(&mut self, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
+        self.model.layout().check("adamw m", m)?;
+        self.model.layout().check("adamw v", v)?;
+        self.ensure_active("set the optimizer moments")?;
+        self.gpu.upload(slice(&self.m)?, m)?;
+        self.gpu.upload(slice(&self.v)?, v)?;
+        Ok(())
+    }
+
+    /// The gradients of the last [`compute_grads`](Self::compute_grads) (or train step), before
+    /// clipping.
+    ///
+    /// # Errors
+    /// As [`master_params`](Self::master_params).
+    pub fn grads(&self) -> Result<Vec<f32>, ModelError> {
+        self.ensure_active("read the gradients")?;
+        self.download(&self.grads)
+    }
+
+    /// Records a fence after the queued work, then pauses [`MemoryTag::Params`],
+    /// [`MemoryTag::Optimizer`], [`MemoryTag::Grads`] and [`MemoryTag::Activations`]; returns
+    /// their reports in that order. A failed pause resumes the tags paused before it.
+    ///
+    /// # Errors
+    /// [`ModelError::Offloaded`] when offloaded already; [`ModelError::Memory`] from a pause.
+    pub fn offload(&mut self) -> Result<Vec<OffloadReport>, ModelError> {
+        if self.offloaded {
+            return Err(ModelError::Offloaded { action: "offload" });
+        }
+        self.record_fences()?;
+        let mut reports = Vec::with_capacity(TAGS.len());
+        for tag in &TAGS {
+            match self.memory.pause(tag) {
+                Ok(report) => reports.push(report),
+                Err(error) => {
+                    self.undo(&reports, "resume", MemoryManager::resume);
+                    return Err(error.into());
+                }
+            }
+        }
+        self.offloaded = true;
+        Ok(reports)
+    }
+
+    /// Resumes the four regions (same order as [`offload`](Self::offload)) and zeroes the
+    /// gradients. A failed resume pauses the tags resumed before it again, so the trainer
+    /// stays offloaded.
+    ///
+    /// # Errors
+    /// [`ModelError::NotOffloaded`]; [`ModelError::Memory`] from a resume (with
+    /// `InsufficientMemory` nothing changed); [`ModelError::Gpu`].
+    pub fn onload(&mut self) -> Result<Vec<OffloadReport>, ModelError> {
+        if !self.offloaded {
+            return Err(ModelError::NotOffloaded);
+        }
+        let mut reports = Vec::with_capacity(TAGS.len());
+        for tag in &TAGS {
+            match self.memory.resume(tag) {
+                Ok(report) => reports.push(report),
+                Err(error) => {
+                    self.undo(&reports, "pause", MemoryManager::pause);
+                    return Err(error.into());
+                }
+            }
+        }
+        self.offloaded = false;
+        // `resume` returns once its copies are complete, so the compute stream needs no wait.
+        self.gpu.zero(slice::<f32>(&self.grads)?)?;
+        self.record_fences()?;
+        Ok(reports)
+    }
+
+    /// Runs `op` (a pause or a resume) over the tags of `done`, last first, logging failures:
+    /// the rollback of a partial offload or onload.
+    fn undo(
+        &self,
+        done: &[OffloadReport],
+        what: &'static str,
+        op: fn(&MemoryManager, &MemoryTag) -> Result<OffloadReport, MemoryError>,
+    ) {
+        for report in done.iter().rev() {
+            if let Err(error) = op(&self.memory, &report.tag) {
+                tracing::error!(tag = %report.tag, %error, "cannot {what} while rolling back");
+            }
+        }
+    }
+
+    /// Errors unless the trainer is onloaded and its four regions are active.
+    fn ensure_active(&self, action: &'static str) -> Result<(), ModelError> {
+        if self.offloaded {
+            return Err(ModelError::Offloaded { action });
+        }
+        for tag in &TAGS {
+            match self.memory.state(tag)? {
+                RegionState::Active => {}
+                RegionState::Paused => {
+                    return Err(MemoryError::TagPaused { tag: tag.clone() }.into());
+                }
+                state => {
+                    return Err(MemoryError::TagBusy {
+                        tag: tag.clone(),
+                        state,
+                    }
+                    .into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The model's checks, and sequences no longer than `max_batch_tokens`.
+    fn check_batch(&self, batch: &TrainBatch<'_>) -> Result<(), ModelError> {
+        self.model.check_batch(batch)?;
+        if batch.seq > self.max_batch_tokens {
+            return Err(ModelError::Batch(format!(
+                "a sequence of {} tokens exceeds max_batch_tokens {}; raise max_batch_tokens to at least {}",
+                batch.seq, self.max_batch_tokens, batch.seq
+            )));
+        }
+        Ok(())
+    }
+
+    /// Zeroes the gradients, runs forward and backward over each micro-batch; returns the
+    /// summed weighted negative log-probs.
+    fn accumulate_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f64, ModelError> {
+        let (params, grads) = (slice::<bf16>(&self.params)?, slice::<f32>(&self.grads)?);
+        self.gpu.zero(grads)?;
+        let mut nll = 0.0;
+        for micro in micro_batches(batch, self.max_batch_tokens) {
+            let acts = self.activations_for(micro.batch, micro.seq)?;
+            self.model
+                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train)?;
+            self.model.backward(&self.gpu, params, grads, &acts)?;
+            nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
+        }
+        Ok(nll)
+    }
+
+    /// Forward passes over each micro-batch: the log-probs and the summed weighted negative
+    /// log-probs.
+    fn score(&mut self, batch: &TrainBatch<'_>) -> Result<(Vec<f32>, f64), ModelError> {
+        let params = slice::<bf16>(&self.params)?;
+        let mut logprobs = Vec::with_capacity(batch.batch * batch.seq);
+        let mut nll = 0.0;
+        for micro in micro_batches(batch, self.max_batch_tokens) {
+            let acts = self.activations_for(micro.batch, micro.seq)?;
+            self.model
+                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Score)?;
+            let lp = self.model.logprobs(&self.gpu, &acts)?;
+            nll += nll_sum(&lp, micro.weights);
+            logprobs.extend_from_slice(&lp);
+        }
+        Ok((logprobs, nll))
+    }
+
+    /// The gradients' global norm, the clipping factor and the AdamW update, as
+    /// `ops::adamw_step` computes them.
+    fn adamw_step(&self, step: u64) -> Result<AdamWStepStats, ModelError> {
+        let (norm, grads) = (slice::<f32>(&self.norm)?, slice::<f32>(&self.grads)?);
+        self.gpu.zero(norm)?;
+        self.gpu.sum_of_squares(norm, grads)?;
+        let mut sum = [0.0f32];
+        self.gpu.download(&mut sum, norm)?;
+        let grad_norm = sum[0].sqrt();
+        let clip = clip_scale(&self.adamw, grad_norm);
+        self.gpu.adamw_update(
+            slice(&self.master)?,
+            slice(&self.params)?,
+            slice(&self.m)?,
+            slice(&self.v)?,
+            grads,
+            adamw_scalars(&self.adamw, step, clip),
+        )?;
+        Ok(AdamWStepStats {
+            step,
+            grad_norm,
+            clip_scale: clip,
+        })
+    }
+
+    /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
+    /// they are large enough, else of new ones.
+    fn activations_for(&mut self, batch: usize, seq: usize) -> Result<GpuActivations, ModelError> {
+        let layout = self.model.activation_layout(batch, seq)?;
+        let fits = self
+            .acts
+            .as_ref()
+            .is_some_and(|a| a.capacity.holds(&layout));
+        if !fits {
+            // Freeing releases device memory that queued kernels may still read.
+            self.gpu.synchronize()?;
+            self.acts = None;
+            let tag = MemoryTag::Activations;
+            self.acts = Some(ActivationBuffers {
+                bf16: self
+                    .memory
+                    .alloc(&tag, layout.bf16_len() * size_of::<bf16>())?,
+                f32: self
+                    .memory
+                    .alloc(&tag, layout.f32_len() * size_of::<f32>())?,
+                u32: self
+                    .memory
+                    .alloc(&tag, layout.u32_len() * size_of::<u32>())?,
+                capacity: layout.clone(),
+            });
+            tracing::debug!(batch, seq, bytes = layout.bytes(), "gpu activations sized");
+        }
+        let Some(bufs) = &self.acts else {
+            return Err(ModelError::Batch(
+                "gpu activations are not allocated".into(),
+            ));
+        };
+        GpuActivations::new(
+            layout,
+            slice(&bufs.bf16)?,
+            slice(&bufs.f32)?,
+            slice(&bufs.u32)?,
+        )
+    }
+
+    /// Uploads the master weights and rounds them into the bf16 weights.
+    fn upload_params(&self, params: &[f32]) -> Result<(), ModelError> {
+        let master = slice::<f32>(&self.master)?;
+        self.gpu.upload(master, params)?;
+        self.gpu.cast_to_bf16(slice(&self.params)?, master)?;
+        self.record_fences()
+    }
+
+    fn download(&self, buffer: &Buffer) -> Result<Vec<f32>, ModelError> {
+        let mut out = vec![0.0; self.model.layout().len()];
+        self.gpu.download(&mut out, slice(buffer)?)?;
+        Ok(out)
+    }
+
+    /// Tells every buffer that the work queued so far uses it.
+    fn record_fences(&self) -> Result<(), ModelError> {
+        let fence = self.gpu.record_fence()?;
+        let state = [
+            &self.params,
+            &self.master,
+            &self.m,
+            &self.v,
+            &self.grads,
+            &self.norm,
+        ];
+        let acts = self.acts.iter().flat_map(|a| [&a.bf16, &a.f32, &a.u32]);
+        for buffer in state.into_iter().chain(acts) {
+            buffer.record_use(fence.clone());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GpuTrainer {
+    fn drop(&mut self) {
+        // The buffers free their device memory next; queued kernels must not outlive it.
+        if let Err(error) = self.gpu.synchronize() {
+            tracing::error!(%error, "cannot wait for the gpu trainer's kernels");
+        }
+    }
+}
+
+/// The buffer's bytes as elements of `T`.
+fn slice<T: GpuElement>(buffer: &Buffer) -> Result<GpuSlice<T>, DeviceError> {
+    GpuSlice::of(buffer.range())
+}
+
+/// AdamW's scalars for step `step`, as `ops::adamw_update` works them out.
+fn adamw_scalars(cfg: &AdamWConfig, step: u64, clip: f32) -> AdamWStep {
+    let t = step.min(i32::MAX as u64) as i32;
+    AdamWStep {
+        step_size: cfg.lr / (1.0 - cfg.beta1.powi(t)),
+        bias2_sqrt: (1.0 - cfg.beta2.powi(t)).sqrt(),
+        decay: 1.0 - cfg.lr * cfg.weight_decay,
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.eps,
+        grad_scale: clip,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adamw_scalars_match_the_cpu_update_on_one_element() {
+        // Tolerance 1e-6 relative: the same f32 formulas in a different order.
+        let cfg = AdamWConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        };
+        let (p0, g, step, clip) = (0.7f32, -0.3f32, 3u64, 0.5f32);
+        let (mut p, mut m, mut v) = ([p0], [0.02f32], [0.001f32]);
+        let (m0, v0) = (m[0], v[0]);
+        crate::ops::adamw_update(&mut p, &[g], &mut m, &mut v, step, &cfg, clip);
+        let s = adamw_scalars(&cfg, step, clip);
+        let gs = g * s.grad_scale;
+        let m1 = s.beta1 * m0 + (1.0 - s.beta1) * gs;
+        let v1 = s.beta2 * v0 + (1.0 - s.beta2) * gs * gs;
+        let want = p0 * s.decay - s.step_size * m1 / (v1.sqrt() / s.bias2_sqrt + s.eps);
+        let diff = (want - p[0]).abs() / p[0].abs();
+        assert!(
+            diff < 1e-6,
+            "kernel formula {want} vs cpu {} ({diff:e})",
+            p[0]
+        );
+    }
+
+    #[test]
+    fn gpu_trainer_is_send_and_sync_so_backends_can_move_it_across_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<GpuTrainer>();
+    }
+}
