@@ -19,7 +19,8 @@ mod view;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::compute::{
-    AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, Transpose,
+    AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, PAGED_MAX_HEAD_DIM,
+    PagedCache, PagedTokens, Transpose,
 };
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
