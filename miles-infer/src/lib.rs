@@ -11,6 +11,8 @@
 mod controller;
 mod engine;
 mod error;
+mod gpu;
+mod host;
 mod paged;
 mod rl_engine;
 mod sampling;
