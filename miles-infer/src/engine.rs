@@ -134,7 +134,7 @@ enum Backend {
     Host {
         weights: Buffer,
         kv: Buffer,
-        scratch: DecodeScratch,
+        scratch: Box<DecodeScratch>,
     },
     /// bf16 weights, cache and scratch on a GPU.
     Gpu(Box<GpuModel>),
@@ -231,7 +231,11 @@ impl RolloutEngine {
             None => Backend::Host {
                 weights,
                 kv,
-                scratch: DecodeScratch::new(c, config.max_batch, c.max_position_embeddings),
+                scratch: Box::new(DecodeScratch::new(
+                    c,
+                    config.max_batch,
+                    c.max_position_embeddings,
+                )),
             },
             Some(gpu) => {
                 let scratch = memory

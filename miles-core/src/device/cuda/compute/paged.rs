@@ -157,7 +157,8 @@ impl Gpu {
     /// keys and values of `layer`, into `out (N, H*D)`: token `i` at position `p` attends to
     /// positions `0..=p` of its sequence, query head `h` to kv head `h / (H / K)`, scores scaled
     /// by `1/sqrt(D)`, softmax in fp32. Serves prefill (many tokens of a sequence) and decode
-    /// (one token each) alike; every position read must have been written first.
+    /// (one token each) alike; every position read must have been written first. `H` is
+    /// `q`'s length over `N*D`.
     ///
     /// Block tables and positions are trusted to lie inside the cache (the engine's bookkeeping
     /// builds them).
@@ -172,11 +173,13 @@ impl Gpu {
         cache: GpuSlice<bf16>,
         shape: &PagedCache,
         layer: usize,
-        heads: usize,
         tokens: &PagedTokens,
     ) -> Result<(), DeviceError> {
         shape.check(&cache, layer)?;
         let (n, d) = (tokens.positions.len(), shape.head_dim);
+        if n == 0 {
+            return Ok(());
+        }
         if d > PAGED_MAX_HEAD_DIM {
             return Err(DeviceError::ShapeMismatch {
                 what: "paged attention head dim",
@@ -184,15 +187,15 @@ impl Gpu {
                 actual: d,
             });
         }
-        if heads == 0 || !heads.is_multiple_of(shape.kv_heads) {
+        let heads = q.len() / (n * d);
+        if heads == 0 || heads * n * d != q.len() || !heads.is_multiple_of(shape.kv_heads) {
             return Err(DeviceError::ShapeMismatch {
-                what: "paged attention query heads (a multiple of the kv heads)",
-                expected: shape.kv_heads,
-                actual: heads,
+                what: "paged attention queries (N tokens of a multiple of the kv heads)",
+                expected: n * shape.kv_dim(),
+                actual: q.len(),
             });
         }
-        q.expect_len("paged attention queries", n * heads * d)?;
-        out.expect_len("paged attention output", n * heads * d)?;
+        out.expect_len("paged attention output", q.len())?;
         tokens
             .seq_rows
             .expect_len("paged attention sequence rows", n)?;

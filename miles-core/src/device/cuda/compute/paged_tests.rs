@@ -158,7 +158,7 @@ fn check_attention(what: &str, shape: PagedCache, heads: usize, decode: bool, se
         max_blocks,
     };
     t.gpu
-        .paged_attention(out, q, f.cache, &shape, layer, heads, &tokens)
+        .paged_attention(out, q, f.cache, &shape, layer, &tokens)
         .unwrap_or_else(|e| panic!("{e}"));
     let mut want = vec![0.0; n * qd];
     for (i, &(s, pos)) in queries.iter().enumerate() {

@@ -370,7 +370,7 @@ impl GpuModel {
             g.rope_forward(q, positions, s.cos, s.sin, c.num_heads, c.head_dim)?;
             g.rope_forward(k, positions, s.cos, s.sin, c.num_kv_heads, c.head_dim)?;
             g.paged_kv_write(cache, &self.shape, l, k, v, slots)?;
-            g.paged_attention(att, q, cache, &self.shape, l, c.num_heads, &tokens)?;
+            g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
             g.gemm(linear(n, h, qd), proj, att, w(ParamKind::OProj)?)?; // (N, C)
             g.residual_add(x, proj)?;
             g.rmsnorm_forward(ln, None, x, w(ParamKind::PostAttentionNorm)?, eps)?;
@@ -531,3 +531,6 @@ impl Step for GpuModel {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;
