@@ -23,8 +23,8 @@ use crate::{InferError, SamplingParams};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvCapacity {
     /// This fraction of the device memory free once the weights are allocated
-    /// (`--rollout-mem-fraction`), capped at what `max_batch` sequences of the model's full
-    /// context, and as many prompts, can ever hold.
+    /// (`--rollout-mem-fraction`), less the GPU step's scratch, capped at what `max_batch`
+    /// sequences of the model's full context, and as many prompts, can ever hold.
     MemFraction(f64),
     /// Exactly this many blocks (tests and benchmarks that force a small cache).
     Blocks(usize),
