@@ -190,8 +190,8 @@ impl GpuModel {
     /// blocks of `block_size` positions, bf16) and `scratch` ([`scratch_bytes`] of `limits`).
     ///
     /// # Errors
-    /// [`InferError::Device`] when a buffer is smaller than its contents.
-    #[allow(clippy::too_many_arguments)]
+    /// [`InferError::Internal`] when a buffer is smaller than its contents;
+    /// [`InferError::Device`] when the scratch cannot be laid out.
     pub(crate) fn new(
         gpu: Arc<Gpu>,
         config: &LlamaConfig,
