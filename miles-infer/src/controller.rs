@@ -86,9 +86,9 @@ impl InferenceController {
             .map_err(InferError::memory("offload the kv cache"))
     }
 
-    /// Pauses `weights`: with a host backup they come back on [`onload_weights`]
-    /// (Self::onload_weights); with policy `None` they are dropped and must be re-sent with
-    /// [`update_weights`](Self::update_weights) before generating.
+    /// Pauses `weights`: with a host backup they come back on
+    /// [`onload_weights`](Self::onload_weights); with policy `None` they are dropped and must be
+    /// re-sent with [`update_weights`](Self::update_weights) before generating.
     ///
     /// # Errors
     /// [`InferError::Memory`] when the weights are offloaded already, or the backup failed (the

@@ -1,24 +1,30 @@
 //! The rollout engine: the model's weights in one `weights`-tagged buffer, the paged KV cache in
-//! one `kv_cache`-tagged buffer, and batched generation over them.
+//! one `kv_cache`-tagged buffer, and batched generation over them, on the CPU (fp32, host
+//! views) or on the GPU (bf16, kernels; see the `gpu` module).
 
 use std::path::Path;
 use std::sync::Arc;
 
+use miles_core::device::Gpu;
 use miles_core::model::{
     ByteTokenizer, DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config, load_params,
 };
-use miles_core::{BackupPolicy, Buffer, MemoryManager, MemoryTag, RegionState, Settings};
+use miles_core::{
+    BackupPolicy, Buffer, DeviceKind, MemoryManager, MemoryTag, RegionState, Settings,
+};
 
+use crate::gpu::{self, GpuModel, Limits};
+use crate::host::HostStep;
 use crate::paged::BlockTables;
-use crate::schedule::{self, Completion, GenerationStats};
+use crate::schedule::{self, Completion, GenerationStats, Step};
 use crate::{InferError, SamplingParams};
 
 /// How much of the device the KV cache takes.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvCapacity {
     /// This fraction of the device memory free once the weights are allocated
-    /// (`--rollout-mem-fraction`), capped at what `max_batch` sequences of the model's full
-    /// context, and as many prompts, can ever hold.
+    /// (`--rollout-mem-fraction`), less the GPU step's scratch, capped at what `max_batch`
+    /// sequences of the model's full context, and as many prompts, can ever hold.
     MemFraction(f64),
     /// Exactly this many blocks (tests and benchmarks that force a small cache).
     Blocks(usize),
@@ -54,6 +60,45 @@ impl EngineConfig {
     }
 }
 
+/// Blocks of `block_bytes` the cache gets under `config`, with `reserved` bytes of the same
+/// budget going to the step's scratch.
+fn kv_blocks(
+    memory: &MemoryManager,
+    config: &EngineConfig,
+    c: &LlamaConfig,
+    block_bytes: usize,
+    reserved: usize,
+) -> Result<usize, InferError> {
+    let num_blocks = match config.kv_capacity {
+        KvCapacity::Blocks(n) => n,
+        KvCapacity::MemFraction(fraction) => {
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                return Err(InferError::BadParameter {
+                    what: "rollout memory fraction",
+                    reason: format!("{fraction} must lie in (0, 1]"),
+                });
+            }
+            let free = memory
+                .device()
+                .memory_info()
+                .map_err(InferError::device("read the device's free memory"))?
+                .free;
+            let useful =
+                2 * config.max_batch * c.max_position_embeddings.div_ceil(config.block_size);
+            (((free as f64 * fraction) as usize).saturating_sub(reserved) / block_bytes).min(useful)
+        }
+    };
+    if num_blocks == 0 {
+        return Err(InferError::BadParameter {
+            what: "kv cache capacity",
+            reason: format!(
+                "no block of {block_bytes} bytes fits beside {reserved} bytes of scratch; raise --rollout-mem-fraction or the device memory"
+            ),
+        });
+    }
+    Ok(num_blocks)
+}
+
 /// What one [`RolloutEngine::generate`] call returns.
 #[derive(Clone, Debug)]
 pub struct Generation {
@@ -65,34 +110,84 @@ pub struct Generation {
 
 /// The rollout engine: weights under tag `weights`, a paged KV cache under `kv_cache`.
 ///
-/// Computes on the CPU from host views of both buffers, so its memory manager must run on the
-/// CPU device. Weights start missing: load a checkpoint or send every tensor with
-/// [`write_tensor`](Self::write_tensor) before generating.
+/// Built with [`new`](Self::new) on a memory manager of the CPU device, it computes in fp32 from
+/// host views of both buffers. Built with [`on_gpu`](Self::on_gpu) on a memory manager of a CUDA
+/// device, it keeps the weights and the cache in bf16 and runs every step as GPU kernels; the
+/// `kv_cache` region then also holds the step's scratch, so offloading the two tags frees all
+/// of the engine's device memory. Weights start missing: load a checkpoint or send every tensor
+/// with [`write_tensors`](Self::write_tensors) before generating.
 #[derive(Debug)]
 pub struct RolloutEngine {
     memory: Arc<MemoryManager>,
     model: Transformer,
     tokenizer: ByteTokenizer,
     config: EngineConfig,
-    weights: Buffer,
-    kv: Buffer,
+    backend: Backend,
     tables: BlockTables,
-    scratch: DecodeScratch,
     loaded: Vec<bool>,
 }
 
+/// Where the engine computes, and the buffers it computes on.
+#[derive(Debug)]
+enum Backend {
+    /// fp32 weights and cache read through host views.
+    Host {
+        weights: Buffer,
+        kv: Buffer,
+        scratch: Box<DecodeScratch>,
+    },
+    /// bf16 weights, cache and scratch on a GPU.
+    Gpu(Box<GpuModel>),
+}
+
 impl RolloutEngine {
-    /// An engine for `model_config`: creates the `weights` and `kv_cache` regions in `memory`
-    /// and allocates both buffers.
+    /// An engine for `model_config` on the CPU device: creates the `weights` and `kv_cache`
+    /// regions in `memory` and allocates both buffers.
     ///
     /// # Errors
-    /// [`InferError::BadParameter`] for a zero block size or batch, or a cache of no block;
+    /// [`InferError::BadParameter`] for a zero block size or batch, a cache of no block, or a
+    /// memory manager on a CUDA device (build that engine with [`on_gpu`](Self::on_gpu));
     /// [`InferError::Memory`] when a region exists or the device is out of memory;
     /// [`InferError::Model`] for a config without the byte tokenizer's ids.
     pub fn new(
         memory: Arc<MemoryManager>,
         model_config: LlamaConfig,
         config: EngineConfig,
+    ) -> Result<Self, InferError> {
+        if memory.device().kind() != DeviceKind::Cpu {
+            return Err(InferError::BadParameter {
+                what: "engine device",
+                reason: format!(
+                    "the memory manager allocates on {}; build the engine with RolloutEngine::on_gpu and a Gpu of that device",
+                    memory.device().name()
+                ),
+            });
+        }
+        Self::build(memory, model_config, config, None)
+    }
+
+    /// An engine for `model_config` computing on `gpu`, whose device is the one `memory`
+    /// allocates from: bf16 weights in the `weights` region; the bf16 cache and the step's
+    /// scratch in the `kv_cache` region.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`InferError::BadParameter`] when `gpu` and `memory` are not on
+    /// the same CUDA device or the head dim does not fit the attention kernel.
+    pub fn on_gpu(
+        memory: Arc<MemoryManager>,
+        gpu: Arc<Gpu>,
+        model_config: LlamaConfig,
+        config: EngineConfig,
+    ) -> Result<Self, InferError> {
+        gpu::check_fit(&memory, &gpu, &model_config)?;
+        Self::build(memory, model_config, config, Some(gpu))
+    }
+
+    fn build(
+        memory: Arc<MemoryManager>,
+        model_config: LlamaConfig,
+        config: EngineConfig,
+        gpu: Option<Arc<Gpu>>,
     ) -> Result<Self, InferError> {
         let bad = |what, reason: String| InferError::BadParameter { what, reason };
         if config.block_size == 0 || config.max_batch == 0 {
@@ -103,76 +198,82 @@ impl RolloutEngine {
         }
         let tokenizer = ByteTokenizer::from_config(&model_config)?;
         let model = Transformer::new(model_config);
-        let weight_bytes = model.layout().len() * 4;
+        let c = model.config();
+        // fp32 on the CPU, bf16 on the GPU.
+        let element = if gpu.is_some() { gpu::ELEMENT_BYTES } else { 4 };
+        let weight_bytes = model.layout().len() * element;
         memory
             .create_region(MemoryTag::Weights, config.weights_policy, weight_bytes)
             .map_err(InferError::memory("create the weights region"))?;
         let weights = memory
             .alloc(&MemoryTag::Weights, weight_bytes)
             .map_err(InferError::memory("allocate the weights"))?;
-        let c = model.config();
-        let block_bytes = BlockTables::block_floats(c, config.block_size) * 4;
-        let num_blocks = match config.kv_capacity {
-            KvCapacity::Blocks(n) => n,
-            KvCapacity::MemFraction(fraction) => {
-                if !(fraction > 0.0 && fraction <= 1.0) {
-                    return Err(bad(
-                        "rollout memory fraction",
-                        format!("{fraction} must lie in (0, 1]"),
-                    ));
-                }
-                let free = memory
-                    .device()
-                    .memory_info()
-                    .map_err(|source| InferError::Device {
-                        action: "read the device's free memory",
-                        source,
-                    })?
-                    .free;
-                let useful =
-                    2 * config.max_batch * c.max_position_embeddings.div_ceil(config.block_size);
-                ((free as f64 * fraction) as usize / block_bytes).min(useful)
-            }
+        let limits = Limits::new(c, config.max_batch, config.block_size);
+        let scratch_bytes = match gpu {
+            Some(_) => gpu::scratch_bytes(c, limits)?,
+            None => 0,
         };
-        if num_blocks == 0 {
-            return Err(bad(
-                "kv cache capacity",
-                format!(
-                    "no block of {block_bytes} bytes fits; raise --rollout-mem-fraction or the device memory"
-                ),
-            ));
-        }
+        let block_bytes = BlockTables::block_floats(c, config.block_size) * element;
+        let num_blocks = kv_blocks(&memory, &config, c, block_bytes, scratch_bytes)?;
+        // Buffers of a region start at multiples of 256 bytes.
+        let cache_bytes = num_blocks * block_bytes;
         memory
             .create_region(
                 MemoryTag::KvCache,
                 BackupPolicy::None,
-                num_blocks * block_bytes,
+                cache_bytes.next_multiple_of(256) + scratch_bytes,
             )
             .map_err(InferError::memory("create the kv cache region"))?;
         let kv = memory
-            .alloc(&MemoryTag::KvCache, num_blocks * block_bytes)
+            .alloc(&MemoryTag::KvCache, cache_bytes)
             .map_err(InferError::memory("allocate the kv cache"))?;
+        let backend = match gpu {
+            None => Backend::Host {
+                weights,
+                kv,
+                scratch: Box::new(DecodeScratch::new(
+                    c,
+                    config.max_batch,
+                    c.max_position_embeddings,
+                )),
+            },
+            Some(gpu) => {
+                let scratch = memory
+                    .alloc(&MemoryTag::KvCache, scratch_bytes)
+                    .map_err(InferError::memory("allocate the gpu scratch"))?;
+                Backend::Gpu(Box::new(GpuModel::new(
+                    gpu,
+                    c,
+                    model.layout(),
+                    limits,
+                    num_blocks,
+                    config.block_size,
+                    [weights, kv, scratch],
+                )?))
+            }
+        };
         tracing::info!(
             blocks = num_blocks,
             block_size = config.block_size,
-            kv_bytes = num_blocks * block_bytes,
+            kv_bytes = cache_bytes,
+            scratch_bytes,
             weight_bytes,
+            device = %memory.device().name(),
             "rollout engine ready"
         );
         Ok(Self {
             tables: BlockTables::new(c, num_blocks, config.block_size),
-            scratch: DecodeScratch::new(c, config.max_batch, c.max_position_embeddings),
             loaded: vec![false; model.layout().specs().len()],
             memory,
             model,
             tokenizer,
             config,
-            weights,
-            kv,
+            backend,
         })
     }
 
-    /// An engine whose weights come from the Hugging Face checkpoint directory `dir`.
+    /// An engine on the CPU device whose weights come from the Hugging Face checkpoint
+    /// directory `dir`.
     ///
     /// # Errors
     /// As [`new`](Self::new) and [`load_checkpoint`](Self::load_checkpoint).
@@ -186,28 +287,62 @@ impl RolloutEngine {
         Ok(engine)
     }
 
-    /// Reads every tensor of checkpoint `dir` straight into the weights buffer.
+    /// An engine on `gpu` whose weights come from the Hugging Face checkpoint directory `dir`.
+    ///
+    /// # Errors
+    /// As [`on_gpu`](Self::on_gpu) and [`load_checkpoint`](Self::load_checkpoint).
+    pub fn from_checkpoint_on_gpu(
+        memory: Arc<MemoryManager>,
+        gpu: Arc<Gpu>,
+        dir: &Path,
+        config: EngineConfig,
+    ) -> Result<Self, InferError> {
+        let mut engine = Self::on_gpu(memory, gpu, load_config(dir)?, config)?;
+        engine.load_checkpoint(dir)?;
+        Ok(engine)
+    }
+
+    /// Reads every tensor of checkpoint `dir` into the weights buffer (on the GPU, through a
+    /// host copy in fp32 that is cast to bf16).
     ///
     /// # Errors
     /// [`InferError::Memory`] while the weights are offloaded; [`InferError::Model`] for a
     /// checkpoint that does not match the model.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<(), InferError> {
-        let mut view = self
-            .weights
-            .view_mut::<f32>()
-            .map_err(InferError::memory("write the weights"))?;
-        load_params(dir, self.model.layout(), &mut view)?;
+        match &mut self.backend {
+            Backend::Host { weights, .. } => {
+                let mut view = weights
+                    .view_mut::<f32>()
+                    .map_err(InferError::memory("write the weights"))?;
+                load_params(dir, self.model.layout(), &mut view)?;
+            }
+            Backend::Gpu(_) => {
+                let mut params = vec![0.0; self.model.layout().len()];
+                load_params(dir, self.model.layout(), &mut params)?;
+                let all: Vec<(usize, &[f32])> = self
+                    .model
+                    .layout()
+                    .specs()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, spec)| (i, &params[spec.range()]))
+                    .collect();
+                self.write_tensors(&all)?;
+            }
+        }
         self.loaded.fill(true);
         Ok(())
     }
 
     /// Writes tensors of the parameter table, each given as its index and its elements in
-    /// order, under one view of the weights buffer (one bucket of a weight update).
+    /// order, into the weights buffer (one bucket of a weight update); on the GPU they are
+    /// rounded to bf16.
     ///
     /// # Errors
     /// [`InferError::Memory`] while the weights are offloaded; [`InferError::Internal`] for an
     /// index or length that does not match the table (callers check against
-    /// [`layout`](Self::layout) first); nothing is written then.
+    /// [`layout`](Self::layout) first); nothing is written then; [`InferError::Device`] when the
+    /// GPU failed.
     pub fn write_tensors(&mut self, tensors: &[(usize, &[f32])]) -> Result<(), InferError> {
         let specs = self.model.layout().specs();
         let mut ranges = Vec::with_capacity(tensors.len());
@@ -223,12 +358,23 @@ impl RolloutEngine {
                 })?;
             ranges.push(spec.range());
         }
-        let mut view = self
-            .weights
-            .view_mut::<f32>()
-            .map_err(InferError::memory("write the weights"))?;
-        for (&(index, data), range) in tensors.iter().zip(ranges) {
-            view[range].copy_from_slice(data);
+        match &mut self.backend {
+            Backend::Host { weights, .. } => {
+                let mut view = weights
+                    .view_mut::<f32>()
+                    .map_err(InferError::memory("write the weights"))?;
+                for (&(_, data), range) in tensors.iter().zip(ranges) {
+                    view[range].copy_from_slice(data);
+                }
+            }
+            Backend::Gpu(model) => {
+                model.idle()?;
+                for (&(_, data), range) in tensors.iter().zip(ranges) {
+                    model.write_weights(range.start, data)?;
+                }
+            }
+        }
+        for &(index, _) in tensors {
             self.loaded[index] = true;
         }
         Ok(())
@@ -331,31 +477,62 @@ impl RolloutEngine {
                 block_size: self.config.block_size,
             });
         }
-        let params_view = self
-            .weights
-            .view::<f32>()
-            .map_err(InferError::memory("read the weights"))?;
-        let mut kv_view = self
-            .kv
-            .view_mut::<f32>()
-            .map_err(InferError::memory("use the kv cache"))?;
-        let storage = &mut kv_view[..self.tables.storage_floats()];
-        let outcome = schedule::run(
-            schedule::Compute {
-                model: &self.model,
-                params: &params_view,
-                tables: &mut self.tables,
-                storage,
-                scratch: &mut self.scratch,
-                max_batch: self.config.max_batch,
-                share_prompt_blocks: self.config.share_prompt_blocks,
-            },
-            prompts,
-            params,
-        );
+        let (max_batch, share_prompt_blocks) =
+            (self.config.max_batch, self.config.share_prompt_blocks);
+        let max_positions = c.max_position_embeddings;
+        let outcome = self.with_step(|step, tables| {
+            schedule::run(
+                schedule::Compute {
+                    step,
+                    tables,
+                    max_positions,
+                    max_batch,
+                    share_prompt_blocks,
+                },
+                prompts,
+                params,
+            )
+        });
         self.tables.clear();
         let (completions, stats) = outcome?;
         Ok(Generation { completions, stats })
+    }
+
+    /// Runs `f` with the engine's [`Step`] and block tables (borrowing host views of the
+    /// buffers on the CPU, uploading the rotary tables on the GPU).
+    pub(crate) fn with_step<R>(
+        &mut self,
+        f: impl FnOnce(&mut dyn Step, &mut BlockTables) -> Result<R, InferError>,
+    ) -> Result<R, InferError> {
+        match &mut self.backend {
+            Backend::Host {
+                weights,
+                kv,
+                scratch,
+            } => {
+                let params = weights
+                    .view::<f32>()
+                    .map_err(InferError::memory("read the weights"))?;
+                let mut kv_view = kv
+                    .view_mut::<f32>()
+                    .map_err(InferError::memory("use the kv cache"))?;
+                let mut step = HostStep {
+                    model: &self.model,
+                    params: &params,
+                    storage: &mut kv_view[..self.tables.storage_floats()],
+                    scratch,
+                    block_floats: BlockTables::block_floats(
+                        self.model.config(),
+                        self.config.block_size,
+                    ),
+                };
+                f(&mut step, &mut self.tables)
+            }
+            Backend::Gpu(model) => {
+                model.begin()?;
+                f(model.as_mut(), &mut self.tables)
+            }
+        }
     }
 
     /// Errors naming what `action` needs (the weights, and the kv cache when `kv`) and finds

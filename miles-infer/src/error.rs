@@ -95,4 +95,9 @@ impl InferError {
     pub(crate) fn memory(action: &'static str) -> impl FnOnce(MemoryError) -> InferError {
         move |source| InferError::Memory { action, source }
     }
+
+    /// Wraps a device error with what the engine was doing.
+    pub(crate) fn device(action: &'static str) -> impl Fn(DeviceError) -> InferError + Copy {
+        move |source| InferError::Device { action, source }
+    }
 }

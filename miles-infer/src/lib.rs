@@ -4,13 +4,21 @@
 //! [`RolloutEngine::generate`] runs many prompts with `n` samples each; the samples of a prompt
 //! share its KV blocks, sequences wait or are preempted and recomputed when the cache is full,
 //! and every sample draws from its own seeded generator, so results do not depend on batching,
-//! sharing or preemption. [`InferenceController`] offloads and onloads the two tags and takes
-//! weight updates by name.
+//! sharing or preemption (on the CPU exactly; on the GPU up to bf16 rounding, since cuBLAS may
+//! pick other kernels for other batch sizes). [`InferenceController`] offloads and onloads the
+//! two tags and takes weight updates by name.
+//!
+//! The engine computes on the CPU device in fp32 ([`RolloutEngine::new`]) or on a CUDA device in
+//! bf16 ([`RolloutEngine::on_gpu`]): a step is one pass of kernels over the tokens of several
+//! prompts (prefill) or of the running sequences (decode), with a paged attention kernel reading
+//! the cache through the block tables.
 #![forbid(unsafe_code)]
 
 mod controller;
 mod engine;
 mod error;
+mod gpu;
+mod host;
 mod paged;
 mod rl_engine;
 mod sampling;

@@ -165,26 +165,109 @@ impl BlockTables {
     /// # Errors
     /// [`InferError::Internal`] for an unknown `seq`.
     pub fn prepare_append(&mut self, seq: usize, storage: &mut [f32]) -> Result<bool, InferError> {
+        let floats = self.block_floats;
+        self.prepare_append_with(seq, |from, to| {
+            copy_host_block(storage, floats, from, to);
+            Ok(())
+        })
+    }
+
+    /// [`prepare_append`](Self::prepare_append) for storage the tables cannot reach (a device
+    /// cache): `copy_block(from, to)` copies a shared block into a fresh one.
+    ///
+    /// # Errors
+    /// [`InferError::Internal`] for an unknown `seq`; the copy's error, and the tables are
+    /// unchanged then.
+    pub fn prepare_append_with(
+        &mut self,
+        seq: usize,
+        copy_block: impl FnOnce(usize, usize) -> Result<(), InferError>,
+    ) -> Result<bool, InferError> {
         if self.append_cost(seq)? == 0 {
             return Ok(true);
         }
         let Some(fresh) = self.free.pop() else {
             return Ok(false);
         };
-        self.refs[fresh] = 1;
         let bs = self.block_size;
-        let bf = self.block_floats;
         let table = self.seqs[seq].as_mut().ok_or_else(|| unknown(seq))?;
         let slot = table.len / bs;
         if slot == table.blocks.len() {
             table.blocks.push(fresh);
-            return Ok(true);
+        } else {
+            let shared = table.blocks[slot];
+            if let Err(error) = copy_block(shared, fresh) {
+                self.free.push(fresh);
+                return Err(error);
+            }
+            table.blocks[slot] = fresh;
+            self.release(shared);
         }
-        let shared = table.blocks[slot];
-        table.blocks[slot] = fresh;
-        storage.copy_within(shared * bf..(shared + 1) * bf, fresh * bf);
-        self.release(shared);
+        self.refs[fresh] = 1;
         Ok(true)
+    }
+
+    /// Gives the empty sequence `seq` the blocks of its first `positions` positions at once (a
+    /// prompt about to be prefilled), so that growing it to that length takes no block. Returns
+    /// `false`, changing nothing, when too few blocks are free.
+    ///
+    /// # Errors
+    /// [`InferError::Internal`] for an unknown or non-empty `seq`.
+    pub fn reserve(&mut self, seq: usize, positions: usize) -> Result<bool, InferError> {
+        let need = self.blocks_for(positions);
+        let table = self.table(seq)?;
+        if table.len != 0 || !table.blocks.is_empty() {
+            return Err(InferError::Internal(format!(
+                "kv sequence {seq} already holds {} positions; reserve only empty sequences",
+                table.len
+            )));
+        }
+        if need > self.free.len() {
+            return Ok(false);
+        }
+        let blocks = self.free.split_off(self.free.len() - need);
+        for &block in &blocks {
+            self.refs[block] = 1;
+        }
+        // The free list pops from the back: keep the order in which pops would have come.
+        let table = self.seqs[seq].as_mut().ok_or_else(|| unknown(seq))?;
+        table.blocks = blocks.into_iter().rev().collect();
+        Ok(true)
+    }
+
+    /// Counts `n` more positions of `seq` as cached, once their slots are writable (reserved, or
+    /// prepared with [`prepare_append`](Self::prepare_append)); returns the first new position.
+    /// For a device cache, whose kernels write the keys and values themselves.
+    ///
+    /// # Errors
+    /// [`InferError::Internal`] for an unknown `seq` or a slot that is not writable; nothing
+    /// changes then.
+    pub fn advance(&mut self, seq: usize, n: usize) -> Result<usize, InferError> {
+        let bs = self.block_size;
+        let table = self.table(seq)?;
+        let first = table.len;
+        if n == 0 {
+            return Ok(first);
+        }
+        let end = first + n;
+        let writable = table.blocks.len() * bs >= end
+            && (first / bs..end.div_ceil(bs)).all(|b| self.refs[table.blocks[b]] == 1);
+        if !writable {
+            return Err(InferError::Internal(format!(
+                "kv sequence {seq} cannot grow from {first} to {end} positions: its slots are not prepared"
+            )));
+        }
+        let table = self.seqs[seq].as_mut().ok_or_else(|| unknown(seq))?;
+        table.len = end;
+        Ok(first)
+    }
+
+    /// The blocks holding `seq`'s positions, in order.
+    ///
+    /// # Errors
+    /// [`InferError::Internal`] for an unknown `seq`.
+    pub fn blocks(&self, seq: usize) -> Result<&[usize], InferError> {
+        Ok(&self.table(seq)?.blocks)
     }
 
     fn release(&mut self, block: usize) {
@@ -212,6 +295,14 @@ impl BlockTables {
             + layer * self.layer_floats
             + (half * self.block_size + pos % self.block_size) * self.kv_dim
     }
+}
+
+/// Copies block `from` of a host cache over block `to`.
+pub(crate) fn copy_host_block(storage: &mut [f32], block_floats: usize, from: usize, to: usize) {
+    storage.copy_within(
+        from * block_floats..(from + 1) * block_floats,
+        to * block_floats,
+    );
 }
 
 fn unknown(seq: usize) -> InferError {
@@ -358,6 +449,58 @@ mod tests {
         t.free_seq(b).unwrap();
         assert_eq!(t.free_blocks(), 8);
         assert!(matches!(t.free_seq(b), Err(InferError::Internal(_))));
+    }
+
+    #[test]
+    fn reserved_prompts_advance_without_taking_blocks_and_forks_copy_through_the_callback() {
+        let (mut t, _) = tables(6, 4);
+        let prompt = t.add_seq();
+        assert!(!t.reserve(prompt, 25).unwrap(), "7 blocks do not fit in 6");
+        assert_eq!(t.free_blocks(), 6, "a refused reservation takes nothing");
+        assert!(t.reserve(prompt, 6).unwrap());
+        assert_eq!(
+            t.blocks(prompt).unwrap(),
+            [0, 1],
+            "the blocks appends would take"
+        );
+        assert!(matches!(t.reserve(prompt, 1), Err(InferError::Internal(_))));
+        assert_eq!(t.advance(prompt, 6).unwrap(), 0);
+        assert_eq!(t.seq_len(prompt).unwrap(), 6);
+        assert!(
+            matches!(t.advance(prompt, 3), Err(InferError::Internal(_))),
+            "positions 6..9 reach a block never prepared"
+        );
+        let fork = t.fork(prompt).unwrap();
+        assert!(
+            matches!(t.advance(fork, 1), Err(InferError::Internal(_))),
+            "the shared partial block must be copied first"
+        );
+        let mut copies = Vec::new();
+        let ready = t
+            .prepare_append_with(fork, |from, to| {
+                copies.push((from, to));
+                Ok(())
+            })
+            .unwrap();
+        assert!(ready);
+        assert_eq!(
+            copies,
+            [(1, 2)],
+            "the partial block 1 goes to fresh block 2"
+        );
+        assert_eq!(t.blocks(fork).unwrap(), [0, 2]);
+        assert_eq!(t.advance(fork, 1).unwrap(), 6);
+        let copied = t.prepare_append_with(prompt, |_, _| panic!("nothing to copy"));
+        assert!(
+            copied.unwrap(),
+            "the prompt's own partial block is no longer shared"
+        );
+        let other = t.fork(fork).unwrap();
+        let free = t.free_blocks();
+        let err = t.prepare_append_with(other, |_, _| Err(InferError::Internal("copy".into())));
+        assert!(matches!(err, Err(InferError::Internal(_))));
+        assert_eq!(t.free_blocks(), free, "a failed copy takes no block");
+        assert_eq!(t.blocks(other).unwrap(), [0, 2]);
     }
 
     #[test]

@@ -2,18 +2,19 @@
 //! step, preempt the newest when the cache is full and recompute it later from its tokens.
 //!
 //! A sample's prompt is prefilled once per prompt into a prefix sequence that its samples fork
-//! (sharing the prompt's blocks). A preempted sample comes back by forking the prefix again (or
+//! (sharing the prompt's blocks); the prompts of the samples admitted together are prefilled in
+//! one [`Step::prefill`] call. A preempted sample comes back by forking the prefix again (or
 //! prefilling it again if it was evicted) and replaying its generated tokens through decode
-//! steps, which recomputes exactly the keys and values it had, since decoding is
-//! batch-invariant; its generator was never rewound, so it continues where it stopped.
+//! steps, which recomputes the keys and values it had (exactly on the CPU, whose decoding is
+//! batch-invariant; within rounding on the GPU, whose matrix products may pick other kernels
+//! for other batch sizes); its generator was never rewound, so it continues where it stopped.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use miles_core::model::{DecodeScratch, Transformer};
 use rand_chacha::ChaCha20Rng;
 
-use crate::paged::{BlockTables, PagedKv};
+use crate::paged::BlockTables;
 use crate::sampling::{sample_rng, sample_token};
 use crate::{InferError, SamplingParams};
 
@@ -69,21 +70,53 @@ pub struct GenerationStats {
     pub seconds: f64,
 }
 
+/// The model over the paged cache, as the loop calls it: on the CPU or on the GPU.
+pub(crate) trait Step {
+    /// Runs `prompts[i]` through the empty sequence `seqs[i]`, whose blocks are reserved
+    /// ([`BlockTables::reserve`]), caching every position; returns each prompt's last-position
+    /// logits `(V)`. At most `max_batch` prompts come at once.
+    fn prefill(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        prompts: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, InferError>;
+
+    /// Appends `tokens[b]` to `seqs[b]` (each one's next slot prepared) and returns the
+    /// next-token logits `(B, V)`.
+    fn decode(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, InferError>;
+
+    /// Copies cache block `from` over block `to` (copy-on-write of a shared block).
+    fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError>;
+}
+
 /// What the loop computes with, borrowed from the engine for one call.
 pub(crate) struct Compute<'a> {
-    pub model: &'a Transformer,
-    pub params: &'a [f32],
+    pub step: &'a mut dyn Step,
     pub tables: &'a mut BlockTables,
-    pub storage: &'a mut [f32],
-    pub scratch: &'a mut DecodeScratch,
+    pub max_positions: usize,
     pub max_batch: usize,
     pub share_prompt_blocks: bool,
 }
 
-/// A prompt's prefilled prefix: its sequence and the logits of its last position.
+/// A prompt's prefilled prefix: its sequence and the logits of its last position (empty until
+/// the prefill of the admission round that created it has run).
 struct Prefix {
     seq: usize,
     logits: Vec<f32>,
+}
+
+/// A prefill an admission round asks for: the sequence, its group, and the sample that owns it
+/// when prompt blocks are not shared.
+struct Pending {
+    seq: usize,
+    group: usize,
+    owner: Option<usize>,
 }
 
 struct Group<'p> {
@@ -186,13 +219,6 @@ pub(crate) fn run(
 }
 
 impl Loop<'_, '_> {
-    fn kv(&mut self) -> PagedKv<'_> {
-        PagedKv {
-            tables: &mut *self.c.tables,
-            storage: &mut *self.c.storage,
-        }
-    }
-
     fn note_blocks(&mut self) {
         let used = self.c.tables.num_blocks() - self.c.tables.free_blocks();
         self.stats.peak_blocks = self.stats.peak_blocks.max(used);
@@ -200,79 +226,126 @@ impl Loop<'_, '_> {
 
     /// Moves waiting samples into the batch while there is room in it and blocks to spare: the
     /// prompt's blocks if its prefix must be prefilled, plus one per running sequence for its
-    /// next step.
+    /// next step. The prompts of the admitted samples are prefilled together, then each new
+    /// sample draws its first token.
     fn admit(&mut self) -> Result<(), InferError> {
+        let mut started = Vec::new();
+        let mut pending = Vec::new();
         while self.running.len() < self.c.max_batch {
             let Some(&s) = self.waiting.front() else {
-                return Ok(());
+                break;
             };
             let g = self.samples[s].group;
+            let prompt_len = self.groups[g].prompt.len();
             let prompt_blocks = if self.c.share_prompt_blocks && self.groups[g].prefix.is_some() {
                 0
             } else {
-                self.c.tables.blocks_for(self.groups[g].prompt.len())
+                self.c.tables.blocks_for(prompt_len)
             };
             let need = prompt_blocks + self.running.len() + 1;
             if self.c.tables.free_blocks() < need {
                 self.evict_idle_prefixes(Some(g))?;
             }
             if self.c.tables.free_blocks() < need {
-                return Ok(());
+                break;
             }
             self.waiting.pop_front();
-            self.start(s)?;
-        }
-        Ok(())
-    }
-
-    /// Gives sample `s` a sequence holding its prompt and, for a new sample, draws its first
-    /// token from the prompt's logits.
-    fn start(&mut self, s: usize) -> Result<(), InferError> {
-        let g = self.samples[s].group;
-        let (seq, logits) = if self.c.share_prompt_blocks {
-            if self.groups[g].prefix.is_none() {
-                let prefix = self.prefill(g)?;
-                self.groups[g].prefix = Some(prefix);
+            if prompt_blocks > 0 {
+                let seq = self.c.tables.add_seq();
+                if !self.c.tables.reserve(seq, prompt_len)? {
+                    return Err(InferError::Internal(format!(
+                        "{} free blocks could not hold a prompt of {prompt_len} positions",
+                        self.c.tables.free_blocks()
+                    )));
+                }
+                let owner = if self.c.share_prompt_blocks {
+                    self.groups[g].prefix = Some(Prefix {
+                        seq,
+                        logits: Vec::new(),
+                    });
+                    None
+                } else {
+                    self.samples[s].seq = Some(seq);
+                    Some(s)
+                };
+                pending.push(Pending {
+                    seq,
+                    group: g,
+                    owner,
+                });
             }
-            let prefix = self.groups[g]
-                .prefix
-                .as_ref()
-                .ok_or_else(|| InferError::Internal("prefix vanished".into()))?;
-            let seq = self.c.tables.fork(prefix.seq)?;
-            (seq, None)
-        } else {
-            let prefix = self.prefill(g)?;
-            (prefix.seq, Some(prefix.logits))
-        };
-        self.samples[s].seq = Some(seq);
-        self.groups[g].running += 1;
-        self.running.push(s);
-        if self.samples[s].tokens.is_empty() {
-            let logits = match logits {
-                Some(own) => own,
-                None => self.groups[g]
-                    .prefix
-                    .as_ref()
-                    .map(|p| p.logits.clone())
-                    .ok_or_else(|| InferError::Internal("prefix vanished".into()))?,
-            };
-            self.draw(s, &logits)?;
+            self.groups[g].running += 1;
+            self.running.push(s);
+            started.push(s);
+        }
+        let mut own_logits = self.prefill(&pending)?;
+        for s in started {
+            self.start(s, &mut own_logits)?;
         }
         self.note_blocks();
         Ok(())
     }
 
-    /// Prefills group `g`'s prompt into a new sequence.
-    fn prefill(&mut self, g: usize) -> Result<Prefix, InferError> {
+    /// Gives the admitted sample `s` its sequence (a fork of its prompt's prefix when blocks are
+    /// shared) and, for a new sample, draws its first token from the prompt's logits.
+    fn start(&mut self, s: usize, own_logits: &mut [(usize, Vec<f32>)]) -> Result<(), InferError> {
+        let g = self.samples[s].group;
+        let vanished = || InferError::Internal("prefix vanished".into());
+        if self.c.share_prompt_blocks {
+            let prefix = self.groups[g].prefix.as_ref().ok_or_else(vanished)?;
+            let seq = self.c.tables.fork(prefix.seq)?;
+            self.samples[s].seq = Some(seq);
+        }
+        if !self.samples[s].tokens.is_empty() {
+            return Ok(());
+        }
+        let logits = if self.c.share_prompt_blocks {
+            self.groups[g]
+                .prefix
+                .as_ref()
+                .map(|p| p.logits.clone())
+                .ok_or_else(vanished)?
+        } else {
+            own_logits
+                .iter_mut()
+                .find(|(owner, _)| *owner == s)
+                .map(|(_, logits)| std::mem::take(logits))
+                .ok_or_else(vanished)?
+        };
+        self.draw(s, &logits)
+    }
+
+    /// Prefills the prompts an admission round asked for, in one call; prefixes get their
+    /// logits, and the logits of samples that own their prompt's sequence come back.
+    fn prefill(&mut self, pending: &[Pending]) -> Result<Vec<(usize, Vec<f32>)>, InferError> {
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
         let t0 = Instant::now();
-        let prompt = self.groups[g].prompt;
-        let seq = self.c.tables.add_seq();
-        let mut logits = vec![0.0; self.c.model.config().vocab_size];
-        let (model, params) = (self.c.model, self.c.params);
-        model.prefill(params, &mut self.kv(), seq, prompt, &mut logits)?;
-        self.stats.prefill_tokens += prompt.len();
+        let seqs: Vec<usize> = pending.iter().map(|p| p.seq).collect();
+        let prompts: Vec<&[u32]> = pending
+            .iter()
+            .map(|p| self.groups[p.group].prompt)
+            .collect();
+        let logits = self.c.step.prefill(self.c.tables, &seqs, &prompts)?;
+        if logits.len() != pending.len() {
+            return Err(InferError::Internal(format!(
+                "prefill of {} prompts returned {} rows of logits",
+                pending.len(),
+                logits.len()
+            )));
+        }
+        self.stats.prefill_tokens += prompts.iter().map(|p| p.len()).sum::<usize>();
         self.stats.prefill_seconds += t0.elapsed().as_secs_f64();
-        Ok(Prefix { seq, logits })
+        let mut own = Vec::new();
+        for (p, logits) in pending.iter().zip(logits) {
+            match (p.owner, self.groups[p.group].prefix.as_mut()) {
+                (Some(s), _) => own.push((s, logits)),
+                (None, Some(prefix)) => prefix.logits = logits,
+                (None, None) => return Err(InferError::Internal("prefix vanished".into())),
+            }
+        }
+        Ok(own)
     }
 
     /// Samples the next token of `s` from `logits` and ends the sample when it is done.
@@ -288,7 +361,7 @@ impl Loop<'_, '_> {
             Some(FinishReason::Stop)
         } else if sample.tokens.len() >= p.max_new_tokens {
             Some(FinishReason::Length)
-        } else if total >= self.c.model.config().max_position_embeddings {
+        } else if total >= self.c.max_positions {
             Some(FinishReason::ContextLimit)
         } else {
             None
@@ -343,7 +416,12 @@ impl Loop<'_, '_> {
             let seq = self.samples[s]
                 .seq
                 .ok_or_else(|| InferError::Internal("running sample without a sequence".into()))?;
-            if self.c.tables.prepare_append(seq, self.c.storage)? {
+            let step = &mut *self.c.step;
+            if self
+                .c
+                .tables
+                .prepare_append_with(seq, |from, to| step.copy_block(from, to))?
+            {
                 i += 1;
                 continue;
             }
@@ -403,14 +481,15 @@ impl Loop<'_, '_> {
             seqs.push(seq);
             fresh.push(fed + 1 == sample.tokens.len());
         }
-        let v = self.c.model.config().vocab_size;
-        let mut logits = vec![0.0; batch.len() * v];
-        let (model, params) = (self.c.model, self.c.params);
-        let mut kv = PagedKv {
-            tables: &mut *self.c.tables,
-            storage: &mut *self.c.storage,
-        };
-        model.decode_step(params, &mut kv, &seqs, &tokens, &mut logits, self.c.scratch)?;
+        let logits = self.c.step.decode(self.c.tables, &seqs, &tokens)?;
+        if logits.len() % batch.len().max(1) != 0 {
+            return Err(InferError::Internal(format!(
+                "decode of {} sequences returned {} logits",
+                batch.len(),
+                logits.len()
+            )));
+        }
+        let v = logits.len() / batch.len().max(1);
         self.stats.decode_steps += 1;
         self.stats.decode_seconds += t0.elapsed().as_secs_f64();
         for (b, &s) in batch.iter().enumerate() {

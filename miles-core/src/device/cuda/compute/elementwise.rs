@@ -12,7 +12,7 @@ fn as_i64(n: usize) -> i64 {
     n as i64
 }
 
-fn as_i32(what: &'static str, n: usize) -> Result<i32, DeviceError> {
+pub(super) fn as_i32(what: &'static str, n: usize) -> Result<i32, DeviceError> {
     i32::try_from(n).map_err(|_| DeviceError::ShapeMismatch {
         what,
         expected: i32::MAX as usize,

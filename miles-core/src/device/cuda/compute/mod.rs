@@ -13,6 +13,10 @@
 
 mod blas;
 mod elementwise;
+mod paged;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod paged_tests;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 pub(crate) mod testing;
@@ -32,21 +36,26 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
+pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
 pub use train::{AdamWStep, HeadShape};
 
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
 /// The kernel sources, compiled as one program: the shared header first.
-const SOURCES: [&str; 3] = [
+const SOURCES: [&str; 4] = [
     include_str!("kernels/common.cuh"),
     include_str!("kernels/forward.cu"),
     include_str!("kernels/train.cu"),
+    include_str!("kernels/paged.cu"),
 ];
 
 /// Every `extern "C"` kernel of [`SOURCES`], looked up once at start-up.
 fn kernel_names() -> impl Iterator<Item = &'static str> {
-    FORWARD_KERNELS.into_iter().chain(train::KERNELS)
+    FORWARD_KERNELS
+        .into_iter()
+        .chain(train::KERNELS)
+        .chain(paged::KERNELS)
 }
 
 /// The kernels of `kernels/forward.cu`.

@@ -1,0 +1,248 @@
+//! Wrappers of the paged KV cache kernels (`kernels/paged.cu`): writing new tokens' keys and
+//! values through a block table, and attention over a sequence's cached positions for prefill
+//! and decode alike.
+//!
+//! The cache is bf16, laid out `(blocks, L, 2, P, K*D)`: a block holds `P` positions of every
+//! layer's keys (half 0) and values (half 1), so a sequence's position `t` lives in block
+//! `table[t / P]` at slot `t % P`, and a block is one contiguous run (copy-on-write is one
+//! [`Gpu::copy`]). [`PagedCache`] does the arithmetic.
+
+use half::bf16;
+
+use super::elementwise::as_i32;
+use super::{Gpu, GpuSlice, LaunchConfig, elementwise};
+use crate::device::DeviceError;
+
+/// The kernels of `kernels/paged.cu`.
+pub(super) const KERNELS: [&str; 2] = ["paged_kv_write", "paged_attention"];
+
+/// Largest head dim [`Gpu::paged_attention`] takes (`PAGED_MAX_D` in the kernel).
+pub const PAGED_MAX_HEAD_DIM: usize = 128;
+
+/// Warps per block of the attention kernel (`PAGED_WARPS` in the kernel).
+const ATTENTION_WARPS: usize = 4;
+
+/// The shape of a paged KV cache: `(blocks, L, 2, P, K*D)` bf16 elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedCache {
+    /// Blocks in the cache.
+    pub num_blocks: usize,
+    /// `L`: layers.
+    pub num_layers: usize,
+    /// `P`: positions per block.
+    pub block_size: usize,
+    /// `K`: key/value heads.
+    pub kv_heads: usize,
+    /// `D`: channels per head.
+    pub head_dim: usize,
+}
+
+impl PagedCache {
+    /// `K*D`: channels of one position's key (or value).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Elements of one block.
+    pub fn block_elems(&self) -> usize {
+        self.num_layers * 2 * self.block_size * self.kv_dim()
+    }
+
+    /// Elements of the whole cache.
+    pub fn elems(&self) -> usize {
+        self.num_blocks * self.block_elems()
+    }
+
+    /// The first element of `layer`'s key (`half` 0) or value (`half` 1) at `slot` of `block`.
+    pub fn offset(&self, block: usize, layer: usize, half: usize, slot: usize) -> usize {
+        ((block * self.num_layers + layer) * 2 + half) * self.block_size * self.kv_dim()
+            + slot * self.kv_dim()
+    }
+
+    /// The slot index the kernels take for position `pos` held by `block`: `block * P + pos % P`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] when it does not fit 32 bits (a cache of more than
+    /// `u32::MAX` positions).
+    pub fn slot(&self, block: usize, pos: usize) -> Result<u32, DeviceError> {
+        let slot = block * self.block_size + pos % self.block_size;
+        u32::try_from(slot).map_err(|_| DeviceError::ShapeMismatch {
+            what: "paged cache slot",
+            expected: u32::MAX as usize,
+            actual: slot,
+        })
+    }
+
+    fn check(&self, cache: &GpuSlice<bf16>, layer: usize) -> Result<(), DeviceError> {
+        cache.expect_len("paged cache", self.elems())?;
+        if layer >= self.num_layers {
+            return Err(DeviceError::ShapeMismatch {
+                what: "paged cache layer",
+                expected: self.num_layers,
+                actual: layer,
+            });
+        }
+        if self.block_size == 0 || self.kv_dim() == 0 {
+            return Err(DeviceError::ShapeMismatch {
+                what: "paged cache block size and kv dim",
+                expected: 1,
+                actual: 0,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The new tokens of one step and where their sequences' blocks are, as the attention kernel
+/// reads them (all on the device, filled by the caller).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedTokens {
+    /// `(N)`: each token's position in its sequence; it attends to positions `0..=p`, all
+    /// already written to the cache.
+    pub positions: GpuSlice<u32>,
+    /// `(N)`: each token's row of `tables`.
+    pub seq_rows: GpuSlice<u32>,
+    /// `(S, max_blocks)`: each sequence's block table; entries past its length are unused.
+    pub tables: GpuSlice<u32>,
+    /// Blocks per row of `tables`.
+    pub max_blocks: usize,
+}
+
+impl Gpu {
+    /// Stores the keys and values `k`, `v (N, K*D)` of `layer` at `slots (N)` (see
+    /// [`PagedCache::slot`]) of `cache`. A slot past the cache is skipped on the device.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn paged_kv_write(
+        &self,
+        cache: GpuSlice<bf16>,
+        shape: &PagedCache,
+        layer: usize,
+        k: GpuSlice<bf16>,
+        v: GpuSlice<bf16>,
+        slots: GpuSlice<u32>,
+    ) -> Result<(), DeviceError> {
+        shape.check(&cache, layer)?;
+        let n = slots.len();
+        k.expect_len("paged write keys", n * shape.kv_dim())?;
+        v.expect_len("paged write values", n * shape.kv_dim())?;
+        let args = (
+            n as i64,
+            as_i32("layer", layer)?,
+            as_i32("layers", shape.num_layers)?,
+            as_i32("block size", shape.block_size)?,
+            as_i32("kv dim", shape.kv_dim())?,
+            shape.num_blocks as i64,
+        );
+        self.launch(
+            "paged_kv_write",
+            elementwise(n * shape.kv_dim()),
+            &[
+                &cache.address(),
+                &k.address(),
+                &v.address(),
+                &slots.address(),
+                &args.0,
+                &args.1,
+                &args.2,
+                &args.3,
+                &args.4,
+                &args.5,
+            ],
+        )
+    }
+
+    /// Causal attention of the new tokens' queries `q (N, H*D)` over their sequences' cached
+    /// keys and values of `layer`, into `out (N, H*D)`: token `i` at position `p` attends to
+    /// positions `0..=p` of its sequence, query head `h` to kv head `h / (H / K)`, scores scaled
+    /// by `1/sqrt(D)`, softmax in fp32. Serves prefill (many tokens of a sequence) and decode
+    /// (one token each) alike; every position read must have been written first. `H` is
+    /// `q`'s length over `N*D`.
+    ///
+    /// Block tables and positions are trusted to lie inside the cache (the engine's bookkeeping
+    /// builds them).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for mismatched shapes, `H` not a multiple of `K`, or a
+    /// head dim over [`PAGED_MAX_HEAD_DIM`]; the launch's error.
+    pub fn paged_attention(
+        &self,
+        out: GpuSlice<bf16>,
+        q: GpuSlice<bf16>,
+        cache: GpuSlice<bf16>,
+        shape: &PagedCache,
+        layer: usize,
+        tokens: &PagedTokens,
+    ) -> Result<(), DeviceError> {
+        shape.check(&cache, layer)?;
+        let (n, d) = (tokens.positions.len(), shape.head_dim);
+        if n == 0 {
+            return Ok(());
+        }
+        if d > PAGED_MAX_HEAD_DIM {
+            return Err(DeviceError::ShapeMismatch {
+                what: "paged attention head dim",
+                expected: PAGED_MAX_HEAD_DIM,
+                actual: d,
+            });
+        }
+        let heads = q.len() / (n * d);
+        if heads == 0 || heads * n * d != q.len() || !heads.is_multiple_of(shape.kv_heads) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "paged attention queries (N tokens of a multiple of the kv heads)",
+                expected: n * shape.kv_dim(),
+                actual: q.len(),
+            });
+        }
+        out.expect_len("paged attention output", q.len())?;
+        tokens
+            .seq_rows
+            .expect_len("paged attention sequence rows", n)?;
+        if tokens.max_blocks == 0 || !tokens.tables.len().is_multiple_of(tokens.max_blocks) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "paged attention block tables",
+                expected: tokens.max_blocks,
+                actual: tokens.tables.len(),
+            });
+        }
+        let items = n * heads;
+        let config = LaunchConfig {
+            grid_dim: (items.div_ceil(ATTENTION_WARPS).max(1) as u32, 1, 1),
+            block_dim: (32 * ATTENTION_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = (
+            n as i64,
+            as_i32("heads", heads)?,
+            as_i32("kv heads", shape.kv_heads)?,
+            as_i32("head dim", d)?,
+            as_i32("layer", layer)?,
+            as_i32("layers", shape.num_layers)?,
+            as_i32("block size", shape.block_size)?,
+            as_i32("max blocks", tokens.max_blocks)?,
+            1.0 / (d as f32).sqrt(),
+        );
+        self.launch(
+            "paged_attention",
+            config,
+            &[
+                &out.address(),
+                &q.address(),
+                &cache.address(),
+                &tokens.tables.address(),
+                &tokens.seq_rows.address(),
+                &tokens.positions.address(),
+                &args.0,
+                &args.1,
+                &args.2,
+                &args.3,
+                &args.4,
+                &args.5,
+                &args.6,
+                &args.7,
+                &args.8,
+            ],
+        )
+    }
+}

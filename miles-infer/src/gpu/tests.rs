@@ -1,0 +1,402 @@
+//! The GPU engine against the CPU engine on the tiny preset, both holding the same bf16-rounded
+//! weights: logits step by step along one token path, greedy tokens, copy-on-write of a shared
+//! prompt block, offload cycles and preemption. On a GPU machine:
+//! `MILES_TEST_DEVICE=cuda cargo test -p miles-infer gpu -- --test-threads=1`; elsewhere they
+//! skip.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use half::bf16;
+use miles_core::device::{Gpu, OpenedDevice, open_test_device};
+use miles_core::model::{LlamaConfig, ParamLayout, init_params};
+use miles_core::{
+    BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager, MemoryTag,
+    RolloutOffloadLevel,
+};
+
+use crate::paged::BlockTables;
+use crate::schedule::Step;
+use crate::{
+    EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor, RolloutEngine,
+    SamplingParams,
+};
+
+/// Logits of the GPU engine against the CPU engine's on the same bf16 weights: the GPU rounds
+/// every activation to bf16 (2^-9 relative per rounding) through two layers, the CPU keeps
+/// them fp32. A CPU emulation of those roundings on this preset differs from fp32 by at most
+/// 3.2e-3 over 100 positions and three seeds; 1% of `max(1, |logit|)` leaves three times that.
+const LOGIT_TOLERANCE: f32 = 1e-2;
+
+/// One engine test on the GPU at a time (each opens the device and compiles the kernels).
+static GPU_LOCK: Mutex<()> = Mutex::new(());
+
+/// The tiny preset at its own initialisation scale: larger scales make the random network
+/// amplify rounding (an initializer range of 0.2 turns bf16 rounding into logit errors of 0.18).
+fn config() -> LlamaConfig {
+    LlamaConfig::preset("tiny").unwrap()
+}
+
+/// Seeded parameters rounded to bf16, so both engines hold exactly the same weights.
+fn params(config: &LlamaConfig) -> Vec<f32> {
+    let layout = ParamLayout::new(config);
+    let mut params = vec![0.0; layout.len()];
+    init_params(&layout, config, 7, &mut params).unwrap();
+    params.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+fn engine_config(blocks: usize, weights_policy: BackupPolicy) -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        max_batch: 8,
+        kv_capacity: KvCapacity::Blocks(blocks),
+        weights_policy,
+        share_prompt_blocks: true,
+    }
+}
+
+fn manager(device: Arc<dyn Device>) -> Arc<MemoryManager> {
+    let settings = ManagerSettings {
+        margin_bytes: 0,
+        disk: None,
+    };
+    Arc::new(MemoryManager::new(device, settings).unwrap())
+}
+
+fn load(mut engine: RolloutEngine, params: &[f32]) -> RolloutEngine {
+    let layout = engine.layout().clone();
+    let tensors: Vec<(usize, &[f32])> = layout
+        .specs()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (i, &params[s.range()]))
+        .collect();
+    engine.write_tensors(&tensors).unwrap();
+    engine
+}
+
+fn cpu_engine(cfg: EngineConfig, params: &[f32]) -> RolloutEngine {
+    let memory = manager(Arc::new(HostDevice::new(256 << 20)));
+    load(RolloutEngine::new(memory, config(), cfg).unwrap(), params)
+}
+
+/// The GPU of the test run, when `MILES_TEST_DEVICE=cuda`: a memory manager on GPU 0 (capped
+/// at 2 GiB) and a `Gpu` on the same device.
+struct TestGpu {
+    memory_device: Arc<dyn Device>,
+    gpu: Arc<Gpu>,
+    _lock: std::sync::MutexGuard<'static, ()>,
+}
+
+impl TestGpu {
+    fn open(test: &str) -> Option<TestGpu> {
+        let lock = GPU_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+        match open_test_device(2 << 30).unwrap() {
+            OpenedDevice::Cuda(device) => Some(TestGpu {
+                memory_device: Arc::clone(&device) as Arc<dyn Device>,
+                gpu: Arc::new(Gpu::new(device).unwrap()),
+                _lock: lock,
+            }),
+            OpenedDevice::Cpu(_) => {
+                eprintln!("skipping {test}: set MILES_TEST_DEVICE=cuda to run it on a gpu");
+                None
+            }
+        }
+    }
+
+    /// A GPU engine with its own memory manager on the test's device.
+    fn engine(&self, cfg: EngineConfig, params: &[f32]) -> RolloutEngine {
+        let memory = manager(Arc::clone(&self.memory_device));
+        let engine = RolloutEngine::on_gpu(memory, Arc::clone(&self.gpu), config(), cfg).unwrap();
+        load(engine, params)
+    }
+}
+
+/// Prompts of 7, 13, 2 and 30 tokens: none a multiple of the block size 4.
+fn prompts() -> Vec<Vec<u32>> {
+    [
+        "abcdef",
+        "the cat sat!",
+        "a",
+        "a longer prompt of many bytes",
+    ]
+    .iter()
+    .map(|p| {
+        let mut ids = vec![256];
+        ids.extend(p.bytes().map(u32::from));
+        ids
+    })
+    .collect()
+}
+
+fn greedy(n: usize, max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        n,
+        temperature: 0.0,
+        top_p: 1.0,
+        max_new_tokens,
+        stop_tokens: Vec::new(),
+        seed: 5,
+    }
+}
+
+/// Logits along token paths, each decoded in a fork of its prompt's sequence (so each first
+/// step copies the prompt's partial last block): `[path][step]`, step 0 the prompt's last
+/// position, step `j` after feeding `path[j - 1]`. Every prompt is prefilled in one call and
+/// every path decoded in one batch per step.
+fn forced_logits(
+    engine: &mut RolloutEngine,
+    prompts: &[Vec<u32>],
+    paths: &[(usize, Vec<u32>)],
+) -> Vec<Vec<Vec<f32>>> {
+    let v = engine.model_config().vocab_size;
+    let steps = paths.iter().map(|(_, p)| p.len()).min().unwrap();
+    let out = engine
+        .with_step(|step: &mut dyn Step, tables: &mut BlockTables| {
+            let mut prefixes = Vec::new();
+            for p in prompts {
+                let seq = tables.add_seq();
+                assert!(tables.reserve(seq, p.len())?);
+                prefixes.push(seq);
+            }
+            let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+            let first = step.prefill(tables, &prefixes, &refs)?;
+            let mut seqs = Vec::new();
+            let mut out = Vec::new();
+            for (prompt, _) in paths {
+                seqs.push(tables.fork(prefixes[*prompt])?);
+                out.push(vec![first[*prompt].clone()]);
+            }
+            for j in 0..steps {
+                for &seq in &seqs {
+                    assert!(tables.prepare_append_with(seq, |a, b| step.copy_block(a, b))?);
+                }
+                let tokens: Vec<u32> = paths.iter().map(|(_, p)| p[j]).collect();
+                let logits = step.decode(tables, &seqs, &tokens)?;
+                for (row, o) in logits.chunks_exact(v).zip(out.iter_mut()) {
+                    o.push(row.to_vec());
+                }
+            }
+            Ok::<_, InferError>(out)
+        })
+        .unwrap();
+    engine.flush_cache();
+    out
+}
+
+/// Each completion's prompt and tokens, in order.
+fn paths_of(completions: &[crate::Completion]) -> Vec<(usize, Vec<u32>)> {
+    completions
+        .iter()
+        .map(|c| (c.prompt_index, c.tokens.clone()))
+        .collect()
+}
+
+/// The largest `|got - want| / max(1, |want|)` and the largest `|got - want|`.
+fn worst(got: &[f32], want: &[f32]) -> (f32, f32) {
+    assert_eq!(got.len(), want.len());
+    got.iter().zip(want).fold((0.0, 0.0), |(rel, abs), (g, w)| {
+        assert!(g.is_finite(), "gpu logit {g} where the cpu has {w}");
+        let d = (g - w).abs();
+        (rel.max(d / w.abs().max(1.0)), abs.max(d))
+    })
+}
+
+fn argmax_and_margin(logits: &[f32]) -> (usize, f32) {
+    let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+    let second = (0..logits.len())
+        .filter(|&i| i != best)
+        .map(|i| logits[i])
+        .fold(f32::NEG_INFINITY, f32::max);
+    (best, logits[best] - second)
+}
+
+/// Checks that every greedy token of `paths` is the best, or within the logit tolerance of the
+/// best, under the CPU's logits along that path.
+fn assert_near_greedy(paths: &[(usize, Vec<u32>)], cpu_logits: &[Vec<Vec<f32>>]) {
+    for (i, ((prompt, path), steps)) in paths.iter().zip(cpu_logits).enumerate() {
+        for (j, &token) in path.iter().enumerate() {
+            let logits = &steps[j];
+            let (best, _) = argmax_and_margin(logits);
+            let slack = LOGIT_TOLERANCE * logits[best].abs().max(1.0);
+            assert!(
+                logits[token as usize] >= logits[best] - 2.0 * slack,
+                "path {i} (prompt {prompt}) token {j}: the gpu chose {token} at logit {}, the cpu's best is {best} at {}",
+                logits[token as usize],
+                logits[best]
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_greedy_generation_matches_the_cpu_engine_in_tokens_and_logits() {
+    let Some(t) =
+        TestGpu::open("gpu_greedy_generation_matches_the_cpu_engine_in_tokens_and_logits")
+    else {
+        return;
+    };
+    let params = params(&config());
+    let cfg = engine_config(128, BackupPolicy::Host);
+    let mut cpu = cpu_engine(cfg.clone(), &params);
+    let mut gpu = t.engine(cfg, &params);
+    let prompts = prompts();
+    let want = cpu.generate(&prompts, &greedy(2, 10)).unwrap();
+    let got = gpu.generate(&prompts, &greedy(2, 10)).unwrap();
+
+    // Logits step by step along the GPU's greedy paths, two forks of each prompt.
+    let paths = paths_of(&got.completions);
+    let cpu_logits = forced_logits(&mut cpu, &prompts, &paths);
+    let gpu_logits = forced_logits(&mut gpu, &prompts, &paths);
+    let mut worst_rel = 0.0f32;
+    // The largest absolute difference at each step of each path.
+    let mut deltas: Vec<Vec<f32>> = Vec::new();
+    for (c, g) in cpu_logits.iter().zip(&gpu_logits) {
+        let mut per_step = Vec::new();
+        for (cs, gs) in c.iter().zip(g) {
+            let (rel, abs) = worst(gs, cs);
+            worst_rel = worst_rel.max(rel);
+            per_step.push(abs);
+        }
+        deltas.push(per_step);
+    }
+    eprintln!(
+        "gpu vs cpu logits: worst relative difference {worst_rel:.3e} (tolerance {LOGIT_TOLERANCE:.1e})"
+    );
+    assert!(worst_rel <= LOGIT_TOLERANCE);
+    assert_near_greedy(&paths, &cpu_logits);
+
+    // Greedy tokens are the CPU's wherever the CPU's choice is clear of the GPU's rounding: a
+    // top-2 margin over four times the largest logit difference seen at that step. The CPU's
+    // logits along the GPU's path are its own while the two paths agree.
+    let mut compared = 0;
+    for (i, (c, g)) in want.completions.iter().zip(&got.completions).enumerate() {
+        assert_eq!(
+            (c.prompt_index, c.sample_index),
+            (g.prompt_index, g.sample_index)
+        );
+        for (j, (&cpu_token, &gpu_token)) in c.tokens.iter().zip(&g.tokens).enumerate() {
+            let (best, margin) = argmax_and_margin(&cpu_logits[i][j]);
+            assert_eq!(best as u32, cpu_token, "the cpu repeats its own choice");
+            if margin <= 4.0 * deltas[i][j] {
+                break;
+            }
+            assert_eq!(
+                gpu_token, cpu_token,
+                "prompt {} sample {} token {j}: cpu margin {margin}",
+                c.prompt_index, c.sample_index
+            );
+            compared += 1;
+        }
+        if c.tokens[0] == g.tokens[0] {
+            let (gl, cl) = (g.logprobs[0], c.logprobs[0]);
+            assert!(
+                (gl - cl).abs() <= LOGIT_TOLERANCE * cl.abs().max(1.0),
+                "first log-prob {gl} on the gpu, {cl} on the cpu"
+            );
+        }
+    }
+    eprintln!("greedy tokens compared: {compared}");
+    assert!(
+        compared >= prompts.len(),
+        "too few clear greedy choices to compare ({compared})"
+    );
+}
+
+#[test]
+fn gpu_generation_repeats_after_offload_cycles_and_offload_frees_both_tags() {
+    let Some(t) =
+        TestGpu::open("gpu_generation_repeats_after_offload_cycles_and_offload_frees_both_tags")
+    else {
+        return;
+    };
+    let params = params(&config());
+    let sampling = SamplingParams {
+        n: 3,
+        temperature: 1.0,
+        top_p: 0.95,
+        max_new_tokens: 16,
+        stop_tokens: vec![257],
+        seed: 11,
+    };
+    for policy in [BackupPolicy::Host, BackupPolicy::None] {
+        let engine = t.engine(engine_config(128, policy), &params);
+        let memory = Arc::clone(engine.memory());
+        let layout = engine.layout().clone();
+        let levels = [RolloutOffloadLevel::KvCache, RolloutOffloadLevel::Weight];
+        let mut controller = InferenceController::new(engine, &levels, 1 << 20);
+        let first = controller.generate(&prompts(), &sampling).unwrap();
+        for cycle in 0..2 {
+            controller.offload().unwrap();
+            for (tag, bytes) in memory.resident_bytes() {
+                assert_eq!(
+                    bytes, 0,
+                    "{tag} holds {bytes} bytes after offload ({policy})"
+                );
+            }
+            let tensors: Vec<NamedTensor<'_>> = layout
+                .specs()
+                .iter()
+                .map(|s| NamedTensor::f32(&s.name, &s.shape, &params[s.range()]))
+                .collect();
+            let resend = (policy == BackupPolicy::None).then_some(tensors.as_slice());
+            controller.onload(resend).unwrap();
+            let again = controller.generate(&prompts(), &sampling).unwrap();
+            assert_eq!(
+                first.completions, again.completions,
+                "cycle {cycle} with weights backup {policy}"
+            );
+        }
+        assert!(
+            memory
+                .resident_bytes()
+                .iter()
+                .any(|(tag, bytes)| *tag == MemoryTag::KvCache && *bytes > 0),
+            "the kv cache is back"
+        );
+    }
+}
+
+#[test]
+fn gpu_generation_with_a_cache_too_small_for_every_sample_preempts_and_stays_greedy() {
+    let Some(t) = TestGpu::open(
+        "gpu_generation_with_a_cache_too_small_for_every_sample_preempts_and_stays_greedy",
+    ) else {
+        return;
+    };
+    let params = params(&config());
+    // 9 samples of up to 36 positions in blocks of 4: 10 blocks each, 14 in the cache.
+    let prompts = prompts()[..3].to_vec();
+    let mut tight = t.engine(engine_config(14, BackupPolicy::Host), &params);
+    let got = tight.generate(&prompts, &greedy(3, 24)).unwrap();
+    assert!(got.stats.preemptions > 0, "{:?}", got.stats);
+    assert!(got.stats.peak_blocks <= 14, "{:?}", got.stats);
+    assert_eq!(tight.used_blocks(), 0);
+    for c in &got.completions {
+        assert_eq!(c.tokens.len(), 24);
+        assert!(c.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0));
+    }
+    // Replayed samples continue as the CPU model would: every token is greedy under the CPU's
+    // logits along the sample's own path.
+    let roomy = EngineConfig {
+        max_batch: 16,
+        ..engine_config(128, BackupPolicy::Host)
+    };
+    let mut cpu = cpu_engine(roomy, &params);
+    let paths = paths_of(&got.completions);
+    let cpu_logits = forced_logits(&mut cpu, &prompts, &paths);
+    assert_near_greedy(&paths, &cpu_logits);
+}
+
+#[test]
+fn engines_refuse_a_memory_manager_on_another_device() {
+    let Some(t) = TestGpu::open("engines_refuse_a_memory_manager_on_another_device") else {
+        return;
+    };
+    let cfg = engine_config(16, BackupPolicy::Host);
+    let on_cuda = manager(Arc::clone(&t.memory_device));
+    let err = RolloutEngine::new(on_cuda, config(), cfg.clone()).unwrap_err();
+    assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
+    let on_cpu = manager(Arc::new(HostDevice::new(64 << 20)));
+    let err = RolloutEngine::on_gpu(on_cpu, Arc::clone(&t.gpu), config(), cfg).unwrap_err();
+    assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
+}

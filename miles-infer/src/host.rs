@@ -1,0 +1,68 @@
+//! The engine's CPU path: the model computes from host views of the fp32 weights and the fp32
+//! paged cache ([`PagedKv`]), one prompt at a time in prefill and batch-invariantly in decode.
+
+use miles_core::model::{DecodeScratch, Transformer};
+
+use crate::InferError;
+use crate::paged::{BlockTables, PagedKv, copy_host_block};
+use crate::schedule::Step;
+
+/// The model, its weights and the cache storage, borrowed for one generate call.
+pub(crate) struct HostStep<'a> {
+    pub model: &'a Transformer,
+    pub params: &'a [f32],
+    pub storage: &'a mut [f32],
+    pub scratch: &'a mut DecodeScratch,
+    /// Floats of one cache block ([`BlockTables::block_floats`]).
+    pub block_floats: usize,
+}
+
+impl Step for HostStep<'_> {
+    fn prefill(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        prompts: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, InferError> {
+        let v = self.model.config().vocab_size;
+        let mut out = Vec::with_capacity(seqs.len());
+        for (&seq, prompt) in seqs.iter().zip(prompts) {
+            let mut logits = vec![0.0; v];
+            let mut kv = PagedKv {
+                tables: &mut *tables,
+                storage: &mut *self.storage,
+            };
+            self.model
+                .prefill(self.params, &mut kv, seq, prompt, &mut logits)?;
+            out.push(logits);
+        }
+        Ok(out)
+    }
+
+    fn decode(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, InferError> {
+        let mut logits = vec![0.0; seqs.len() * self.model.config().vocab_size];
+        let mut kv = PagedKv {
+            tables,
+            storage: &mut *self.storage,
+        };
+        self.model.decode_step(
+            self.params,
+            &mut kv,
+            seqs,
+            tokens,
+            &mut logits,
+            self.scratch,
+        )?;
+        Ok(logits)
+    }
+
+    fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError> {
+        copy_host_block(self.storage, self.block_floats, from, to);
+        Ok(())
+    }
+}
