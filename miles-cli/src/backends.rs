@@ -1,7 +1,10 @@
 //! The training backend `--train-backend` names, from the crates this binary was built with.
 
+use std::sync::Arc;
+
 use miles_core::backend::TrainBackend;
 use miles_core::config::Settings;
+use miles_core::device::Gpu;
 
 /// The backend `--train-backend` names, built from the settings.
 ///
@@ -9,9 +12,10 @@ use miles_core::config::Settings;
 /// `BadSettings` for settings the backend refuses, `BackendNotBuilt` for a backend this
 /// binary was built without, or the backend's failure to start.
 pub fn build_backend(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
+    let gpu = crate::gpu::gpu_for(settings.device)?;
     match settings.train_backend {
-        miles_core::TrainBackendKind::Megatron => megatron(settings),
-        miles_core::TrainBackendKind::Fsdp => fsdp(settings),
+        miles_core::TrainBackendKind::Megatron => megatron(settings, gpu),
+        miles_core::TrainBackendKind::Fsdp => fsdp(settings, gpu),
     }
 }
 
@@ -27,23 +31,29 @@ fn refused(error: miles_core::BackendError) -> anyhow::Error {
 }
 
 #[cfg(feature = "megatron")]
-fn megatron(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    let trainer = miles_megatron::MegatronTrainer::from_settings(settings).map_err(refused)?;
-    Ok(Box::new(trainer))
+fn megatron(settings: &Settings, gpu: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
+    Ok(match gpu {
+        Some(gpu) => Box::new(miles_megatron::gpu_trainer(gpu, settings).map_err(refused)?),
+        None => {
+            Box::new(miles_megatron::MegatronTrainer::from_settings(settings).map_err(refused)?)
+        }
+    })
 }
 
 #[cfg(not(feature = "megatron"))]
-fn megatron(_: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn megatron(_: &Settings, _: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
 }
 
 #[cfg(feature = "fsdp")]
-fn fsdp(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
-    let backend = miles_fsdp::FsdpBackend::from_settings(settings).map_err(refused)?;
-    Ok(Box::new(backend))
+fn fsdp(settings: &Settings, gpu: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
+    Ok(match gpu {
+        Some(gpu) => Box::new(miles_fsdp::gpu_trainer(gpu, settings).map_err(refused)?),
+        None => Box::new(miles_fsdp::FsdpBackend::from_settings(settings).map_err(refused)?),
+    })
 }
 
 #[cfg(not(feature = "fsdp"))]
-fn fsdp(_: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn fsdp(_: &Settings, _: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }

@@ -3,20 +3,19 @@
 //! the same bytes, with device memory after each step.
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use miles_core::model::{ContiguousKvCache, DecodeScratch, LlamaConfig, Transformer, init_params};
 use miles_core::{MemoryTag, OffloadReport, RolloutOffloadLevel};
-use miles_infer::{
-    EngineConfig, Generation, InferenceController, NamedTensor, RolloutEngine, SamplingParams,
-};
+use miles_infer::{EngineConfig, Generation, InferenceController, NamedTensor, SamplingParams};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{Value, json};
 
-use crate::generate::engine_memory;
+use crate::generate::build_engine;
 use crate::settings_args::SettingsArgs;
 
 /// `miles bench rollout`.
@@ -89,12 +88,8 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     let layout = model.layout().clone();
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, settings.seed, &mut params)?;
-    let (_, memory) = engine_memory(&settings)?;
-    let engine = RolloutEngine::new(
-        memory.clone(),
-        config.clone(),
-        EngineConfig::from_settings(&settings),
-    )?;
+    let engine = build_engine(&settings, &config, EngineConfig::from_settings(&settings))?;
+    let memory = Arc::clone(engine.memory());
     let kv_blocks = engine.kv_blocks();
     let mut controller = InferenceController::from_settings(engine, &settings);
     let tensors: Vec<NamedTensor<'_>> = layout

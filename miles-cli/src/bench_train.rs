@@ -1,11 +1,14 @@
 //! `miles bench train`: forward + backward + AdamW tokens/s, and how much of the step is matrix
 //! products, against the `gemm` crate's own speed on the same shapes measured in the same run.
+//! On `--device cuda` the baseline is a PyTorch eager implementation of the same shapes
+//! (`bench/torch_train.py`, run in the same call with both of its attention implementations).
 //!
 //! The profiled products are the linear layers' (projections, MLP, LM head; forward and both
 //! backward products); attention's per-head products run inside the attention kernel and count
 //! as the rest of the step.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,6 +26,8 @@ use crate::model_cmd::parse_preset;
 pub enum BenchDevice {
     /// The CPU: gemm + rayon kernels.
     Cpu,
+    /// GPU 0: cuBLAS + NVRTC kernels, bf16 compute, fp32 master weights.
+    Cuda,
 }
 
 /// `miles bench train`.
@@ -46,6 +51,30 @@ pub struct BenchTrainArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// On cuda: the PyTorch baseline script run in the same call (nothing to skip it).
+    #[arg(long, default_value = "bench/torch_train.py")]
+    pub torch_script: PathBuf,
+    /// On cuda: the Python that runs it (one with torch and transformers).
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// On cuda: skip the PyTorch baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+}
+
+/// Inputs, targets and unit weights of `b` sequences of `t` tokens of deterministic text: a
+/// paragraph repeated to fill every sequence, shifted per sequence.
+pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let text = "Reinforcement learning alternates rollout and training on the same devices. ";
+    let corpus = tokenizer.encode(&text.repeat(t / text.len() + 2), false);
+    let mut inputs = Vec::with_capacity(b * t);
+    let mut targets = Vec::with_capacity(b * t);
+    for s in 0..b {
+        let start = s % text.len();
+        inputs.extend_from_slice(&corpus[start..start + t]);
+        targets.extend_from_slice(&corpus[start + 1..start + t + 1]);
+    }
+    (inputs, targets, vec![1.0; b * t])
 }
 
 /// Runs the benchmark and prints its figures.
@@ -56,6 +85,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.batch == 0 || args.seq == 0 || args.steps == 0 {
         bail!("--batch, --seq and --steps must be positive");
     }
+    if args.device == BenchDevice::Cuda {
+        return crate::bench_train_gpu::run(&args);
+    }
     let config = args.preset;
     let tokenizer = ByteTokenizer::from_config(&config)?;
     let profile = Arc::new(MatmulProfile::default());
@@ -64,18 +96,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     init_params(model.layout(), &config, 0, &mut params)?;
     let n_params = params.len();
 
-    // Deterministic text: a paragraph repeated to fill every sequence, shifted per sequence.
-    let text = "Reinforcement learning alternates rollout and training on the same devices. ";
-    let corpus = tokenizer.encode(&text.repeat(args.seq / text.len() + 2), false);
     let (b, t) = (args.batch, args.seq);
-    let mut inputs = Vec::with_capacity(b * t);
-    let mut targets = Vec::with_capacity(b * t);
-    for s in 0..b {
-        let start = s % text.len();
-        inputs.extend_from_slice(&corpus[start..start + t]);
-        targets.extend_from_slice(&corpus[start + 1..start + t + 1]);
-    }
-    let weights = vec![1.0; b * t];
+    let (inputs, targets, weights) = text_batch(&tokenizer, b, t);
     let batch = TrainBatch {
         batch: b,
         seq: t,

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
-use miles_core::{DeviceChoice, HostDevice, ManagerSettings, MemoryManager, Settings};
+use miles_core::device::Gpu;
+use miles_core::model::LlamaConfig;
+use miles_core::{Device, HostDevice, ManagerSettings, MemoryManager, Settings};
 use miles_infer::{EngineConfig, RolloutEngine, SamplingParams};
 
-use crate::settings_args::{BadSettings, SettingsArgs};
+use crate::settings_args::SettingsArgs;
 
 /// `miles generate`.
 #[derive(Args, Debug)]
@@ -40,26 +42,44 @@ pub struct GenerateArgs {
     pub settings: SettingsArgs,
 }
 
-/// The CPU device and a memory manager for the rollout engine under `settings`.
+/// The rollout engine's memory manager under `settings`: over the shared GPU on CUDA (with the
+/// GPU, which the engine computes on), over a CPU device of `--device-memory-gib` otherwise.
 ///
 /// # Errors
-/// [`BadSettings`] for `--device cuda` (the engine computes on host views of its buffers).
-pub fn engine_memory(settings: &Settings) -> anyhow::Result<(Arc<HostDevice>, Arc<MemoryManager>)> {
-    if settings.device == DeviceChoice::Cuda {
-        return Err(BadSettings(
-            "the rollout engine computes on the cpu device; use --device cpu or auto".to_string(),
-        )
-        .into());
-    }
-    let device = Arc::new(HostDevice::new(settings.device_memory_bytes()));
+/// The GPU cannot be opened, or the manager cannot start.
+pub fn engine_memory(
+    settings: &Settings,
+) -> anyhow::Result<(Arc<MemoryManager>, Option<Arc<Gpu>>)> {
+    let gpu = crate::gpu::gpu_for(settings.device)?;
+    let device: Arc<dyn Device> = match &gpu {
+        Some(gpu) => gpu.device().clone(),
+        None => Arc::new(HostDevice::new(settings.device_memory_bytes())),
+    };
     let manager = MemoryManager::new(
-        device.clone(),
+        device,
         ManagerSettings {
             margin_bytes: settings.train_memory_margin_bytes,
             disk: None,
         },
     )?;
-    Ok((device, Arc::new(manager)))
+    Ok((Arc::new(manager), gpu))
+}
+
+/// A rollout engine of `model` with `config`, on the device `settings` name.
+///
+/// # Errors
+/// As [`engine_memory`], or what the engine hit allocating.
+pub fn build_engine(
+    settings: &Settings,
+    model: &LlamaConfig,
+    config: EngineConfig,
+) -> anyhow::Result<RolloutEngine> {
+    let (memory, gpu) = engine_memory(settings)?;
+    let engine = match gpu {
+        Some(gpu) => RolloutEngine::on_gpu(memory, gpu, model.clone(), config),
+        None => RolloutEngine::new(memory, model.clone(), config),
+    };
+    engine.context("cannot build the rollout engine")
 }
 
 /// Runs `miles generate`.
@@ -68,12 +88,12 @@ pub fn engine_memory(settings: &Settings) -> anyhow::Result<(Arc<HostDevice>, Ar
 /// Bad settings, an unreadable checkpoint, or a refused request, each with its context.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let settings = args.settings.load()?;
-    let (_, memory) = engine_memory(&settings)?;
-    let mut engine = RolloutEngine::from_checkpoint(
-        memory,
-        &args.checkpoint,
-        EngineConfig::from_settings(&settings),
-    )
+    let (memory, gpu) = engine_memory(&settings)?;
+    let config = EngineConfig::from_settings(&settings);
+    let mut engine = match gpu {
+        Some(gpu) => RolloutEngine::from_checkpoint_on_gpu(memory, gpu, &args.checkpoint, config),
+        None => RolloutEngine::from_checkpoint(memory, &args.checkpoint, config),
+    }
     .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
     let tokenizer = *engine.tokenizer();
     let prompts: Vec<Vec<u32>> = args

@@ -2,13 +2,17 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
+use miles_core::device::Gpu;
 use miles_core::model::{
-    ByteTokenizer, LlamaConfig, ParamLayout, Transformer, init_params, load_checkpoint,
-    save_checkpoint, score_tokens,
+    ByteTokenizer, GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, TrainBatch, Transformer,
+    init_params, load_checkpoint, save_checkpoint, score_tokens,
 };
+use miles_core::ops::AdamWConfig;
+use miles_core::{BackupPolicy, Device, DeviceChoice, ManagerSettings, MemoryManager};
 
 /// `miles model ...`.
 #[derive(Args, Debug)]
@@ -57,6 +61,9 @@ pub struct ScoreArgs {
     /// Print one JSON object: `tokens`, `logprobs`, `mean_loss`.
     #[arg(long)]
     pub json: bool,
+    /// Which device scores: fp32 on the cpu, bf16 compute on cuda.
+    #[arg(long, value_name = "auto|cpu|cuda", default_value = "cpu")]
+    pub device: DeviceChoice,
 }
 
 /// Turns a preset name into its config, so an unknown name is a usage error (exit 2).
@@ -96,13 +103,54 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// [`score_tokens`] on the GPU: the checkpoint in a trainer's regions (bf16 weights, fp32
+/// master copy), one forward pass.
+fn score_on_gpu(
+    gpu: Arc<Gpu>,
+    config: LlamaConfig,
+    params: &[f32],
+    tokens: &[u32],
+) -> anyhow::Result<(Vec<f32>, f32)> {
+    if tokens.len() < 2 {
+        bail!("scoring needs at least two tokens (BOS and one more)");
+    }
+    let t = tokens.len() - 1;
+    let device: Arc<dyn Device> = gpu.device().clone();
+    let memory = Arc::new(MemoryManager::new(
+        device,
+        ManagerSettings {
+            margin_bytes: 0,
+            disk: None,
+        },
+    )?);
+    let spec = GpuTrainerSpec {
+        config,
+        adamw: AdamWConfig::default(),
+        backup: BackupPolicy::None,
+        max_batch_tokens: t,
+    };
+    let mut trainer = GpuTrainer::new(gpu, memory, spec, params)?;
+    let weights = vec![1.0; t];
+    let batch = TrainBatch {
+        batch: 1,
+        seq: t,
+        inputs: &tokens[..t],
+        targets: &tokens[1..],
+        weights: &weights,
+        normaliser: t as f32,
+    };
+    Ok(trainer.logprobs(&batch)?)
+}
+
 fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let (config, params) = load_checkpoint(&args.checkpoint)
         .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
     let tokenizer = ByteTokenizer::from_config(&config)?;
     let tokens = tokenizer.encode(&args.text, true);
-    let model = Transformer::new(config);
-    let (logprobs, mean_loss) = score_tokens(&model, &params, &tokens)?;
+    let (logprobs, mean_loss) = match crate::gpu::gpu_for(args.device)? {
+        None => score_tokens(&Transformer::new(config), &params, &tokens)?,
+        Some(gpu) => score_on_gpu(gpu, config, &params, &tokens)?,
+    };
     let mut out = std::io::stdout().lock();
     if args.json {
         let value = serde_json::json!({

@@ -81,23 +81,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The rollout engine of `model` on the CPU device, behind its controller.
+/// The rollout engine of `model` on the device `settings` name, behind its controller.
 ///
 /// # Errors
-/// A CUDA device (the engine computes on the CPU), or what the engine hit allocating.
+/// The GPU cannot be opened, or what the engine hit allocating.
 fn build_engine(
     settings: &Settings,
     model: &LlamaConfig,
 ) -> anyhow::Result<Box<dyn RolloutEngine>> {
-    let (_, memory) = crate::generate::engine_memory(settings)?;
     // Every onload of the weights is followed by a full weight sync: backing them up on offload
     // would only carry stale bytes across the host link.
     let config = miles_infer::EngineConfig {
         weights_policy: miles_core::BackupPolicy::None,
         ..miles_infer::EngineConfig::from_settings(settings)
     };
-    let engine = miles_infer::RolloutEngine::new(memory, model.clone(), config)
-        .context("cannot build the rollout engine")?;
+    let engine = crate::generate::build_engine(settings, model, config)?;
     Ok(Box::new(miles_infer::InferenceController::from_settings(
         engine, settings,
     )))

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use miles_core::backend::{TrainBackend, WeightSink, sum_over_ranks};
+use miles_core::backend::{TrainBackend, WeightSink, export_full_weights, sum_over_ranks};
 use miles_core::config::{DeviceChoice, OffloadTarget, Settings};
 use miles_core::memory::BackupPolicy;
 use miles_core::model::{
@@ -13,7 +13,7 @@ use miles_core::model::{
 use miles_core::ops::AdamWConfig;
 use miles_core::{
     BackendError, Batch, CommError, Communicator, Device, HostDevice, LocalComm, MemoryTag,
-    NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket,
+    OffloadStats, RankOffload, StepStats,
 };
 
 use crate::checkpoint::{OptimizerState, load_optimizer, save_optimizer};
@@ -21,7 +21,7 @@ use crate::rank::{Rank, RankSetup};
 use crate::shards::StatePart;
 use crate::units::UnitPlan;
 
-const NAME: &str = "fsdp";
+pub(crate) const NAME: &str = "fsdp";
 
 /// The FSDP-style training backend: every parameter sharded over the data-parallel ranks in
 /// flat units (the embedding, each decoder layer, the head), a unit all-gathered just before
@@ -383,22 +383,7 @@ impl TrainBackend for FsdpBackend {
     ) -> Result<(), BackendError> {
         self.check_onloaded("export weights")?;
         let full = self.gather_full(StatePart::Params)?;
-        let mut bucket = WeightBucket::default();
-        for spec in self.model.layout().specs() {
-            let bytes = spec.numel() * 4;
-            if !bucket.tensors.is_empty() && bucket.bytes() + bytes > bucket_bytes {
-                sink(std::mem::take(&mut bucket))?;
-            }
-            bucket.tensors.push(NamedTensor {
-                name: spec.name.clone(),
-                shape: spec.shape.clone(),
-                data: full[spec.range()].to_vec(),
-            });
-        }
-        if !bucket.tensors.is_empty() {
-            sink(bucket)?;
-        }
-        Ok(())
+        export_full_weights(self.model.layout(), &full, bucket_bytes, sink)
     }
 
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {

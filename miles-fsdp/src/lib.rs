@@ -39,11 +39,13 @@
 
 mod backend;
 pub mod checkpoint;
+mod gpu;
 mod rank;
 mod shards;
 mod units;
 
 pub use backend::FsdpBackend;
+pub use gpu::{FsdpFiles, FsdpGpu, gpu_trainer};
 pub use miles_core::backend::TrainBackend;
 pub use miles_core::config::{OffloadTarget, Settings};
 pub use miles_core::model::LlamaConfig;

@@ -32,12 +32,14 @@
 
 mod checkpoint;
 mod error;
+mod gpu;
 mod rank;
 mod shard;
 mod stream;
 mod trainer;
 
 pub use checkpoint::OPTIMIZER_DIR;
+pub use gpu::{MegatronFiles, MegatronGpu, gpu_trainer};
 pub use miles_core::backend::TrainBackend;
 pub use miles_core::config::{MomentDtype, OffloadTarget, Settings};
 pub use miles_core::model::LlamaConfig;

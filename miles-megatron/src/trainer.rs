@@ -6,6 +6,7 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use miles_core::backend::export_full_weights;
 use miles_core::backend::{TrainBackend, sum_over_ranks};
 use miles_core::config::{OffloadTarget, Settings};
 use miles_core::model::{
@@ -14,7 +15,7 @@ use miles_core::model::{
 use miles_core::ops::AdamWConfig;
 use miles_core::{
     BackendError, Batch, CommError, Communicator, DiskSettings, LocalComm, MemoryManager,
-    MemoryTag, NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket, WeightSink,
+    MemoryTag, OffloadStats, RankOffload, StepStats, WeightSink,
 };
 
 use crate::checkpoint::{own_slice, read_full_optimizer, write_optimizer};
@@ -649,22 +650,7 @@ impl TrainBackend for MegatronTrainer {
     ) -> Result<(), BackendError> {
         self.check_on_device("export weights")?;
         let full = self.full_params()?;
-        let mut bucket = WeightBucket::default();
-        for spec in self.full_layout.specs() {
-            let tensor = NamedTensor {
-                name: spec.name.clone(),
-                shape: spec.shape.clone(),
-                data: full[spec.range()].to_vec(),
-            };
-            if !bucket.tensors.is_empty() && bucket.bytes() + tensor.data.len() * 4 > bucket_bytes {
-                sink(std::mem::take(&mut bucket))?;
-            }
-            bucket.tensors.push(tensor);
-        }
-        if !bucket.tensors.is_empty() {
-            sink(bucket)?;
-        }
-        Ok(())
+        export_full_weights(&self.full_layout, &full, bucket_bytes, sink)
     }
 
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {

@@ -10,6 +10,8 @@
 //! Every call here is collective over the backend's ranks: the backend runs them on all ranks
 //! (threads on the CPU device, processes on CUDA) and returns once all are done.
 
+mod gpu;
+
 use std::path::Path;
 
 use crate::comm::CommError;
@@ -17,6 +19,8 @@ use crate::config::OffloadTarget;
 use crate::memory::{MemoryError, MemoryTag, OffloadReport};
 use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::StoreError;
+
+pub use gpu::{GpuBackend, OptimizerFiles, SavedOptimizer};
 
 /// A global training batch of `B` sequences of `T` positions, owned, for policy-gradient or
 /// supervised loss.
@@ -282,6 +286,36 @@ pub trait TrainBackend: Send {
     /// [`BackendError::Offloaded`], [`BackendError::Model`], [`BackendError::Io`] or
     /// [`BackendError::Checkpoint`] for files that do not match the backend.
     fn load(&mut self, dir: &Path) -> Result<(), BackendError>;
+}
+
+/// Sends the full weights `full` (laid out by `layout`) to `sink` tensor by tensor, in buckets of
+/// about `bucket_bytes` (a tensor larger than that gets a bucket of its own): the body of every
+/// backend's [`TrainBackend::export_weights`] once it holds the full weights.
+///
+/// # Errors
+/// What the sink returns.
+pub fn export_full_weights(
+    layout: &crate::model::ParamLayout,
+    full: &[f32],
+    bucket_bytes: usize,
+    sink: &mut WeightSink<'_>,
+) -> Result<(), BackendError> {
+    let mut bucket = WeightBucket::default();
+    for spec in layout.specs() {
+        let tensor = NamedTensor {
+            name: spec.name.clone(),
+            shape: spec.shape.clone(),
+            data: full[spec.range()].to_vec(),
+        };
+        if !bucket.tensors.is_empty() && bucket.bytes() + tensor.data.len() * 4 > bucket_bytes {
+            sink(std::mem::take(&mut bucket))?;
+        }
+        bucket.tensors.push(tensor);
+    }
+    if !bucket.tensors.is_empty() {
+        sink(bucket)?;
+    }
+    Ok(())
 }
 
 /// Sums per-rank tag lists (each as [`MemoryManager::resident_bytes`](crate::MemoryManager::resident_bytes)

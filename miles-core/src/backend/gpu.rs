@@ -1,0 +1,260 @@
+//! A training backend on one GPU: the model's state in memory-manager regions of a CUDA device,
+//! computed by the GPU transformer ([`GpuTrainer`]).
+//!
+//! On one GPU a Megatron-style trainer (tensor and data parallel size 1) and an FSDP trainer
+//! (data parallel size 1) run the same step; what differs is the backend's own checkpoint files,
+//! which [`OptimizerFiles`] supplies, and the flags each backend accepts, which its constructor
+//! checks before building this. Several GPUs need the NCCL communicator (not built yet).
+
+use std::marker::PhantomData;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{
+    BackendError, Batch, OffloadStats, RankOffload, StepStats, TrainBackend, WeightSink,
+    export_full_weights,
+};
+use crate::config::{OffloadTarget, Settings};
+use crate::device::{Device, Gpu};
+use crate::memory::{BackupPolicy, DiskSettings, ManagerSettings, MemoryManager, MemoryTag};
+use crate::model::{
+    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, load_checkpoint, save_checkpoint,
+};
+use crate::ops::AdamWConfig;
+
+/// A backend's optimizer checkpoint files, written and read beside the Hugging Face weights.
+pub trait OptimizerFiles: Send {
+    /// The backend's name (`megatron`, `fsdp`).
+    const NAME: &'static str;
+
+    /// Writes the full AdamW moments and the step into the checkpoint `dir`.
+    ///
+    /// # Errors
+    /// [`BackendError::Io`] or [`BackendError::Checkpoint`].
+    fn write(dir: &Path, step: u64, m: &[f32], v: &[f32]) -> Result<(), BackendError>;
+
+    /// The full moments and step saved in `dir` for a model of `layout`, or `None` when the
+    /// checkpoint holds weights only.
+    ///
+    /// # Errors
+    /// [`BackendError::Io`] or [`BackendError::Checkpoint`] for files that do not fit.
+    fn read(
+        dir: &Path,
+        config: &LlamaConfig,
+        layout: &ParamLayout,
+    ) -> Result<Option<SavedOptimizer>, BackendError>;
+}
+
+/// Full AdamW moments and the step they were saved at.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavedOptimizer {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// First moment, [`ParamLayout`] order.
+    pub m: Vec<f32>,
+    /// Second moment, [`ParamLayout`] order.
+    pub v: Vec<f32>,
+}
+
+/// One GPU's trainer behind [`TrainBackend`], named and checkpointed by `F`.
+pub struct GpuBackend<F> {
+    trainer: GpuTrainer,
+    layout: ParamLayout,
+    target: OffloadTarget,
+    step: u64,
+    files: PhantomData<F>,
+}
+
+impl<F> std::fmt::Debug for GpuBackend<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBackend")
+            .field("target", &self.target)
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Tokens of one micro-batch's activations: enough for the loop's batches of a few thousand
+/// tokens, a few GiB of activations for a 1B model.
+const MAX_BATCH_TOKENS: usize = 8192;
+
+impl<F: OptimizerFiles> GpuBackend<F> {
+    /// A trainer of `config` on `gpu` starting from the full weights `params`, offloading to
+    /// `--offload-train-target` (with its disk settings), keeping `--train-memory-margin-bytes`
+    /// free on resume, with the learning rate of `settings`.
+    ///
+    /// # Errors
+    /// [`BackendError::Settings`] for a disk target without a directory;
+    /// [`BackendError::Memory`] or [`BackendError::Model`] when the state does not fit the GPU.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        config: LlamaConfig,
+        settings: &Settings,
+        params: &[f32],
+    ) -> Result<GpuBackend<F>, BackendError> {
+        let target = settings.offload_train_target;
+        let disk = match (target, &settings.offload_train_disk_dir) {
+            (OffloadTarget::Disk, None) => {
+                return Err(BackendError::Settings {
+                    backend: F::NAME,
+                    reason: "--offload-train-target disk needs --offload-train-disk-dir".into(),
+                });
+            }
+            (OffloadTarget::Disk, Some(dir)) => Some(DiskSettings {
+                dir: dir.join("offload"),
+                rank: 0,
+                chunk_bytes: usize::try_from(settings.offload_train_disk_chunk_mb << 20)
+                    .unwrap_or(usize::MAX),
+            }),
+            (OffloadTarget::Cpu, _) => None,
+        };
+        let device: Arc<dyn Device> = gpu.device().clone();
+        let memory = Arc::new(MemoryManager::new(
+            device,
+            ManagerSettings {
+                margin_bytes: settings.train_memory_margin_bytes,
+                disk,
+            },
+        )?);
+        let spec = GpuTrainerSpec {
+            config: config.clone(),
+            adamw: AdamWConfig {
+                lr: settings.lr as f32,
+                ..AdamWConfig::default()
+            },
+            backup: match target {
+                OffloadTarget::Cpu => BackupPolicy::Host,
+                OffloadTarget::Disk => BackupPolicy::Disk,
+            },
+            max_batch_tokens: MAX_BATCH_TOKENS,
+        };
+        let trainer = GpuTrainer::new(gpu, memory, spec, params)?;
+        Ok(GpuBackend {
+            trainer,
+            layout: ParamLayout::new(&config),
+            target,
+            step: 0,
+            files: PhantomData,
+        })
+    }
+
+    fn check_on_device(&self, op: &'static str) -> Result<(), BackendError> {
+        if self.trainer.is_offloaded() {
+            Err(BackendError::Offloaded { op })
+        } else {
+            Ok(())
+        }
+    }
+
+    fn stats(&self, seconds: f64, tags: Vec<crate::memory::OffloadReport>) -> OffloadStats {
+        OffloadStats {
+            target: self.target,
+            ranks: vec![RankOffload::new(0, seconds, tags)],
+            seconds,
+        }
+    }
+}
+
+impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
+    fn name(&self) -> &'static str {
+        F::NAME
+    }
+
+    fn config(&self) -> &LlamaConfig {
+        self.trainer.config()
+    }
+
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.trainer.is_offloaded()
+    }
+
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        self.trainer.memory().resident_bytes()
+    }
+
+    fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
+        self.check_on_device("train")?;
+        batch.check(1)?;
+        let start = Instant::now();
+        let report = self.trainer.train_step(&batch.view(), self.step + 1)?;
+        self.step += 1;
+        Ok(StepStats {
+            step: self.step,
+            loss: report.loss,
+            grad_norm: report.optimizer.grad_norm,
+            tokens: (batch.batch * batch.seq) as u64,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {
+        self.check_on_device("compute log-probs")?;
+        batch.check(1)?;
+        Ok(self.trainer.logprobs(&batch.view())?)
+    }
+
+    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+        self.check_on_device("offload")?;
+        if target != self.target {
+            return Err(BackendError::Settings {
+                backend: F::NAME,
+                reason: format!(
+                    "this trainer was built to offload to {}, not {target}; build it with --offload-train-target {target}",
+                    self.target
+                ),
+            });
+        }
+        let start = Instant::now();
+        let tags = self.trainer.offload()?;
+        Ok(self.stats(start.elapsed().as_secs_f64(), tags))
+    }
+
+    fn onload(&mut self) -> Result<OffloadStats, BackendError> {
+        if !self.trainer.is_offloaded() {
+            return Err(BackendError::NotOffloaded);
+        }
+        let start = Instant::now();
+        let tags = self.trainer.onload()?;
+        Ok(self.stats(start.elapsed().as_secs_f64(), tags))
+    }
+
+    fn export_weights(
+        &mut self,
+        bucket_bytes: usize,
+        sink: &mut WeightSink<'_>,
+    ) -> Result<(), BackendError> {
+        self.check_on_device("export weights")?;
+        let full = self.trainer.master_params()?;
+        export_full_weights(&self.layout, &full, bucket_bytes, sink)
+    }
+
+    fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.check_on_device("save")?;
+        let full = self.trainer.master_params()?;
+        save_checkpoint(dir, self.trainer.config(), &self.layout, &full)?;
+        let (m, v) = self.trainer.moments()?;
+        F::write(dir, self.step, &m, &v)
+    }
+
+    fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.check_on_device("load")?;
+        let (config, params) = load_checkpoint(dir)?;
+        if ParamLayout::new(&config) != self.layout {
+            return Err(BackendError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: "its config describes a different model than this trainer's".to_string(),
+            });
+        }
+        self.trainer.set_params(&params)?;
+        if let Some(saved) = F::read(dir, &config, &self.layout)? {
+            self.trainer.set_moments(&saved.m, &saved.v)?;
+            self.step = saved.step;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,74 @@
+//! Megatron on one GPU: tensor and data parallel size 1, computed by core's GPU trainer, saved
+//! in this crate's optimizer files (so a GPU checkpoint loads on the CPU at any parallel size,
+//! and back).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
+use miles_core::device::Gpu;
+use miles_core::model::{LlamaConfig, ParamLayout};
+use miles_core::{BackendError, Settings, TrainBackend};
+
+use crate::checkpoint::{read_full_optimizer, write_optimizer};
+use crate::trainer::init_weights;
+
+/// This crate's optimizer files, for [`GpuBackend`].
+#[derive(Debug)]
+pub struct MegatronFiles;
+
+impl OptimizerFiles for MegatronFiles {
+    const NAME: &'static str = "megatron";
+
+    fn write(dir: &Path, step: u64, m: &[f32], v: &[f32]) -> Result<(), BackendError> {
+        write_optimizer(dir, 0, 1, 1, step, m, v)
+    }
+
+    fn read(
+        dir: &Path,
+        config: &LlamaConfig,
+        layout: &ParamLayout,
+    ) -> Result<Option<SavedOptimizer>, BackendError> {
+        Ok(
+            read_full_optimizer(dir, config, layout)?.map(|full| SavedOptimizer {
+                step: full.step,
+                m: full.m,
+                v: full.v,
+            }),
+        )
+    }
+}
+
+/// The Megatron trainer on one GPU.
+pub type MegatronGpu = GpuBackend<MegatronFiles>;
+
+/// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given.
+///
+/// # Errors
+/// [`BackendError::Settings`] for parallel sizes above 1 (several GPUs need the NCCL
+/// communicator) or optimizer-state streaming; as [`GpuBackend::new`] and
+/// [`TrainBackend::load`].
+pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, BackendError> {
+    let refuse = |reason: String| BackendError::Settings {
+        backend: MegatronFiles::NAME,
+        reason,
+    };
+    if settings.tensor_model_parallel_size != 1 || settings.data_parallel_size != 1 {
+        return Err(refuse(format!(
+            "on cuda it runs on one gpu for now (several need the nccl communicator); set --tensor-model-parallel-size 1 --data-parallel-size 1 (got {} and {})",
+            settings.tensor_model_parallel_size, settings.data_parallel_size
+        )));
+    }
+    if settings.stream_optimizer_state_to_disk {
+        return Err(refuse(
+            "streams optimizer state through the disk on the cpu device only; drop --stream-optimizer-state-to-disk or use --device cpu".into(),
+        ));
+    }
+    let config = LlamaConfig::preset(&settings.preset)?;
+    let params = init_weights(&config, settings.seed)?;
+    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
+    if let Some(dir) = &settings.load {
+        trainer.load(dir)?;
+    }
+    Ok(trainer)
+}
