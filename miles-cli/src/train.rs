@@ -165,6 +165,7 @@ impl Progress {
                 reward_mean = m.reward_mean,
                 reward_std = m.reward_std,
                 loss = m.loss,
+                switch_seconds = m.switch_seconds(),
                 peak_device_memory_bytes = m.peak_device_memory_bytes,
                 "rl step"
             ),

@@ -112,8 +112,23 @@ impl StepMetrics {
         self.bytes_moved[phase.index()]
     }
 
+    /// Seconds of the switch from training to rollout: `offload_train + onload_weights + sync +
+    /// onload_kv`, what the GPU sits without work of either side.
+    pub fn switch_seconds(&self) -> f64 {
+        [
+            Phase::OffloadTrain,
+            Phase::OnloadWeights,
+            Phase::Sync,
+            Phase::OnloadKv,
+        ]
+        .iter()
+        .map(|&p| self.seconds(p))
+        .sum()
+    }
+
     /// The step as one JSON object with the keys `step`, `reward_mean`, `reward_std`, `loss`,
-    /// `phase_seconds`, `bytes_moved`, `device_memory_bytes`, `peak_device_memory_bytes`.
+    /// `phase_seconds`, `bytes_moved`, `switch_seconds`, `device_memory_bytes`,
+    /// `peak_device_memory_bytes`.
     pub fn to_json(&self) -> Value {
         let by_phase = |value: &dyn Fn(Phase) -> Value| -> Map<String, Value> {
             Phase::ALL
@@ -133,6 +148,7 @@ impl StepMetrics {
             "loss": self.loss,
             "phase_seconds": by_phase(&|p| json!(self.seconds(p))),
             "bytes_moved": by_phase(&|p| json!(self.bytes(p))),
+            "switch_seconds": self.switch_seconds(),
             "device_memory_bytes": memory,
             "peak_device_memory_bytes": self.peak_device_memory_bytes,
         })
@@ -248,7 +264,8 @@ mod tests {
                 "phase_seconds",
                 "reward_mean",
                 "reward_std",
-                "step"
+                "step",
+                "switch_seconds"
             ]
         );
         for phase in Phase::ALL {
@@ -257,6 +274,7 @@ mod tests {
         }
         assert_eq!(v["bytes_moved"]["offload_rollout"], 4096);
         assert_eq!(v["phase_seconds"]["sync"], 0.25);
+        assert_eq!(v["switch_seconds"], m.switch_seconds());
         assert_eq!(v["device_memory_bytes"]["after_generate"], 30);
         assert_eq!(v["peak_device_memory_bytes"], 30);
         assert_eq!(v["step"], 3);
