@@ -5,15 +5,11 @@
 
 use std::io::Write;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use miles_core::model::{
-    ByteTokenizer, GpuTrainer, GpuTrainerSpec, ParamLayout, TrainBatch, init_params,
-};
-use miles_core::ops::AdamWConfig;
-use miles_core::{BackupPolicy, Device, DeviceChoice, ManagerSettings, MemoryManager};
+use miles_core::DeviceChoice;
+use miles_core::model::{ByteTokenizer, ParamLayout, TrainBatch, init_params};
 use serde_json::Value;
 
 use crate::bench_train::{BenchTrainArgs, text_batch};
@@ -41,21 +37,7 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     let layout = ParamLayout::new(&config);
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, 0, &mut params)?;
-    let device: Arc<dyn Device> = gpu.device().clone();
-    let memory = Arc::new(MemoryManager::new(
-        device,
-        ManagerSettings {
-            margin_bytes: 0,
-            disk: None,
-        },
-    )?);
-    let spec = GpuTrainerSpec {
-        config: config.clone(),
-        adamw: AdamWConfig::default(),
-        backup: BackupPolicy::None,
-        max_batch_tokens: b * t,
-    };
-    let mut trainer = GpuTrainer::new(gpu, memory, spec, &params)?;
+    let mut trainer = crate::gpu::standalone_trainer(gpu, config.clone(), &params, b * t)?;
     drop(params);
     let mut step = 0;
     for _ in 0..args.warmup {

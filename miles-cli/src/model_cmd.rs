@@ -6,13 +6,12 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
+use miles_core::DeviceChoice;
 use miles_core::device::Gpu;
 use miles_core::model::{
-    ByteTokenizer, GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, TrainBatch, Transformer,
-    init_params, load_checkpoint, save_checkpoint, score_tokens,
+    ByteTokenizer, LlamaConfig, ParamLayout, Transformer, init_params, load_checkpoint,
+    save_checkpoint, score_tokens, scoring_batch,
 };
-use miles_core::ops::AdamWConfig;
-use miles_core::{BackupPolicy, Device, DeviceChoice, ManagerSettings, MemoryManager};
 
 /// `miles model ...`.
 #[derive(Args, Debug)]
@@ -111,34 +110,9 @@ fn score_on_gpu(
     params: &[f32],
     tokens: &[u32],
 ) -> anyhow::Result<(Vec<f32>, f32)> {
-    if tokens.len() < 2 {
-        bail!("scoring needs at least two tokens (BOS and one more)");
-    }
-    let t = tokens.len() - 1;
-    let device: Arc<dyn Device> = gpu.device().clone();
-    let memory = Arc::new(MemoryManager::new(
-        device,
-        ManagerSettings {
-            margin_bytes: 0,
-            disk: None,
-        },
-    )?);
-    let spec = GpuTrainerSpec {
-        config,
-        adamw: AdamWConfig::default(),
-        backup: BackupPolicy::None,
-        max_batch_tokens: t,
-    };
-    let mut trainer = GpuTrainer::new(gpu, memory, spec, params)?;
-    let weights = vec![1.0; t];
-    let batch = TrainBatch {
-        batch: 1,
-        seq: t,
-        inputs: &tokens[..t],
-        targets: &tokens[1..],
-        weights: &weights,
-        normaliser: t as f32,
-    };
+    let weights = vec![1.0; tokens.len().saturating_sub(1)];
+    let batch = scoring_batch(tokens, &weights)?;
+    let mut trainer = crate::gpu::standalone_trainer(gpu, config, params, batch.seq)?;
     Ok(trainer.logprobs(&batch)?)
 }
 

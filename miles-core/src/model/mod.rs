@@ -27,5 +27,7 @@ pub use gpu::{
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
 pub use tokenizer::ByteTokenizer;
-pub use train::{ModelBuffers, StepBuffers, StepReport, Trainer, score_tokens, train_step};
+pub use train::{
+    ModelBuffers, StepBuffers, StepReport, Trainer, score_tokens, scoring_batch, train_step,
+};
 pub use transformer::{TrainBatch, Transformer};

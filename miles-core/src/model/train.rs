@@ -187,6 +187,39 @@ impl Trainer {
     }
 }
 
+/// The batch that scores `tokens` (BOS first): one sequence whose inputs are all but the last
+/// token and whose targets are all but the first, each target weighted by `weights` (one per
+/// target), the loss their mean.
+///
+/// # Errors
+/// [`ModelError::Batch`] for fewer than two tokens or a weight count that differs from the
+/// targets'.
+pub fn scoring_batch<'a>(
+    tokens: &'a [u32],
+    weights: &'a [f32],
+) -> Result<TrainBatch<'a>, ModelError> {
+    if tokens.len() < 2 {
+        return Err(ModelError::Batch(
+            "scoring needs at least two tokens (BOS and one more)".into(),
+        ));
+    }
+    let t = tokens.len() - 1;
+    if weights.len() != t {
+        return Err(ModelError::Batch(format!(
+            "{} weights for {t} scored tokens; give one per token after the first",
+            weights.len()
+        )));
+    }
+    Ok(TrainBatch {
+        batch: 1,
+        seq: t,
+        inputs: &tokens[..t],
+        targets: &tokens[1..],
+        weights,
+        normaliser: t as f32,
+    })
+}
+
 /// Log p of each token after the first given those before it, for one sequence `tokens`
 /// (BOS first), and the mean negative log-prob.
 ///
@@ -198,23 +231,10 @@ pub fn score_tokens(
     params: &[f32],
     tokens: &[u32],
 ) -> Result<(Vec<f32>, f32), ModelError> {
-    if tokens.len() < 2 {
-        return Err(ModelError::Batch(
-            "scoring needs at least two tokens (BOS and one more)".into(),
-        ));
-    }
-    let t = tokens.len() - 1;
-    let al = model.activation_layout(1, t)?;
+    let weights = vec![1.0; tokens.len().saturating_sub(1)];
+    let batch = scoring_batch(tokens, &weights)?;
+    let al = model.activation_layout(1, batch.seq)?;
     let mut acts = vec![0.0; al.len()];
-    let weights = vec![1.0; t];
-    let batch = TrainBatch {
-        batch: 1,
-        seq: t,
-        inputs: &tokens[..t],
-        targets: &tokens[1..],
-        weights: &weights,
-        normaliser: t as f32,
-    };
     let loss = model.forward(params, &mut acts, &al, &batch)?;
     Ok((Transformer::logprobs(&al, &acts).to_vec(), loss))
 }

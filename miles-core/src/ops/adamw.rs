@@ -85,6 +85,30 @@ pub fn clip_scale(cfg: &AdamWConfig, grad_norm: f32) -> f32 {
     }
 }
 
+/// AdamW's per-step scalars at `step` (counting from 1), shared by the CPU update and the GPU
+/// kernel so both do the same arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWScalars {
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bias2_sqrt: f32,
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+}
+
+impl AdamWScalars {
+    /// The scalars of step `step` under `cfg`.
+    pub fn at(cfg: &AdamWConfig, step: u64) -> AdamWScalars {
+        let t = step.min(i32::MAX as u64) as i32;
+        AdamWScalars {
+            step_size: cfg.lr / (1.0 - cfg.beta1.powi(t)),
+            bias2_sqrt: (1.0 - cfg.beta2.powi(t)).sqrt(),
+            decay: 1.0 - cfg.lr * cfg.weight_decay,
+        }
+    }
+}
+
 /// The element-wise part of AdamW step `step` over any slice of the flat buffers, with the
 /// gradients scaled by `clip_scale`: a sharded optimizer computes the global norm over all
 /// shards, then updates its own shard (or a bucket of it) with this.
@@ -97,11 +121,11 @@ pub fn adamw_update(
     cfg: &AdamWConfig,
     clip_scale: f32,
 ) {
-    let t = step.min(i32::MAX as u64) as i32;
-    let bias1 = 1.0 - cfg.beta1.powi(t);
-    let bias2_sqrt = (1.0 - cfg.beta2.powi(t)).sqrt();
-    let step_size = cfg.lr / bias1;
-    let decay = 1.0 - cfg.lr * cfg.weight_decay;
+    let AdamWScalars {
+        step_size,
+        bias2_sqrt,
+        decay,
+    } = AdamWScalars::at(cfg, step);
     params
         .par_iter_mut()
         .zip(grads.par_iter())

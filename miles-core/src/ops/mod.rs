@@ -17,7 +17,8 @@ mod swiglu;
 pub(crate) mod testing;
 
 pub use adamw::{
-    AdamWConfig, AdamWStepStats, adamw_step, adamw_update, clip_scale, global_grad_norm,
+    AdamWConfig, AdamWScalars, AdamWStepStats, adamw_step, adamw_update, clip_scale,
+    global_grad_norm,
 };
 pub use attention::{
     AttentionShape, attention_backward, attention_backward_naive, attention_forward,

@@ -438,7 +438,7 @@ impl GpuTrainer {
             slice(&self.m)?,
             slice(&self.v)?,
             grads,
-            adamw_scalars(&self.adamw, step, clip),
+            AdamWStep::new(&self.adamw, step, clip),
         )?;
         Ok(AdamWStepStats {
             step,
@@ -534,20 +534,6 @@ fn slice<T: GpuElement>(buffer: &Buffer) -> Result<GpuSlice<T>, DeviceError> {
     GpuSlice::of(buffer.range())
 }
 
-/// AdamW's scalars for step `step`, as `ops::adamw_update` works them out.
-fn adamw_scalars(cfg: &AdamWConfig, step: u64, clip: f32) -> AdamWStep {
-    let t = step.min(i32::MAX as u64) as i32;
-    AdamWStep {
-        step_size: cfg.lr / (1.0 - cfg.beta1.powi(t)),
-        bias2_sqrt: (1.0 - cfg.beta2.powi(t)).sqrt(),
-        decay: 1.0 - cfg.lr * cfg.weight_decay,
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: cfg.eps,
-        grad_scale: clip,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -564,7 +550,7 @@ mod tests {
         let (mut p, mut m, mut v) = ([p0], [0.02f32], [0.001f32]);
         let (m0, v0) = (m[0], v[0]);
         crate::ops::adamw_update(&mut p, &[g], &mut m, &mut v, step, &cfg, clip);
-        let s = adamw_scalars(&cfg, step, clip);
+        let s = AdamWStep::new(&cfg, step, clip);
         let gs = g * s.grad_scale;
         let m1 = s.beta1 * m0 + (1.0 - s.beta1) * gs;
         let v1 = s.beta2 * v0 + (1.0 - s.beta2) * gs * gs;

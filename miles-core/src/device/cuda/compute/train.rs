@@ -8,8 +8,10 @@
 
 use half::bf16;
 
+use super::elementwise::as_i32;
 use super::{Gpu, GpuSlice, elementwise, per_row};
 use crate::device::DeviceError;
+use crate::ops::{AdamWConfig, AdamWScalars};
 
 /// The kernels of `kernels/train.cu`.
 pub(super) const KERNELS: [&str; 11] = [
@@ -65,11 +67,11 @@ impl HeadShape {
             });
         }
         Ok([
-            int("batch", self.batch)?,
-            int("seq", self.seq)?,
-            int("rows heads", self.rows_heads)?,
-            int("split heads", self.split_heads)?,
-            int("head dim", self.head_dim)?,
+            as_i32("batch", self.batch)?,
+            as_i32("seq", self.seq)?,
+            as_i32("rows heads", self.rows_heads)?,
+            as_i32("split heads", self.split_heads)?,
+            as_i32("head dim", self.head_dim)?,
         ])
     }
 }
@@ -93,12 +95,20 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
-fn int(what: &'static str, n: usize) -> Result<i32, DeviceError> {
-    i32::try_from(n).map_err(|_| DeviceError::ShapeMismatch {
-        what,
-        expected: i32::MAX as usize,
-        actual: n,
-    })
+impl AdamWStep {
+    /// The step `step` (counting from 1) of `cfg` with every gradient scaled by `grad_scale`.
+    pub fn new(cfg: &AdamWConfig, step: u64, grad_scale: f32) -> AdamWStep {
+        let s = AdamWScalars::at(cfg, step);
+        AdamWStep {
+            step_size: s.step_size,
+            bias2_sqrt: s.bias2_sqrt,
+            decay: s.decay,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            grad_scale,
+        }
+    }
 }
 
 fn rows_of(what: &'static str, len: usize, width: usize) -> Result<usize, DeviceError> {
@@ -133,7 +143,7 @@ impl Gpu {
         dout.expect_len("rmsnorm dout", x.len())?;
         dw.expect_len("rmsnorm dw", c)?;
         rstd.expect_len("rmsnorm rstd", rows)?;
-        let c32 = int("rmsnorm width", c)?;
+        let c32 = as_i32("rmsnorm width", c)?;
         if rows == 0 {
             return Ok(());
         }
@@ -170,8 +180,8 @@ impl Gpu {
         sin.expect_len("rope sin table", cos.len())?;
         let (n64, h32, d32) = (
             n as i64,
-            int("rope heads", heads)?,
-            int("rope head dim", head_dim)?,
+            as_i32("rope heads", heads)?,
+            as_i32("rope head dim", head_dim)?,
         );
         self.launch(
             "rope_backward",
@@ -238,7 +248,7 @@ impl Gpu {
     ) -> Result<(), DeviceError> {
         dout.expect_len("embedding dout", ids.len() * c)?;
         rows_of("embedding dtable", dtable.len(), c)?;
-        let c32 = int("embedding width", c)?;
+        let c32 = as_i32("embedding width", c)?;
         if ids.is_empty() {
             return Ok(());
         }
@@ -302,7 +312,7 @@ impl Gpu {
     ) -> Result<(), DeviceError> {
         let rows = rows_of("softmax scores", scores.len(), seq)?;
         probs.expect_len("softmax probs", scores.len())?;
-        let t = int("softmax seq", seq)?;
+        let t = as_i32("softmax seq", seq)?;
         if rows == 0 {
             return Ok(());
         }
@@ -328,7 +338,7 @@ impl Gpu {
         let rows = rows_of("softmax probs", probs.len(), seq)?;
         dscores.expect_len("softmax dscores", probs.len())?;
         dprobs.expect_len("softmax dprobs", probs.len())?;
-        let t = int("softmax seq", seq)?;
+        let t = as_i32("softmax seq", seq)?;
         if rows == 0 {
             return Ok(());
         }
@@ -363,7 +373,7 @@ impl Gpu {
             d.expect_len("crossentropy dlogits", logits.len())?;
         }
         let d_addr = dlogits.map_or(0u64, |d| d.address());
-        let v32 = int("vocabulary", v)?;
+        let v32 = as_i32("vocabulary", v)?;
         if n == 0 {
             return Ok(());
         }

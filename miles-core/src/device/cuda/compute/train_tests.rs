@@ -82,20 +82,6 @@ fn rows_index(s: HeadShape, b: usize, t: usize, g: usize, c: usize) -> usize {
     ((b * s.seq + t) * s.rows_heads + g) * s.head_dim + c
 }
 
-/// AdamW's scalars for step `step`, worked out as `ops::adamw_update` does.
-fn adamw_scalars(cfg: &AdamWConfig, step: u64, grad_scale: f32) -> AdamWStep {
-    let t = step.min(i32::MAX as u64) as i32;
-    AdamWStep {
-        step_size: cfg.lr / (1.0 - cfg.beta1.powi(t)),
-        bias2_sqrt: (1.0 - cfg.beta2.powi(t)).sqrt(),
-        decay: 1.0 - cfg.lr * cfg.weight_decay,
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: cfg.eps,
-        grad_scale,
-    }
-}
-
 #[test]
 fn gpu_rmsnorm_backward_adds_the_cpu_gradients() {
     let Some(mut t) = TestGpu::open("gpu_rmsnorm_backward_adds_the_cpu_gradients", ARENA) else {
@@ -592,7 +578,7 @@ fn gpu_adamw_three_steps_match_the_cpu_with_clipping_and_weight_decay() {
             m,
             v,
             grads,
-            adamw_scalars(&cfg, step, scale),
+            AdamWStep::new(&cfg, step, scale),
         ));
         // The kernel does the CPU's fp32 operations in the CPU's order, unfused, so it should
         // agree to the bit; 1e-6 (of max(1, |value|) for the weights and the first moment,
