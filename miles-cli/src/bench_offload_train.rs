@@ -1,17 +1,18 @@
 //! `miles bench offload-train`: a training backend's offload and onload, per rank, against plain
-//! copies of the same bytes measured in the same run (a memcpy for `cpu`, an O_DIRECT write and
-//! read for `disk`).
+//! copies of the same bytes measured in the same run (for `cpu` a memcpy on the CPU device, a
+//! plain pinned `cuMemcpy` each way on CUDA; an O_DIRECT write and read for `disk`).
 //!
 //! Ranks are threads that offload at once: on the CPU device they share the machine's memory
 //! bandwidth and, for `disk`, one disk, so the all-ranks line is the one to hold against the
 //! single-stream baseline there; on GPUs each rank has its own link.
 
 use std::io::Write;
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use miles_core::config::{OffloadTarget, Settings};
-use miles_core::{Batch, HostDevice, MemoryTag, OffloadStats};
+use miles_core::{Batch, CudaDevice, Device, HostDevice, MemoryTag, OffloadStats};
 
 use crate::backends::build_backend;
 use crate::baseline::{DirectIoBaseline, MemcpyBaseline};
@@ -68,6 +69,7 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
         .unwrap_or(0);
     let size = usize::try_from(widest).context("rank bytes do not fit this machine")?;
     let (base_out, base_in) = baseline(&settings, target, size)?;
+    let backend_on_gpu = crate::gpu::gpu_for(settings.device)?.is_some();
 
     let mut out = std::io::stdout().lock();
     writeln!(
@@ -84,6 +86,7 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
         out,
         "baseline ({}, {} bytes, same run): out {base_out:.2} GB/s, in {base_in:.2} GB/s",
         match target {
+            OffloadTarget::Cpu if backend_on_gpu => "plain pinned cuMemcpy",
             OffloadTarget::Cpu => "single-threaded memcpy",
             OffloadTarget::Disk => "O_DIRECT write+fsync / read",
         },
@@ -134,11 +137,14 @@ fn total_moved(stats: &OffloadStats) -> u64 {
 /// The plain copies of `size` bytes: (out, in) GB/s.
 fn baseline(settings: &Settings, target: OffloadTarget, size: usize) -> anyhow::Result<(f64, f64)> {
     match target {
-        OffloadTarget::Cpu => {
-            let mut copy = MemcpyBaseline::new(size);
-            copy.run();
-            Ok((copy.run(), copy.run()))
-        }
+        OffloadTarget::Cpu => match crate::gpu::gpu_for(settings.device)? {
+            Some(gpu) => pinned_copies(gpu.device(), size),
+            None => {
+                let mut copy = MemcpyBaseline::new(size);
+                copy.run();
+                Ok((copy.run(), copy.run()))
+            }
+        },
         OffloadTarget::Disk => {
             let dir = settings.offload_train_disk_dir.clone().ok_or_else(|| {
                 BadSettings(
@@ -155,6 +161,23 @@ fn baseline(settings: &Settings, target: OffloadTarget, size: usize) -> anyhow::
             io.run(size)
         }
     }
+}
+
+/// One plain pinned `cuMemcpyDtoH` and one `cuMemcpyHtoD` of `size` bytes between fresh device
+/// memory and a pinned buffer: (out, in) GB/s.
+fn pinned_copies(device: &CudaDevice, size: usize) -> anyhow::Result<(f64, f64)> {
+    let range = device.reserve(size.max(1).next_multiple_of(device.granularity()))?;
+    device.commit(range)?;
+    let mut host = device.alloc_host(size)?;
+    let bytes = range.slice(0, size)?;
+    let started = Instant::now();
+    device.plain_copy_to_host(bytes, &mut host, 0)?;
+    let out = size as f64 / started.elapsed().as_secs_f64() / 1e9;
+    let started = Instant::now();
+    device.plain_copy_from_host(&mut host, 0, bytes)?;
+    let back = size as f64 / started.elapsed().as_secs_f64() / 1e9;
+    device.unreserve(range)?;
+    Ok((out, back))
 }
 
 /// A deterministic batch of `b` sequences of `t` byte tokens.
