@@ -47,7 +47,7 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
         patterns.push(fill(&mut buffer)?);
         buffers.push(buffer);
     }
-    let pin_seconds = prepin_host_pool(&memory, &[size, size])?;
+    let pin_seconds = prepin_host_pool(&memory, &tags)?;
     let mut copier = CopyBaseline::new(opened, size)?;
     memory.pause(&tags[1])?;
     // Index of the tag that is paused now; each cycle swaps the roles.

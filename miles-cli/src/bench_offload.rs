@@ -278,7 +278,7 @@ fn bench(
     let mut buffer = memory.alloc(&tag, size)?;
     let pattern = fill(&mut buffer)?;
     let pin_seconds = if policy == BackupPolicy::Host {
-        prepin_host_pool(&memory, &[size])?
+        prepin_host_pool(&memory, std::slice::from_ref(&tag))?
     } else {
         0.0
     };
@@ -422,18 +422,12 @@ fn bench(
     Ok(())
 }
 
-/// Grow the manager's host pool to one buffer of each of `sizes` before the first pause, so the
+/// Grow the manager's host pool by a buffer for each of `tags` before the first pause, so the
 /// first cycle copies instead of pinning; returns the seconds it took.
-pub(crate) fn prepin_host_pool(memory: &MemoryManager, sizes: &[usize]) -> anyhow::Result<f64> {
+pub(crate) fn prepin_host_pool(memory: &MemoryManager, tags: &[MemoryTag]) -> anyhow::Result<f64> {
     let started = Instant::now();
-    let pool = memory.host_pool();
-    let taken = sizes
-        .iter()
-        .map(|&size| pool.take(size))
-        .collect::<Result<Vec<_>, _>>()?;
-    taken.into_iter().for_each(|buffer| pool.put(buffer));
+    let bytes = memory.prepare_host_backups(tags)?;
     let seconds = started.elapsed().as_secs_f64();
-    let bytes: usize = sizes.iter().sum();
     tracing::info!(
         bytes,
         seconds,

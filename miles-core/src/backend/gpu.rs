@@ -129,7 +129,16 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             },
             max_batch_tokens: MAX_BATCH_TOKENS,
         };
-        let trainer = GpuTrainer::new(gpu, memory, spec, params)?;
+        let trainer = GpuTrainer::new(gpu, Arc::clone(&memory), spec, params)?;
+        let started = Instant::now();
+        let pinned = memory.prepare_host_backups(&[MemoryTag::Params, MemoryTag::Optimizer])?;
+        if pinned > 0 {
+            tracing::info!(
+                bytes = pinned,
+                seconds = started.elapsed().as_secs_f64(),
+                "pinned the host pool for the trainer's backups up front"
+            );
+        }
         Ok(GpuBackend {
             trainer,
             layout: ParamLayout::new(&config),

@@ -89,6 +89,40 @@ impl MemoryManager {
         &self.stores.pool
     }
 
+    /// Grows the host pool by one buffer per tag of `tags` backed up to host memory, as large as
+    /// the tag's committed bytes now, so that its first pause copies instead of pinning (pinning
+    /// runs at about 20 GB/s, a third of the copy); returns the bytes added. Call it after the
+    /// tags' buffers are allocated; tags of other policies are skipped.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`]; [`MemoryError::Store`] when the host cannot provide a buffer.
+    pub fn prepare_host_backups(&self, tags: &[MemoryTag]) -> Result<u64, MemoryError> {
+        let mut sizes = Vec::new();
+        for tag in tags {
+            let region = self.region(tag)?;
+            if region.policy == BackupPolicy::Host && region.committed_bytes() > 0 {
+                sizes.push((tag, region.committed_bytes() as usize));
+            }
+        }
+        let pool = &self.stores.pool;
+        let before = pool.allocated_bytes();
+        let mut taken = Vec::with_capacity(sizes.len());
+        for (tag, len) in sizes {
+            match pool.take(len) {
+                Ok(buffer) => taken.push(buffer),
+                Err(source) => {
+                    taken.into_iter().for_each(|b| pool.put(b));
+                    return Err(MemoryError::Store {
+                        tag: tag.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        taken.into_iter().for_each(|b| pool.put(b));
+        Ok(pool.allocated_bytes() - before)
+    }
+
     /// Free the pool's host buffers that no paused region holds; returns the bytes freed.
     pub fn release_host_pool(&self) -> u64 {
         self.stores.pool.release()
@@ -652,6 +686,37 @@ mod tests {
             pooled,
             "the pool frees on request"
         );
+    }
+
+    #[test]
+    fn host_backups_prepared_up_front_are_what_the_first_pause_uses() {
+        let (_, memory) = manager(64 * MIB, None);
+        memory
+            .create_region(MemoryTag::Params, BackupPolicy::Host, 16 * MIB)
+            .unwrap();
+        memory
+            .create_region(MemoryTag::Grads, BackupPolicy::None, 16 * MIB)
+            .unwrap();
+        let mut params = memory.alloc(&MemoryTag::Params, 3 * MIB + 5).unwrap();
+        let _grads = memory.alloc(&MemoryTag::Grads, MIB).unwrap();
+        let data = random_bytes(7, 3 * MIB + 5);
+        params.write(0, &data).unwrap();
+        let prepared = memory
+            .prepare_host_backups(&[MemoryTag::Params, MemoryTag::Grads])
+            .unwrap();
+        assert!(
+            prepared >= (3 * MIB + 5) as u64,
+            "{prepared} bytes prepared"
+        );
+        assert_eq!(memory.host_pool().allocated_bytes(), prepared);
+        memory.pause(&MemoryTag::Params).unwrap();
+        assert_eq!(
+            memory.host_pool().allocated_bytes(),
+            prepared,
+            "the pause took the prepared buffer instead of growing the pool"
+        );
+        memory.resume(&MemoryTag::Params).unwrap();
+        assert_eq!(first_difference(&contents(&params), &data), None);
     }
 
     #[test]
