@@ -13,8 +13,8 @@ pub mod orchestrator;
 pub mod store;
 
 pub use backend::{
-    BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, TrainBackend,
-    WeightBucket, WeightSink,
+    BackendError, Batch, DeviceWeights, NamedTensor, OffloadStats, RankOffload, StepStats,
+    TrainBackend, WeightBucket, WeightSink,
 };
 pub use comm::{CommError, Communicator, LocalComm};
 pub use config::{

@@ -10,7 +10,8 @@ use miles_core::model::{
     ByteTokenizer, DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config, load_params,
 };
 use miles_core::{
-    BackupPolicy, Buffer, DeviceKind, MemoryManager, MemoryTag, RegionState, Settings,
+    BackupPolicy, Buffer, DeviceKind, DeviceWeights, MemoryManager, MemoryTag, RegionState,
+    Settings,
 };
 
 use crate::gpu::{self, GpuModel, Limits};
@@ -378,6 +379,48 @@ impl RolloutEngine {
             self.loaded[index] = true;
         }
         Ok(())
+    }
+
+    /// Whether [`copy_device_weights`](Self::copy_device_weights) takes `weights`: the engine
+    /// computes on the GPU of their device and they fill its parameter table.
+    pub fn takes_device_weights(&self, weights: &DeviceWeights) -> bool {
+        match &self.backend {
+            Backend::Gpu(model) => {
+                model.is_on(&weights.device) && weights.params.len() == self.layout().len()
+            }
+            Backend::Host { .. } => false,
+        }
+    }
+
+    /// Copies a trainer's bf16 weights, on the engine's device and in its parameter table's
+    /// order, into the weights after `weights.ready`, and waits for the copy: the same bytes a
+    /// weight update with their fp32 masters writes, without crossing the host link. Returns
+    /// the bytes copied.
+    ///
+    /// # Errors
+    /// [`InferError::Offloaded`] while the weights are offloaded; [`InferError::BadParameter`]
+    /// for weights [`takes_device_weights`](Self::takes_device_weights) refuses (nothing is
+    /// written then); [`InferError::Device`] when the copy fails.
+    pub fn copy_device_weights(&mut self, weights: &DeviceWeights) -> Result<u64, InferError> {
+        self.check_resident("copy the weights on the device", false)?;
+        let model = match &self.backend {
+            Backend::Gpu(model) if self.takes_device_weights(weights) => model,
+            _ => {
+                return Err(InferError::BadParameter {
+                    what: "device weights",
+                    reason: format!(
+                        "{} bf16 elements on {} do not fit this engine ({} elements on {}); copy them only into a gpu engine of the same device and model, else send them with update_weights",
+                        weights.params.len(),
+                        weights.device.name(),
+                        self.layout().len(),
+                        self.memory.device().name()
+                    ),
+                });
+            }
+        };
+        model.copy_weights(weights.params, &weights.ready)?;
+        self.loaded.fill(true);
+        Ok(weights.bytes())
     }
 
     /// Marks every weight tensor missing (their bytes were dropped).

@@ -1,6 +1,6 @@
 //! The colocated loop's view of the controller: [`miles_core::orchestrator::RolloutEngine`].
 
-use miles_core::backend::WeightBucket;
+use miles_core::backend::{DeviceWeights, WeightBucket};
 use miles_core::orchestrator::{EngineError, RolloutEngine as LoopEngine, Sample, Sampling};
 use miles_core::{MemoryTag, OffloadReport, RegionState};
 
@@ -106,6 +106,21 @@ impl LoopEngine for InferenceController {
             .collect();
         InferenceController::update_weights(self, &tensors).map_err(wrap("update the weights"))?;
         Ok(())
+    }
+
+    fn accepts_device_weights(&self, weights: &DeviceWeights) -> bool {
+        self.engine().takes_device_weights(weights)
+    }
+
+    fn copy_device_weights(&mut self, weights: &DeviceWeights) -> Result<Option<u64>, EngineError> {
+        if !self.accepts_device_weights(weights) {
+            return Ok(None);
+        }
+        let bytes = self
+            .engine_mut()
+            .copy_device_weights(weights)
+            .map_err(wrap("copy the weights on the device"))?;
+        Ok(Some(bytes))
     }
 
     fn resident_bytes(&self) -> Vec<(MemoryTag, u64)> {

@@ -1,20 +1,28 @@
 //! The rollout engine and its controller on the CPU device (issue 5): identical generation
-//! across offload cycles, shared prompt blocks, preemption, freed memory, and every error path.
+//! across offload cycles, shared prompt blocks, preemption, freed memory, and every error path;
+//! and the weight sync on one GPU (`MILES_TEST_DEVICE=cuda`, else it skips): a device copy from
+//! the GPU trainer gives the engine what the host path gives it.
 
 // Helpers of a test crate are test code: they may unwrap and panic.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use std::sync::Arc;
 
+use half::bf16;
+use miles_core::backend::{BackendError, Batch, DeviceWeights, TrainBackend};
+use miles_core::device::{Gpu, GpuSlice, OpenedDevice, open_test_device};
 use miles_core::model::{LlamaConfig, ParamLayout, init_params};
+use miles_core::orchestrator::RolloutEngine as LoopEngine;
 use miles_core::{
-    BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager, MemoryTag, RegionState,
-    RolloutOffloadLevel,
+    AddressRange, BackupPolicy, Device, Fence, HostDevice, ManagerSettings, MemoryManager,
+    MemoryTag, OffloadTarget, RegionState, RolloutOffloadLevel, Settings,
 };
 use miles_infer::{
     Completion, Dtype, EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor,
     RolloutEngine, SamplingParams, TensorData,
 };
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 const MIB: u64 = 1 << 20;
 
@@ -470,4 +478,122 @@ fn a_sample_that_fills_the_context_ends_with_context_limit() {
         assert_eq!(c.finish, miles_infer::FinishReason::ContextLimit, "{c:?}");
         assert_eq!(c.tokens.len(), 3, "prompt {} + 3 fill {max}", max - 3);
     }
+}
+
+#[test]
+fn a_cpu_engine_refuses_device_weights_and_keeps_its_own() {
+    let mut s = setup(BackupPolicy::Host, &[]);
+    let before = generate(&mut s.controller);
+    let len = s.controller.engine().layout().len();
+    let weights = DeviceWeights {
+        device: s.device.clone(),
+        params: GpuSlice::<bf16>::of(AddressRange {
+            start: 0,
+            len: len * 2,
+        })
+        .unwrap(),
+        ready: Fence::signalled(),
+    };
+    assert!(!s.controller.accepts_device_weights(&weights));
+    assert_eq!(s.controller.copy_device_weights(&weights).unwrap(), None);
+    let error = s
+        .controller
+        .engine_mut()
+        .copy_device_weights(&weights)
+        .unwrap_err();
+    assert!(error.to_string().contains("update_weights"), "{error}");
+    assert_eq!(generate(&mut s.controller), before);
+}
+
+/// A seeded batch of `b` sequences of `t` tokens of the tiny vocabulary, every target counted.
+fn train_batch(b: usize, t: usize, seed: u64) -> Batch {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let ids: Vec<u32> = (0..b * (t + 1))
+        .map(|_| rng.random_range(0..256u32))
+        .collect();
+    let rows: Vec<&[u32]> = ids.chunks(t + 1).collect();
+    Batch {
+        batch: b,
+        seq: t,
+        inputs: rows.iter().flat_map(|r| &r[..t]).copied().collect(),
+        targets: rows.iter().flat_map(|r| &r[1..]).copied().collect(),
+        weights: vec![1.0; b * t],
+        normaliser: (b * t) as f32,
+    }
+}
+
+#[test]
+fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() {
+    let device = match open_test_device(4 << 30).unwrap() {
+        OpenedDevice::Cuda(device) => device,
+        OpenedDevice::Cpu(_) => {
+            eprintln!("skipping: set MILES_TEST_DEVICE=cuda to run it on a gpu");
+            return;
+        }
+    };
+    let gpu = Arc::new(Gpu::new(Arc::clone(&device)).unwrap());
+    let settings = Settings {
+        preset: "tiny".into(),
+        seed: 11,
+        lr: 1e-2,
+        train_memory_margin_bytes: 0,
+        ..Settings::default()
+    };
+    let mut trainer = miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings).unwrap();
+    trainer.train_step(&train_batch(4, 32, 5)).unwrap();
+    let model = trainer.config().clone();
+    let engine = || {
+        let shared: Arc<dyn Device> = device.clone();
+        let memory = Arc::new(
+            MemoryManager::new(
+                shared,
+                ManagerSettings {
+                    margin_bytes: 0,
+                    disk: None,
+                },
+            )
+            .unwrap(),
+        );
+        let cfg = engine_config(BackupPolicy::Host, KvCapacity::Blocks(256));
+        let engine = RolloutEngine::on_gpu(memory, Arc::clone(&gpu), model.clone(), cfg).unwrap();
+        InferenceController::new(engine, &[], 64 * MIB)
+    };
+
+    let mut host = engine();
+    trainer
+        .export_weights(64 << 20, &mut |bucket| {
+            LoopEngine::update_weights(&mut host, &bucket)
+                .map_err(|error| BackendError::Sink(error.to_string()))
+        })
+        .unwrap();
+
+    let mut copied = engine();
+    let weights = trainer.device_weights().unwrap().unwrap();
+    let len = copied.engine().layout().len();
+    assert_eq!(
+        weights.params.len(),
+        len,
+        "the trainer's bf16 params fill the engine's table"
+    );
+    assert!(copied.accepts_device_weights(&weights));
+    let bytes = copied.copy_device_weights(&weights).unwrap();
+    assert_eq!(bytes, Some(len as u64 * 2));
+    // The copy is complete: the trainer may sleep before the engine generates.
+    trainer.offload(OffloadTarget::Cpu).unwrap();
+    assert!(trainer.device_weights().unwrap().is_none());
+
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        top_p: 1.0,
+        ..sampling()
+    };
+    let want = host.generate(&prompts(), &greedy).unwrap().completions;
+    let got = copied.generate(&prompts(), &greedy).unwrap().completions;
+    assert!(want.iter().any(|c| !c.tokens.is_empty()));
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.tokens, w.tokens, "tokens of prompt {}", g.prompt_index);
+        let bits = |c: &Completion| c.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(g), bits(w), "log-probs of prompt {}", g.prompt_index);
+    }
+    assert_eq!(got.len(), want.len());
 }

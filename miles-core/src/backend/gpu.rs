@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{
-    BackendError, Batch, OffloadStats, RankOffload, StepStats, TrainBackend, WeightSink,
-    export_full_weights,
+    BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
+    WeightSink, export_full_weights,
 };
 use crate::config::{OffloadTarget, Settings};
 use crate::device::{Device, Gpu};
@@ -240,6 +240,18 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
         self.check_on_device("export weights")?;
         let full = self.trainer.master_params()?;
         export_full_weights(&self.layout, &full, bucket_bytes, sink)
+    }
+
+    fn device_weights(&self) -> Result<Option<DeviceWeights>, BackendError> {
+        let device: Arc<dyn Device> = self.trainer.memory().device().clone();
+        Ok(self
+            .trainer
+            .device_params()?
+            .map(|(params, ready)| DeviceWeights {
+                device,
+                params,
+                ready,
+            }))
     }
 
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {

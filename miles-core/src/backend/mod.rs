@@ -13,9 +13,13 @@
 mod gpu;
 
 use std::path::Path;
+use std::sync::Arc;
+
+use half::bf16;
 
 use crate::comm::CommError;
 use crate::config::OffloadTarget;
+use crate::device::{Device, Fence, GpuSlice};
 use crate::memory::{MemoryError, MemoryTag, OffloadReport};
 use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::StoreError;
@@ -209,6 +213,27 @@ pub struct NamedTensor {
     pub data: Vec<f32>,
 }
 
+/// A backend's full bf16 weights in device memory, in [`ParamLayout`](crate::model::ParamLayout)
+/// order (a tied head once, as the embedding): what a rollout engine on the same device copies
+/// without crossing the host link ([`TrainBackend::device_weights`]).
+#[derive(Clone, Debug)]
+pub struct DeviceWeights {
+    /// The device the weights live on; an engine copies them only onto the same one.
+    pub device: Arc<dyn Device>,
+    /// The weights: [`ParamLayout::len`](crate::model::ParamLayout::len) elements.
+    pub params: GpuSlice<bf16>,
+    /// Signalled once the work queued before the weights were handed out (the last optimizer
+    /// update) is done: a copy waits for it on the device before reading.
+    pub ready: Fence,
+}
+
+impl DeviceWeights {
+    /// Bytes of the weights.
+    pub fn bytes(&self) -> u64 {
+        (self.params.len() * size_of::<bf16>()) as u64
+    }
+}
+
 /// Receives the buckets of [`TrainBackend::export_weights`] in order.
 pub type WeightSink<'a> = dyn FnMut(WeightBucket) -> Result<(), BackendError> + 'a;
 
@@ -270,6 +295,20 @@ pub trait TrainBackend: Send {
         bucket_bytes: usize,
         sink: &mut WeightSink<'_>,
     ) -> Result<(), BackendError>;
+
+    /// The full bf16 weights where they live on the device, for a rollout engine on the same
+    /// device to copy there ([`RolloutEngine::copy_device_weights`]); they stay valid until the
+    /// next call that changes or moves them (a train step, an offload, a load). `None` for a
+    /// backend that holds no full bf16 copy on one device (the CPU backends), or while
+    /// offloaded: the loop then syncs through [`export_weights`](Self::export_weights).
+    ///
+    /// [`RolloutEngine::copy_device_weights`]: crate::orchestrator::RolloutEngine::copy_device_weights
+    ///
+    /// # Errors
+    /// What the device hit recording the fence.
+    fn device_weights(&self) -> Result<Option<DeviceWeights>, BackendError> {
+        Ok(None)
+    }
 
     /// Writes a checkpoint into `dir`: the weights as a Hugging Face safetensors checkpoint,
     /// plus the optimizer state and step in the backend's own files.

@@ -4,7 +4,7 @@
 //! `miles-infer` implements [`RolloutEngine`]; the orchestrator only calls it, in the order of
 //! DESIGN section 8.
 
-use crate::backend::WeightBucket;
+use crate::backend::{DeviceWeights, WeightBucket};
 use crate::memory::{MemoryError, MemoryTag, OffloadReport};
 
 /// How tokens are drawn in one rollout.
@@ -103,6 +103,27 @@ pub trait RolloutEngine: Send {
     /// # Errors
     /// [`EngineError`] for an unknown name or shape, or weights that are offloaded.
     fn update_weights(&mut self, bucket: &WeightBucket) -> Result<(), EngineError>;
+
+    /// Whether [`copy_device_weights`](Self::copy_device_weights) takes `weights`: the engine
+    /// computes on their device and holds weights of their layout. Asked before the engine's
+    /// weights come back, so that the loop picks the sync path (and its order) up front; `false`
+    /// for an engine that cannot (the CPU engines).
+    fn accepts_device_weights(&self, weights: &DeviceWeights) -> bool {
+        let _ = weights;
+        false
+    }
+
+    /// Copies the trainer's bf16 weights into the engine's on the device, after `weights.ready`,
+    /// and returns once the copy is done (the trainer may offload right after) with the bytes
+    /// copied; `None` when the engine does not take them (see
+    /// [`accepts_device_weights`](Self::accepts_device_weights)), nothing copied.
+    ///
+    /// # Errors
+    /// [`EngineError`] while the weights are offloaded, or when the copy fails.
+    fn copy_device_weights(&mut self, weights: &DeviceWeights) -> Result<Option<u64>, EngineError> {
+        let _ = weights;
+        Ok(None)
+    }
 
     /// Device bytes each of the engine's tags holds now (nothing for an offloaded tag).
     fn resident_bytes(&self) -> Vec<(MemoryTag, u64)>;

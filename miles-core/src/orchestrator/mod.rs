@@ -8,6 +8,14 @@
 //! trains (actor, and critic under PPO); save if due; the trainer offloads to its target; the
 //! engine's weights come back; weight sync in buckets; the KV cache comes back. Every offload
 //! and onload happens only when its switch is on.
+//!
+//! When the actor shows its bf16 weights on a device ([`TrainBackend::device_weights`]) and the
+//! engine takes them from there ([`RolloutEngine::accepts_device_weights`]), the tail after
+//! training (and the start, after the warm-up) runs: the engine's weights come back; the sync
+//! copies the trainer's weights on the device, nothing exported; the trainer sleeps; the KV
+//! cache comes back.
+//!
+//! [`TrainBackend::device_weights`]: crate::backend::TrainBackend::device_weights
 
 mod advantage;
 mod batch;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use crate::backend::{BackendError, TrainBackend, WeightBucket};
+use crate::backend::{TrainBackend, WeightBucket};
 use crate::config::{AdvantageEstimator, OffloadTarget, RolloutOffloadLevel, Settings, Task};
 use crate::memory::OffloadReport;
 use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, TimelineSample};
@@ -14,9 +14,11 @@ use crate::model::ByteTokenizer;
 use super::OrchestratorError;
 use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
 use super::batch::{Sequence, build_batch};
-use super::engine::{EngineError, RolloutEngine, Sample, Sampling};
+use super::engine::{RolloutEngine, Sample, Sampling};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
+
+mod sync;
 
 /// What the loop runs: the part of [`Settings`] it reads, checked.
 #[derive(Clone, Debug, PartialEq)]
@@ -125,6 +127,15 @@ struct Rollout {
     rewards: Vec<f32>,
 }
 
+/// A step's phases up to the checkpoint.
+const HEAD: [Phase; 5] = [
+    Phase::Generate,
+    Phase::OffloadRollout,
+    Phase::OnloadTrain,
+    Phase::Train,
+    Phase::Save,
+];
+
 /// Whether the loop goes on after a phase.
 enum Next {
     Continue,
@@ -150,6 +161,8 @@ pub struct Orchestrator {
     weights_offloaded: bool,
     /// Seconds the last weight export before an offload took.
     export_seconds: f64,
+    /// The tail in progress syncs on the device ([`DEVICE_TAIL`]).
+    device_sync: bool,
 }
 
 impl Orchestrator {
@@ -186,6 +199,7 @@ impl Orchestrator {
             kv_offloaded: false,
             weights_offloaded: false,
             export_seconds: 0.0,
+            device_sync: false,
         }
     }
 
@@ -275,8 +289,10 @@ impl Orchestrator {
         }
     }
 
-    /// Start: the engine releases all its memory; the trainer (after any supervised warm-up)
-    /// sleeps; the engine's weights come back; weights sync; the KV cache comes back.
+    /// Start: the engine releases all its memory; after any supervised warm-up, the trainer
+    /// sleeps, the engine's weights come back and the weights sync through the host, or (on one
+    /// device, see [`tail`](Self::tail)) the engine's weights come back, copy the trainer's and
+    /// the trainer sleeps; the KV cache comes back.
     fn start(&mut self) -> Result<Next, OrchestratorError> {
         self.sample_memory("start".into());
         if self.config.offload_rollout {
@@ -293,13 +309,16 @@ impl Orchestrator {
             self.warmup_step()?;
         }
         let mut ignored = StepMetrics::default();
-        if self.config.offload_train {
-            self.offload_train()?;
-            // The start sequence keeps no phase timings.
-            self.export_seconds = 0.0;
-            self.sample_memory("start after trainer sleep".into());
-        }
-        for phase in [Phase::OnloadWeights, Phase::Sync, Phase::OnloadKv] {
+        for phase in self.tail()? {
+            if phase == Phase::OffloadTrain {
+                if self.config.offload_train {
+                    self.offload_train()?;
+                    // The start sequence keeps no phase timings.
+                    self.export_seconds = 0.0;
+                    self.sample_memory("start after trainer sleep".into());
+                }
+                continue;
+            }
             if let Next::Stop = self.stopped() {
                 return Ok(Next::Stop);
             }
@@ -318,31 +337,44 @@ impl Orchestrator {
         let total = self.sample_memory(format!("step {step} step_start"));
         metrics.boundary("step_start".into(), total);
         let mut rollout = None;
-        for phase in Phase::ALL {
-            let started = Instant::now();
-            let bytes = match phase {
-                Phase::Generate => {
-                    rollout = Some(self.generate(step)?);
-                    0
-                }
-                _ => self.run_phase(phase, &mut metrics, rollout.as_ref())?,
-            };
-            // Exporting the weights before the trainer sleeps belongs to the sync.
-            let export = std::mem::take(&mut self.export_seconds);
-            metrics.add(phase, started.elapsed().as_secs_f64() - export, bytes);
-            metrics.add(Phase::Sync, export, 0);
-            let total = self.sample_memory(format!("step {step} after_{}", phase.name()));
-            metrics.boundary(format!("after_{}", phase.name()), total);
-            if phase == Phase::Generate
-                && let Some(r) = &rollout
-            {
-                (metrics.reward_mean, metrics.reward_std) = mean_std(&r.rewards);
+        for phase in HEAD {
+            if let Next::Stop = self.step_phase(phase, &mut metrics, &mut rollout)? {
+                return Ok(None);
             }
-            if let Next::Stop = self.stopped() {
+        }
+        for phase in self.tail()? {
+            if let Next::Stop = self.step_phase(phase, &mut metrics, &mut rollout)? {
                 return Ok(None);
             }
         }
         Ok(Some(metrics))
+    }
+
+    /// Runs one phase of step `metrics.step`, timed, and samples the memory after it.
+    fn step_phase(
+        &mut self,
+        phase: Phase,
+        metrics: &mut StepMetrics,
+        rollout: &mut Option<Rollout>,
+    ) -> Result<Next, OrchestratorError> {
+        let started = Instant::now();
+        let bytes = match phase {
+            Phase::Generate => {
+                let generated = self.generate(metrics.step)?;
+                (metrics.reward_mean, metrics.reward_std) = mean_std(&generated.rewards);
+                *rollout = Some(generated);
+                0
+            }
+            _ => self.run_phase(phase, metrics, rollout.as_ref())?,
+        };
+        // Exporting the weights before the trainer sleeps belongs to the sync.
+        let export = std::mem::take(&mut self.export_seconds);
+        metrics.add(phase, started.elapsed().as_secs_f64() - export, bytes);
+        metrics.add(Phase::Sync, export, 0);
+        let step = metrics.step;
+        let total = self.sample_memory(format!("step {step} after_{}", phase.name()));
+        metrics.boundary(format!("after_{}", phase.name()), total);
+        Ok(self.stopped())
     }
 
     /// Runs one phase other than generation; returns the bytes it moved.
@@ -399,6 +431,7 @@ impl Orchestrator {
                     0
                 }
             }
+            Phase::Sync if self.device_sync => self.sync_on_device()?,
             Phase::Sync => self.sync()?,
             Phase::OnloadKv => {
                 if self.kv_offloaded {
@@ -524,91 +557,6 @@ impl Orchestrator {
         self.state.warmup_steps = index;
         tracing::info!(step = index, loss = stats.loss, "supervised warm-up");
         Ok(())
-    }
-
-    fn onload_train(&mut self) -> Result<u64, OrchestratorError> {
-        let mut bytes = 0;
-        if self.actor.is_offloaded() {
-            let stats = self
-                .actor
-                .onload()
-                .map_err(OrchestratorError::train("actor", "onload"))?;
-            bytes += stats.bytes();
-        }
-        if let Some(critic) = &mut self.critic
-            && critic.is_offloaded()
-        {
-            let stats = critic
-                .onload()
-                .map_err(OrchestratorError::train("critic", "onload"))?;
-            bytes += stats.bytes();
-        }
-        Ok(bytes)
-    }
-
-    /// Stages the weights for the coming sync unless the actor exports while offloaded, then
-    /// offloads actor and critic to the target.
-    fn offload_train(&mut self) -> Result<u64, OrchestratorError> {
-        if !self.config.export_while_offloaded {
-            let started = Instant::now();
-            let mut staged = Vec::new();
-            self.actor
-                .export_weights(self.config.bucket_bytes, &mut |bucket| {
-                    staged.push(bucket);
-                    Ok(())
-                })
-                .map_err(OrchestratorError::train("actor", "export weights"))?;
-            self.staged = Some(staged);
-            self.export_seconds = started.elapsed().as_secs_f64();
-        }
-        let target = self.config.offload_train_target;
-        let stats = self
-            .actor
-            .offload(target)
-            .map_err(OrchestratorError::train("actor", "offload"))?;
-        let mut bytes = stats.bytes();
-        if let Some(critic) = &mut self.critic {
-            let stats = critic
-                .offload(target)
-                .map_err(OrchestratorError::train("critic", "offload"))?;
-            bytes += stats.bytes();
-        }
-        Ok(bytes)
-    }
-
-    /// Sends the trainer's weights to the engine in buckets: the staged ones when the trainer
-    /// is asleep, else straight from the trainer.
-    fn sync(&mut self) -> Result<u64, OrchestratorError> {
-        let mut bytes = 0u64;
-        if let Some(staged) = self.staged.take() {
-            for bucket in staged {
-                self.engine.update_weights(&bucket)?;
-                bytes += bucket.bytes() as u64;
-            }
-            return Ok(bytes);
-        }
-        let engine = &mut self.engine;
-        let mut failure: Option<EngineError> = None;
-        let exported = self
-            .actor
-            .export_weights(self.config.bucket_bytes, &mut |bucket| match engine
-                .update_weights(&bucket)
-            {
-                Ok(()) => {
-                    bytes += bucket.bytes() as u64;
-                    Ok(())
-                }
-                Err(error) => {
-                    let message = error.to_string();
-                    failure = Some(error);
-                    Err(BackendError::Sink(message))
-                }
-            });
-        if let Some(error) = failure {
-            return Err(error.into());
-        }
-        exported.map_err(OrchestratorError::train("actor", "export weights"))?;
-        Ok(bytes)
     }
 
     fn save_due(&self, step: u64) -> bool {

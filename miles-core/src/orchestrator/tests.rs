@@ -11,8 +11,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::*;
 use crate::backend::{
-    BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, TrainBackend,
-    WeightBucket, WeightSink,
+    BackendError, Batch, DeviceWeights, NamedTensor, OffloadStats, RankOffload, StepStats,
+    TrainBackend, WeightBucket, WeightSink,
 };
 use crate::config::{AdvantageEstimator, OffloadTarget, Task};
 use crate::device::HostDevice;
@@ -21,6 +21,8 @@ use crate::memory::{
 };
 use crate::metrics::{Phase, StepMetrics};
 use crate::model::{ByteTokenizer, LlamaConfig};
+
+mod sync;
 
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -77,6 +79,8 @@ struct FakeActor {
     offloaded: Option<OffloadTarget>,
     /// Exports from its backup while offloaded, as a backend with host-pool export would.
     exports_offloaded: bool,
+    /// Shows these as its weights on the device while awake, as a GPU backend would.
+    device_weights: Option<DeviceWeights>,
 }
 
 const TRAIN_TAGS: [MemoryTag; 2] = [MemoryTag::Params, MemoryTag::Grads];
@@ -98,6 +102,7 @@ impl FakeActor {
             step: 0,
             offloaded: None,
             exports_offloaded: false,
+            device_weights: None,
         }
     }
 
@@ -189,6 +194,9 @@ impl TrainBackend for FakeActor {
         }
         sink(bucket)
     }
+    fn device_weights(&self) -> Result<Option<DeviceWeights>, BackendError> {
+        Ok(self.device_weights.clone().filter(|_| !self.is_offloaded()))
+    }
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
         note(&self.log, "actor.save");
         let text = serde_json::to_string(&(self.step, &self.tensors)).unwrap();
@@ -274,6 +282,8 @@ struct FakeEngine {
     weights_offloaded: bool,
     tokenizer: ByteTokenizer,
     stop_during_generate: Option<Arc<AtomicBool>>,
+    /// Takes the trainer's weights on the device, as a GPU engine on the trainer's device would.
+    takes_device_weights: bool,
 }
 
 impl FakeEngine {
@@ -291,6 +301,7 @@ impl FakeEngine {
             weights_offloaded: false,
             tokenizer: tokenizer(),
             stop_during_generate: None,
+            takes_device_weights: false,
         }
     }
 }
@@ -379,6 +390,16 @@ impl RolloutEngine for FakeEngine {
         }
         self.weights += bucket.tensors.iter().flat_map(|t| &t.data).sum::<f32>();
         Ok(())
+    }
+    fn accepts_device_weights(&self, _: &DeviceWeights) -> bool {
+        self.takes_device_weights
+    }
+    fn copy_device_weights(&mut self, weights: &DeviceWeights) -> Result<Option<u64>, EngineError> {
+        note(&self.log, "engine.copy_device_weights");
+        if self.weights_offloaded {
+            return Err(failure("copy the weights", "weights are offloaded"));
+        }
+        Ok(self.takes_device_weights.then(|| weights.bytes()))
     }
     fn resident_bytes(&self) -> Vec<(MemoryTag, u64)> {
         self.memory.resident_bytes()
@@ -737,60 +758,4 @@ fn warmup_trains_on_answers_before_the_trainer_first_sleeps() {
         ]
     );
     assert_eq!(o.state().warmup_steps, 2);
-}
-
-#[test]
-fn a_backend_that_exports_while_offloaded_syncs_after_it_sleeps() {
-    let log = Log::default();
-    let mut actor = FakeActor::new(&log);
-    actor.exports_offloaded = true;
-    let config = LoopConfig {
-        export_while_offloaded: true,
-        ..colocated(1)
-    };
-    let mut o = Orchestrator::new(
-        config,
-        Box::new(actor),
-        Box::new(FakeEngine::new(&log)),
-        tokenizer(),
-    );
-    run(&mut o);
-    let tail = [
-        "actor.offload",
-        "engine.onload_weights",
-        "actor.export_weights",
-        "engine.update_weights",
-        "engine.update_weights",
-        "engine.onload_kv",
-    ];
-    let calls = calls(&log);
-    assert_eq!(calls[calls.len() - tail.len()..], tail);
-    assert_eq!(calls[3..9], tail);
-}
-
-#[test]
-fn the_actor_memory_is_read_from_the_backend_from_the_start() {
-    let log = Log::default();
-    let mut o = orchestrator(colocated(2), &log);
-    run(&mut o);
-    let held = |label: &str| {
-        let sample = o
-            .timeline()
-            .samples()
-            .iter()
-            .find(|s| s.label == label)
-            .unwrap_or_else(|| panic!("no sample {label}"));
-        ["train/params", "train/grads"].map(|tag| {
-            sample
-                .tags
-                .iter()
-                .find(|(n, _)| n == tag)
-                .map_or(0, |(_, b)| *b)
-        })
-    };
-    // Before the trainer ever offloads, its memory is already known.
-    assert_eq!(held("start"), [6 * MIB as u64, 4 * MIB as u64]);
-    assert_eq!(held("start after trainer sleep"), [0, 0]);
-    assert_eq!(held("step 2 after_train"), [6 * MIB as u64, 4 * MIB as u64]);
-    assert_eq!(held("step 2 after_onload_kv"), [0, 0]);
 }

@@ -22,7 +22,7 @@ use miles_core::device::{
 };
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
-use miles_core::{Buffer, Device, DeviceKind, MemoryManager};
+use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 
 use crate::InferError;
@@ -271,6 +271,41 @@ impl GpuModel {
         self.weights
             .write(offset * ELEMENT_BYTES, &bytes)
             .map_err(InferError::memory("write the weights"))
+    }
+
+    /// Whether `device` is the one this model computes on.
+    pub(crate) fn is_on(&self, device: &Arc<dyn Device>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(device), Arc::as_ptr(self.gpu.device()))
+    }
+
+    /// Copies `src` (the whole parameter table, bf16, on this model's device) into the weights
+    /// on the device after `ready`, and waits for the copy, so that the owner of `src` may move
+    /// it as soon as this returns.
+    ///
+    /// # Errors
+    /// [`InferError::Internal`] for a source of another length; [`InferError::Device`] when the
+    /// copy or a wait fails.
+    pub(crate) fn copy_weights(
+        &self,
+        src: GpuSlice<bf16>,
+        ready: &Fence,
+    ) -> Result<(), InferError> {
+        let len = self.layout.len();
+        if src.len() != len {
+            return Err(InferError::Internal(format!(
+                "device weights of {} elements cannot fill a parameter table of {len}",
+                src.len()
+            )));
+        }
+        let copy = InferError::device("copy the weights on the gpu");
+        let dst = GpuSlice::<bf16>::of(self.weights.range())
+            .and_then(|all| all.sub(0, len))
+            .map_err(copy)?;
+        self.gpu.wait_for(ready).map_err(copy)?;
+        self.gpu.copy(dst, src).map_err(copy)?;
+        let done = self.gpu.record_fence().map_err(copy)?;
+        self.weights.record_use(done.clone());
+        done.wait().map_err(copy)
     }
 
     /// Uploads what a generate call needs besides the weights: the rotary tables, which live in

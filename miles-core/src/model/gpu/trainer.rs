@@ -8,7 +8,7 @@ use half::bf16;
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
 use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer};
-use crate::device::{AdamWStep, DeviceError, Gpu, GpuElement, GpuSlice};
+use crate::device::{AdamWStep, DeviceError, Fence, Gpu, GpuElement, GpuSlice};
 use crate::memory::{
     BackupPolicy, Buffer, MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
 };
@@ -241,6 +241,21 @@ impl GpuTrainer {
     pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
         self.ensure_active("read the master weights")?;
         self.download(&self.master)
+    }
+
+    /// The bf16 weights on the device (each the round-to-nearest-even of its master weight), in
+    /// [`ParamLayout`](crate::model::ParamLayout) order, with a fence after every kernel queued
+    /// so far (the last AdamW update writes them); `None` while offloaded. The view stays valid
+    /// until the next call that takes `&mut self`.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when the fence cannot be recorded.
+    pub fn device_params(&self) -> Result<Option<(GpuSlice<bf16>, Fence)>, ModelError> {
+        if self.offloaded {
+            return Ok(None);
+        }
+        let params = slice::<bf16>(&self.params)?.sub(0, self.model.layout().len())?;
+        Ok(Some((params, self.gpu.record_fence()?)))
     }
 
     /// Replaces the master weights with `params` and the bf16 weights with their rounding;

@@ -1,0 +1,150 @@
+//! The switch from training to rollout: the trainer sleeps and wakes, and the weights go from
+//! the trainer to the engine, through the host or, on one device, by a device copy.
+
+use std::time::Instant;
+
+use super::Orchestrator;
+use crate::backend::BackendError;
+use crate::metrics::Phase;
+use crate::orchestrator::OrchestratorError;
+use crate::orchestrator::engine::EngineError;
+
+/// The tail of DESIGN section 8: the trainer sleeps, then the weights cross the host link into
+/// the engine.
+const HOST_TAIL: [Phase; 4] = [
+    Phase::OffloadTrain,
+    Phase::OnloadWeights,
+    Phase::Sync,
+    Phase::OnloadKv,
+];
+
+/// The tail when trainer and engine share a device: the engine's weights come back and copy the
+/// trainer's on the device before the trainer sleeps.
+const DEVICE_TAIL: [Phase; 4] = [
+    Phase::OnloadWeights,
+    Phase::Sync,
+    Phase::OffloadTrain,
+    Phase::OnloadKv,
+];
+
+impl Orchestrator {
+    /// Picks the order of the phases after training: [`DEVICE_TAIL`] when the actor shows its
+    /// bf16 weights on a device and the engine takes them from there (no export, nothing
+    /// crosses the host link), else [`HOST_TAIL`].
+    pub(super) fn tail(&mut self) -> Result<[Phase; 4], OrchestratorError> {
+        let weights = self
+            .actor
+            .device_weights()
+            .map_err(OrchestratorError::train("actor", "show its device weights"))?;
+        self.device_sync = weights.is_some_and(|w| self.engine.accepts_device_weights(&w));
+        Ok(if self.device_sync {
+            DEVICE_TAIL
+        } else {
+            HOST_TAIL
+        })
+    }
+
+    pub(super) fn onload_train(&mut self) -> Result<u64, OrchestratorError> {
+        let mut bytes = 0;
+        if self.actor.is_offloaded() {
+            let stats = self
+                .actor
+                .onload()
+                .map_err(OrchestratorError::train("actor", "onload"))?;
+            bytes += stats.bytes();
+        }
+        if let Some(critic) = &mut self.critic
+            && critic.is_offloaded()
+        {
+            let stats = critic
+                .onload()
+                .map_err(OrchestratorError::train("critic", "onload"))?;
+            bytes += stats.bytes();
+        }
+        Ok(bytes)
+    }
+
+    /// Stages the weights for the coming sync unless the actor exports while offloaded or the
+    /// weights were copied on the device already, then offloads actor and critic to the target.
+    pub(super) fn offload_train(&mut self) -> Result<u64, OrchestratorError> {
+        if !self.config.export_while_offloaded && !self.device_sync {
+            let started = Instant::now();
+            let mut staged = Vec::new();
+            self.actor
+                .export_weights(self.config.bucket_bytes, &mut |bucket| {
+                    staged.push(bucket);
+                    Ok(())
+                })
+                .map_err(OrchestratorError::train("actor", "export weights"))?;
+            self.staged = Some(staged);
+            self.export_seconds = started.elapsed().as_secs_f64();
+        }
+        let target = self.config.offload_train_target;
+        let stats = self
+            .actor
+            .offload(target)
+            .map_err(OrchestratorError::train("actor", "offload"))?;
+        let mut bytes = stats.bytes();
+        if let Some(critic) = &mut self.critic {
+            let stats = critic
+                .offload(target)
+                .map_err(OrchestratorError::train("critic", "offload"))?;
+            bytes += stats.bytes();
+        }
+        Ok(bytes)
+    }
+
+    /// Sends the trainer's weights to the engine in buckets: the staged ones when the trainer
+    /// is asleep, else straight from the trainer.
+    pub(super) fn sync(&mut self) -> Result<u64, OrchestratorError> {
+        let mut bytes = 0u64;
+        if let Some(staged) = self.staged.take() {
+            for bucket in staged {
+                self.engine.update_weights(&bucket)?;
+                bytes += bucket.bytes() as u64;
+            }
+            return Ok(bytes);
+        }
+        let engine = &mut self.engine;
+        let mut failure: Option<EngineError> = None;
+        let exported = self
+            .actor
+            .export_weights(self.config.bucket_bytes, &mut |bucket| match engine
+                .update_weights(&bucket)
+            {
+                Ok(()) => {
+                    bytes += bucket.bytes() as u64;
+                    Ok(())
+                }
+                Err(error) => {
+                    let message = error.to_string();
+                    failure = Some(error);
+                    Err(BackendError::Sink(message))
+                }
+            });
+        if let Some(error) = failure {
+            return Err(error.into());
+        }
+        exported.map_err(OrchestratorError::train("actor", "export weights"))?;
+        Ok(bytes)
+    }
+
+    /// Copies the actor's bf16 weights into the engine's on the device; returns the bytes
+    /// copied. Should the actor or the engine decline now, after [`tail`](Self::tail) chose the
+    /// device, the weights go through the host from the trainer, which is still awake.
+    pub(super) fn sync_on_device(&mut self) -> Result<u64, OrchestratorError> {
+        let weights = self
+            .actor
+            .device_weights()
+            .map_err(OrchestratorError::train("actor", "show its device weights"))?;
+        if let Some(weights) = weights
+            && let Some(bytes) = self.engine.copy_device_weights(&weights)?
+        {
+            return Ok(bytes);
+        }
+        tracing::warn!(
+            "the device weight copy was declined after it was chosen; syncing through the host"
+        );
+        self.sync()
+    }
+}
