@@ -69,4 +69,36 @@ pub enum CommError {
     /// A world that cannot be built.
     #[error("cannot build a communicator: {0}")]
     Setup(String),
+    /// A launch variable that is missing, unparsable or inconsistent.
+    #[error("launch environment: {variable} {problem}")]
+    Launch {
+        /// The variable at fault.
+        variable: &'static str,
+        /// What is wrong with it, and the fix.
+        problem: String,
+    },
+    /// The exchange of the communicator id failed.
+    #[error("rank {rank}, communicator id exchange at {endpoint}: {problem}")]
+    Rendezvous {
+        /// This rank.
+        rank: usize,
+        /// `MASTER_ADDR:MASTER_PORT`.
+        endpoint: String,
+        /// What failed, and the fix.
+        problem: String,
+    },
+    /// The exchange of the communicator id did not complete in time.
+    #[error(
+        "rank {rank}, communicator id exchange at {endpoint}: timed out after {seconds:.1} s waiting for {waiting_for}; start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the timeout"
+    )]
+    RendezvousTimeout {
+        /// This rank.
+        rank: usize,
+        /// `MASTER_ADDR:MASTER_PORT`.
+        endpoint: String,
+        /// How long it waited.
+        seconds: f64,
+        /// Who never showed up.
+        waiting_for: String,
+    },
 }

@@ -3,12 +3,15 @@
 //! [`Communicator`] is the contract: all-reduce, all-gather, reduce-scatter, broadcast and
 //! barrier over f32 buffers, plus [`Communicator::split`] to cut a world into tensor- and
 //! data-parallel groups. [`LocalComm`] runs ranks as threads of one process (the CPU device);
-//! NCCL implements the same trait for CUDA.
+//! NCCL implements the same trait for CUDA. [`LaunchEnv`] reads a multi-process job's layout
+//! from its launcher, and [`exchange_id`] hands rank 0's communicator id to every rank.
 
 mod error;
+mod launch;
 mod local;
 
 pub use error::CommError;
+pub use launch::{DEFAULT_MASTER_PORT, ID_BYTES, LaunchEnv, exchange_id};
 pub use local::LocalComm;
 
 /// One rank's handle on a group of ranks.

@@ -90,6 +90,16 @@ pub enum DeviceError {
         /// Elements it holds.
         actual: usize,
     },
+    /// A rank outside its communicator's group, or a group of no rank.
+    #[error("{what} {rank} is outside a group of {world} ranks; pick a rank below {world}")]
+    BadRank {
+        /// Which rank (`rank`, `broadcast root`).
+        what: &'static str,
+        /// The rank given.
+        rank: usize,
+        /// The group's size.
+        world: usize,
+    },
     /// No CUDA driver or GPU could be used.
     #[error(
         "cuda is not available: {0}; use --device cpu, or run `miles doctor` to see what is missing"

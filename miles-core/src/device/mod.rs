@@ -21,8 +21,8 @@ pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 #[cfg(test)]
 pub(crate) use cuda::compute::testing;
 pub use cuda::compute::{
-    AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, PAGED_MAX_HEAD_DIM,
-    PagedCache, PagedTokens, Transpose,
+    AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, NcclComm,
+    PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, Transpose,
 };
 pub use cuda::{CudaDevice, CudaOptions, ReleaseMode};
 pub use error::DeviceError;

@@ -13,6 +13,7 @@
 
 mod blas;
 mod elementwise;
+mod nccl;
 mod paged;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
@@ -36,6 +37,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
+pub use nccl::NcclComm;
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
 pub use train::{AdamWStep, HeadShape};
 
@@ -229,6 +231,11 @@ impl Gpu {
     /// The device whose memory the tensors live in.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
+    }
+
+    /// The compute stream, for libraries (NCCL) that queue on it.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// Waits for every kernel queued so far.
