@@ -4,9 +4,9 @@
 //!
 //! Pause: the calling thread copies chunk k+1 from the device into a staging buffer and
 //! checksums it while writer threads write chunks k and k-1 (O_DIRECT where the filesystem
-//! allows). Resume (`disk/load.rs`): reader threads keep reads of the file in flight while the calling
-//! thread verifies what has landed; on a device the host addresses (the CPU device) the bytes are
-//! read straight into device memory, elsewhere through staging buffers.
+//! allows). Resume (`disk/load.rs`): reader threads keep reads of the file in flight while the
+//! calling thread verifies what has landed; on a device the host addresses (the CPU device) the
+//! bytes are read straight into device memory, elsewhere through staging buffers.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;

@@ -213,7 +213,8 @@ fn lower_priority(nice: i32) {
     // needs no privilege.
     let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
     if rc != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "prefault thread keeps its priority");
+        let error = std::io::Error::last_os_error();
+        tracing::debug!(%error, "a prefault thread keeps its priority");
     }
 }
 
