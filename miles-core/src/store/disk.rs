@@ -54,6 +54,7 @@ pub struct DiskStore {
     janitor: Mutex<Option<mpsc::Sender<PathBuf>>>,
     janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fail_write_at: Option<usize>,
+    fail_read_at: Option<usize>,
 }
 
 /// A region saved to disk: its directory and manifest.
@@ -126,6 +127,7 @@ impl DiskStore {
             janitor: Mutex::new(janitor),
             janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
+            fail_read_at: None,
         })
     }
 
@@ -335,6 +337,7 @@ impl DiskStore {
             chunk_bytes,
             total,
             crc32c: &on_disk.crc32c,
+            fail_read_at: self.fail_read_at,
         }
         .run()
     }
@@ -366,6 +369,12 @@ impl DiskStore {
     #[cfg(test)]
     pub(crate) fn inject_write_fault(&mut self, index: usize) {
         self.fail_write_at = Some(index);
+    }
+
+    /// Make the readers fail with an I/O error on chunk `index` (tests of the failure path).
+    #[cfg(test)]
+    pub(crate) fn inject_read_fault(&mut self, index: usize) {
+        self.fail_read_at = Some(index);
     }
 
     fn take_staging(&self, count: usize) -> Result<Vec<HostBuffer>, StoreError> {
@@ -534,256 +543,5 @@ fn io_error<'a>(action: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) 
         action: action.to_string(),
         path: path.to_path_buf(),
         source,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use rand::{RngExt, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    use super::*;
-    use crate::device::{DeviceError, DeviceKind, Fence, HostDevice, MemoryInfo};
-
-    const MIB: usize = 1 << 20;
-
-    /// The CPU device with its host views hidden, as on CUDA: loads go through staging buffers.
-    #[derive(Debug)]
-    struct NoViews(HostDevice);
-
-    impl Device for NoViews {
-        fn kind(&self) -> DeviceKind {
-            self.0.kind()
-        }
-        fn name(&self) -> String {
-            self.0.name()
-        }
-        fn granularity(&self) -> usize {
-            self.0.granularity()
-        }
-        fn reserve(&self, len: usize) -> Result<AddressRange, DeviceError> {
-            self.0.reserve(len)
-        }
-        fn unreserve(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.unreserve(range)
-        }
-        fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.commit(range)
-        }
-        fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.release(range)
-        }
-        fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
-            self.0.memory_info()
-        }
-        fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
-            self.0.alloc_host(len)
-        }
-        fn copy_to_host(
-            &self,
-            src: AddressRange,
-            dst: &mut HostBuffer,
-            offset: usize,
-        ) -> Result<Fence, DeviceError> {
-            self.0.copy_to_host(src, dst, offset)
-        }
-        fn copy_from_host(
-            &self,
-            src: &mut HostBuffer,
-            offset: usize,
-            dst: AddressRange,
-        ) -> Result<Fence, DeviceError> {
-            self.0.copy_from_host(src, offset, dst)
-        }
-        fn read(&self, src: AddressRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-            self.0.read(src, dst)
-        }
-        fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError> {
-            self.0.write(src, dst)
-        }
-    }
-
-    /// Two runs of an arena, in chunks of `chunk_bytes`, filled with seeded random bytes and
-    /// saved.
-    struct Saved {
-        device: Arc<dyn Device>,
-        pool: Arc<HostPool>,
-        store: DiskStore,
-        backup: DiskBackup,
-        runs: [AddressRange; 2],
-        expected: Vec<Vec<u8>>,
-        _dir: tempfile::TempDir,
-    }
-
-    impl Saved {
-        /// `runs` are (offset, length) in an arena of `arena` bytes, granule-aligned.
-        fn new(
-            device: Arc<dyn Device>,
-            chunk_bytes: usize,
-            arena: usize,
-            runs: [(usize, usize); 2],
-        ) -> Saved {
-            let dir = tempfile::tempdir().unwrap();
-            let pool = Arc::new(HostPool::new(Arc::clone(&device)));
-            let store = DiskStore::new(dir.path(), 0, chunk_bytes, Arc::clone(&pool)).unwrap();
-            let arena = device.reserve(arena).unwrap();
-            let runs = runs.map(|(offset, len)| arena.slice(offset, len).unwrap());
-            let mut rng = ChaCha8Rng::seed_from_u64(7);
-            let mut expected = Vec::new();
-            for run in runs {
-                device.commit(run).unwrap();
-                let bytes: Vec<u8> = (0..run.len).map(|_| rng.random()).collect();
-                device.write(&bytes, run).unwrap();
-                expected.push(bytes);
-            }
-            let backup = store.save(device.as_ref(), "weights", &runs).unwrap();
-            Saved {
-                device,
-                pool,
-                store,
-                backup,
-                runs,
-                expected,
-                _dir: dir,
-            }
-        }
-
-        /// Release and re-commit the runs (as a resume does), then load the backup into them.
-        fn reload(&self) -> Result<(), StoreError> {
-            for run in self.runs {
-                self.device.release(run).unwrap();
-                self.device.commit(run).unwrap();
-            }
-            self.store
-                .load(self.device.as_ref(), &self.backup, &self.runs)
-        }
-
-        fn assert_restored(&self) {
-            for (run, bytes) in self.runs.iter().zip(&self.expected) {
-                let mut back = vec![0u8; run.len];
-                self.device.read(*run, &mut back).unwrap();
-                assert!(
-                    back == *bytes,
-                    "run at {:#x} differs after the load",
-                    run.start
-                );
-            }
-        }
-
-        fn data_file(&self) -> OpenOptions {
-            let mut options = OpenOptions::new();
-            options.read(true).write(true);
-            options
-        }
-
-        /// Flip one bit of the byte at stream offset `at` on disk.
-        fn flip(&self, at: usize) {
-            let file = self
-                .data_file()
-                .open(self.backup.dir().join(DATA_FILE))
-                .unwrap();
-            let mut byte = [0u8; 1];
-            file.read_exact_at(&mut byte, at as u64).unwrap();
-            file.write_all_at(&[byte[0] ^ 0x10], at as u64).unwrap();
-            file.sync_all().unwrap();
-        }
-    }
-
-    /// Load a backup back, then flip the byte at `flip_at` on disk and load again: the load
-    /// fails naming the chunk, and the files are kept.
-    fn round_trip_then_corrupt(saved: &Saved, flip_at: usize) {
-        saved.reload().unwrap();
-        saved.assert_restored();
-        saved.flip(flip_at);
-        let err = saved.reload().unwrap_err();
-        let chunk = flip_at / saved.backup.manifest.chunk_bytes;
-        assert!(
-            matches!(err, StoreError::ChecksumMismatch { chunk: c, .. } if c == chunk),
-            "expected a mismatch in chunk {chunk}: {err}"
-        );
-        assert!(
-            saved.backup.dir().join(DATA_FILE).exists(),
-            "the files are kept after a failed load"
-        );
-    }
-
-    /// 3 MiB chunks over runs of 4 and 6 MiB, so chunks straddle them.
-    fn small_chunks(device: Arc<dyn Device>) -> Saved {
-        Saved::new(
-            device,
-            3 * MIB,
-            16 * MIB,
-            [(0, 4 * MIB), (8 * MIB, 6 * MIB)],
-        )
-    }
-
-    /// Chunks of two reads each over runs of 40 and 30 MiB, so reads straddle them.
-    fn chunks_of_several_reads(device: Arc<dyn Device>) -> Saved {
-        let chunk = 2 * load::READ_PART_BYTES;
-        Saved::new(
-            device,
-            chunk,
-            96 * MIB,
-            [(0, 40 * MIB), (48 * MIB, 30 * MIB)],
-        )
-    }
-
-    #[test]
-    fn loads_into_host_addressable_memory_restore_every_byte_and_catch_a_flipped_one() {
-        let saved = small_chunks(Arc::new(HostDevice::new(64 * MIB as u64)));
-        round_trip_then_corrupt(&saved, 5 * MIB + 17);
-    }
-
-    #[test]
-    fn staged_loads_restore_every_byte_and_catch_a_flipped_one() {
-        let saved = small_chunks(Arc::new(NoViews(HostDevice::new(64 * MIB as u64))));
-        round_trip_then_corrupt(&saved, 5 * MIB + 17);
-    }
-
-    #[test]
-    fn chunks_read_in_several_parts_are_checked_whole_in_place_and_staged() {
-        let in_place = chunks_of_several_reads(Arc::new(HostDevice::new(128 * MIB as u64)));
-        round_trip_then_corrupt(&in_place, 50 * MIB + 17);
-        let staged = chunks_of_several_reads(Arc::new(NoViews(HostDevice::new(128 * MIB as u64))));
-        round_trip_then_corrupt(&staged, 50 * MIB + 17);
-    }
-
-    #[test]
-    fn staged_loads_of_many_chunks_recycle_a_few_buffers_and_stop_at_a_short_file() {
-        let device: Arc<dyn Device> = Arc::new(NoViews(HostDevice::new(64 * MIB as u64)));
-        let saved = Saved::new(device, MIB, 32 * MIB, [(0, 8 * MIB), (10 * MIB, 8 * MIB)]);
-        saved.reload().unwrap();
-        saved.assert_restored();
-        let grown = saved.pool.allocated_bytes();
-        let granule = saved.device.granularity() as u64;
-        let staging = load::READ_THREADS * load::STAGING_PER_READER;
-        let bound = (PIPELINE_DEPTH + staging) as u64 * granule;
-        assert!(
-            grown <= bound,
-            "16 chunks took {grown} bytes of staging, more than {bound}"
-        );
-        saved.reload().unwrap();
-        saved.assert_restored();
-        assert_eq!(
-            saved.pool.allocated_bytes(),
-            grown,
-            "a second load reuses the staging buffers the first gave back"
-        );
-        let data = saved.data_file().open(saved.backup.dir().join(DATA_FILE));
-        data.unwrap().set_len((5 * MIB + MIB / 2) as u64).unwrap();
-        let err = saved.reload().unwrap_err();
-        assert!(
-            matches!(&err, StoreError::Io { action, .. } if action.starts_with("read chunk")),
-            "{err}"
-        );
-        let taken: Vec<HostBuffer> = (0..grown / granule)
-            .map(|_| saved.pool.take(MIB).unwrap())
-            .collect();
-        assert_eq!(
-            saved.pool.allocated_bytes(),
-            grown,
-            "every staging buffer is back in the pool after the failed load"
-        );
-        drop(taken);
     }
 }
