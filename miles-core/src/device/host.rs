@@ -2,8 +2,8 @@
 //!
 //! Each reservation is an anonymous `mmap` range (`MAP_NORESERVE`, aligned to the 2 MiB granule
 //! and advised for transparent huge pages). Committing accounts the bytes against the device's
-//! capacity, so out-of-memory is real, and queues the range for a prefault thread that faults
-//! its pages in (`MADV_POPULATE_WRITE`) ahead of the first copies into it; releasing is
+//! capacity, so out-of-memory is real, and queues the range for prefault threads that fault its
+//! pages in (`MADV_POPULATE_WRITE`) ahead of the first copies into it; releasing is
 //! `madvise(MADV_DONTNEED)`, so the range's resident pages really drop while its addresses stay
 //! reserved. Copies are `memcpy`s, split over the rayon pool when large, and complete before they
 //! return.
@@ -11,8 +11,9 @@
 //! Why prefault: pages released a moment ago are still warm in the kernel, but on a VM with free
 //! page reporting (e.g. `page_reporting_order` 9) they go back to the hypervisor within a fraction
 //! of a second, and faulting them in again then costs about ten times as much. A resume that
-//! copies 1 GiB from disk at 3 GB/s would reach its last chunks too late; the prefault thread
-//! faults the whole committed range in at ~10 GB/s while the first chunks are read.
+//! copies 1 GiB from disk at 3 GB/s would reach its last chunks too late; two low-priority
+//! prefault threads fault the whole committed range in at ~15 GB/s while the first chunks are
+//! read.
 //!
 //! The device tracks every committed granule, every host view and every copy in flight, so a
 //! call on a range that is not reserved or committed, or that conflicts with a view, is an error

@@ -4,10 +4,9 @@
 //!
 //! Pause: the calling thread copies chunk k+1 from the device into a staging buffer and
 //! checksums it while writer threads write chunks k and k-1 (O_DIRECT where the filesystem
-//! allows). Resume: a few threads each read a chunk and verify its checksum, so reads stay in
-//! flight while other chunks are verified. On a device the host addresses (the CPU device) a
-//! chunk is read straight into its device ranges and verified there, sparing a copy; elsewhere it
-//! goes through a staging buffer and is verified before it is copied to the device.
+//! allows). Resume (`disk/load.rs`): reader threads keep reads of the file in flight while the
+//! calling thread verifies what has landed; on a device the host addresses (the CPU device) the
+//! bytes are read straight into device memory, elsewhere through staging buffers.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::ErrorKind;
@@ -19,9 +18,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::device::{AddressRange, Device, HostBuffer, ViewAccess};
+use crate::device::{AddressRange, Device, HostBuffer};
 
+use self::load::Load;
 use super::{HostPool, StoreError};
+
+mod load;
 
 /// O_DIRECT needs file offsets, lengths and buffers aligned to the logical block; 4096 covers
 /// every common filesystem.
@@ -33,10 +35,6 @@ const WRITE_THREADS: usize = 2;
 
 /// Staging buffers of a pause: one per writer, one being filled, one spare.
 const PIPELINE_DEPTH: usize = WRITE_THREADS + 2;
-
-/// Threads of a resume, each reading a chunk, verifying it and copying it to the device: with
-/// three, two reads stay in flight while one thread verifies and copies.
-const READ_THREADS: usize = 3;
 
 const DATA_FILE: &str = "data.bin";
 const MANIFEST_FILE: &str = "manifest.json";
@@ -56,6 +54,7 @@ pub struct DiskStore {
     janitor: Mutex<Option<mpsc::Sender<PathBuf>>>,
     janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fail_write_at: Option<usize>,
+    fail_read_at: Option<usize>,
 }
 
 /// A region saved to disk: its directory and manifest.
@@ -128,6 +127,7 @@ impl DiskStore {
             janitor: Mutex::new(janitor),
             janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
+            fail_read_at: None,
         })
     }
 
@@ -327,67 +327,19 @@ impl DiskStore {
                 reason: format!("{chunks} checksums for {total} bytes in chunks of {chunk_bytes}"),
             });
         }
-        let staging = self.take_staging(chunks.min(READ_THREADS))?;
-        let next_chunk = AtomicUsize::new(0);
-        let first_error: Mutex<Option<StoreError>> = Mutex::new(None);
-        let returned: Vec<HostBuffer> = std::thread::scope(|scope| {
-            let workers: Vec<_> = staging
-                .into_iter()
-                .map(|mut buffer| {
-                    let (next_chunk, first_error, file, data_path) =
-                        (&next_chunk, &first_error, &file, &data_path);
-                    let crcs = &on_disk.crc32c;
-                    scope.spawn(move || {
-                        loop {
-                            let index = next_chunk.fetch_add(1, Ordering::Relaxed);
-                            if index >= chunks || lock(first_error).is_some() {
-                                break;
-                            }
-                            let (offset, len) = chunk_span(index, chunk_bytes, total);
-                            let chunk = Chunk {
-                                file,
-                                path: data_path,
-                                direct,
-                                index,
-                                offset,
-                                len,
-                                crc: crcs[index],
-                            };
-                            let step = match chunk.load_in_place(device, runs) {
-                                Ok(true) => Ok(()),
-                                Ok(false) => chunk.load_staged(device, runs, &mut buffer),
-                                Err(error) => Err(error),
-                            };
-                            if let Err(error) = step {
-                                lock(first_error).get_or_insert(error);
-                                break;
-                            }
-                        }
-                        buffer
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .filter_map(|worker| match worker.join() {
-                    Ok(buffer) => Some(buffer),
-                    Err(_) => {
-                        tracing::error!("an offload reader thread panicked; its buffer is lost");
-                        None
-                    }
-                })
-                .collect()
-        });
-        returned
-            .into_iter()
-            .for_each(|buffer| self.pool.put(buffer));
-        let first_error = first_error
-            .into_inner()
-            .unwrap_or_else(PoisonError::into_inner);
-        match first_error {
-            Some(error) => Err(error),
-            None => Ok(()),
+        Load {
+            device,
+            pool: &self.pool,
+            file: &file,
+            path: &data_path,
+            direct,
+            runs,
+            chunk_bytes,
+            total,
+            crc32c: &on_disk.crc32c,
+            fail_read_at: self.fail_read_at,
         }
+        .run()
     }
 
     /// Remove a backup's files and directory (after a verified resume).
@@ -417,6 +369,12 @@ impl DiskStore {
     #[cfg(test)]
     pub(crate) fn inject_write_fault(&mut self, index: usize) {
         self.fail_write_at = Some(index);
+    }
+
+    /// Make the readers fail with an I/O error on chunk `index` (tests of the failure path).
+    #[cfg(test)]
+    pub(crate) fn inject_read_fault(&mut self, index: usize) {
+        self.fail_read_at = Some(index);
     }
 
     fn take_staging(&self, count: usize) -> Result<Vec<HostBuffer>, StoreError> {
@@ -499,104 +457,6 @@ fn stage_chunk(
         device.copy_to_host(range, buffer, at)?.wait()?;
     }
     Ok(())
-}
-
-/// A chunk of a data file being loaded, with its checksum.
-struct Chunk<'a> {
-    file: &'a File,
-    path: &'a Path,
-    direct: bool,
-    index: usize,
-    offset: u64,
-    len: usize,
-    crc: u32,
-}
-
-impl Chunk<'_> {
-    /// Read the chunk straight into its device ranges and verify it there, when the device
-    /// lets the host address them and they suit the file's alignment; `false` when not (nothing
-    /// was read then).
-    fn load_in_place(
-        &self,
-        device: &dyn Device,
-        runs: &[AddressRange],
-    ) -> Result<bool, StoreError> {
-        let parts = pieces(runs, self.offset, self.len);
-        let aligned = |range: &AddressRange| {
-            (range.start as usize).is_multiple_of(DIRECT_ALIGN)
-                && range.len.is_multiple_of(DIRECT_ALIGN)
-        };
-        if self.direct && !parts.iter().all(|(range, _)| aligned(range)) {
-            return Ok(false);
-        }
-        let mut views = Vec::with_capacity(parts.len());
-        for (range, _) in &parts {
-            match device.host_view(*range, ViewAccess::Write)? {
-                Some(view) => views.push(view),
-                None => return Ok(false),
-            }
-        }
-        let mut found = 0;
-        for (view, (range, at)) in views.iter_mut().zip(&parts) {
-            let bytes = view.as_mut_slice::<u8>()?;
-            self.read_into(self.offset + *at as u64, bytes, range.len)?;
-            found = crc32c::crc32c_append(found, bytes);
-        }
-        self.check(found)?;
-        Ok(true)
-    }
-
-    /// Read the chunk into `buffer`, verify it, then copy it to its device ranges.
-    fn load_staged(
-        &self,
-        device: &dyn Device,
-        runs: &[AddressRange],
-        buffer: &mut HostBuffer,
-    ) -> Result<(), StoreError> {
-        let bytes = buffer.as_mut_slice()?;
-        let padded = self.len.next_multiple_of(DIRECT_ALIGN).min(bytes.len());
-        self.read_into(self.offset, &mut bytes[..padded], self.len)?;
-        self.check(crc32c::crc32c(&buffer.as_slice()?[..self.len]))?;
-        for (range, at) in pieces(runs, self.offset, self.len) {
-            device.copy_from_host(buffer, at, range)?.wait()?;
-        }
-        Ok(())
-    }
-
-    /// Read file bytes from `offset` into `bytes` until `len` of them are in (`bytes` may be
-    /// longer, padded to the O_DIRECT alignment).
-    fn read_into(&self, offset: u64, bytes: &mut [u8], len: usize) -> Result<(), StoreError> {
-        let action = || format!("read chunk {} of", self.index);
-        let mut done = 0;
-        while done < len {
-            match self.file.read_at(&mut bytes[done..], offset + done as u64) {
-                Ok(0) => {
-                    return Err(StoreError::Io {
-                        action: action(),
-                        path: self.path.to_path_buf(),
-                        source: std::io::Error::from(ErrorKind::UnexpectedEof),
-                    });
-                }
-                Ok(n) => done += n,
-                Err(error) if error.kind() == ErrorKind::Interrupted => {}
-                Err(error) => return Err(io_error(&action(), self.path)(error)),
-            }
-        }
-        Ok(())
-    }
-
-    fn check(&self, found: u32) -> Result<(), StoreError> {
-        if found == self.crc {
-            Ok(())
-        } else {
-            Err(StoreError::ChecksumMismatch {
-                path: self.path.to_path_buf(),
-                chunk: self.index,
-                expected: self.crc,
-                found,
-            })
-        }
-    }
 }
 
 fn write_chunk(
@@ -683,139 +543,5 @@ fn io_error<'a>(action: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) 
         action: action.to_string(),
         path: path.to_path_buf(),
         source,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use rand::{RngExt, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    use super::*;
-    use crate::device::{DeviceError, DeviceKind, Fence, HostDevice, MemoryInfo};
-
-    const MIB: usize = 1 << 20;
-
-    /// The CPU device with its host views hidden, as on CUDA: loads go through staging buffers.
-    #[derive(Debug)]
-    struct NoViews(HostDevice);
-
-    impl Device for NoViews {
-        fn kind(&self) -> DeviceKind {
-            self.0.kind()
-        }
-        fn name(&self) -> String {
-            self.0.name()
-        }
-        fn granularity(&self) -> usize {
-            self.0.granularity()
-        }
-        fn reserve(&self, len: usize) -> Result<AddressRange, DeviceError> {
-            self.0.reserve(len)
-        }
-        fn unreserve(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.unreserve(range)
-        }
-        fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.commit(range)
-        }
-        fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.release(range)
-        }
-        fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
-            self.0.memory_info()
-        }
-        fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
-            self.0.alloc_host(len)
-        }
-        fn copy_to_host(
-            &self,
-            src: AddressRange,
-            dst: &mut HostBuffer,
-            offset: usize,
-        ) -> Result<Fence, DeviceError> {
-            self.0.copy_to_host(src, dst, offset)
-        }
-        fn copy_from_host(
-            &self,
-            src: &mut HostBuffer,
-            offset: usize,
-            dst: AddressRange,
-        ) -> Result<Fence, DeviceError> {
-            self.0.copy_from_host(src, offset, dst)
-        }
-        fn read(&self, src: AddressRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-            self.0.read(src, dst)
-        }
-        fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError> {
-            self.0.write(src, dst)
-        }
-    }
-
-    /// Save two separate runs in 3 MiB chunks (so chunks straddle them), load them back, then
-    /// flip one byte of chunk 1 on disk and load again.
-    fn round_trip_then_corrupt(device: Arc<dyn Device>) {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = Arc::new(HostPool::new(Arc::clone(&device)));
-        let store = DiskStore::new(dir.path(), 0, 3 * MIB, pool).unwrap();
-        let arena = device.reserve(16 * MIB).unwrap();
-        let runs = [
-            arena.slice(0, 4 * MIB).unwrap(),
-            arena.slice(8 * MIB, 6 * MIB).unwrap(),
-        ];
-        let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let mut expected = Vec::new();
-        for run in runs {
-            device.commit(run).unwrap();
-            let bytes: Vec<u8> = (0..run.len).map(|_| rng.random()).collect();
-            device.write(&bytes, run).unwrap();
-            expected.push(bytes);
-        }
-        let backup = store.save(device.as_ref(), "weights", &runs).unwrap();
-        let reload = |device: &dyn Device| {
-            for run in runs {
-                device.release(run).unwrap();
-                device.commit(run).unwrap();
-            }
-            store.load(device, &backup, &runs)
-        };
-        reload(device.as_ref()).unwrap();
-        for (run, bytes) in runs.iter().zip(&expected) {
-            let mut back = vec![0u8; run.len];
-            device.read(*run, &mut back).unwrap();
-            assert!(
-                back == *bytes,
-                "run at {:#x} differs after the load",
-                run.start
-            );
-        }
-        let data = backup.dir().join(DATA_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&data)
-            .unwrap();
-        let mut byte = [0u8; 1];
-        file.read_exact_at(&mut byte, (5 * MIB + 17) as u64)
-            .unwrap();
-        file.write_all_at(&[byte[0] ^ 0x10], (5 * MIB + 17) as u64)
-            .unwrap();
-        file.sync_all().unwrap();
-        let err = reload(device.as_ref()).unwrap_err();
-        assert!(
-            matches!(err, StoreError::ChecksumMismatch { chunk: 1, .. }),
-            "{err}"
-        );
-        assert!(data.exists(), "the files are kept after a failed load");
-    }
-
-    #[test]
-    fn loads_into_host_addressable_memory_restore_every_byte_and_catch_a_flipped_one() {
-        round_trip_then_corrupt(Arc::new(HostDevice::new(64 * MIB as u64)));
-    }
-
-    #[test]
-    fn staged_loads_restore_every_byte_and_catch_a_flipped_one() {
-        round_trip_then_corrupt(Arc::new(NoViews(HostDevice::new(64 * MIB as u64))));
     }
 }

@@ -1,5 +1,6 @@
-//! The CPU device's prefault thread: it faults committed ranges in (`MADV_POPULATE_WRITE`) ahead
-//! of the first copies into them, a piece at a time, and stays off ranges being released.
+//! The CPU device's prefault threads: they fault committed ranges in (`MADV_POPULATE_WRITE`) ahead
+//! of the first copies into them, a piece at a time each, at a low priority, and stay off ranges
+//! being released.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,38 +10,58 @@ use std::thread::JoinHandle;
 use super::overlaps;
 use crate::device::AddressRange;
 
-/// Piece of a committed range the prefault thread populates at a time: small, so that a release
-/// waits at most a millisecond or two for the piece in progress.
+/// Piece of a committed range a prefault thread populates at a time: small, so that a release
+/// waits at most a millisecond or two for the pieces in progress.
 const PREFAULT_PIECE_BYTES: usize = 8 << 20;
 
-/// The prefault thread and its queue.
+/// Threads populating at once. Faulting pages in (the kernel zeroes each one) is most of the CPU
+/// work of a resume from disk; two threads halve the time until the last page is in, so the
+/// readers rarely fault pages themselves (measured on 2 cores: disk resume 0.90x -> 0.95x of a
+/// plain O_DIRECT read).
+const PREFAULT_THREADS: usize = 2;
+
+/// Nice value of the prefault threads (Linux applies it per thread): lower priority than the
+/// default 0, so that readers, copies and checksums take a core the moment they need one and
+/// prefaulting uses the cycles they leave.
+const PREFAULT_NICE: i32 = 10;
+
+/// The prefault threads and their queue.
 #[derive(Debug)]
 pub(super) struct Prefault {
     prefaulter: Arc<Prefaulter>,
-    /// `None` when the thread could not be started (pages then fault on first use) or has
-    /// stopped.
-    thread: Option<JoinHandle<()>>,
+    /// Empty when no thread could be started (pages then fault on first use) or once stopped.
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Prefault {
-    /// Start the thread.
+    /// Start the threads.
     pub(super) fn start() -> Prefault {
         let prefaulter = Arc::new(Prefaulter {
             supported: AtomicBool::new(true),
             ..Prefaulter::default()
         });
-        let worker = Arc::clone(&prefaulter);
-        let thread = std::thread::Builder::new()
-            .name("miles-cpu-prefault".to_string())
-            .spawn(move || worker.run())
-            .map_err(|error| tracing::warn!(%error, "no prefault thread: pages fault on first use"))
-            .ok();
-        Prefault { prefaulter, thread }
+        let threads: Vec<_> = (0..PREFAULT_THREADS)
+            .map_while(|_| {
+                let worker = Arc::clone(&prefaulter);
+                std::thread::Builder::new()
+                    .name("miles-cpu-prefault".to_string())
+                    .spawn(move || worker.run())
+                    .map_err(|error| tracing::warn!(%error, "cannot start a prefault thread"))
+                    .ok()
+            })
+            .collect();
+        if threads.is_empty() {
+            tracing::warn!("no prefault thread: pages fault on first use");
+        }
+        Prefault {
+            prefaulter,
+            threads,
+        }
     }
 
     /// Queue a committed range for populating.
     pub(super) fn push(&self, range: AddressRange) {
-        if self.thread.is_some() {
+        if !self.threads.is_empty() {
             self.prefaulter.push(range);
         }
     }
@@ -51,13 +72,13 @@ impl Prefault {
         self.prefaulter.cancel(range);
     }
 
-    /// Stop the thread and wait for it (before the device unmaps its reservations).
+    /// Stop the threads and wait for them (before the device unmaps its reservations).
     pub(super) fn stop(&mut self) {
         self.prefaulter.stop();
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
-            tracing::error!("the cpu device's prefault thread panicked");
+        for thread in self.threads.drain(..) {
+            if thread.join().is_err() {
+                tracing::error!("a cpu device prefault thread panicked");
+            }
         }
     }
 }
@@ -75,8 +96,8 @@ struct Prefaulter {
 #[derive(Debug, Default)]
 struct PrefaultQueue {
     pending: VecDeque<AddressRange>,
-    /// The piece being populated now; releases of ranges overlapping it wait for it.
-    current: Option<AddressRange>,
+    /// The pieces being populated now; releases of ranges overlapping one wait for it.
+    current: Vec<AddressRange>,
     stopping: bool,
 }
 
@@ -111,7 +132,7 @@ impl Prefaulter {
                 .pending
                 .extend([before, after].into_iter().filter(|part| part.len > 0));
         }
-        while queue.current.is_some_and(|piece| overlaps(piece, range)) {
+        while queue.current.iter().any(|piece| overlaps(*piece, range)) {
             queue = self
                 .changed
                 .wait(queue)
@@ -119,7 +140,7 @@ impl Prefaulter {
         }
     }
 
-    /// Tell the thread to stop after the piece in progress; the queue is dropped.
+    /// Tell the threads to stop after the pieces in progress; the queue is dropped.
     fn stop(&self) {
         let mut queue = lock(&self.queue);
         queue.stopping = true;
@@ -127,8 +148,9 @@ impl Prefaulter {
         self.changed.notify_all();
     }
 
-    /// The prefault thread: populate queued ranges a piece at a time until stopped.
+    /// A prefault thread: populate queued ranges a piece at a time until stopped.
     fn run(&self) {
+        lower_priority(PREFAULT_NICE);
         let mut queue = lock(&self.queue);
         loop {
             if queue.stopping {
@@ -150,19 +172,21 @@ impl Prefaulter {
             if front.len == 0 {
                 queue.pending.pop_front();
             }
-            queue.current = Some(piece);
+            queue.current.push(piece);
             drop(queue);
             self.populate(piece);
             queue = lock(&self.queue);
-            queue.current = None;
+            if let Some(at) = queue.current.iter().position(|p| *p == piece) {
+                queue.current.swap_remove(at);
+            }
             self.changed.notify_all();
         }
     }
 
     fn populate(&self, piece: AddressRange) {
         // SAFETY: the piece is committed in a mapping of this device, and stays mapped while it
-        // is `current`: release and unreserve cancel it and wait, and the device's drop joins
-        // this thread before it unmaps. Populating faults pages in and changes no byte.
+        // is in `current`: release and unreserve cancel it and wait, and the device's drop joins
+        // the prefault threads before it unmaps. Populating faults pages in and changes no byte.
         let rc = unsafe {
             libc::madvise(
                 piece.start as usize as *mut libc::c_void,
@@ -178,6 +202,19 @@ impl Prefaulter {
             }
             tracing::debug!(%error, "cannot prefault device pages; they fault on first use");
         }
+    }
+}
+
+/// Lower the calling thread's priority to `nice`.
+fn lower_priority(nice: i32) {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority on this thread's own id touches no memory; raising the nice value
+    // needs no privilege.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+    if rc != 0 {
+        let error = std::io::Error::last_os_error();
+        tracing::debug!(%error, "a prefault thread keeps its priority");
     }
 }
 
