@@ -14,9 +14,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use miles_core::model::{
-    ByteTokenizer, LlamaConfig, TrainBatch, Trainer, Transformer, init_params,
-};
+use miles_core::Batch;
+use miles_core::model::{ByteTokenizer, LlamaConfig, Trainer, Transformer, init_params};
 use miles_core::ops::{AdamWConfig, MatmulProfile};
 
 use crate::model_cmd::parse_preset;
@@ -62,9 +61,9 @@ pub struct BenchTrainArgs {
     pub no_baseline: bool,
 }
 
-/// Inputs, targets and unit weights of `b` sequences of `t` tokens of deterministic text: a
-/// paragraph repeated to fill every sequence, shifted per sequence.
-pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+/// `b` sequences of `t` tokens of deterministic text (a paragraph repeated to fill every
+/// sequence, shifted per sequence), every target weighted 1, the loss their mean.
+pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> Batch {
     let text = "Reinforcement learning alternates rollout and training on the same devices. ";
     let corpus = tokenizer.encode(&text.repeat(t / text.len() + 2), false);
     let mut inputs = Vec::with_capacity(b * t);
@@ -74,7 +73,14 @@ pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> (Vec<u32>, V
         inputs.extend_from_slice(&corpus[start..start + t]);
         targets.extend_from_slice(&corpus[start + 1..start + t + 1]);
     }
-    (inputs, targets, vec![1.0; b * t])
+    Batch {
+        batch: b,
+        seq: t,
+        inputs,
+        targets,
+        weights: vec![1.0; b * t],
+        normaliser: (b * t) as f32,
+    }
 }
 
 /// Runs the benchmark and prints its figures.
@@ -97,15 +103,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     let n_params = params.len();
 
     let (b, t) = (args.batch, args.seq);
-    let (inputs, targets, weights) = text_batch(&tokenizer, b, t);
-    let batch = TrainBatch {
-        batch: b,
-        seq: t,
-        inputs: &inputs,
-        targets: &targets,
-        weights: &weights,
-        normaliser: (b * t) as f32,
-    };
+    let owned = text_batch(&tokenizer, b, t);
+    let batch = owned.view();
     let mut trainer = Trainer::new(model, params, AdamWConfig::default())?;
     for _ in 0..args.warmup {
         trainer.train_step(&batch).context("warmup step")?;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use miles_core::DeviceChoice;
-use miles_core::model::{ByteTokenizer, ParamLayout, TrainBatch, init_params};
+use miles_core::model::{ByteTokenizer, ParamLayout, init_params};
 use serde_json::Value;
 
 use crate::bench_train::{BenchTrainArgs, text_batch};
@@ -25,15 +25,8 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     };
     let tokenizer = ByteTokenizer::from_config(&config)?;
     let (b, t) = (args.batch, args.seq);
-    let (inputs, targets, weights) = text_batch(&tokenizer, b, t);
-    let batch = TrainBatch {
-        batch: b,
-        seq: t,
-        inputs: &inputs,
-        targets: &targets,
-        weights: &weights,
-        normaliser: (b * t) as f32,
-    };
+    let owned = text_batch(&tokenizer, b, t);
+    let batch = owned.view();
     let layout = ParamLayout::new(&config);
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, 0, &mut params)?;
