@@ -12,6 +12,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use miles_core::config::{OffloadTarget, Settings};
+use miles_core::device::Gpu;
 use miles_core::{Batch, CudaDevice, Device, HostDevice, MemoryTag, OffloadStats};
 
 use crate::backends::build_backend;
@@ -68,8 +69,9 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
         .max()
         .unwrap_or(0);
     let size = usize::try_from(widest).context("rank bytes do not fit this machine")?;
-    let (base_out, base_in) = baseline(&settings, target, size)?;
-    let backend_on_gpu = crate::gpu::gpu_for(settings.device)?.is_some();
+    let gpu = crate::gpu::gpu_for(settings.device)?;
+    let backend_on_gpu = gpu.is_some();
+    let (base_out, base_in) = baseline(&settings, gpu.as_deref(), target, size)?;
 
     let mut out = std::io::stdout().lock();
     writeln!(
@@ -134,10 +136,15 @@ fn total_moved(stats: &OffloadStats) -> u64 {
     stats.ranks.iter().map(moved_bytes).sum()
 }
 
-/// The plain copies of `size` bytes: (out, in) GB/s.
-fn baseline(settings: &Settings, target: OffloadTarget, size: usize) -> anyhow::Result<(f64, f64)> {
+/// The plain copies of `size` bytes (pinned `cuMemcpy` on `gpu` when there is one): (out, in) GB/s.
+fn baseline(
+    settings: &Settings,
+    gpu: Option<&Gpu>,
+    target: OffloadTarget,
+    size: usize,
+) -> anyhow::Result<(f64, f64)> {
     match target {
-        OffloadTarget::Cpu => match crate::gpu::gpu_for(settings.device)? {
+        OffloadTarget::Cpu => match gpu {
             Some(gpu) => pinned_copies(gpu.device(), size),
             None => {
                 let mut copy = MemcpyBaseline::new(size);

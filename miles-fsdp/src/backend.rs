@@ -57,7 +57,7 @@ impl FsdpBackend {
         if settings.device == DeviceChoice::Cuda {
             return Err(BackendError::Settings {
                 backend: NAME,
-                reason: "computes on the cpu device only; run with --device cpu (or auto)".into(),
+                reason: "from_settings builds the cpu backend; on cuda build it with miles_fsdp::gpu_trainer (the cli does), or run with --device cpu".into(),
             });
         }
         let config = LlamaConfig::preset(&settings.preset)?;

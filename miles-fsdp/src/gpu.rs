@@ -55,6 +55,20 @@ pub type FsdpGpu = GpuBackend<FsdpFiles>;
 /// memory manager moves the training state: use `--offload-train`); as [`GpuBackend::new`] and
 /// [`TrainBackend::load`].
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<FsdpGpu, BackendError> {
+    check_gpu_settings(settings)?;
+    let config = LlamaConfig::preset(&settings.preset)?;
+    let layout = ParamLayout::new(&config);
+    let mut params = vec![0.0; layout.len()];
+    init_params(&layout, &config, settings.seed, &mut params)?;
+    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
+    if let Some(dir) = &settings.load {
+        trainer.load(dir)?;
+    }
+    Ok(trainer)
+}
+
+/// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.
+fn check_gpu_settings(settings: &Settings) -> Result<(), BackendError> {
     let refuse = |reason: String| BackendError::Settings {
         backend: NAME,
         reason,
@@ -70,13 +84,28 @@ pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<FsdpGpu, Backen
             "--fsdp-cpu-offload keeps parameters on the host between passes on the cpu device only; on cuda use --offload-train".into(),
         ));
     }
-    let config = LlamaConfig::preset(&settings.preset)?;
-    let layout = ParamLayout::new(&config);
-    let mut params = vec![0.0; layout.len()];
-    init_params(&layout, &config, settings.seed, &mut params)?;
-    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
-    if let Some(dir) = &settings.load {
-        trainer.load(dir)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_one_gpu_cannot_run_are_refused_by_flag_before_the_gpu_is_touched() {
+        let parallel = Settings {
+            data_parallel_size: 2,
+            ..Settings::default()
+        };
+        let err = check_gpu_settings(&parallel).unwrap_err().to_string();
+        assert!(err.contains("--data-parallel-size 1"), "{err}");
+        let native = Settings {
+            fsdp_cpu_offload: true,
+            offload_train: false,
+            ..Settings::default()
+        };
+        let err = check_gpu_settings(&native).unwrap_err().to_string();
+        assert!(err.contains("--offload-train"), "{err}");
+        check_gpu_settings(&Settings::default()).unwrap();
     }
-    Ok(trainer)
 }

@@ -49,6 +49,18 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 /// communicator) or optimizer-state streaming; as [`GpuBackend::new`] and
 /// [`TrainBackend::load`].
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, BackendError> {
+    check_gpu_settings(settings)?;
+    let config = LlamaConfig::preset(&settings.preset)?;
+    let params = init_weights(&config, settings.seed)?;
+    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
+    if let Some(dir) = &settings.load {
+        trainer.load(dir)?;
+    }
+    Ok(trainer)
+}
+
+/// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.
+fn check_gpu_settings(settings: &Settings) -> Result<(), BackendError> {
     let refuse = |reason: String| BackendError::Settings {
         backend: MegatronFiles::NAME,
         reason,
@@ -64,11 +76,27 @@ pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, Ba
             "streams optimizer state through the disk on the cpu device only; drop --stream-optimizer-state-to-disk or use --device cpu".into(),
         ));
     }
-    let config = LlamaConfig::preset(&settings.preset)?;
-    let params = init_weights(&config, settings.seed)?;
-    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
-    if let Some(dir) = &settings.load {
-        trainer.load(dir)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_one_gpu_cannot_run_are_refused_by_flag_before_the_gpu_is_touched() {
+        let parallel = Settings {
+            tensor_model_parallel_size: 2,
+            ..Settings::default()
+        };
+        let err = check_gpu_settings(&parallel).unwrap_err().to_string();
+        assert!(err.contains("--tensor-model-parallel-size 1"), "{err}");
+        let streamed = Settings {
+            stream_optimizer_state_to_disk: true,
+            ..Settings::default()
+        };
+        let err = check_gpu_settings(&streamed).unwrap_err().to_string();
+        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
+        check_gpu_settings(&Settings::default()).unwrap();
     }
-    Ok(trainer)
 }

@@ -222,6 +222,20 @@ fn a_batch_with_an_out_of_vocabulary_token_is_refused_naming_it() {
 }
 
 #[test]
+fn a_scoring_batch_needs_two_tokens_and_one_weight_per_scored_token() {
+    let err = scoring_batch(&[256], &[]).unwrap_err().to_string();
+    assert!(err.contains("at least two tokens"), "{err}");
+    let err = scoring_batch(&[256, 1, 2], &[1.0]).unwrap_err().to_string();
+    assert!(err.contains("1 weights for 2 scored tokens"), "{err}");
+    let weights = [1.0, 1.0];
+    let batch = scoring_batch(&[256, 1, 2], &weights).unwrap();
+    assert_eq!(
+        (batch.inputs, batch.targets, batch.seq),
+        (&[256, 1][..], &[1, 2][..], 2)
+    );
+}
+
+#[test]
 fn loss_is_the_weighted_sum_of_log_probs_over_the_normaliser_and_zero_weights_mask() {
     let model = Transformer::new(tiny(true));
     let params = spread_params(&model, 41);

@@ -73,7 +73,7 @@ struct FakeActor {
     log: Log,
     config: LlamaConfig,
     memory: Arc<MemoryManager>,
-    _buffers: Vec<Buffer>,
+    buffers: Vec<Buffer>,
     tensors: Vec<Vec<f32>>,
     step: u64,
     offloaded: Option<OffloadTarget>,
@@ -95,7 +95,7 @@ impl FakeActor {
             log: Arc::clone(log),
             config: LlamaConfig::preset("tiny").unwrap(),
             memory,
-            _buffers: buffers,
+            buffers,
             tensors: (0..4)
                 .map(|t| (0..256).map(|i| (t * 256 + i) as f32 * 1e-3).collect())
                 .collect(),

@@ -6,9 +6,10 @@ use half::bf16;
 use super::*;
 use crate::device::{Fence, GpuSlice};
 
-/// Device weights over the first 1024 bf16 elements of the fake actor's params buffer.
+/// Makes the fake actor offer device weights: a view of the first 1024 bf16 elements of its
+/// params buffer, ready at once (a signalled fence).
 fn on_device(actor: &mut FakeActor) {
-    let params = GpuSlice::<bf16>::of(actor._buffers[0].range())
+    let params = GpuSlice::<bf16>::of(actor.buffers[0].range())
         .and_then(|all| all.sub(0, 1024))
         .unwrap();
     actor.device_weights = Some(DeviceWeights {

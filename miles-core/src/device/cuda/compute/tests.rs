@@ -179,3 +179,27 @@ fn gpu_casts_round_trip_through_bf16() {
         .collect();
     assert_close("cast round trip", &got[1..], &want, 0.0);
 }
+
+#[test]
+fn gpu_slices_refuse_unaligned_ranges_and_views_outside_themselves() {
+    let range = |start: u64, len: usize| crate::device::AddressRange { start, len };
+    let floats = GpuSlice::<f32>::of(range(4096, 64)).unwrap();
+    assert_eq!(floats.len(), 16);
+    assert!(
+        GpuSlice::<f32>::of(range(4098, 64)).is_err(),
+        "misaligned start"
+    );
+    assert!(
+        GpuSlice::<f32>::of(range(4096, 62)).is_err(),
+        "partial element"
+    );
+    let tail = floats.sub(10, 6).unwrap();
+    assert_eq!(tail.address(), 4096 + 40);
+    assert!(floats.sub(10, 7).is_err(), "past the end");
+    assert!(floats.sub(usize::MAX, 2).is_err(), "overflowing start");
+    let err = floats
+        .expect_len("a test tensor", 15)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a test tensor holds 16 elements"), "{err}");
+}
