@@ -106,6 +106,10 @@ pub struct OffloadBenchArgs {
     /// CUDA only: write fresh memory once on the device at commit, before any copy into it.
     #[arg(long)]
     pub cuda_touch_on_commit: bool,
+    /// CUDA only: milliseconds after a release at which a background thread makes the driver
+    /// collect its scrub records (0: never; default: the device's, 100).
+    #[arg(long)]
+    pub cuda_collect_after_ms: Option<u64>,
     /// Resume host backups in pieces of this many MiB, each piece's copy running while the
     /// next commits (0: commit the whole tag, then copy).
     #[arg(long, default_value_t = 0)]
@@ -139,6 +143,11 @@ fn cuda_options(args: &OffloadBenchArgs) -> CudaOptions {
             .cuda_release_threads
             .unwrap_or(defaults.release_threads),
         touch_on_commit: args.cuda_touch_on_commit || defaults.touch_on_commit,
+        collect_after: args
+            .cuda_collect_after_ms
+            .map_or(defaults.collect_after, |ms| {
+                (ms > 0).then(|| Duration::from_millis(ms))
+            }),
         ..defaults
     }
 }
@@ -156,6 +165,7 @@ pub(crate) fn settings_json(args: &OffloadBenchArgs, opened: &OpenedDevice) -> V
                 "release": format!("{:?}", options.release),
                 "release_threads": options.release_threads,
                 "touch_on_commit": options.touch_on_commit,
+                "collect_after_ms": options.collect_after.map(|after| after.as_millis()),
             })
         }
         OpenedDevice::Cpu(_) => Value::Null,

@@ -330,6 +330,13 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// The device's error.
     fn release(&self, range: AddressRange) -> Result<(), DeviceError>;
 
+    /// The committed `range` cut where the device's own pieces of physical memory meet, in
+    /// address order, so that releasing the parts one by one splits no piece: on CUDA the
+    /// `cuMemCreate` pieces a commit made; on a device without pieces, `range` whole.
+    fn release_parts(&self, range: AddressRange) -> Vec<AddressRange> {
+        vec![range]
+    }
+
     /// Free and total device memory.
     ///
     /// # Errors

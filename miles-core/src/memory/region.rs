@@ -39,7 +39,8 @@ struct Core {
     fences: Vec<Fence>,
     arena: Arena,
     backup: Backup,
-    /// Committed runs saved by the last pause, and those of them actually released.
+    /// Committed runs saved by the last pause (the backup's layout, end to end), and the
+    /// ranges inside them actually released, in address order.
     saved: Vec<AddressRange>,
     released: Vec<AddressRange>,
     /// Blocks whose buffers were dropped while the tag was not active.
@@ -52,6 +53,9 @@ enum Backup {
     Host(HostBuffer),
     Disk(DiskBackup),
 }
+
+/// What a pause's backup left: the backup, the ranges released, the error that stopped it.
+type BackedUp = (Backup, Vec<AddressRange>, Option<MemoryError>);
 
 impl Region {
     pub(crate) fn new(
@@ -232,8 +236,15 @@ impl Region {
         }
     }
 
-    /// Wait for every view to drop, back the committed memory up per the policy, verify it,
-    /// then release it.
+    /// Wait for every view to drop, back the committed memory up per the policy, then release
+    /// it. A host backup releases each part of the memory as soon as its own copy is done, so
+    /// that the driver's work on the freed memory overlaps the rest of the copy instead of the
+    /// next resume (`bench/RESULTS.md`, round 13); a disk backup is complete before anything is
+    /// released.
+    ///
+    /// On an error before anything is released the tag stays active with its bytes; after a
+    /// part is released it is paused with what was released (every released byte is in the
+    /// backup), and a resume brings that back.
     pub(crate) fn pause(&self) -> Result<OffloadReport, MemoryError> {
         let (runs, fences) = {
             let mut core = self.lock();
@@ -260,31 +271,22 @@ impl Region {
                 std::mem::take(&mut core.fences),
             )
         };
+        let free_before = self.device.memory_info().map_err(self.device_error());
         let started = Instant::now();
-        let backed_up = fences
-            .iter()
-            .try_for_each(Fence::wait)
-            .and_then(|()| self.device.memory_info())
-            .map_err(self.device_error())
-            .and_then(|info| Ok((info.free, self.back_up(&runs)?)));
-        let (free_before, backup) = match backed_up {
+        let backed_up = free_before.and_then(|info| {
+            fences
+                .iter()
+                .try_for_each(Fence::wait)
+                .map_err(self.device_error())?;
+            Ok((info.free, self.back_up(&runs)?))
+        });
+        let (free_before, (backup, released, failure)) = match backed_up {
             Ok(done) => done,
             Err(error) => {
                 self.settle(RegionState::Active);
                 return Err(error);
             }
         };
-        let mut released = Vec::with_capacity(runs.len());
-        let mut release_error = None;
-        for run in &runs {
-            match self.device.release(*run) {
-                Ok(()) => released.push(*run),
-                Err(error) => {
-                    release_error = Some(self.device_error()(error));
-                    break;
-                }
-            }
-        }
         let bytes = released.iter().map(|r| r.len as u64).sum();
         {
             let mut core = self.lock();
@@ -293,11 +295,11 @@ impl Region {
             core.released = released;
         }
         self.settle(RegionState::Paused);
-        if let Some(error) = release_error {
+        let seconds = started.elapsed().as_secs_f64();
+        if let Some(error) = failure {
             return Err(error);
         }
         let free_after = self.device.memory_info().map_err(self.device_error())?.free;
-        let seconds = started.elapsed().as_secs_f64();
         tracing::debug!(tag = %self.tag, policy = %self.policy, bytes, seconds, "paused");
         Ok(OffloadReport::new(
             self.tag.clone(),
@@ -308,31 +310,47 @@ impl Region {
         ))
     }
 
-    /// Copy `runs` to the policy's backup and wait until it is complete.
-    fn back_up(&self, runs: &[AddressRange]) -> Result<Backup, MemoryError> {
-        match self.policy {
-            BackupPolicy::None => Ok(Backup::Nothing),
+    /// Back `runs` up per the policy and release them: the backup, the ranges released (in
+    /// address order) and the error that stopped the releases, if one did. An error before
+    /// anything was released is returned as such, with no backup kept.
+    fn back_up(&self, runs: &[AddressRange]) -> Result<BackedUp, MemoryError> {
+        let backup = match self.policy {
+            BackupPolicy::None => Backup::Nothing,
             BackupPolicy::Host => {
                 let total = runs.iter().map(|r| r.len).sum();
                 let pool = &self.stores.pool;
                 let mut buffer = pool.take(total).map_err(self.store_error())?;
-                let copied = copy_out(self.device.as_ref(), runs, &mut buffer);
-                match copied {
-                    Ok(()) => Ok(Backup::Host(buffer)),
-                    Err(error) => {
+                let (released, copied) =
+                    copy_out_releasing(self.device.as_ref(), runs, &mut buffer);
+                return match copied {
+                    Ok(()) => Ok((Backup::Host(buffer), released, None)),
+                    Err(error) if released.is_empty() => {
                         pool.put(buffer);
                         Err(self.device_error()(error))
                     }
-                }
+                    Err(error) => Ok((
+                        Backup::Host(buffer),
+                        released,
+                        Some(self.device_error()(error)),
+                    )),
+                };
             }
             BackupPolicy::Disk => {
                 let disk = self.disk()?;
                 let backup = disk
                     .save(self.device.as_ref(), self.tag.name(), runs)
                     .map_err(self.store_error())?;
-                Ok(Backup::Disk(backup))
+                Backup::Disk(backup)
             }
+        };
+        let mut released = Vec::with_capacity(runs.len());
+        for run in runs {
+            if let Err(error) = self.device.release(*run) {
+                return Ok((backup, released, Some(self.device_error()(error))));
+            }
+            released.push(*run);
         }
+        Ok((backup, released, None))
     }
 
     fn disk(&self) -> Result<&DiskStore, MemoryError> {
@@ -379,18 +397,17 @@ impl Region {
         };
         let restored = match &mut backup {
             Backup::Host(buffer) if piece > 0 => {
-                self.restore_pipelined(&saved, released.len(), buffer, piece)
+                self.restore_pipelined(&saved, &released, buffer, piece)
             }
-            _ => {
-                self.commit_all(&released)
-                    .and_then(|()| match self.restore(&saved, &mut backup) {
-                        Ok(()) => Ok(()),
-                        Err(error) => {
-                            released.iter().for_each(|run| self.release_logged(*run));
-                            Err(error)
-                        }
-                    })
-            }
+            _ => self.commit_all(&released).and_then(|()| {
+                match self.restore(&saved, &released, &mut backup) {
+                    Ok(()) => Ok(()),
+                    Err(error) => {
+                        released.iter().for_each(|run| self.release_logged(*run));
+                        Err(error)
+                    }
+                }
+            }),
         };
         if let Err(error) = restored {
             self.lock().backup = backup;
@@ -404,9 +421,9 @@ impl Region {
             core.released.clear();
         }
         self.settle(RegionState::Active);
+        let seconds = started.elapsed().as_secs_f64();
         let bytes = released.iter().map(|r| r.len as u64).sum();
         let free_after = self.device.memory_info().map_err(self.device_error())?.free;
-        let seconds = started.elapsed().as_secs_f64();
         tracing::debug!(tag = %self.tag, policy = %self.policy, bytes, seconds, "resumed");
         Ok(OffloadReport::new(
             self.tag.clone(),
@@ -428,15 +445,14 @@ impl Region {
         Ok(())
     }
 
-    /// Commit `runs` and copy `buffer` (laid out by [`copy_out`]) back into them in pieces of
-    /// `piece` bytes (rounded up to the granularity), so that each piece's copy runs while the
-    /// next piece commits; waits for every copy. Only the first `released` runs were released
-    /// by the pause, and only they are committed. On failure the pieces committed here are
-    /// released again.
+    /// Commit the `released` ranges and copy their bytes back from `buffer` (laid out by
+    /// [`copy_out_releasing`] over `saved`) in pieces of `piece` bytes (rounded up to the
+    /// granularity), so that each piece's copy runs while the next piece commits; waits for
+    /// every copy. On failure the pieces committed here are released again.
     fn restore_pipelined(
         &self,
-        runs: &[AddressRange],
-        released: usize,
+        saved: &[AddressRange],
+        released: &[AddressRange],
         buffer: &mut HostBuffer,
         piece: usize,
     ) -> Result<(), MemoryError> {
@@ -445,7 +461,7 @@ impl Region {
         let mut fences = Vec::new();
         let queued = queue_pipelined(
             self.device.as_ref(),
-            runs,
+            saved,
             released,
             buffer,
             piece,
@@ -462,15 +478,22 @@ impl Region {
         })
     }
 
-    fn restore(&self, runs: &[AddressRange], backup: &mut Backup) -> Result<(), MemoryError> {
+    /// Bring the bytes of the `released` ranges back from the backup of `saved` (the ranges
+    /// still resident kept theirs).
+    fn restore(
+        &self,
+        saved: &[AddressRange],
+        released: &[AddressRange],
+        backup: &mut Backup,
+    ) -> Result<(), MemoryError> {
         match backup {
             Backup::Nothing => Ok(()),
             Backup::Host(buffer) => {
-                copy_in(self.device.as_ref(), runs, buffer).map_err(self.device_error())
+                copy_in(self.device.as_ref(), saved, released, buffer).map_err(self.device_error())
             }
             Backup::Disk(disk_backup) => self
                 .disk()?
-                .load(self.device.as_ref(), disk_backup, runs)
+                .load(self.device.as_ref(), disk_backup, saved)
                 .map_err(self.store_error()),
         }
     }
@@ -502,61 +525,103 @@ impl Drop for Region {
     }
 }
 
-/// Copy `runs` end to end into `buffer` and wait for every copy.
-fn copy_out(
+/// Copy `runs` end to end into `buffer` and release each of their parts (as
+/// [`Device::release_parts`] cuts them) once its own copy is done. Returns the parts released,
+/// in order, and the first error; after an error nothing more is released, and every queued
+/// copy has been waited for either way.
+fn copy_out_releasing(
     device: &dyn Device,
     runs: &[AddressRange],
     buffer: &mut HostBuffer,
-) -> Result<(), DeviceError> {
-    let mut fences: Vec<Fence> = Vec::with_capacity(runs.len());
-    let mut offset = 0;
-    for run in runs {
-        fences.push(device.copy_to_host(*run, buffer, offset)?);
-        offset += run.len;
-    }
-    fences.iter().try_for_each(Fence::wait)?;
-    buffer.wait()
+) -> (Vec<AddressRange>, Result<(), DeviceError>) {
+    let mut queued = Vec::new();
+    let mut released = Vec::new();
+    let copied = queue_copies_out(device, runs, buffer, &mut queued).and_then(|()| {
+        queued.iter().try_for_each(|(part, fence)| {
+            fence.wait()?;
+            device.release(*part)?;
+            released.push(*part);
+            Ok(())
+        })
+    });
+    let waited = buffer.wait();
+    (released, copied.and(waited))
 }
 
-/// Commit (the first `released` runs) and queue the copy back of `runs` piece by piece,
-/// recording what was committed and the copies' fences as it goes.
-fn queue_pipelined(
+/// Queue the copy of every part of `runs` into `buffer`, end to end, recording each part with
+/// its copy's fence.
+fn queue_copies_out(
     device: &dyn Device,
     runs: &[AddressRange],
-    released: usize,
     buffer: &mut HostBuffer,
-    piece: usize,
-    committed: &mut Vec<AddressRange>,
-    fences: &mut Vec<Fence>,
+    queued: &mut Vec<(AddressRange, Fence)>,
 ) -> Result<(), DeviceError> {
     let mut offset = 0;
-    for (index, run) in runs.iter().enumerate() {
-        let mut done = 0;
-        while done < run.len {
-            let part = run.slice(done, piece.min(run.len - done))?;
-            if index < released {
-                device.commit(part)?;
-                committed.push(part);
-            }
-            fences.push(device.copy_from_host(buffer, offset + done, part)?);
-            done += part.len;
+    for run in runs {
+        for part in device.release_parts(*run) {
+            let at = offset + (part.start - run.start) as usize;
+            queued.push((part, device.copy_to_host(part, buffer, at)?));
         }
         offset += run.len;
     }
     Ok(())
 }
 
-/// Copy `buffer`, laid out by [`copy_out`], back into `runs` and wait for every copy.
+/// Where the bytes of `part` (inside one of `saved`) lie in a backup that holds `saved` end to
+/// end.
+fn backup_offset(saved: &[AddressRange], part: AddressRange) -> Result<usize, DeviceError> {
+    let mut offset = 0;
+    for run in saved {
+        if run.start <= part.start && part.end() <= run.end() {
+            return Ok(offset + (part.start - run.start) as usize);
+        }
+        offset += run.len;
+    }
+    Err(DeviceError::BadRange {
+        start: part.start,
+        len: part.len,
+        expected: "inside a range the pause backed up",
+    })
+}
+
+/// Commit the `released` ranges piece by piece and queue the copy back of each piece from
+/// `buffer` (which holds `saved` end to end), recording what was committed and the copies'
+/// fences as it goes.
+fn queue_pipelined(
+    device: &dyn Device,
+    saved: &[AddressRange],
+    released: &[AddressRange],
+    buffer: &mut HostBuffer,
+    piece: usize,
+    committed: &mut Vec<AddressRange>,
+    fences: &mut Vec<Fence>,
+) -> Result<(), DeviceError> {
+    for range in released {
+        let offset = backup_offset(saved, *range)?;
+        let mut done = 0;
+        while done < range.len {
+            let part = range.slice(done, piece.min(range.len - done))?;
+            device.commit(part)?;
+            committed.push(part);
+            fences.push(device.copy_from_host(buffer, offset + done, part)?);
+            done += part.len;
+        }
+    }
+    Ok(())
+}
+
+/// Copy the bytes of the `released` ranges back from `buffer` (which holds `saved` end to end)
+/// and wait for every copy.
 fn copy_in(
     device: &dyn Device,
-    runs: &[AddressRange],
+    saved: &[AddressRange],
+    released: &[AddressRange],
     buffer: &mut HostBuffer,
 ) -> Result<(), DeviceError> {
-    let mut fences: Vec<Fence> = Vec::with_capacity(runs.len());
-    let mut offset = 0;
-    for run in runs {
-        fences.push(device.copy_from_host(buffer, offset, *run)?);
-        offset += run.len;
+    let mut fences: Vec<Fence> = Vec::with_capacity(released.len());
+    for range in released {
+        let offset = backup_offset(saved, *range)?;
+        fences.push(device.copy_from_host(buffer, offset, *range)?);
     }
     fences.iter().try_for_each(Fence::wait)?;
     buffer.wait()
@@ -576,15 +641,28 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    /// The test device (see [`open_test_device`]) whose `fail_in`-th commit from now fails as
-    /// out of memory (0: none fails).
+    /// The test device (see [`open_test_device`]) with faults: its `fail_commit_in`-th commit
+    /// from now fails as out of memory and its `fail_release_in`-th release as a driver error
+    /// (0: none fails), and it cuts ranges into parts of `part_len` bytes for a pause to release
+    /// one by one (0: whole).
     #[derive(Debug)]
-    struct FailingCommit {
+    struct Faulty {
         inner: Arc<dyn Device>,
-        fail_in: AtomicUsize,
+        fail_commit_in: AtomicUsize,
+        fail_release_in: AtomicUsize,
+        part_len: usize,
     }
 
-    impl Device for FailingCommit {
+    /// Count `counter` down; true when this call is the one that fails.
+    fn fails_now(counter: &AtomicUsize) -> bool {
+        let left = counter.load(Ordering::SeqCst);
+        if left > 0 {
+            counter.store(left - 1, Ordering::SeqCst);
+        }
+        left == 1
+    }
+
+    impl Device for Faulty {
         fn kind(&self) -> DeviceKind {
             self.inner.kind()
         }
@@ -601,21 +679,34 @@ mod tests {
             self.inner.unreserve(range)
         }
         fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
-            let left = self.fail_in.load(Ordering::SeqCst);
-            if left > 0 {
-                self.fail_in.store(left - 1, Ordering::SeqCst);
-                if left == 1 {
-                    return Err(DeviceError::OutOfMemory {
-                        device: self.kind(),
-                        requested: range.len as u64,
-                        free: 0,
-                    });
-                }
+            if fails_now(&self.fail_commit_in) {
+                return Err(DeviceError::OutOfMemory {
+                    device: self.kind(),
+                    requested: range.len as u64,
+                    free: 0,
+                });
             }
             self.inner.commit(range)
         }
         fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
+            if fails_now(&self.fail_release_in) {
+                return Err(DeviceError::Cuda {
+                    call: "cuMemRelease",
+                    message: "injected".to_string(),
+                });
+            }
             self.inner.release(range)
+        }
+        fn release_parts(&self, range: AddressRange) -> Vec<AddressRange> {
+            if self.part_len == 0 {
+                return vec![range];
+            }
+            (0..range.len.div_ceil(self.part_len))
+                .map(|index| {
+                    let at = index * self.part_len;
+                    range.slice(at, self.part_len.min(range.len - at)).unwrap()
+                })
+                .collect()
         }
         fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
             self.inner.memory_info()
@@ -647,12 +738,14 @@ mod tests {
         }
     }
 
-    /// A manager resuming in pieces of `piece` bytes on a [`FailingCommit`] test device of
-    /// `capacity` bytes.
-    fn pipelined(capacity: usize, piece: usize) -> (Arc<FailingCommit>, MemoryManager) {
-        let device = Arc::new(FailingCommit {
+    /// A manager resuming in pieces of `piece` bytes (0: all at once) on a [`Faulty`] test
+    /// device of `capacity` bytes that cuts releases into parts of `part_len` bytes.
+    fn faulty(capacity: usize, piece: usize, part_len: usize) -> (Arc<Faulty>, MemoryManager) {
+        let device = Arc::new(Faulty {
             inner: open_test_device(capacity as u64).unwrap().shared(),
-            fail_in: AtomicUsize::new(0),
+            fail_commit_in: AtomicUsize::new(0),
+            fail_release_in: AtomicUsize::new(0),
+            part_len,
         });
         let settings = ManagerSettings {
             margin_bytes: 0,
@@ -699,7 +792,7 @@ mod tests {
 
     #[test]
     fn a_pipelined_resume_restores_every_byte_at_the_same_addresses() {
-        let (_, memory) = pipelined(128 * MIB, 3 * MIB);
+        let (_, memory) = faulty(128 * MIB, 3 * MIB, 0);
         let tag = MemoryTag::Named("pipelined".to_string());
         let buffers = filled(&memory, &tag, 31);
         let addresses: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
@@ -718,12 +811,12 @@ mod tests {
 
     #[test]
     fn a_pipelined_resume_that_fails_half_way_releases_its_pieces_and_stays_paused() {
-        let (device, memory) = pipelined(128 * MIB, 2 * MIB);
+        let (device, memory) = faulty(128 * MIB, 2 * MIB, 0);
         let tag = MemoryTag::Named("half-way".to_string());
         let buffers = filled(&memory, &tag, 37);
         memory.pause(&tag).unwrap();
         let free_paused = device.memory_info().unwrap().free;
-        device.fail_in.store(3, Ordering::SeqCst);
+        device.fail_commit_in.store(3, Ordering::SeqCst);
         let error = memory.resume(&tag).unwrap_err();
         assert!(
             matches!(
@@ -744,5 +837,81 @@ mod tests {
         memory.resume(&tag).unwrap();
         let diff = first_difference_in(&buffers);
         assert_eq!(diff, None, "(buffer, byte) differing first after the retry");
+    }
+
+    #[test]
+    fn a_pause_releasing_part_by_part_resumes_every_byte_at_the_same_addresses() {
+        for piece in [0, 3 * MIB] {
+            let (_, memory) = faulty(128 * MIB, piece, 4 * MIB);
+            let tag = MemoryTag::Named("parts".to_string());
+            let buffers = filled(&memory, &tag, 41);
+            let addresses: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
+            for cycle in 0..3 {
+                let paused = memory.pause(&tag).unwrap();
+                assert_eq!(paused.bytes, memory.region_bytes(&tag).unwrap());
+                assert_eq!(paused.free_after - paused.free_before, paused.bytes);
+                let resumed = memory.resume(&tag).unwrap();
+                assert_eq!(resumed.bytes, paused.bytes, "piece {piece}, cycle {cycle}");
+                let diff = first_difference_in(&buffers);
+                assert_eq!(diff, None, "piece {piece}, cycle {cycle}: (buffer, byte)");
+            }
+            let now: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
+            assert_eq!(now, addresses);
+        }
+    }
+
+    #[test]
+    fn a_pause_failing_after_some_parts_stays_paused_and_resumes_them_bit_exact() {
+        for piece in [0, 3 * MIB] {
+            let (device, memory) = faulty(128 * MIB, piece, 2 * MIB);
+            let tag = MemoryTag::Named("part-fault".to_string());
+            let buffers = filled(&memory, &tag, 43);
+            let total = memory.region_bytes(&tag).unwrap();
+            let free_active = device.memory_info().unwrap().free;
+            device.fail_release_in.store(3, Ordering::SeqCst);
+            let error = memory.pause(&tag).unwrap_err();
+            assert!(
+                matches!(
+                    &error,
+                    MemoryError::Device {
+                        source: DeviceError::Cuda { .. },
+                        ..
+                    }
+                ),
+                "{error}"
+            );
+            assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+            let freed = device.memory_info().unwrap().free - free_active;
+            assert_eq!(
+                freed,
+                4 * MIB as u64,
+                "the two parts before the fault are free"
+            );
+            assert_eq!(memory.region_bytes(&tag).unwrap(), total);
+            let resumed = memory.resume(&tag).unwrap();
+            assert_eq!(resumed.bytes, 4 * MIB as u64, "piece {piece}");
+            assert_eq!(device.memory_info().unwrap().free, free_active);
+            let diff = first_difference_in(&buffers);
+            assert_eq!(diff, None, "piece {piece}: (buffer, byte) differing first");
+            memory.pause(&tag).unwrap();
+            memory.resume(&tag).unwrap();
+            assert_eq!(first_difference_in(&buffers), None, "piece {piece}, again");
+        }
+    }
+
+    #[test]
+    fn a_pause_failing_at_its_first_release_leaves_the_tag_active_and_intact() {
+        let (device, memory) = faulty(128 * MIB, 0, 2 * MIB);
+        let tag = MemoryTag::Named("first-fault".to_string());
+        let buffers = filled(&memory, &tag, 47);
+        let free_active = device.memory_info().unwrap().free;
+        device.fail_release_in.store(1, Ordering::SeqCst);
+        memory.pause(&tag).unwrap_err();
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
+        assert_eq!(device.memory_info().unwrap().free, free_active);
+        assert_eq!(first_difference_in(&buffers), None);
+        memory.pause(&tag).unwrap();
+        memory.resume(&tag).unwrap();
+        assert_eq!(first_difference_in(&buffers), None);
     }
 }

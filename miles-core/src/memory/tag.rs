@@ -97,7 +97,9 @@ pub struct OffloadReport {
     pub tag: MemoryTag,
     /// Bytes of device memory released (pause) or committed (resume).
     pub bytes: u64,
-    /// Wall time of the whole operation.
+    /// Wall time of the operation, from its start (for a pause, once the tag's views are gone)
+    /// until the memory is freed or restored; the two free-memory readings for this report
+    /// are not counted.
     pub seconds: f64,
     /// `bytes / seconds`, in 10^9 bytes per second.
     pub gbps: f64,

@@ -10,7 +10,10 @@
 //! - `release` waits for the copies still queued on the range (their events), then unmaps and
 //!   releases its pieces as [`CudaOptions::release`] says (`release.rs`). A release that cuts a
 //!   piece in two keeps the bytes of the parts that stay committed by moving them into new
-//!   pieces (a device-to-device copy); releasing whole commits never does this.
+//!   pieces (a device-to-device copy); releasing whole commits never does this, nor does
+//!   releasing the parts `release_parts` names one by one, as a pause to host memory does.
+//! - After a release, a collector thread makes the driver collect its records of the memory it
+//!   scrubbed, off the critical path (`scrub.rs`, [`CudaOptions::collect_after`]).
 //! - `copy_to_host` / `copy_from_host` cut a copy into [`CudaOptions::copy_chunk`] pieces spread
 //!   over [`CudaOptions::streams_per_direction`] streams, one stream set per direction so that one
 //!   tag goes out while another comes in. A copy runs after earlier copies it conflicts with
@@ -30,9 +33,11 @@ mod driver;
 mod pinned;
 mod ranges;
 mod release;
+mod scrub;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use cudarc::driver::sys;
 
@@ -40,6 +45,7 @@ use self::context::{Context, Event, EventWork, Stream};
 use self::copies::{CopyEngine, Direction, InFlightCopies};
 use self::pinned::PinnedMemory;
 use self::ranges::{Mapping, Reservations};
+use self::scrub::Collector;
 use super::{
     AddressRange, Device, DeviceError, DeviceKind, Fence, HostBuffer, MemoryInfo, PendingWork,
 };
@@ -73,6 +79,9 @@ pub struct CudaOptions {
     /// Whether a commit writes its fresh memory once on the device (`cuMemsetD32Async`, zeros)
     /// and waits for it, so that a first copy into it does not pay for first touches.
     pub touch_on_commit: bool,
+    /// How long after a release a background thread makes the driver collect its records of
+    /// the memory it scrubbed (`scrub.rs`), so that the next release does not (`None`: never).
+    pub collect_after: Option<Duration>,
 }
 
 impl Default for CudaOptions {
@@ -86,6 +95,7 @@ impl Default for CudaOptions {
             release: ReleaseMode::default(),
             release_threads: 1,
             touch_on_commit: false,
+            collect_after: Some(Duration::from_millis(100)),
         }
     }
 }
@@ -108,6 +118,7 @@ pub struct CudaDevice {
     prop: sys::CUmemAllocationProp,
     state: Mutex<State>,
     engine: CopyEngine,
+    collector: Option<Collector>,
     context: Arc<Context>,
 }
 
@@ -153,6 +164,10 @@ impl CudaDevice {
             ..options
         };
         let engine = CopyEngine::new(&context, options.streams_per_direction, options.copy_chunk)?;
+        let collector = options
+            .collect_after
+            .map(|after| Collector::start(&context, device, granularity, after))
+            .transpose()?;
         let name = driver::device_get_name(device)?;
         tracing::info!(ordinal, %name, granularity, ?options, "opened cuda device");
         Ok(CudaDevice {
@@ -164,6 +179,7 @@ impl CudaDevice {
             prop,
             state: Mutex::new(State::default()),
             engine,
+            collector,
             context,
         })
     }
@@ -614,6 +630,29 @@ impl Device for CudaDevice {
         let mut state = self.quiet(range)?;
         state.book.check_committed(range)?;
         self.release_locked(&mut state.book, range)
+    }
+
+    fn release_parts(&self, range: AddressRange) -> Vec<AddressRange> {
+        let parts: Vec<AddressRange> = self
+            .lock()
+            .book
+            .overlapping(range)
+            .iter()
+            .map(|mapping| {
+                let start = mapping.start.max(range.start);
+                let end = mapping.range().end().min(range.end());
+                AddressRange {
+                    start,
+                    len: (end - start) as usize,
+                }
+            })
+            .collect();
+        let covered: usize = parts.iter().map(|part| part.len).sum();
+        if covered == range.len {
+            parts
+        } else {
+            vec![range]
+        }
     }
 
     fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {

@@ -88,6 +88,9 @@ impl CudaDevice {
                 self.unmap_runs(book, &inside, &mut spent)
             }
         };
+        if let Some(collector) = &self.collector {
+            collector.released();
+        }
         tracing::debug!(
             mode = ?self.options.release,
             mappings = inside.len(),
