@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::device::{AddressRange, Device};
@@ -63,7 +64,11 @@ impl MemoryManager {
         Ok(MemoryManager {
             device,
             margin_bytes: settings.margin_bytes,
-            stores: Arc::new(Stores { pool, disk }),
+            stores: Arc::new(Stores {
+                pool,
+                disk,
+                resuming: AtomicUsize::new(0),
+            }),
             regions: Mutex::new(HashMap::new()),
             resume_piece: 0,
         })

@@ -3,10 +3,12 @@
 //! The driver scrubs the memory a release frees on a copy engine, in the background, and keeps
 //! one record per scrubbed page until its next physical allocation collects them. A release
 //! that finds the records of an earlier one still uncollected collects them itself: on an H200
-//! that made a release of 8 GiB take 7-9 ms instead of 3 (`bench/RESULTS.md`, round 13). So
-//! after each release a [`Collector`] thread waits [`CudaOptions::collect_after`], by when the
-//! scrub is done, and again ten times as long for large releases, and each time creates and
-//! releases one granule of physical memory: an allocation, which collects the records.
+//! that made a release of 8 GiB take 5-9 ms instead of 3 (`bench/RESULTS.md`, round 13). So
+//! after each release, and once when the device opens (for the releases of a process before),
+//! a [`Collector`] thread waits [`CudaOptions::collect_after`], then twice as long, and so on
+//! [`PASSES`] times, since the scrub takes longer while copies keep the copy engines busy; each
+//! time it creates and releases one granule of physical memory: an allocation, which collects
+//! the records.
 //!
 //! [`CudaOptions::collect_after`]: super::CudaOptions::collect_after
 
@@ -20,8 +22,8 @@ use super::context::Context;
 use super::driver;
 use crate::device::DeviceError;
 
-/// Collections after each release: at `collect_after`, then at ten times that.
-const PASSES: u32 = 2;
+/// Collections after each release: at `collect_after`, 2, 4, .. 32 times that after it.
+const PASSES: u32 = 6;
 
 /// When the last release happened, and how many collections have run since.
 #[derive(Debug, Default)]
@@ -31,7 +33,7 @@ struct Schedule {
     stop: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     schedule: Mutex<Schedule>,
     wake: Condvar,
@@ -51,14 +53,21 @@ pub(super) struct Collector {
 }
 
 impl Collector {
-    /// Start the thread for `device`, which allocates `granularity` bytes per collection.
+    /// Start the thread for `device`, which allocates `granularity` bytes per collection, with
+    /// a first round of collections scheduled from now.
     pub(super) fn start(
         context: &Arc<Context>,
         device: sys::CUdevice,
         granularity: usize,
         after: Duration,
     ) -> Result<Collector, DeviceError> {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            schedule: Mutex::new(Schedule {
+                released_at: Some(Instant::now()),
+                ..Schedule::default()
+            }),
+            wake: Condvar::new(),
+        });
         let context = Arc::clone(context);
         let thread = std::thread::Builder::new()
             .name("miles-cuda-collect".to_string())
@@ -111,7 +120,7 @@ fn run(
         }
         let due = match schedule.released_at {
             Some(released_at) if schedule.passes_done < PASSES => {
-                released_at + after * 10u32.pow(schedule.passes_done)
+                released_at + after * 2u32.pow(schedule.passes_done)
             }
             _ => {
                 schedule = shared
