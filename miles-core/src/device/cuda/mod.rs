@@ -79,8 +79,9 @@ pub struct CudaOptions {
     /// Whether a commit writes its fresh memory once on the device (`cuMemsetD32Async`, zeros)
     /// and waits for it, so that a first copy into it does not pay for first touches.
     pub touch_on_commit: bool,
-    /// How long after a release a background thread makes the driver collect its records of
-    /// the memory it scrubbed (`scrub.rs`), so that the next release does not (`None`: never).
+    /// How long after a release a background thread first makes the driver collect its records
+    /// of the memory it scrubbed, then again at doubling waits (`scrub.rs`), so that the next
+    /// release does not (`None`: never).
     pub collect_after: Option<Duration>,
 }
 
