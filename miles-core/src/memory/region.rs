@@ -549,8 +549,9 @@ impl Drop for Region {
 }
 
 /// Copy `runs` end to end into `buffer` and release each of their parts (as
-/// [`Device::release_parts`] cuts them) once its own copy is done, for as long as `early()`
-/// says so; the parts left are released, in order, once every copy is done. Returns the parts
+/// [`Device::release_parts`] cuts them) once its own copy is done, for as long as `early()`,
+/// asked before each release, says so; the parts left are released, in order, once every copy
+/// is done. Returns the parts
 /// released, in order, and the first error; after an error nothing more is released, and every
 /// queued copy has been waited for either way.
 fn copy_out_releasing(
@@ -567,13 +568,19 @@ fn copy_out_releasing(
         Ok(())
     };
     let copied = queue_copies_out(device, runs, buffer, &mut queued).and_then(|()| {
-        let mut parts = queued.iter().peekable();
-        while let Some((part, fence)) = parts.next_if(|_| early()) {
+        let mut early_parts = 0;
+        for (part, fence) in &queued {
             fence.wait()?;
+            if !early() {
+                break;
+            }
             release(*part)?;
+            early_parts += 1;
         }
         buffer.wait()?;
-        parts.try_for_each(|(part, _)| release(*part))
+        queued[early_parts..]
+            .iter()
+            .try_for_each(|(part, _)| release(*part))
     });
     let waited = buffer.wait();
     (released, copied.and(waited))
