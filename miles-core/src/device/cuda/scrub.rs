@@ -8,7 +8,9 @@
 //! a [`Collector`] thread waits [`CudaOptions::collect_after`], then twice as long, and so on
 //! [`PASSES`] times, since the scrub takes longer while copies keep the copy engines busy; each
 //! time it creates and releases one granule of physical memory: an allocation, which collects
-//! the records.
+//! the records. That granule is outside the device's own accounting for the moment it is held:
+//! on a GPU that is exactly full, another allocation at that instant could fail, and a
+//! collection that finds no room only logs at debug level.
 //!
 //! [`CudaOptions::collect_after`]: super::CudaOptions::collect_after
 
