@@ -1,17 +1,16 @@
 //! Collecting the driver's records of scrubbed memory while nothing waits on it.
 //!
-//! The driver scrubs the memory a release frees on a copy engine, in the background, and keeps
-//! one record per scrubbed page until its next physical allocation collects them. A release
-//! that finds the records of an earlier one still uncollected collects them itself: on an H200
-//! that made a release of 8 GiB take 4.5-8.5 ms instead of about 3 (`bench/RESULTS.md`, round
-//! 13). So
-//! after each release, and once when the device opens (for the releases of a process before),
-//! a [`Collector`] thread waits [`CudaOptions::collect_after`], then twice as long, and so on
+//! The driver scrubs the memory a release frees on a copy engine, in the background, and keeps one
+//! record per scrubbed page until its next physical allocation collects them. A release that finds
+//! the records of an earlier one still uncollected collects them itself: on an H200 that made a
+//! release of 8 GiB take 4.5-8.5 ms instead of about 3 (`bench/RESULTS.md`, round 13). So after
+//! each release, and once when the device opens (for the releases of a process before), a
+//! [`Collector`] thread waits [`CudaOptions::collect_after`], then twice as long, and so on
 //! [`PASSES`] times, in case the scrub runs long (it shares the copy engines with copies); each
-//! time it creates and releases one granule of physical memory: an allocation, which collects
-//! the records. That granule is outside the device's own accounting for the moment it is held:
-//! on a GPU that is exactly full, another allocation at that instant could fail, and a
-//! collection that finds no room only logs at debug level.
+//! time it creates and releases one granule of physical memory: an allocation, which collects the
+//! records. That granule is outside the device's own accounting for the moment it is held: on a GPU
+//! that is exactly full, another allocation at that instant could fail, and a collection that finds
+//! no room only logs at debug level.
 //!
 //! [`CudaOptions::collect_after`]: super::CudaOptions::collect_after
 
