@@ -78,9 +78,7 @@ variant owns none,host,both "${owns[@]}"
 variant owns-2g none,host,both "${owns[@]}" --cuda-commit-chunk-mib 2048
 variant owns-8g none,host,both "${owns[@]}" --cuda-commit-chunk-mib 8192
 variant owns-256 none,host,both "${owns[@]}" --cuda-commit-chunk-mib 256
-# Pipelined resume: commit piece k+1 while piece k is copied in.
-variant owns-256-pipe host,both "${owns[@]}" --cuda-commit-chunk-mib 256 --resume-piece-mib 512
-variant owns-pipe host,both "${owns[@]}" --resume-piece-mib 1024
+# (Round 8's pipelined-resume variants, --resume-piece-mib, went with that flag in round 13.)
 # First touch on the device at commit (a memset of the fresh memory) before the copy in.
 variant owns-touch none,host,both "${owns[@]}" --cuda-touch-on-commit
 # Diagnostics: is resume's loss the driver's work right after a release (a 200 ms gap, not

@@ -33,8 +33,7 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
             margin_bytes: 0,
             disk: None,
         },
-    )?
-    .with_resume_pieces(args.resume_piece_mib << 20);
+    )?;
     let tags = [
         MemoryTag::Named("outgoing".to_string()),
         MemoryTag::Named("incoming".to_string()),

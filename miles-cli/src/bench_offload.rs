@@ -110,10 +110,6 @@ pub struct OffloadBenchArgs {
     /// collect its scrub records (0: never; default: the device's, 100).
     #[arg(long)]
     pub cuda_collect_after_ms: Option<u64>,
-    /// Resume host backups in pieces of this many MiB, each piece's copy running while the
-    /// next commits (0: commit the whole tag, then copy).
-    #[arg(long, default_value_t = 0)]
-    pub resume_piece_mib: usize,
     /// Diagnostic: sleep this long between each pause and the resume after it (not timed), to
     /// tell the driver's work after a release from the cost of the resume itself. Not with
     /// `--both-directions`.
@@ -172,7 +168,6 @@ pub(crate) fn settings_json(args: &OffloadBenchArgs, opened: &OpenedDevice) -> V
     };
     json!({
         "cuda": cuda,
-        "resume_piece": args.resume_piece_mib * MIB,
         "pause_gap_ms": args.pause_gap_ms,
     })
 }
@@ -281,8 +276,7 @@ fn bench(
     dir: &Path,
 ) -> anyhow::Result<()> {
     let device = opened.shared();
-    let memory = MemoryManager::new(Arc::clone(&device), settings)?
-        .with_resume_pieces(args.resume_piece_mib * MIB);
+    let memory = MemoryManager::new(Arc::clone(&device), settings)?;
     let tag = MemoryTag::Named("bench".to_string());
     memory.create_region(tag.clone(), policy, size)?;
     let mut buffer = memory.alloc(&tag, size)?;

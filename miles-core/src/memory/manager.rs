@@ -41,8 +41,6 @@ pub struct MemoryManager {
     margin_bytes: u64,
     stores: Arc<Stores>,
     regions: Mutex<HashMap<MemoryTag, Arc<Region>>>,
-    /// Bytes per piece of a pipelined resume of a host backup; 0: commit whole, then copy.
-    resume_piece: usize,
 }
 
 impl MemoryManager {
@@ -70,18 +68,7 @@ impl MemoryManager {
                 resuming: AtomicUsize::new(0),
             }),
             regions: Mutex::new(HashMap::new()),
-            resume_piece: 0,
         })
-    }
-
-    /// Resume host-backed tags in pieces of `bytes` (rounded up to the granularity): commit a
-    /// piece, queue its copy in, and commit the next while it runs. 0, the default, commits a
-    /// tag's memory whole before copying.
-    pub fn with_resume_pieces(self, bytes: usize) -> MemoryManager {
-        MemoryManager {
-            resume_piece: bytes,
-            ..self
-        }
     }
 
     /// The device.
@@ -213,8 +200,7 @@ impl MemoryManager {
     /// [`MemoryError::TagBusy`]; [`MemoryError::Store`] or [`MemoryError::Device`] when the
     /// restore fails, and the tag then stays paused with its backup.
     pub fn resume(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
-        self.region(tag)?
-            .resume(self.margin_bytes, self.resume_piece)
+        self.region(tag)?.resume(self.margin_bytes)
     }
 
     /// Where `tag` stands.

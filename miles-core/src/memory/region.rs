@@ -380,11 +380,10 @@ impl Region {
         })
     }
 
-    /// Check room for the region (need + margin), commit its memory at the same addresses and
-    /// copy its bytes back; on any failure the region stays paused with its backup. With a host
-    /// backup and `piece > 0`, commits and copies go piece by piece (see
-    /// [`Region::restore_pipelined`]).
-    pub(crate) fn resume(&self, margin: u64, piece: usize) -> Result<OffloadReport, MemoryError> {
+    /// Check room for the region (need + margin), commit the memory the pause released at the
+    /// same addresses and copy its bytes back; on any failure the region stays paused with its
+    /// backup.
+    pub(crate) fn resume(&self, margin: u64) -> Result<OffloadReport, MemoryError> {
         let started = Instant::now();
         let (released, saved, mut backup, free_before) = {
             let mut core = self.lock();
@@ -417,20 +416,10 @@ impl Region {
             (core.released.clone(), core.saved.clone(), backup, free)
         };
         let resuming = Resuming::start(&self.stores.resuming);
-        let restored = match &mut backup {
-            Backup::Host(buffer) if piece > 0 => {
-                self.restore_pipelined(&saved, &released, buffer, piece)
-            }
-            _ => self.commit_all(&released).and_then(|()| {
-                match self.restore(&saved, &released, &mut backup) {
-                    Ok(()) => Ok(()),
-                    Err(error) => {
-                        released.iter().for_each(|run| self.release_logged(*run));
-                        Err(error)
-                    }
-                }
-            }),
-        };
+        let restored = self.commit_all(&released).and_then(|()| {
+            self.restore(&saved, &released, &mut backup)
+                .inspect_err(|_| released.iter().for_each(|run| self.release_logged(*run)))
+        });
         drop(resuming);
         if let Err(error) = restored {
             self.lock().backup = backup;
@@ -466,39 +455,6 @@ impl Region {
             }
         }
         Ok(())
-    }
-
-    /// Commit the `released` ranges and copy their bytes back from `buffer` (laid out by
-    /// [`copy_out_releasing`] over `saved`) in pieces of `piece` bytes (rounded up to the
-    /// granularity), so that each piece's copy runs while the next piece commits; waits for
-    /// every copy. On failure the pieces committed here are released again.
-    fn restore_pipelined(
-        &self,
-        saved: &[AddressRange],
-        released: &[AddressRange],
-        buffer: &mut HostBuffer,
-        piece: usize,
-    ) -> Result<(), MemoryError> {
-        let piece = piece.next_multiple_of(self.device.granularity());
-        let mut committed = Vec::new();
-        let mut fences = Vec::new();
-        let queued = queue_pipelined(
-            self.device.as_ref(),
-            saved,
-            released,
-            buffer,
-            piece,
-            &mut committed,
-            &mut fences,
-        );
-        let waited = fences
-            .iter()
-            .try_for_each(Fence::wait)
-            .and_then(|()| buffer.wait());
-        queued.and(waited).map_err(|error| {
-            committed.iter().for_each(|part| self.release_logged(*part));
-            self.device_error()(error)
-        })
     }
 
     /// Bring the bytes of the `released` ranges back from the backup of `saved` (the ranges
@@ -620,32 +576,6 @@ fn backup_offset(saved: &[AddressRange], part: AddressRange) -> Result<usize, De
         len: part.len,
         expected: "inside a range the pause backed up",
     })
-}
-
-/// Commit the `released` ranges piece by piece and queue the copy back of each piece from
-/// `buffer` (which holds `saved` end to end), recording what was committed and the copies'
-/// fences as it goes.
-fn queue_pipelined(
-    device: &dyn Device,
-    saved: &[AddressRange],
-    released: &[AddressRange],
-    buffer: &mut HostBuffer,
-    piece: usize,
-    committed: &mut Vec<AddressRange>,
-    fences: &mut Vec<Fence>,
-) -> Result<(), DeviceError> {
-    for range in released {
-        let offset = backup_offset(saved, *range)?;
-        let mut done = 0;
-        while done < range.len {
-            let part = range.slice(done, piece.min(range.len - done))?;
-            device.commit(part)?;
-            committed.push(part);
-            fences.push(device.copy_from_host(buffer, offset + done, part)?);
-            done += part.len;
-        }
-    }
-    Ok(())
 }
 
 /// Copy the bytes of the `released` ranges back from `buffer` (which holds `saved` end to end)
@@ -776,9 +706,9 @@ mod tests {
         }
     }
 
-    /// A manager resuming in pieces of `piece` bytes (0: all at once) on a [`Faulty`] test
-    /// device of `capacity` bytes that cuts releases into parts of `part_len` bytes.
-    fn faulty(capacity: usize, piece: usize, part_len: usize) -> (Arc<Faulty>, MemoryManager) {
+    /// A manager on a [`Faulty`] test device of `capacity` bytes that cuts releases into parts
+    /// of `part_len` bytes (0: whole).
+    fn faulty(capacity: usize, part_len: usize) -> (Arc<Faulty>, MemoryManager) {
         let device = Arc::new(Faulty {
             inner: open_test_device(capacity as u64).unwrap().shared(),
             fail_commit_in: AtomicUsize::new(0),
@@ -789,9 +719,7 @@ mod tests {
             margin_bytes: 0,
             disk: None,
         };
-        let memory = MemoryManager::new(Arc::clone(&device) as Arc<dyn Device>, settings)
-            .unwrap()
-            .with_resume_pieces(piece);
+        let memory = MemoryManager::new(Arc::clone(&device) as Arc<dyn Device>, settings).unwrap();
         (device, memory)
     }
 
@@ -829,27 +757,8 @@ mod tests {
     }
 
     #[test]
-    fn a_pipelined_resume_restores_every_byte_at_the_same_addresses() {
-        let (_, memory) = faulty(128 * MIB, 3 * MIB, 0);
-        let tag = MemoryTag::Named("pipelined".to_string());
-        let buffers = filled(&memory, &tag, 31);
-        let addresses: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
-        for cycle in 0..3 {
-            let paused = memory.pause(&tag).unwrap();
-            assert_eq!(paused.bytes, memory.region_bytes(&tag).unwrap());
-            assert!(paused.free_after > paused.free_before, "cycle {cycle}");
-            let resumed = memory.resume(&tag).unwrap();
-            assert_eq!(resumed.bytes, paused.bytes, "cycle {cycle}");
-            let diff = first_difference_in(&buffers);
-            assert_eq!(diff, None, "cycle {cycle}: (buffer, byte) differing first");
-        }
-        let now: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
-        assert_eq!(now, addresses);
-    }
-
-    #[test]
-    fn a_pipelined_resume_that_fails_half_way_releases_its_pieces_and_stays_paused() {
-        let (device, memory) = faulty(128 * MIB, 2 * MIB, 0);
+    fn a_resume_that_fails_half_way_releases_what_it_committed_and_stays_paused() {
+        let (device, memory) = faulty(128 * MIB, 2 * MIB);
         let tag = MemoryTag::Named("half-way".to_string());
         let buffers = filled(&memory, &tag, 37);
         memory.pause(&tag).unwrap();
@@ -870,7 +779,7 @@ mod tests {
         assert_eq!(
             device.memory_info().unwrap().free,
             free_paused,
-            "the pieces committed before the failure are released again"
+            "the parts committed before the failure are released again"
         );
         memory.resume(&tag).unwrap();
         let diff = first_difference_in(&buffers);
@@ -879,67 +788,66 @@ mod tests {
 
     #[test]
     fn a_pause_releasing_part_by_part_resumes_every_byte_at_the_same_addresses() {
-        for piece in [0, 3 * MIB] {
-            let (_, memory) = faulty(128 * MIB, piece, 4 * MIB);
-            let tag = MemoryTag::Named("parts".to_string());
-            let buffers = filled(&memory, &tag, 41);
-            let addresses: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
-            for cycle in 0..3 {
-                let paused = memory.pause(&tag).unwrap();
-                assert_eq!(paused.bytes, memory.region_bytes(&tag).unwrap());
-                assert_eq!(paused.free_after - paused.free_before, paused.bytes);
-                let resumed = memory.resume(&tag).unwrap();
-                assert_eq!(resumed.bytes, paused.bytes, "piece {piece}, cycle {cycle}");
-                let diff = first_difference_in(&buffers);
-                assert_eq!(diff, None, "piece {piece}, cycle {cycle}: (buffer, byte)");
-            }
-            let now: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
-            assert_eq!(now, addresses);
+        let (_, memory) = faulty(128 * MIB, 4 * MIB);
+        let tag = MemoryTag::Named("parts".to_string());
+        let buffers = filled(&memory, &tag, 41);
+        let addresses: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
+        for cycle in 0..3 {
+            let paused = memory.pause(&tag).unwrap();
+            assert_eq!(paused.bytes, memory.region_bytes(&tag).unwrap());
+            assert_eq!(paused.free_after - paused.free_before, paused.bytes);
+            let resumed = memory.resume(&tag).unwrap();
+            assert_eq!(resumed.bytes, paused.bytes, "cycle {cycle}");
+            let diff = first_difference_in(&buffers);
+            assert_eq!(diff, None, "cycle {cycle}: (buffer, byte) differing first");
         }
+        let now: Vec<u64> = buffers.iter().map(|(b, _)| b.address()).collect();
+        assert_eq!(now, addresses);
     }
 
     #[test]
     fn a_pause_failing_after_some_parts_stays_paused_and_resumes_them_bit_exact() {
-        for piece in [0, 3 * MIB] {
-            let (device, memory) = faulty(128 * MIB, piece, 2 * MIB);
-            let tag = MemoryTag::Named("part-fault".to_string());
-            let buffers = filled(&memory, &tag, 43);
-            let total = memory.region_bytes(&tag).unwrap();
-            let free_active = device.memory_info().unwrap().free;
-            device.fail_release_in.store(3, Ordering::SeqCst);
-            let error = memory.pause(&tag).unwrap_err();
-            assert!(
-                matches!(
-                    &error,
-                    MemoryError::Device {
-                        source: DeviceError::Cuda { .. },
-                        ..
-                    }
-                ),
-                "{error}"
-            );
-            assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
-            let freed = device.memory_info().unwrap().free - free_active;
-            assert_eq!(
-                freed,
-                4 * MIB as u64,
-                "the two parts before the fault are free"
-            );
-            assert_eq!(memory.region_bytes(&tag).unwrap(), total);
-            let resumed = memory.resume(&tag).unwrap();
-            assert_eq!(resumed.bytes, 4 * MIB as u64, "piece {piece}");
-            assert_eq!(device.memory_info().unwrap().free, free_active);
-            let diff = first_difference_in(&buffers);
-            assert_eq!(diff, None, "piece {piece}: (buffer, byte) differing first");
-            memory.pause(&tag).unwrap();
-            memory.resume(&tag).unwrap();
-            assert_eq!(first_difference_in(&buffers), None, "piece {piece}, again");
-        }
+        let (device, memory) = faulty(128 * MIB, 2 * MIB);
+        let tag = MemoryTag::Named("part-fault".to_string());
+        let buffers = filled(&memory, &tag, 43);
+        let total = memory.region_bytes(&tag).unwrap();
+        let free_active = device.memory_info().unwrap().free;
+        device.fail_release_in.store(3, Ordering::SeqCst);
+        let error = memory.pause(&tag).unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                MemoryError::Device {
+                    source: DeviceError::Cuda { .. },
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused);
+        let freed = device.memory_info().unwrap().free - free_active;
+        assert_eq!(
+            freed,
+            4 * MIB as u64,
+            "the two parts before the fault are free"
+        );
+        assert_eq!(memory.region_bytes(&tag).unwrap(), total);
+        let resumed = memory.resume(&tag).unwrap();
+        assert_eq!(resumed.bytes, 4 * MIB as u64);
+        assert_eq!(device.memory_info().unwrap().free, free_active);
+        assert_eq!(
+            first_difference_in(&buffers),
+            None,
+            "after the partial pause"
+        );
+        memory.pause(&tag).unwrap();
+        memory.resume(&tag).unwrap();
+        assert_eq!(first_difference_in(&buffers), None, "after a whole cycle");
     }
 
     #[test]
     fn a_pause_failing_at_its_first_release_leaves_the_tag_active_and_intact() {
-        let (device, memory) = faulty(128 * MIB, 0, 2 * MIB);
+        let (device, memory) = faulty(128 * MIB, 2 * MIB);
         let tag = MemoryTag::Named("first-fault".to_string());
         let buffers = filled(&memory, &tag, 47);
         let free_active = device.memory_info().unwrap().free;
@@ -955,7 +863,7 @@ mod tests {
 
     #[test]
     fn parts_not_released_early_are_released_in_order_once_every_copy_is_done() {
-        let (device, _memory) = faulty(64 * MIB, 0, 2 * MIB);
+        let (device, _memory) = faulty(64 * MIB, 2 * MIB);
         let device: Arc<dyn Device> = device;
         let run = device.reserve(8 * MIB).unwrap();
         device.commit(run).unwrap();
