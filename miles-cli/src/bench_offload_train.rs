@@ -13,10 +13,12 @@ use anyhow::Context;
 use clap::Args;
 use miles_core::config::{OffloadTarget, Settings};
 use miles_core::device::Gpu;
-use miles_core::{Batch, CudaDevice, Device, HostDevice, MemoryTag, OffloadStats};
+use miles_core::model::ByteTokenizer;
+use miles_core::{CudaDevice, Device, HostDevice, MemoryTag, OffloadStats};
 
 use crate::backends::build_backend;
 use crate::baseline::{DirectIoBaseline, MemcpyBaseline};
+use crate::bench_train::text_batch;
 use crate::settings_args::{BadSettings, SettingsArgs};
 
 /// `miles bench offload-train`.
@@ -49,7 +51,9 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
     let mut backend = build_backend(&settings)?;
     let target = settings.offload_train_target;
     let dp = settings.data_parallel_size;
-    let batch = batch(
+    let tokenizer = ByteTokenizer::from_config(backend.config())?;
+    let batch = text_batch(
+        &tokenizer,
         2 * dp,
         args.seq.min(backend.config().max_position_embeddings),
     );
@@ -185,23 +189,4 @@ fn pinned_copies(device: &CudaDevice, size: usize) -> anyhow::Result<(f64, f64)>
     let back = size as f64 / started.elapsed().as_secs_f64() / 1e9;
     device.unreserve(range)?;
     Ok((out, back))
-}
-
-/// A deterministic batch of `b` sequences of `t` byte tokens.
-fn batch(b: usize, t: usize) -> Batch {
-    let text = b"Reinforcement learning alternates rollout and training on the same devices. ";
-    let token = |i: usize| u32::from(text[i % text.len()]);
-    let (mut inputs, mut targets) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
-    for s in 0..b {
-        inputs.extend((0..t).map(|i| token(s + i)));
-        targets.extend((0..t).map(|i| token(s + i + 1)));
-    }
-    Batch {
-        batch: b,
-        seq: t,
-        inputs,
-        targets,
-        weights: vec![1.0; b * t],
-        normaliser: (b * t) as f32,
-    }
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
 use miles_core::device::Gpu;
-use miles_core::model::{LlamaConfig, ParamLayout, init_params};
-use miles_core::{BackendError, Settings, TrainBackend};
+use miles_core::model::{LlamaConfig, ParamLayout};
+use miles_core::{BackendError, Settings};
 
 use crate::backend::NAME;
 use crate::checkpoint::{OptimizerState, load_optimizer, save_optimizer};
@@ -52,19 +52,11 @@ pub type FsdpGpu = GpuBackend<FsdpFiles>;
 /// # Errors
 /// [`BackendError::Settings`] for a data-parallel size above 1 (several GPUs need the NCCL
 /// communicator), tensor parallelism, or native CPU offload without core offload (on the GPU the
-/// memory manager moves the training state: use `--offload-train`); as [`GpuBackend::new`] and
-/// [`TrainBackend::load`].
+/// memory manager moves the training state: use `--offload-train`); as
+/// [`GpuBackend::from_settings`].
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<FsdpGpu, BackendError> {
     check_gpu_settings(settings)?;
-    let config = LlamaConfig::preset(&settings.preset)?;
-    let layout = ParamLayout::new(&config);
-    let mut params = vec![0.0; layout.len()];
-    init_params(&layout, &config, settings.seed, &mut params)?;
-    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
-    if let Some(dir) = &settings.load {
-        trainer.load(dir)?;
-    }
-    Ok(trainer)
+    GpuBackend::from_settings(gpu, settings)
 }
 
 /// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.

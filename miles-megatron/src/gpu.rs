@@ -8,10 +8,9 @@ use std::sync::Arc;
 use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
 use miles_core::device::Gpu;
 use miles_core::model::{LlamaConfig, ParamLayout};
-use miles_core::{BackendError, Settings, TrainBackend};
+use miles_core::{BackendError, Settings};
 
 use crate::checkpoint::{read_full_optimizer, write_optimizer};
-use crate::trainer::init_weights;
 
 /// This crate's optimizer files, for [`GpuBackend`].
 #[derive(Debug)]
@@ -46,17 +45,10 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 ///
 /// # Errors
 /// [`BackendError::Settings`] for parallel sizes above 1 (several GPUs need the NCCL
-/// communicator) or optimizer-state streaming; as [`GpuBackend::new`] and
-/// [`TrainBackend::load`].
+/// communicator) or optimizer-state streaming; as [`GpuBackend::from_settings`].
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, BackendError> {
     check_gpu_settings(settings)?;
-    let config = LlamaConfig::preset(&settings.preset)?;
-    let params = init_weights(&config, settings.seed)?;
-    let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
-    if let Some(dir) = &settings.load {
-        trainer.load(dir)?;
-    }
-    Ok(trainer)
+    GpuBackend::from_settings(gpu, settings)
 }
 
 /// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.

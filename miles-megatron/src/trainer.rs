@@ -6,12 +6,10 @@ use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use miles_core::backend::export_full_weights;
 use miles_core::backend::{TrainBackend, sum_over_ranks};
+use miles_core::backend::{export_full_weights, load_checkpoint_of};
 use miles_core::config::{OffloadTarget, Settings};
-use miles_core::model::{
-    LlamaConfig, ParamLayout, Transformer, init_params, load_checkpoint, save_checkpoint,
-};
+use miles_core::model::{LlamaConfig, ParamLayout, Transformer, init_params, save_checkpoint};
 use miles_core::ops::AdamWConfig;
 use miles_core::{
     BackendError, Batch, CommError, Communicator, DiskSettings, LocalComm, MemoryManager,
@@ -676,13 +674,7 @@ impl TrainBackend for MegatronTrainer {
 
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
         self.check_on_device("load")?;
-        let (config, params) = load_checkpoint(dir)?;
-        if ParamLayout::new(&config) != self.full_layout {
-            return Err(BackendError::Checkpoint {
-                path: dir.to_path_buf(),
-                reason: "its config describes a different model than this trainer's".to_string(),
-            });
-        }
+        let (_, params) = load_checkpoint_of(dir, &self.full_layout)?;
         let full = Arc::new(params);
         let optimizer = Arc::new(read_full_optimizer(dir, &self.config, &self.full_layout)?);
         let full_layout = self.full_layout.clone();

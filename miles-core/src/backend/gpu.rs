@@ -13,13 +13,13 @@ use std::time::Instant;
 
 use super::{
     BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
-    WeightSink, export_full_weights,
+    WeightSink, export_full_weights, load_checkpoint_of,
 };
 use crate::config::{OffloadTarget, Settings};
 use crate::device::{Device, Gpu};
 use crate::memory::{BackupPolicy, DiskSettings, ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
-    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, load_checkpoint, save_checkpoint,
+    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, init_params, save_checkpoint,
 };
 use crate::ops::AdamWConfig;
 
@@ -80,6 +80,26 @@ impl<F> std::fmt::Debug for GpuBackend<F> {
 const MAX_BATCH_TOKENS: usize = 8192;
 
 impl<F: OptimizerFiles> GpuBackend<F> {
+    /// The trainer `settings` describe, on `gpu`: the preset, weights seeded by `--seed`, then
+    /// `--load` when given. Backends check their own flags first.
+    ///
+    /// # Errors
+    /// An unknown preset; as [`GpuBackend::new`] and [`TrainBackend::load`].
+    pub fn from_settings(
+        gpu: Arc<Gpu>,
+        settings: &Settings,
+    ) -> Result<GpuBackend<F>, BackendError> {
+        let config = LlamaConfig::preset(&settings.preset)?;
+        let layout = ParamLayout::new(&config);
+        let mut params = vec![0.0; layout.len()];
+        init_params(&layout, &config, settings.seed, &mut params)?;
+        let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
+        if let Some(dir) = &settings.load {
+            trainer.load(dir)?;
+        }
+        Ok(trainer)
+    }
+
     /// A trainer of `config` on `gpu` starting from the full weights `params`, offloading to
     /// `--offload-train-target` (with its disk settings), keeping `--train-memory-margin-bytes`
     /// free on resume, with the learning rate of `settings`.
@@ -264,13 +284,7 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
 
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
         self.check_on_device("load")?;
-        let (config, params) = load_checkpoint(dir)?;
-        if ParamLayout::new(&config) != self.layout {
-            return Err(BackendError::Checkpoint {
-                path: dir.to_path_buf(),
-                reason: "its config describes a different model than this trainer's".to_string(),
-            });
-        }
+        let (config, params) = load_checkpoint_of(dir, &self.layout)?;
         self.trainer.set_params(&params)?;
         if let Some(saved) = F::read(dir, &config, &self.layout)? {
             self.trainer.set_moments(&saved.m, &saved.v)?;

@@ -357,6 +357,26 @@ pub fn export_full_weights(
     Ok(())
 }
 
+/// The config and full weights of the checkpoint in `dir`, which must be of the model `layout`
+/// lays out: the first step of every backend's [`TrainBackend::load`].
+///
+/// # Errors
+/// [`BackendError::Checkpoint`] for a checkpoint of another model; the model's error when the
+/// checkpoint cannot be read.
+pub fn load_checkpoint_of(
+    dir: &Path,
+    layout: &crate::model::ParamLayout,
+) -> Result<(LlamaConfig, Vec<f32>), BackendError> {
+    let (config, params) = crate::model::load_checkpoint(dir)?;
+    if crate::model::ParamLayout::new(&config) != *layout {
+        return Err(BackendError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: "its config describes a different model than this trainer's".to_string(),
+        });
+    }
+    Ok((config, params))
+}
+
 /// Sums per-rank tag lists (each as [`MemoryManager::resident_bytes`](crate::MemoryManager::resident_bytes)
 /// gives it) tag by tag, tags in the order first seen: a multi-rank backend's
 /// [`TrainBackend::device_memory`].

@@ -12,6 +12,8 @@
 mod cpu_gemm;
 mod cuda;
 mod error;
+#[cfg(test)]
+mod faulty;
 mod host;
 mod open;
 pub mod probe;
@@ -26,6 +28,8 @@ pub use cuda::compute::{
 };
 pub use cuda::{CudaDevice, CudaOptions, ReleaseMode};
 pub use error::DeviceError;
+#[cfg(test)]
+pub(crate) use faulty::FaultyDevice;
 pub use host::HostDevice;
 pub use open::{OpenedDevice, open, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};

@@ -533,10 +533,9 @@ fn copy_out_releasing(
             release(*part)?;
             early_parts += 1;
         }
-        buffer.wait()?;
-        queued[early_parts..]
-            .iter()
-            .try_for_each(|(part, _)| release(*part))
+        let late = &queued[early_parts..];
+        late.iter().try_for_each(|(_, fence)| fence.wait())?;
+        late.iter().try_for_each(|(part, _)| release(*part))
     });
     let waited = buffer.wait();
     (released, copied.and(waited))
@@ -602,119 +601,20 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    use crate::device::{DeviceKind, MemoryInfo, open_test_device};
+    use crate::device::{FaultyDevice, open_test_device};
     use crate::memory::{Buffer, ManagerSettings, MemoryManager};
 
     use super::*;
 
     const MIB: usize = 1 << 20;
 
-    /// The test device (see [`open_test_device`]) with faults: its `fail_commit_in`-th commit
-    /// from now fails as out of memory and its `fail_release_in`-th release as a driver error
-    /// (0: none fails), and it cuts ranges into parts of `part_len` bytes for a pause to release
-    /// one by one (0: whole).
-    #[derive(Debug)]
-    struct Faulty {
-        inner: Arc<dyn Device>,
-        fail_commit_in: AtomicUsize,
-        fail_release_in: AtomicUsize,
-        part_len: usize,
-    }
-
-    /// Count `counter` down; true when this call is the one that fails.
-    fn fails_now(counter: &AtomicUsize) -> bool {
-        let left = counter.load(Ordering::SeqCst);
-        if left > 0 {
-            counter.store(left - 1, Ordering::SeqCst);
-        }
-        left == 1
-    }
-
-    impl Device for Faulty {
-        fn kind(&self) -> DeviceKind {
-            self.inner.kind()
-        }
-        fn name(&self) -> String {
-            self.inner.name()
-        }
-        fn granularity(&self) -> usize {
-            self.inner.granularity()
-        }
-        fn reserve(&self, len: usize) -> Result<AddressRange, DeviceError> {
-            self.inner.reserve(len)
-        }
-        fn unreserve(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.inner.unreserve(range)
-        }
-        fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
-            if fails_now(&self.fail_commit_in) {
-                return Err(DeviceError::OutOfMemory {
-                    device: self.kind(),
-                    requested: range.len as u64,
-                    free: 0,
-                });
-            }
-            self.inner.commit(range)
-        }
-        fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
-            if fails_now(&self.fail_release_in) {
-                return Err(DeviceError::Cuda {
-                    call: "cuMemRelease",
-                    message: "injected".to_string(),
-                });
-            }
-            self.inner.release(range)
-        }
-        fn release_parts(&self, range: AddressRange) -> Vec<AddressRange> {
-            if self.part_len == 0 {
-                return vec![range];
-            }
-            (0..range.len.div_ceil(self.part_len))
-                .map(|index| {
-                    let at = index * self.part_len;
-                    range.slice(at, self.part_len.min(range.len - at)).unwrap()
-                })
-                .collect()
-        }
-        fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
-            self.inner.memory_info()
-        }
-        fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
-            self.inner.alloc_host(len)
-        }
-        fn copy_to_host(
-            &self,
-            src: AddressRange,
-            dst: &mut HostBuffer,
-            offset: usize,
-        ) -> Result<Fence, DeviceError> {
-            self.inner.copy_to_host(src, dst, offset)
-        }
-        fn copy_from_host(
-            &self,
-            src: &mut HostBuffer,
-            offset: usize,
-            dst: AddressRange,
-        ) -> Result<Fence, DeviceError> {
-            self.inner.copy_from_host(src, offset, dst)
-        }
-        fn read(&self, src: AddressRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-            self.inner.read(src, dst)
-        }
-        fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError> {
-            self.inner.write(src, dst)
-        }
-    }
-
-    /// A manager on a [`Faulty`] test device of `capacity` bytes that cuts releases into parts
-    /// of `part_len` bytes (0: whole).
-    fn faulty(capacity: usize, part_len: usize) -> (Arc<Faulty>, MemoryManager) {
-        let device = Arc::new(Faulty {
-            inner: open_test_device(capacity as u64).unwrap().shared(),
-            fail_commit_in: AtomicUsize::new(0),
-            fail_release_in: AtomicUsize::new(0),
+    /// A manager on a [`FaultyDevice`] over the test device (see [`open_test_device`]) of
+    /// `capacity` bytes that cuts releases into parts of `part_len` bytes (0: whole).
+    fn faulty(capacity: usize, part_len: usize) -> (Arc<FaultyDevice>, MemoryManager) {
+        let device = Arc::new(FaultyDevice::over(
+            open_test_device(capacity as u64).unwrap().shared(),
             part_len,
-        });
+        ));
         let settings = ManagerSettings {
             margin_bytes: 0,
             disk: None,
@@ -882,5 +782,25 @@ mod tests {
             "released already"
         );
         device.unreserve(run).unwrap();
+    }
+
+    #[test]
+    fn a_backup_offset_is_where_the_part_lies_in_the_saved_runs_laid_end_to_end() {
+        let run = |start: u64, len: usize| AddressRange { start, len };
+        let saved = [run(0x1000_0000, 4 * MIB), run(0x2000_0000, 2 * MIB)];
+        assert_eq!(backup_offset(&saved, run(0x1000_0000, MIB)).unwrap(), 0);
+        assert_eq!(
+            backup_offset(&saved, run(0x1000_0000 + 2 * MIB as u64, 2 * MIB)).unwrap(),
+            2 * MIB
+        );
+        assert_eq!(
+            backup_offset(&saved, run(0x2000_0000 + MIB as u64, MIB)).unwrap(),
+            5 * MIB
+        );
+        let outside = backup_offset(&saved, run(0x1000_0000 + 3 * MIB as u64, 2 * MIB));
+        assert!(
+            matches!(outside, Err(DeviceError::BadRange { .. })),
+            "{outside:?}"
+        );
     }
 }

@@ -446,64 +446,16 @@ mod tests {
 
     use super::super::{DATA_FILE, DiskBackup, DiskStore, PIPELINE_DEPTH};
     use super::*;
-    use crate::device::{DeviceError, DeviceKind, Fence, HostDevice, MemoryInfo};
+    use crate::device::{FaultyDevice, HostDevice};
 
     const MIB: usize = 1 << 20;
 
     /// The CPU device with its host views hidden, as on CUDA: loads go through staging buffers.
-    #[derive(Debug)]
-    struct NoViews(HostDevice);
-
-    impl Device for NoViews {
-        fn kind(&self) -> DeviceKind {
-            self.0.kind()
-        }
-        fn name(&self) -> String {
-            self.0.name()
-        }
-        fn granularity(&self) -> usize {
-            self.0.granularity()
-        }
-        fn reserve(&self, len: usize) -> Result<AddressRange, DeviceError> {
-            self.0.reserve(len)
-        }
-        fn unreserve(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.unreserve(range)
-        }
-        fn commit(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.commit(range)
-        }
-        fn release(&self, range: AddressRange) -> Result<(), DeviceError> {
-            self.0.release(range)
-        }
-        fn memory_info(&self) -> Result<MemoryInfo, DeviceError> {
-            self.0.memory_info()
-        }
-        fn alloc_host(&self, len: usize) -> Result<HostBuffer, DeviceError> {
-            self.0.alloc_host(len)
-        }
-        fn copy_to_host(
-            &self,
-            src: AddressRange,
-            dst: &mut HostBuffer,
-            offset: usize,
-        ) -> Result<Fence, DeviceError> {
-            self.0.copy_to_host(src, dst, offset)
-        }
-        fn copy_from_host(
-            &self,
-            src: &mut HostBuffer,
-            offset: usize,
-            dst: AddressRange,
-        ) -> Result<Fence, DeviceError> {
-            self.0.copy_from_host(src, offset, dst)
-        }
-        fn read(&self, src: AddressRange, dst: &mut [u8]) -> Result<(), DeviceError> {
-            self.0.read(src, dst)
-        }
-        fn write(&self, src: &[u8], dst: AddressRange) -> Result<(), DeviceError> {
-            self.0.write(src, dst)
-        }
+    fn no_views(capacity: usize) -> Arc<dyn Device> {
+        Arc::new(FaultyDevice::over(
+            Arc::new(HostDevice::new(capacity as u64)),
+            0,
+        ))
     }
 
     /// Two runs of an arena, in chunks of `chunk_bytes`, filled with seeded random bytes and
@@ -639,7 +591,7 @@ mod tests {
 
     #[test]
     fn staged_loads_restore_every_byte_and_catch_a_flipped_one() {
-        let saved = small_chunks(Arc::new(NoViews(HostDevice::new(64 * MIB as u64))));
+        let saved = small_chunks(no_views(64 * MIB));
         round_trip_then_corrupt(&saved, 5 * MIB + 17);
     }
 
@@ -647,13 +599,13 @@ mod tests {
     fn chunks_read_in_several_parts_are_checked_whole_in_place_and_staged() {
         let in_place = chunks_of_several_reads(Arc::new(HostDevice::new(128 * MIB as u64)));
         round_trip_then_corrupt(&in_place, 50 * MIB + 17);
-        let staged = chunks_of_several_reads(Arc::new(NoViews(HostDevice::new(128 * MIB as u64))));
+        let staged = chunks_of_several_reads(no_views(128 * MIB));
         round_trip_then_corrupt(&staged, 50 * MIB + 17);
     }
 
     /// Staged loads (1 MiB chunks, so many more reads than staging buffers) over runs of 8 MiB.
     fn many_staged_chunks() -> Saved {
-        let device: Arc<dyn Device> = Arc::new(NoViews(HostDevice::new(64 * MIB as u64)));
+        let device = no_views(64 * MIB);
         Saved::new(device, MIB, 32 * MIB, [(0, 8 * MIB), (10 * MIB, 8 * MIB)])
     }
 
