@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use miles_core::device::{self, OpenedDevice, ReleaseMode};
+use miles_core::device::{self, OpenedDevice};
 use miles_core::{
     BackupPolicy, Buffer, CudaOptions, DeviceChoice, DiskSettings, ManagerSettings, MemoryManager,
     MemoryTag, OffloadReport,
@@ -29,29 +29,6 @@ pub enum OffloadTarget {
     Host,
     /// Checksummed chunk files in `--disk-dir`.
     Disk,
-}
-
-/// How the CUDA device gives memory back on a release (see `ReleaseMode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ReleaseArg {
-    /// `cuMemUnmap` then `cuMemRelease` per piece, one piece after the other.
-    EachMapping,
-    /// One `cuMemUnmap` per run of adjacent pieces, then `cuMemRelease` of their handles on
-    /// `--cuda-release-threads` threads.
-    UnmapThenRelease,
-    /// Handles released at commit, so that one `cuMemUnmap` per run of adjacent pieces frees
-    /// the memory.
-    MappingOwns,
-}
-
-impl From<ReleaseArg> for ReleaseMode {
-    fn from(arg: ReleaseArg) -> ReleaseMode {
-        match arg {
-            ReleaseArg::EachMapping => ReleaseMode::EachMapping,
-            ReleaseArg::UnmapThenRelease => ReleaseMode::UnmapThenRelease,
-            ReleaseArg::MappingOwns => ReleaseMode::MappingOwns,
-        }
-    }
 }
 
 /// Settings of `miles bench offload`.
@@ -97,15 +74,6 @@ pub struct OffloadBenchArgs {
     /// CUDA only: copy streams per direction (default: the device's, 2).
     #[arg(long)]
     pub cuda_streams: Option<usize>,
-    /// CUDA only: how a release gives memory back (default: the device's).
-    #[arg(long, value_enum)]
-    pub cuda_release: Option<ReleaseArg>,
-    /// CUDA only: threads releasing handles with `--cuda-release unmap-then-release`.
-    #[arg(long)]
-    pub cuda_release_threads: Option<usize>,
-    /// CUDA only: write fresh memory once on the device at commit, before any copy into it.
-    #[arg(long)]
-    pub cuda_touch_on_commit: bool,
     /// CUDA only: milliseconds after a release at which a background thread makes the driver
     /// collect its scrub records (0: never; default: the device's, 100).
     #[arg(long)]
@@ -132,13 +100,6 @@ fn cuda_options(args: &OffloadBenchArgs) -> CudaOptions {
             .cuda_copy_chunk_mib
             .map_or(defaults.copy_chunk, |mib| mib * MIB),
         streams_per_direction: args.cuda_streams.unwrap_or(defaults.streams_per_direction),
-        release: args
-            .cuda_release
-            .map_or(defaults.release, ReleaseMode::from),
-        release_threads: args
-            .cuda_release_threads
-            .unwrap_or(defaults.release_threads),
-        touch_on_commit: args.cuda_touch_on_commit || defaults.touch_on_commit,
         collect_after: args
             .cuda_collect_after_ms
             .map_or(defaults.collect_after, |ms| {
@@ -158,9 +119,6 @@ pub(crate) fn settings_json(args: &OffloadBenchArgs, opened: &OpenedDevice) -> V
                 "commit_chunk": options.commit_chunk,
                 "copy_chunk": options.copy_chunk,
                 "streams_per_direction": options.streams_per_direction,
-                "release": format!("{:?}", options.release),
-                "release_threads": options.release_threads,
-                "touch_on_commit": options.touch_on_commit,
                 "collect_after_ms": options.collect_after.map(|after| after.as_millis()),
             })
         }

@@ -26,7 +26,7 @@ pub use cuda::compute::{
     AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, NcclComm,
     PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, Transpose,
 };
-pub use cuda::{CudaDevice, CudaOptions, ReleaseMode};
+pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 #[cfg(test)]
 pub(crate) use faulty::FaultyDevice;

@@ -459,23 +459,6 @@ pub(crate) unsafe fn memcpy_dtod(
     })
 }
 
-/// `cuMemsetD32Async`: queue a write of the 32-bit `value` over `words` words at `dst`.
-///
-/// # Safety
-/// `dst..dst + 4 * words` is mapped with access granted, and nothing else uses it until the
-/// write completes; `stream` is live.
-pub(crate) unsafe fn memset_d32_async(
-    dst: sys::CUdeviceptr,
-    value: u32,
-    words: usize,
-    stream: sys::CUstream,
-) -> Result<(), DeviceError> {
-    // SAFETY: the caller owns the mapped range and keeps the stream alive.
-    check("cuMemsetD32Async", unsafe {
-        sys::cuMemsetD32Async(dst, value, words, stream)
-    })
-}
-
 /// `cuMemcpyDtoH`: one plain synchronous copy, the baseline the benchmarks compare against.
 ///
 /// # Safety

@@ -5,10 +5,9 @@
 //! - `commit` creates physical memory in pieces of [`CudaOptions::commit_chunk`] bytes
 //!   (`cuMemCreate`), maps each at its place (`cuMemMap`) and grants access to the whole range in
 //!   one `cuMemSetAccess`. Fewer, larger pieces make commit and release cheaper; the granularity
-//!   (2 MiB on an H200) only bounds what a caller may ask for. With
-//!   [`CudaOptions::touch_on_commit`] it then writes the fresh memory once on the device.
+//!   (2 MiB on an H200) only bounds what a caller may ask for.
 //! - `release` waits for the copies still queued on the range (their events), then unmaps and
-//!   releases its pieces as [`CudaOptions::release`] says (`release.rs`). A release that cuts a
+//!   releases its pieces one after the other (`release.rs`). A release that cuts a
 //!   piece in two keeps the bytes of the parts that stay committed by moving them into new
 //!   pieces (a device-to-device copy); releasing whole commits never does this, nor does
 //!   releasing the parts `release_parts` names one by one, as a pause to host memory does.
@@ -41,7 +40,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use self::context::{Context, Event, EventWork, Stream};
+use self::context::{Context, Event, EventWork};
 use self::copies::{CopyEngine, Direction, InFlightCopies};
 use self::pinned::PinnedMemory;
 use self::ranges::{Mapping, Reservations};
@@ -49,8 +48,6 @@ use self::scrub::Collector;
 use super::{
     AddressRange, Device, DeviceError, DeviceKind, Fence, HostBuffer, MemoryInfo, PendingWork,
 };
-
-pub use self::release::ReleaseMode;
 
 /// How a [`CudaDevice`] cuts its work; the defaults are the fastest measured on an H200 (see
 /// `bench/RESULTS.md`).
@@ -71,14 +68,6 @@ pub struct CudaOptions {
     /// GPU shared with another process that holds the rest; tests use it to make out-of-memory
     /// real at small sizes.
     pub memory_limit: Option<u64>,
-    /// How a release gives the memory back.
-    pub release: ReleaseMode,
-    /// Threads that release the handles of one release with
-    /// [`ReleaseMode::UnmapThenRelease`] (1: the calling thread).
-    pub release_threads: usize,
-    /// Whether a commit writes its fresh memory once on the device (`cuMemsetD32Async`, zeros)
-    /// and waits for it, so that a first copy into it does not pay for first touches.
-    pub touch_on_commit: bool,
     /// How long after a release a background thread first makes the driver collect its records
     /// of the memory it scrubbed, then again at doubling waits (`scrub.rs`), so that the next
     /// release does not (`None`: never).
@@ -93,9 +82,6 @@ impl Default for CudaOptions {
             streams_per_direction: 2,
             pin_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(16)),
             memory_limit: None,
-            release: ReleaseMode::default(),
-            release_threads: 1,
-            touch_on_commit: false,
             collect_after: Some(Duration::from_millis(100)),
         }
     }
@@ -161,7 +147,6 @@ impl CudaDevice {
             commit_chunk: options.commit_chunk.max(1).next_multiple_of(granularity),
             copy_chunk: options.copy_chunk.max(1),
             streams_per_direction: options.streams_per_direction.max(1),
-            release_threads: options.release_threads.max(1),
             ..options
         };
         let engine = CopyEngine::new(&context, options.streams_per_direction, options.copy_chunk)?;
@@ -383,17 +368,6 @@ impl CudaDevice {
         }
     }
 
-    /// Write zeros over the freshly mapped `range` on a stream of its own and wait for it.
-    fn touch(&self, range: AddressRange) -> Result<(), DeviceError> {
-        let stream = Stream::new(&self.context)?;
-        // SAFETY: `range` was just mapped whole with access granted by the commit holding the
-        // state lock, so nothing else uses it; commits are granule multiples, so whole words.
-        unsafe { driver::memset_d32_async(range.start, 0, range.len / 4, stream.raw()) }?;
-        // SAFETY: the stream is live and belongs to the current context.
-        let done = unsafe { Event::record(&self.context, stream.raw()) }?;
-        EventWork::new(vec![done]).wait()
-    }
-
     /// Release the part of `mapping` inside `cut`, keeping the bytes of the rest.
     fn split(
         &self,
@@ -438,13 +412,11 @@ impl CudaDevice {
         self.unmap(book, mapping)?;
         for (part, handle) in fresh {
             self.map(part, handle)?;
-            let mut mapping = [Mapping {
+            book.add(Mapping {
                 start: part.start,
                 len: part.len,
-                handle: Some(handle),
-            }];
-            self.hand_memory_to_mappings(&mut mapping);
-            book.add(mapping[0])?;
+                handle,
+            })?;
         }
         Ok(())
     }
@@ -453,13 +425,9 @@ impl CudaDevice {
     fn undo_commit(&self, created: &[Mapping], unmapped: Option<u64>) {
         for mapping in created {
             // SAFETY: these pieces were mapped by the failed commit and nothing uses them yet.
-            let mut undone = unsafe { driver::mem_unmap(mapping.start, mapping.len) };
-            // A failed commit still holds every handle: it hands memory to its mappings only
-            // once it succeeded.
-            if let Some(handle) = mapping.handle {
-                // SAFETY: the handle is ours, now unmapped, and released once.
-                undone = undone.and(unsafe { driver::mem_release(handle) });
-            }
+            let unmapped = unsafe { driver::mem_unmap(mapping.start, mapping.len) };
+            // SAFETY: the handle is ours, now unmapped, and released once.
+            let undone = unmapped.and(unsafe { driver::mem_release(mapping.handle) });
             if let Err(error) = undone {
                 tracing::error!(%error, "cannot undo part of a failed commit");
             }
@@ -590,20 +558,13 @@ impl Device for CudaDevice {
                 failure = Some((error, Some(handle)));
                 break;
             }
-            created.push(Mapping {
-                start,
-                len,
-                handle: Some(handle),
-            });
+            created.push(Mapping { start, len, handle });
             offset += len;
         }
         if failure.is_none() {
             // SAFETY: the whole range was just mapped by this commit.
             let access = unsafe { driver::mem_set_access(range.start, range.len, self.device) };
             failure = access.err().map(|error| (error, None));
-        }
-        if failure.is_none() && self.options.touch_on_commit {
-            failure = self.touch(range).err().map(|error| (error, None));
         }
         if let Some((error, unmapped)) = failure {
             self.undo_commit(&created, unmapped);
@@ -617,7 +578,6 @@ impl Device for CudaDevice {
             }
             return Err(error);
         }
-        self.hand_memory_to_mappings(&mut created);
         created
             .into_iter()
             .try_for_each(|mapping| state.book.add(mapping))

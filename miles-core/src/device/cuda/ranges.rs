@@ -14,9 +14,8 @@ pub(crate) struct Mapping {
     pub(crate) start: DeviceAddress,
     /// Length in bytes, the handle's size.
     pub(crate) len: usize,
-    /// The physical memory handle; `None` once it was released at map time, when the mapping
-    /// alone holds the memory ([`ReleaseMode::MappingOwns`](super::ReleaseMode::MappingOwns)).
-    pub(crate) handle: Option<u64>,
+    /// The physical memory handle (`cuMemCreate`), released when the mapping is unmapped.
+    pub(crate) handle: u64,
 }
 
 impl Mapping {
@@ -197,12 +196,8 @@ mod tests {
     }
 
     fn map(book: &mut Reservations, start: u64, len: usize, handle: u64) {
-        book.add(Mapping {
-            start,
-            len,
-            handle: Some(handle),
-        })
-        .unwrap_or_else(|error| panic!("mapping inside the reservation: {error}"));
+        book.add(Mapping { start, len, handle })
+            .unwrap_or_else(|error| panic!("mapping inside the reservation: {error}"));
     }
 
     #[test]
@@ -227,7 +222,7 @@ mod tests {
         map(&mut book, base, 8 * MIB, 7);
         map(&mut book, base + (8 * MIB) as u64, 8 * MIB, 8);
         let found = book.overlapping(range(base + (6 * MIB) as u64, 4 * MIB));
-        let handles: Vec<u64> = found.iter().filter_map(|mapping| mapping.handle).collect();
+        let handles: Vec<u64> = found.iter().map(|mapping| mapping.handle).collect();
         assert_eq!(handles, vec![7, 8]);
         assert!(
             book.overlapping(range(base + (16 * MIB) as u64, MIB))
@@ -258,7 +253,7 @@ mod tests {
         book.forget(Mapping {
             start: base,
             len: 2 * MIB,
-            handle: Some(1),
+            handle: 1,
         });
         assert!(book.remove(range(base, 32 * MIB)).is_err());
         assert!(book.remove(range(base, 64 * MIB)).is_ok());

@@ -389,72 +389,59 @@ fn cuda_a_compute_stream_waits_on_a_resume_fence_without_a_host_wait() {
 }
 
 #[test]
-fn cuda_every_release_mode_splits_frees_and_recommits_bit_exact() {
-    let Some((_gpu, _default)) = gpu("cuda_every_release_mode_splits_frees_and_recommits") else {
+fn cuda_release_splits_frees_and_recommits_bit_exact() {
+    let Some((_gpu, _default)) = gpu("cuda_release_splits_frees_and_recommits_bit_exact") else {
         return;
     };
     let len = 640 * MIB;
     let data = random_bytes(len, 4242);
-    let modes = [
-        (ReleaseMode::EachMapping, 1, false),
-        (ReleaseMode::UnmapThenRelease, 1, false),
-        (ReleaseMode::UnmapThenRelease, 4, false),
-        (ReleaseMode::MappingOwns, 1, false),
-        (ReleaseMode::MappingOwns, 1, true),
-    ];
-    for (release, release_threads, touch_on_commit) in modes {
-        let what = format!("{release:?}, {release_threads} thread(s), touch {touch_on_commit}");
-        let options = CudaOptions {
-            commit_chunk: 64 * MIB,
-            release,
-            release_threads,
-            touch_on_commit,
-            ..CudaOptions::default()
-        };
-        let device = ok(CudaDevice::open_with(0, options), "open_with");
-        let range = ok(device.reserve(len), "reserve");
-        // Two commits, so that a release spans mappings of both.
-        for half in [0, len / 2] {
-            ok(
-                device.commit(ok(range.slice(half, len / 2), "slice")),
-                "commit",
-            );
-        }
-        ok(device.write(&data, range), "write");
-        // Cuts the mappings at 64..128 and 320..384 MiB, and frees three whole ones between.
-        let middle = ok(range.slice(100 * MIB, 256 * MIB), "slice");
-        ok(device.release(middle), "release the middle");
-        for (offset, part_len) in [(0, 100 * MIB), (356 * MIB, len - 356 * MIB)] {
-            let mut back = vec![0u8; part_len];
-            ok(
-                device.read(ok(range.slice(offset, part_len), "slice"), &mut back),
-                "read",
-            );
-            let worst = first_difference(&back, &data[offset..offset + part_len]);
-            assert!(
-                worst.is_none(),
-                "{what}: kept part at {offset} differs at {worst:?} (tolerance: none)"
-            );
-        }
-        ok(device.commit(middle), "commit the middle again");
-        let before = ok(device.memory_info(), "memory_info").free;
-        ok(device.release(range), "release all");
-        let freed = ok(device.memory_info(), "memory_info")
-            .free
-            .saturating_sub(before);
-        assert!(
-            freed as f64 >= 0.995 * len as f64,
-            "{what}: freed {freed} of {len} bytes"
+    let options = CudaOptions {
+        commit_chunk: 64 * MIB,
+        ..CudaOptions::default()
+    };
+    let device = ok(CudaDevice::open_with(0, options), "open_with");
+    let range = ok(device.reserve(len), "reserve");
+    // Two commits, so that a release spans mappings of both.
+    for half in [0, len / 2] {
+        ok(
+            device.commit(ok(range.slice(half, len / 2), "slice")),
+            "commit",
         );
-        ok(device.commit(range), "commit again");
-        ok(device.write(&data, range), "write again");
-        let mut back = vec![0u8; len];
-        ok(device.read(range, &mut back), "read again");
-        let worst = first_difference(&back, &data);
+    }
+    ok(device.write(&data, range), "write");
+    // Cuts the mappings at 64..128 and 320..384 MiB, and frees three whole ones between.
+    let middle = ok(range.slice(100 * MIB, 256 * MIB), "slice");
+    ok(device.release(middle), "release the middle");
+    for (offset, part_len) in [(0, 100 * MIB), (356 * MIB, len - 356 * MIB)] {
+        let mut back = vec![0u8; part_len];
+        ok(
+            device.read(ok(range.slice(offset, part_len), "slice"), &mut back),
+            "read",
+        );
+        let worst = first_difference(&back, &data[offset..offset + part_len]);
         assert!(
             worst.is_none(),
-            "{what}: round trip differs at {worst:?} (tolerance: none)"
+            "kept part at {offset} differs at {worst:?} (tolerance: none)"
         );
-        ok(device.unreserve(range), "unreserve");
     }
+    ok(device.commit(middle), "commit the middle again");
+    let before = ok(device.memory_info(), "memory_info").free;
+    ok(device.release(range), "release all");
+    let freed = ok(device.memory_info(), "memory_info")
+        .free
+        .saturating_sub(before);
+    assert!(
+        freed as f64 >= 0.995 * len as f64,
+        "freed {freed} of {len} bytes"
+    );
+    ok(device.commit(range), "commit again");
+    ok(device.write(&data, range), "write again");
+    let mut back = vec![0u8; len];
+    ok(device.read(range, &mut back), "read again");
+    let worst = first_difference(&back, &data);
+    assert!(
+        worst.is_none(),
+        "round trip differs at {worst:?} (tolerance: none)"
+    );
+    ok(device.unreserve(range), "unreserve");
 }
