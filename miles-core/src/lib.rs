@@ -16,7 +16,7 @@ pub use backend::{
     BackendError, Batch, DeviceWeights, NamedTensor, OffloadStats, RankOffload, StepStats,
     TrainBackend, WeightBucket, WeightSink,
 };
-pub use comm::{CommError, Communicator, LaunchEnv, LocalComm, exchange_id};
+pub use comm::{CommError, Communicator, HostGroup, LaunchEnv, LocalComm, exchange_id};
 pub use config::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
     RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, Task,

@@ -1,37 +1,18 @@
 //! Multi-process launch: where this process stands in the job, read from the variables that the
-//! usual launchers set (torchrun, Slurm's `srun`, Open MPI's `mpirun`), and the exchange of the
-//! communicator's 128-byte id from rank 0 to every other rank over plain TCP.
+//! usual launchers set (torchrun, Slurm's `srun`, Open MPI's `mpirun`), and the hand-out of the
+//! communicator's 128-byte id from rank 0 to every other rank over the job's [`HostGroup`].
 //!
-//! One process drives one GPU; miles starts no processes of its own here. Rank 0 listens on
-//! `MASTER_ADDR:MASTER_PORT`; every other rank connects, says who it is in a small framed
-//! handshake (magic, world size, rank), and receives the id, which then opens the NCCL
-//! communicator on every rank.
+//! One process drives one GPU; the id then opens the NCCL communicator on every rank.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::CommError;
+use super::{CommError, HostGroup};
 
 /// Bytes of a communicator id (NCCL's `ncclUniqueId`).
 pub const ID_BYTES: usize = 128;
 
 /// The port rank 0 listens on when `MASTER_PORT` is unset (torchrun's default).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
-
-/// Opens every handshake frame and reply: `MLI` and the protocol version.
-const MAGIC: [u8; 4] = *b"MLI1";
-
-/// Reply status: the rank is accepted, the id follows.
-const ACCEPTED: u8 = 0;
-/// Reply status: the rank is refused, a reason (u32 length, UTF-8) follows.
-const REFUSED: u8 = 1;
-
-/// The longest refusal reason read back, in bytes.
-const MAX_REASON: usize = 4096;
-
-/// How long a rank waits between attempts to reach rank 0.
-const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// The variables of one launcher, in the order they are tried.
 struct Launcher {
@@ -200,7 +181,7 @@ impl LaunchEnv {
     }
 
     /// `MASTER_ADDR:MASTER_PORT`, for messages.
-    fn endpoint(&self) -> String {
+    pub(super) fn endpoint(&self) -> String {
         format!("{}:{}", self.master_addr, self.master_port)
     }
 }
@@ -218,227 +199,41 @@ fn parse_count(name: &'static str, value: &str) -> Result<usize, CommError> {
 
 /// Hands rank 0's communicator id to every rank of `env`'s job and returns it.
 ///
-/// Rank 0 passes `Some(id)` (from `NcclComm::unique_id`), listens on `MASTER_ADDR:MASTER_PORT`
-/// and returns once each of the other `world_size - 1` ranks has its copy; the others pass
-/// `None` and connect, retrying until rank 0 listens. Everything is bounded by `timeout`.
-/// A world of one returns `id` at once.
+/// Rank 0 passes `Some(id)` (from `NcclComm::unique_id`), the others `None`; every rank joins
+/// the job's [`HostGroup`] (bounded by `timeout`) and rank 0 broadcasts the id over it. A world
+/// of one returns `id` at once.
 ///
 /// # Errors
-/// [`CommError::Setup`] for an `id` on the wrong rank; [`CommError::Rendezvous`] when rank 0
-/// cannot listen, a peer's handshake carries another world size, a rank outside the world or a
-/// rank that already connected (both sides fail), or the connection breaks;
-/// [`CommError::RendezvousTimeout`] when the peers or rank 0 do not show up in time.
+/// [`CommError::Setup`] for an `id` on the wrong rank; as [`HostGroup::connect`] and
+/// [`HostGroup::broadcast`].
 pub fn exchange_id(
     env: &LaunchEnv,
     id: Option<[u8; ID_BYTES]>,
     timeout: Duration,
 ) -> Result<[u8; ID_BYTES], CommError> {
-    let deadline = Instant::now() + timeout;
     match (env.rank, id) {
-        (0, Some(id)) if env.world_size == 1 => Ok(id),
-        (0, Some(id)) => serve_id(env, id, deadline, timeout).map(|()| id),
-        (0, None) => Err(CommError::Setup(
-            "rank 0 must pass its communicator id to exchange_id; create it with NcclComm::unique_id".into(),
-        )),
-        (_, None) => fetch_id(env, deadline, timeout),
-        (rank, Some(_)) => Err(CommError::Setup(format!(
-            "rank {rank} passed a communicator id to exchange_id; only rank 0 creates one, the others pass None"
-        ))),
+        (0, Some(id)) if env.world_size == 1 => return Ok(id),
+        (0, None) => {
+            return Err(CommError::Setup(
+                "rank 0 must pass its communicator id to exchange_id; create it with NcclComm::unique_id".into(),
+            ));
+        }
+        (rank, Some(_)) if rank != 0 => {
+            return Err(CommError::Setup(format!(
+                "rank {rank} passed a communicator id to exchange_id; only rank 0 creates one, the others pass None"
+            )));
+        }
+        _ => {}
     }
-}
-
-/// Rank 0: accept every other rank once and send it the id.
-fn serve_id(
-    env: &LaunchEnv,
-    id: [u8; ID_BYTES],
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<(), CommError> {
-    let rendezvous = |problem: String| CommError::Rendezvous {
-        rank: 0,
-        endpoint: env.endpoint(),
-        problem,
-    };
-    let address = resolve(env).map_err(rendezvous)?;
-    let listener = TcpListener::bind(address).map_err(|error| {
-        rendezvous(format!(
-            "cannot listen ({error}); pick a free MASTER_PORT (under torchrun the agent's store may hold it)"
-        ))
-    })?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|error| rendezvous(format!("cannot poll the listener: {error}")))?;
-    let mut joined = vec![false; env.world_size];
-    joined[0] = true;
-    let mut missing = env.world_size - 1;
-    while missing > 0 {
-        let (mut stream, peer) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let waiting: Vec<String> = (0..env.world_size)
-                        .filter(|&r| !joined[r])
-                        .map(|r| r.to_string())
-                        .collect();
-                    return Err(CommError::RendezvousTimeout {
-                        rank: 0,
-                        endpoint: env.endpoint(),
-                        seconds: timeout.as_secs_f64(),
-                        waiting_for: format!("ranks {}", waiting.join(", ")),
-                    });
-                }
-                std::thread::sleep(RETRY_PAUSE);
-                continue;
-            }
-            Err(error) => return Err(rendezvous(format!("accept failed: {error}"))),
-        };
-        let io = |error: std::io::Error| rendezvous(format!("connection from {peer}: {error}"));
-        stream.set_nonblocking(false).map_err(io)?;
-        let remaining = deadline
-            .saturating_duration_since(Instant::now())
-            .max(RETRY_PAUSE);
-        stream.set_read_timeout(Some(remaining)).map_err(io)?;
-        stream.set_write_timeout(Some(remaining)).map_err(io)?;
-        let mut hello = [0u8; 12];
-        if let Err(error) = stream.read_exact(&mut hello) {
-            tracing::warn!(%peer, %error, "ignored a connection that sent no handshake");
-            continue;
-        }
-        if hello[..4] != MAGIC {
-            tracing::warn!(%peer, "ignored a connection that is not a miles rank");
-            continue;
-        }
-        let world = u32::from_le_bytes([hello[4], hello[5], hello[6], hello[7]]) as usize;
-        let rank = u32::from_le_bytes([hello[8], hello[9], hello[10], hello[11]]) as usize;
-        let refusal = if world != env.world_size {
-            Some(format!(
-                "rank {rank} at {peer} says the world has {world} ranks, rank 0 says {}; launch every rank with the same world size",
-                env.world_size
-            ))
-        } else if rank == 0 || rank >= env.world_size {
-            Some(format!(
-                "{peer} claims rank {rank}, outside 1..{}; fix that process's rank",
-                env.world_size
-            ))
-        } else if joined[rank] {
-            Some(format!(
-                "rank {rank} connected twice (again from {peer}); give every process its own rank"
-            ))
-        } else {
-            None
-        };
-        if let Some(reason) = refusal {
-            let mut reply = Vec::with_capacity(9 + reason.len());
-            reply.extend_from_slice(&MAGIC);
-            reply.push(REFUSED);
-            reply.extend_from_slice(&(reason.len() as u32).to_le_bytes());
-            reply.extend_from_slice(reason.as_bytes());
-            if let Err(error) = stream.write_all(&reply) {
-                tracing::warn!(%peer, %error, "could not tell a refused rank why");
-            }
-            return Err(rendezvous(reason));
-        }
-        let mut reply = Vec::with_capacity(5 + ID_BYTES);
-        reply.extend_from_slice(&MAGIC);
-        reply.push(ACCEPTED);
-        reply.extend_from_slice(&id);
-        stream.write_all(&reply).map_err(io)?;
-        joined[rank] = true;
-        missing -= 1;
-        tracing::debug!(rank, %peer, missing, "sent the communicator id");
-    }
-    Ok(())
-}
-
-/// A rank above 0: connect to rank 0 (retrying until `deadline`), introduce itself, read the id.
-fn fetch_id(
-    env: &LaunchEnv,
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<[u8; ID_BYTES], CommError> {
-    let rendezvous = |problem: String| CommError::Rendezvous {
+    let mut group = HostGroup::connect(env, timeout)?;
+    group.set_timeout(timeout)?;
+    let mut bytes = id.map_or_else(Vec::new, |id| id.to_vec());
+    group.broadcast(&mut bytes)?;
+    let len = bytes.len();
+    bytes.try_into().map_err(|_| CommError::BadLength {
+        op: "broadcast",
         rank: env.rank,
-        endpoint: env.endpoint(),
-        problem,
-    };
-    let mut last_error = String::from("no attempt");
-    let mut stream = loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(CommError::RendezvousTimeout {
-                rank: env.rank,
-                endpoint: env.endpoint(),
-                seconds: timeout.as_secs_f64(),
-                waiting_for: format!("rank 0 to listen (last attempt: {last_error})"),
-            });
-        }
-        let attempt = resolve(env).and_then(|address| {
-            TcpStream::connect_timeout(&address, deadline - now).map_err(|e| e.to_string())
-        });
-        match attempt {
-            Ok(stream) => break stream,
-            Err(error) => {
-                last_error = error;
-                std::thread::sleep(RETRY_PAUSE);
-            }
-        }
-    };
-    let io = |error: std::io::Error| rendezvous(format!("talking to rank 0: {error}"));
-    let remaining = deadline
-        .saturating_duration_since(Instant::now())
-        .max(RETRY_PAUSE);
-    stream.set_read_timeout(Some(remaining)).map_err(io)?;
-    stream.set_write_timeout(Some(remaining)).map_err(io)?;
-    let mut hello = Vec::with_capacity(12);
-    hello.extend_from_slice(&MAGIC);
-    hello.extend_from_slice(&to_u32(env.world_size)?.to_le_bytes());
-    hello.extend_from_slice(&to_u32(env.rank)?.to_le_bytes());
-    stream.write_all(&hello).map_err(io)?;
-    let mut head = [0u8; 5];
-    stream.read_exact(&mut head).map_err(io)?;
-    if head[..4] != MAGIC {
-        return Err(rendezvous(
-            "the listener is not a miles rank 0; check MASTER_ADDR and MASTER_PORT".into(),
-        ));
-    }
-    match head[4] {
-        ACCEPTED => {
-            let mut id = [0u8; ID_BYTES];
-            stream.read_exact(&mut id).map_err(io)?;
-            Ok(id)
-        }
-        REFUSED => {
-            let mut len = [0u8; 4];
-            stream.read_exact(&mut len).map_err(io)?;
-            let len = (u32::from_le_bytes(len) as usize).min(MAX_REASON);
-            let mut reason = vec![0u8; len];
-            stream.read_exact(&mut reason).map_err(io)?;
-            Err(rendezvous(format!(
-                "rank 0 refused this rank: {}",
-                String::from_utf8_lossy(&reason)
-            )))
-        }
-        other => Err(rendezvous(format!(
-            "rank 0 replied with unknown status {other}; run the same miles version on every rank"
-        ))),
-    }
-}
-
-/// The first socket address `MASTER_ADDR:MASTER_PORT` resolves to.
-fn resolve(env: &LaunchEnv) -> Result<SocketAddr, String> {
-    (env.master_addr.as_str(), env.master_port)
-        .to_socket_addrs()
-        .map_err(|error| format!("cannot resolve MASTER_ADDR ({error}); check the host name"))?
-        .next()
-        .ok_or_else(|| "MASTER_ADDR resolves to no address; check the host name".to_owned())
-}
-
-/// A rank or size as the handshake's u32.
-fn to_u32(value: usize) -> Result<u32, CommError> {
-    u32::try_from(value).map_err(|_| {
-        CommError::Setup(format!(
-            "{value} does not fit the handshake's 32 bits; use fewer ranks"
-        ))
+        what: format!("rank 0 sent a communicator id of {len} bytes, not {ID_BYTES}"),
     })
 }
 
@@ -466,7 +261,7 @@ mod tests {
 
     /// A port that was free a moment ago.
     fn free_port() -> u16 {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
     }
 
@@ -661,8 +456,10 @@ mod tests {
                 Duration::from_secs(20),
             )
         });
-        let first = exchange_id(&local(1, 3, port), None, Duration::from_secs(20)).unwrap();
-        assert_eq!(first, seeded_id(9));
+        let first = std::thread::spawn(move || {
+            exchange_id(&local(1, 3, port), None, Duration::from_secs(20))
+        });
+        std::thread::sleep(Duration::from_millis(300));
         let second = exchange_id(&local(1, 3, port), None, Duration::from_secs(20));
         assert!(
             matches!(&second, Err(CommError::Rendezvous { problem, .. }) if problem.contains("connected twice")),
@@ -672,6 +469,10 @@ mod tests {
             server.join().unwrap(),
             Err(CommError::Rendezvous { .. })
         ));
+        assert!(
+            first.join().unwrap().is_err(),
+            "rank 0 gave up, so must the first rank 1"
+        );
     }
 
     #[test]

@@ -4,13 +4,16 @@
 //! barrier over f32 buffers, plus [`Communicator::split`] to cut a world into tensor- and
 //! data-parallel groups. [`LocalComm`] runs ranks as threads of one process (the CPU device);
 //! NCCL implements the same trait for CUDA. [`LaunchEnv`] reads a multi-process job's layout
-//! from its launcher, and [`exchange_id`] hands rank 0's communicator id to every rank.
+//! from its launcher, [`HostGroup`] joins its processes over TCP (barrier, gather, broadcast), and
+//! [`exchange_id`] hands rank 0's communicator id to every rank over it.
 
 mod error;
+mod group;
 mod launch;
 mod local;
 
 pub use error::CommError;
+pub use group::HostGroup;
 pub use launch::{DEFAULT_MASTER_PORT, ID_BYTES, LaunchEnv, exchange_id};
 pub use local::LocalComm;
 
