@@ -50,7 +50,7 @@ impl MemcpyBaseline {
 
 /// The plain copy a pause or resume is measured against, on the bench's own bytes.
 pub enum CopyBaseline {
-    /// CPU device: one single-threaded memcpy between two resident buffers (both ways alike).
+    /// CPU device: one single-threaded memcpy between two resident buffers, each way.
     Memcpy(MemcpyBaseline),
     /// CUDA device: one synchronous pinned `cuMemcpyDtoH` of the tag's bytes into a pinned
     /// buffer of the same size, then one `cuMemcpyHtoD` of them back (the same bytes, so the
@@ -81,23 +81,32 @@ impl CopyBaseline {
 
     /// One copy each way of `buffer`'s bytes (active), in GB/s.
     pub fn run(&mut self, buffer: &Buffer) -> anyhow::Result<(f64, f64)> {
-        let len = buffer.len() as f64;
+        Ok((self.out(buffer)?, self.back(buffer)?))
+    }
+
+    /// One copy of `buffer`'s bytes (active) out of the device, in GB/s.
+    pub fn out(&mut self, buffer: &Buffer) -> anyhow::Result<f64> {
+        let started = Instant::now();
         match self {
-            CopyBaseline::Memcpy(memcpy) => {
-                let gbps = memcpy.run();
-                Ok((gbps, gbps))
-            }
+            CopyBaseline::Memcpy(memcpy) => return Ok(memcpy.run()),
             CopyBaseline::Pinned { device, host } => {
-                let range = buffer.range();
-                let started = Instant::now();
-                device.plain_copy_to_host(range, host, 0)?;
-                let out = len / started.elapsed().as_secs_f64() / 1e9;
-                let started = Instant::now();
-                device.plain_copy_from_host(host, 0, range)?;
-                let back = len / started.elapsed().as_secs_f64() / 1e9;
-                Ok((out, back))
+                device.plain_copy_to_host(buffer.range(), host, 0)?;
             }
         }
+        Ok(buffer.len() as f64 / started.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// One copy back into `buffer` of what [`out`](Self::out) copied out of it (so its bytes
+    /// stay unchanged), in GB/s.
+    pub fn back(&mut self, buffer: &Buffer) -> anyhow::Result<f64> {
+        let started = Instant::now();
+        match self {
+            CopyBaseline::Memcpy(memcpy) => return Ok(memcpy.run()),
+            CopyBaseline::Pinned { device, host } => {
+                device.plain_copy_from_host(host, 0, buffer.range())?;
+            }
+        }
+        Ok(buffer.len() as f64 / started.elapsed().as_secs_f64() / 1e9)
     }
 }
 

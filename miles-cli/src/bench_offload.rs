@@ -87,10 +87,16 @@ pub struct OffloadBenchArgs {
     /// threads; reports the bytes of both over the wall time.
     #[arg(long)]
     pub both_directions: bool,
+    /// Start this many processes on this machine, one per GPU (`cuda:0..N`), each pausing and
+    /// resuming its own tag of `--size` at the same moment as the others; rank 0 prints per-GPU
+    /// and aggregate figures against a plain copy run on all GPUs at once. Under torchrun,
+    /// srun or mpirun leave it out: the launcher's ranks do the same.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
 }
 
 /// The CUDA device's options: its defaults, with what the flags set.
-fn cuda_options(args: &OffloadBenchArgs) -> CudaOptions {
+pub(crate) fn cuda_options(args: &OffloadBenchArgs) -> CudaOptions {
     let defaults = CudaOptions::default();
     CudaOptions {
         commit_chunk: args
@@ -192,7 +198,16 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
             BadSettings("--pause-gap-ms does not apply to --both-directions".to_string()).into(),
         );
     }
+    if args.nproc_per_node == 0 {
+        return Err(BadSettings("--nproc-per-node must be at least 1".to_string()).into());
+    }
     let size = usize::try_from(args.size).context("--size does not fit this machine")?;
+    if let Some(env) = crate::launch::rank_env(args.nproc_per_node)? {
+        return crate::bench_ranks::run(args, &env, size);
+    }
+    if args.nproc_per_node > 1 {
+        return crate::launch::run_local(args.nproc_per_node);
+    }
     let opened = device::open_with(
         args.device,
         args.device_memory_gib * GIB,

@@ -428,3 +428,98 @@ fn bench_rollout_reports_decode_speed_and_every_offload_step() {
         );
     }
 }
+
+#[test]
+fn bench_offload_with_two_ranks_reports_each_rank_and_both_together() {
+    let mib = 1 << 20;
+    let (out, _) = expect(
+        &[
+            "bench",
+            "offload",
+            "--device",
+            "cpu",
+            "--device-memory-gib",
+            "1",
+            "--size",
+            "32MiB",
+            "--cycles",
+            "2",
+            "--target",
+            "host",
+            "--nproc-per-node",
+            "2",
+            "--json",
+        ],
+        0,
+    );
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["ranks"], 2, "{json}");
+    let cycles = json["cycles"].as_array().unwrap();
+    assert_eq!(cycles.len(), 2);
+    for cycle in cycles {
+        for op in ["pause", "resume", "copy_out", "copy_in"] {
+            let per_rank = cycle[op]["per_rank_gbps"].as_array().unwrap();
+            assert_eq!(per_rank.len(), 2, "{op}: {cycle}");
+            assert!(cycle[op]["aggregate_gbps"].as_f64().unwrap() > 0.0, "{op}");
+        }
+        let before = cycle["resident_before_pause"].as_array().unwrap();
+        let after = cycle["resident_after_pause"].as_array().unwrap();
+        for (b, a) in before.iter().zip(after) {
+            let freed = b.as_u64().unwrap() - a.as_u64().unwrap();
+            assert!(freed >= 32 * mib, "each rank frees its tag: {freed} bytes");
+        }
+    }
+    for side in ["pause", "resume"] {
+        assert!(json["ratio"][side].as_f64().unwrap().is_finite(), "{json}");
+    }
+}
+
+#[test]
+fn bench_offload_ranks_refuse_the_disk_target_with_status_2() {
+    let (_, err) = expect(
+        &[
+            "bench",
+            "offload",
+            "--device",
+            "cpu",
+            "--size",
+            "4MiB",
+            "--target",
+            "disk",
+            "--disk-dir",
+            "/tmp",
+            "--nproc-per-node",
+            "2",
+        ],
+        2,
+    );
+    assert!(err.contains("--target disk"), "{err}");
+    assert!(err.contains("refused its settings"), "{err}");
+}
+
+#[test]
+fn nproc_per_node_under_a_launcher_exits_2_naming_the_flag() {
+    let output = Command::new(env!("CARGO_BIN_EXE_miles"))
+        .args([
+            "bench",
+            "offload",
+            "--device",
+            "cpu",
+            "--size",
+            "4MiB",
+            "--nproc-per-node",
+            "2",
+        ])
+        .env("RUST_LOG", "warn")
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", "1")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "1")
+        .output()
+        .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(err.contains("--nproc-per-node 2"), "{err}");
+    assert!(err.contains("rank 1 of 2"), "{err}");
+}

@@ -31,7 +31,7 @@ pub use error::DeviceError;
 #[cfg(test)]
 pub(crate) use faulty::FaultyDevice;
 pub use host::HostDevice;
-pub use open::{OpenedDevice, open, open_test_device, open_with, resolve};
+pub use open::{OpenedDevice, open, open_on, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 
 use std::fmt;

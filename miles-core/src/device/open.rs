@@ -11,7 +11,7 @@ use crate::config::DeviceChoice;
 pub enum OpenedDevice {
     /// The CPU device.
     Cpu(Arc<HostDevice>),
-    /// GPU 0 through the CUDA driver.
+    /// A GPU through the CUDA driver.
     Cuda(Arc<CudaDevice>),
 }
 
@@ -72,9 +72,27 @@ pub fn open_with(
     cpu_capacity: u64,
     cuda: CudaOptions,
 ) -> Result<OpenedDevice, DeviceError> {
+    open_on(choice, 0, cpu_capacity, cuda)
+}
+
+/// As [`open_with`], on GPU `ordinal` when `choice` resolves to CUDA (one process per GPU: its
+/// local rank).
+///
+/// # Errors
+/// As [`open`]; [`DeviceError::CudaUnavailable`] for an ordinal the driver does not have.
+pub fn open_on(
+    choice: DeviceChoice,
+    ordinal: usize,
+    cpu_capacity: u64,
+    cuda: CudaOptions,
+) -> Result<OpenedDevice, DeviceError> {
     let opened = match resolve(choice) {
         DeviceKind::Cpu => OpenedDevice::Cpu(Arc::new(HostDevice::new(cpu_capacity))),
-        DeviceKind::Cuda => OpenedDevice::Cuda(Arc::new(CudaDevice::open_with(0, cuda)?)),
+        DeviceKind::Cuda => {
+            let ordinal = i32::try_from(ordinal)
+                .map_err(|_| DeviceError::CudaUnavailable(format!("no gpu cuda:{ordinal}")))?;
+            OpenedDevice::Cuda(Arc::new(CudaDevice::open_with(ordinal, cuda)?))
+        }
     };
     tracing::info!(?choice, device = %opened.shared().name(), "opened device");
     Ok(opened)
