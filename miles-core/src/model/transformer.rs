@@ -42,6 +42,41 @@ pub struct TrainBatch<'a> {
     pub normaliser: f32,
 }
 
+impl<'a> TrainBatch<'a> {
+    /// Sequences `range` of the batch (`range` inside `0..batch`), with the same normaliser.
+    pub fn sequences(&self, range: std::ops::Range<usize>) -> TrainBatch<'a> {
+        let t = self.seq;
+        let tokens = range.start * t..range.end * t;
+        TrainBatch {
+            batch: range.len(),
+            seq: t,
+            inputs: &self.inputs[tokens.clone()],
+            targets: &self.targets[tokens.clone()],
+            weights: &self.weights[tokens],
+            normaliser: self.normaliser,
+        }
+    }
+
+    /// Rank `rank`'s part of the batch over `world` data-parallel ranks: a contiguous run of
+    /// whole sequences (the first `batch % world` ranks take one more), with the whole batch's
+    /// normaliser, so that the ranks' gradients and losses add up to the batch's.
+    ///
+    /// # Errors
+    /// [`ModelError::Batch`] for a rank outside the world, or fewer sequences than ranks.
+    pub fn shard(&self, rank: usize, world: usize) -> Result<TrainBatch<'a>, ModelError> {
+        if rank >= world || self.batch < world {
+            return Err(ModelError::Batch(format!(
+                "cannot give rank {rank} of {world} a part of a batch of {} sequences; every data-parallel rank needs at least one sequence",
+                self.batch
+            )));
+        }
+        let (per, extra) = (self.batch / world, self.batch % world);
+        let first = rank * per + rank.min(extra);
+        let len = per + usize::from(rank < extra);
+        Ok(self.sequences(first..first + len))
+    }
+}
+
 /// The weights of one decoder layer, as views of the parameter buffer.
 pub(crate) struct LayerWeights<'a> {
     pub input_norm: &'a [f32],

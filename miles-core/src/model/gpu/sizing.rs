@@ -14,18 +14,7 @@ pub(super) fn micro_batches<'a>(batch: &TrainBatch<'a>, max_tokens: usize) -> Ve
     let per = (max_tokens / t.max(1)).max(1);
     (0..batch.batch)
         .step_by(per)
-        .map(|first| {
-            let last = (first + per).min(batch.batch);
-            let r = first * t..last * t;
-            TrainBatch {
-                batch: last - first,
-                seq: t,
-                inputs: &batch.inputs[r.clone()],
-                targets: &batch.targets[r.clone()],
-                weights: &batch.weights[r],
-                normaliser: batch.normaliser,
-            }
-        })
+        .map(|first| batch.sequences(first..(first + per).min(batch.batch)))
         .collect()
 }
 
@@ -44,6 +33,27 @@ pub(super) fn activation_arena_bytes(c: &LlamaConfig, max_tokens: usize) -> usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shards_cover_the_batch_in_order_with_its_normaliser() {
+        let inputs: Vec<u32> = (0..15).collect();
+        let weights = vec![1.0; 15];
+        let batch = TrainBatch {
+            batch: 5,
+            seq: 3,
+            inputs: &inputs,
+            targets: &inputs,
+            weights: &weights,
+            normaliser: 15.0,
+        };
+        let parts: Vec<TrainBatch<'_>> = (0..2).map(|r| batch.shard(r, 2).unwrap()).collect();
+        assert_eq!((parts[0].batch, parts[1].batch), (3, 2));
+        assert_eq!(parts[0].inputs, &inputs[..9]);
+        assert_eq!(parts[1].inputs, &inputs[9..]);
+        assert!(parts.iter().all(|p| p.normaliser == 15.0 && p.seq == 3));
+        assert!(batch.shard(2, 2).is_err());
+        assert!(batch.shard(0, 6).is_err());
+    }
 
     #[test]
     fn micro_batches_cut_whole_sequences_within_the_token_budget() {

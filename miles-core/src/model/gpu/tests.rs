@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::*;
 use crate::device::testing::TestGpu;
-use crate::device::{Device, Gpu};
+use crate::device::{CudaDevice, Device, Gpu, NcclComm};
 use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag, RegionState};
 use crate::model::{
     LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Trainer, Transformer, init_params,
@@ -427,4 +427,82 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
         whole.train_step(&batch, 0),
         Err(ModelError::InvalidStep { step: 0 })
     ));
+}
+
+/// Losses of a data-parallel pair against one GPU, relative: the same fp32 gradients summed in
+/// another order, then bf16 weights.
+const DATA_PARALLEL_TOLERANCE: f32 = 1e-2;
+
+#[test]
+fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
+    let test = "gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal";
+    let Some(t) = TestGpu::open(test, 1) else {
+        return;
+    };
+    let second = match CudaDevice::open(1) {
+        Ok(device) => device,
+        Err(error) => {
+            eprintln!("skipping {test}: it needs two gpus ({error})");
+            return;
+        }
+    };
+    let gpus = [
+        Arc::new(t.gpu),
+        Arc::new(Gpu::new(Arc::new(second)).unwrap()),
+    ];
+    let config = tiny();
+    let params = Arc::new(bf16_params(&config, 51));
+    let data = Arc::new(Batch::random(52, config.vocab_size));
+    let steps = 5;
+    let alone: Vec<f32> = {
+        let gpu = &gpus[0];
+        let spec = spec(config.clone(), BackupPolicy::None, 64);
+        let mut trainer = GpuTrainer::new(Arc::clone(gpu), manager(gpu), spec, &params).unwrap();
+        (1..=steps)
+            .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
+            .collect()
+    };
+    let id = NcclComm::unique_id().unwrap();
+    let ranks: Vec<_> = gpus
+        .iter()
+        .enumerate()
+        .map(|(rank, gpu)| {
+            let (gpu, config) = (Arc::clone(gpu), config.clone());
+            let (params, data) = (Arc::clone(&params), Arc::clone(&data));
+            std::thread::spawn(move || {
+                let spec = spec(config, BackupPolicy::None, 64);
+                let mut trainer =
+                    GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+                let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                trainer.join_data_parallel(comm).unwrap();
+                let batch = data.view();
+                let part = batch.shard(rank, 2).unwrap();
+                let losses: Vec<f32> = (1..=steps)
+                    .map(|step| trainer.train_step(&part, step).unwrap().loss)
+                    .collect();
+                (losses, trainer.master_params().unwrap())
+            })
+        })
+        .collect();
+    let results: Vec<(Vec<f32>, Vec<f32>)> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    assert_eq!(
+        results[0].0, results[1].0,
+        "the two ranks report different losses"
+    );
+    assert!(
+        results[0].1 == results[1].1,
+        "the replicas' master weights drifted apart"
+    );
+    for (step, (got, want)) in results[0].0.iter().zip(&alone).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        eprintln!(
+            "step {}: loss over two gpus {got} vs one gpu {want} (relative {rel:.3e})",
+            step + 1
+        );
+        assert!(
+            rel < DATA_PARALLEL_TOLERANCE,
+            "step {}: {got} vs {want}",
+            step + 1
+        );
+    }
 }

@@ -1,14 +1,14 @@
 //! The GPU trainer: bf16 parameters, fp32 master weights, AdamW moments and gradients, and the
 //! activations, each in its memory-manager region, so that an offload is four pauses.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use half::bf16;
 
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
 use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer};
-use crate::device::{AdamWStep, DeviceError, Fence, Gpu, GpuElement, GpuSlice};
+use crate::device::{AdamWStep, DeviceError, Fence, Gpu, GpuElement, GpuSlice, NcclComm};
 use crate::memory::{
     BackupPolicy, Buffer, MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
 };
@@ -69,9 +69,11 @@ pub struct GpuTrainer {
     m: Buffer,      // (P) fp32, Optimizer
     v: Buffer,      // (P) fp32, Optimizer
     grads: Buffer,  // (P) fp32, Grads
-    norm: Buffer,   // (1) fp32, Activations: the gradients' sum of squares
+    scalar: Buffer, // (1) fp32, Activations: the loss's sum over ranks, then the gradients' sum of squares
     acts: Option<ActivationBuffers>,
     offloaded: bool,
+    /// Data parallelism: the group whose gradients and losses add up to one batch's.
+    data_parallel: Option<Mutex<NcclComm>>,
 }
 
 impl std::fmt::Debug for GpuTrainer {
@@ -80,6 +82,7 @@ impl std::fmt::Debug for GpuTrainer {
             .field("params", &self.model.layout().len())
             .field("max_batch_tokens", &self.max_batch_tokens)
             .field("offloaded", &self.offloaded)
+            .field("data_parallel", &self.data_parallel.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -129,7 +132,7 @@ impl GpuTrainer {
             m: memory.alloc(&MemoryTag::Optimizer, full)?,
             v: memory.alloc(&MemoryTag::Optimizer, full)?,
             grads: memory.alloc(&MemoryTag::Grads, full)?,
-            norm: memory.alloc(&MemoryTag::Activations, size_of::<f32>())?,
+            scalar: memory.alloc(&MemoryTag::Activations, size_of::<f32>())?,
             gpu,
             memory,
             model,
@@ -137,6 +140,7 @@ impl GpuTrainer {
             max_batch_tokens: spec.max_batch_tokens,
             acts: None,
             offloaded: false,
+            data_parallel: None,
         };
         trainer.gpu.zero(slice::<f32>(&trainer.m)?)?;
         trainer.gpu.zero(slice::<f32>(&trainer.v)?)?;
@@ -185,8 +189,32 @@ impl GpuTrainer {
         Ok(StepReport { loss, optimizer })
     }
 
+    /// Makes this trainer one replica of a data-parallel group: from now on each
+    /// [`compute_grads`](Self::compute_grads) sums the gradients and the loss over the group
+    /// (NCCL on the compute stream), so every rank takes the same optimizer step and the
+    /// replicas stay equal. Each rank then trains on its part of every batch
+    /// ([`TrainBatch::shard`]), all parts with the whole batch's normaliser, and every rank
+    /// must start from the same weights.
+    ///
+    /// # Errors
+    /// [`ModelError::DeviceMismatch`] for a communicator on another GPU.
+    pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), ModelError> {
+        if !Arc::ptr_eq(comm.gpu(), &self.gpu) {
+            return Err(ModelError::DeviceMismatch);
+        }
+        tracing::info!(
+            rank = comm.rank(),
+            world = comm.world_size(),
+            "gpu trainer joined a data-parallel group"
+        );
+        self.data_parallel = Some(Mutex::new(comm));
+        Ok(())
+    }
+
     /// Zeroes the gradients and fills them with those of `batch` (micro-batch by micro-batch
-    /// when it holds more than `max_batch_tokens` tokens); returns the loss.
+    /// when it holds more than `max_batch_tokens` tokens); returns the loss. In a
+    /// data-parallel group (see [`join_data_parallel`](Self::join_data_parallel)) both are
+    /// the sums over the group's parts of the batch.
     ///
     /// # Errors
     /// [`ModelError::Offloaded`] (or [`ModelError::Memory`] for a region paused by someone
@@ -195,11 +223,28 @@ impl GpuTrainer {
     pub fn compute_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f32, ModelError> {
         self.ensure_active("compute gradients")?;
         self.check_batch(batch)?;
-        let result = self.accumulate_grads(batch);
+        let result = self
+            .accumulate_grads(batch)
+            .and_then(|nll| self.sum_over_group(nll));
         let fenced = self.record_fences();
         let nll = result?;
         fenced?;
         Ok((nll / f64::from(batch.normaliser)) as f32)
+    }
+
+    /// In a data-parallel group: sums the gradients and `nll` over the ranks. Alone: `nll`.
+    fn sum_over_group(&self, nll: f64) -> Result<f64, ModelError> {
+        let Some(group) = &self.data_parallel else {
+            return Ok(nll);
+        };
+        let comm = group.lock().unwrap_or_else(PoisonError::into_inner);
+        let scalar = slice::<f32>(&self.scalar)?;
+        comm.all_reduce_sum(slice(&self.grads)?)?;
+        self.gpu.upload(scalar, &[nll as f32])?;
+        comm.all_reduce_sum(scalar)?;
+        let mut sum = [0.0f32];
+        self.gpu.download(&mut sum, scalar)?;
+        Ok(f64::from(sum[0]))
     }
 
     /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
@@ -440,7 +485,7 @@ impl GpuTrainer {
     /// The gradients' global norm, the clipping factor and the AdamW update, as
     /// `ops::adamw_step` computes them.
     fn adamw_step(&self, step: u64) -> Result<AdamWStepStats, ModelError> {
-        let (norm, grads) = (slice::<f32>(&self.norm)?, slice::<f32>(&self.grads)?);
+        let (norm, grads) = (slice::<f32>(&self.scalar)?, slice::<f32>(&self.grads)?);
         self.gpu.zero(norm)?;
         self.gpu.sum_of_squares(norm, grads)?;
         let mut sum = [0.0f32];
@@ -525,7 +570,7 @@ impl GpuTrainer {
             &self.m,
             &self.v,
             &self.grads,
-            &self.norm,
+            &self.scalar,
         ];
         let acts = self.acts.iter().flat_map(|a| [&a.bf16, &a.f32, &a.u32]);
         for buffer in state.into_iter().chain(acts) {
