@@ -183,8 +183,29 @@ type SpanOf = fn(&RankCycle) -> Span;
 /// cycle.
 struct Together {
     per_rank: Vec<f64>,
+    per_rank_s: Vec<f64>,
     aggregate: f64,
     wall_s: f64,
+}
+
+impl Together {
+    /// `A GB/s together in W ms (per rank: a b GB/s, x y ms)`.
+    fn describe(&self) -> String {
+        let list = |values: &[f64], scale: f64, digits: usize| {
+            values
+                .iter()
+                .map(|v| format!("{:.*}", digits, v * scale))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        format!(
+            "{:.2} GB/s together in {:.2} ms (per rank: {} GB/s, {} ms)",
+            self.aggregate,
+            self.wall_s * 1e3,
+            list(&self.per_rank, 1.0, 2),
+            list(&self.per_rank_s, 1e3, 2)
+        )
+    }
 }
 
 fn together(runs: &[RankRun], cycle: usize, size: usize, op: SpanOf) -> Together {
@@ -200,6 +221,7 @@ fn together(runs: &[RankRun], cycle: usize, size: usize, op: SpanOf) -> Together
             .iter()
             .map(|s| size as f64 / s.seconds() / 1e9)
             .collect(),
+        per_rank_s: spans.iter().map(Span::seconds).collect(),
         aggregate: (size * runs.len()) as f64 / wall_s / 1e9,
         wall_s,
     }
@@ -309,6 +331,12 @@ fn report(
             .join(", "),
         args.target
     )?;
+    for (cycle, row) in per_cycle.iter().enumerate() {
+        writeln!(stdout, "cycle {cycle}:")?;
+        for ((name, _), together) in ops.iter().zip(row) {
+            writeln!(stdout, "  {name:>8}: {}", together.describe())?;
+        }
+    }
     let gbps = |values: &[f64]| {
         values
             .iter()
@@ -316,20 +344,6 @@ fn report(
             .collect::<Vec<_>>()
             .join(" ")
     };
-    for (cycle, row) in per_cycle.iter().enumerate() {
-        writeln!(
-            stdout,
-            "cycle {cycle}: pause {:.2} GB/s together (per rank {}), resume {:.2} (per rank {}); plain copy out {:.2} (per rank {}), in {:.2} (per rank {})",
-            row[0].aggregate,
-            gbps(&row[0].per_rank),
-            row[1].aggregate,
-            gbps(&row[1].per_rank),
-            row[2].aggregate,
-            gbps(&row[2].per_rank),
-            row[3].aggregate,
-            gbps(&row[3].per_rank),
-        )?;
-    }
     writeln!(
         stdout,
         "steady cycles: pause {:.2} GB/s together (per rank {}), resume {:.2} (per rank {}); {copier} on all ranks at once: out {:.2}, in {:.2}",

@@ -19,6 +19,7 @@ use miles_core::model::{ByteTokenizer, LlamaConfig, Trainer, Transformer, init_p
 use miles_core::ops::{AdamWConfig, MatmulProfile};
 
 use crate::model_cmd::parse_preset;
+use crate::settings_args::BadSettings;
 
 /// Where the benchmark runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -59,6 +60,12 @@ pub struct BenchTrainArgs {
     /// On cuda: skip the PyTorch baseline.
     #[arg(long)]
     pub no_baseline: bool,
+    /// On cuda: train data-parallel over this many GPUs of this machine, one process each
+    /// (each takes its share of the batch's sequences); rank 0 then trains the whole batch
+    /// alone on its GPU and prints both throughputs and the losses of every step side by side.
+    /// Under torchrun, srun or mpirun leave it out: the launcher's ranks do the same.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
 }
 
 /// `b` sequences of `t` tokens of deterministic text (a paragraph repeated to fill every
@@ -91,8 +98,23 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
     if args.batch == 0 || args.seq == 0 || args.steps == 0 {
         bail!("--batch, --seq and --steps must be positive");
     }
+    if args.nproc_per_node == 0 {
+        return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
+    }
     if args.device == BenchDevice::Cuda {
+        if let Some(env) = crate::launch::rank_env(args.nproc_per_node)? {
+            return crate::bench_train_gpu::run_ranks(&args, &env);
+        }
+        if args.nproc_per_node > 1 {
+            return crate::launch::run_local(args.nproc_per_node);
+        }
         return crate::bench_train_gpu::run(&args);
+    }
+    if args.nproc_per_node > 1 {
+        return Err(BadSettings(
+            "--nproc-per-node trains data-parallel over gpus; add --device cuda".into(),
+        )
+        .into());
     }
     let config = args.preset;
     let tokenizer = ByteTokenizer::from_config(&config)?;

@@ -1,18 +1,44 @@
 //! `miles bench train --device cuda`: the GPU trainer's forward + backward + AdamW tokens/s next
 //! to a PyTorch eager implementation of the same shapes (fp32 master weights, bf16 autocast)
 //! run in the same call, with matmul-softmax-matmul attention (`eager`, the same arithmetic as
-//! ours) and with PyTorch's fused attention (`sdpa`).
+//! ours) and with PyTorch's fused attention (`sdpa`). With several processes
+//! (`--nproc-per-node`, or a launcher), data parallelism over their GPUs against one GPU.
 
 use std::io::Write;
 use std::process::Command;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use miles_core::DeviceChoice;
-use miles_core::model::{ByteTokenizer, ParamLayout, init_params};
+use miles_core::comm::ID_BYTES;
+use miles_core::device::NcclComm;
+use miles_core::model::{ByteTokenizer, GpuTrainer, ParamLayout, TrainBatch, init_params};
+use miles_core::{DeviceChoice, HostGroup, LaunchEnv};
 use serde_json::Value;
 
 use crate::bench_train::{BenchTrainArgs, text_batch};
+
+/// How long a rank waits for the others to join the job.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The warmup then the timed steps of `args` on `batch`: every step's loss, and the timed
+/// steps' seconds.
+fn train_steps(
+    trainer: &mut GpuTrainer,
+    batch: &TrainBatch<'_>,
+    args: &BenchTrainArgs,
+) -> anyhow::Result<(Vec<f32>, f64)> {
+    let mut losses = Vec::with_capacity(args.warmup + args.steps);
+    for step in 1..=args.warmup as u64 {
+        losses.push(trainer.train_step(batch, step).context("warmup step")?.loss);
+    }
+    let start = Instant::now();
+    for step in 1..=args.steps as u64 {
+        let step = args.warmup as u64 + step;
+        losses.push(trainer.train_step(batch, step)?.loss);
+    }
+    Ok((losses, start.elapsed().as_secs_f64()))
+}
 
 /// Runs the GPU benchmark and its baselines and prints the figures and ratios.
 ///
@@ -32,18 +58,8 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     init_params(&layout, &config, 0, &mut params)?;
     let mut trainer = crate::gpu::standalone_trainer(gpu, config.clone(), &params, b * t)?;
     drop(params);
-    let mut step = 0;
-    for _ in 0..args.warmup {
-        step += 1;
-        trainer.train_step(&batch, step).context("warmup step")?;
-    }
-    let start = Instant::now();
-    let mut loss = 0.0;
-    for _ in 0..args.steps {
-        step += 1;
-        loss = trainer.train_step(&batch, step)?.loss;
-    }
-    let seconds = start.elapsed().as_secs_f64();
+    let (losses, seconds) = train_steps(&mut trainer, &batch, args)?;
+    let loss = losses.last().copied().unwrap_or(f32::NAN);
     let ours = (args.steps * b * t) as f64 / seconds;
     let mut out = std::io::stdout().lock();
     writeln!(
@@ -86,6 +102,99 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
             ours / theirs
         )?;
     }
+    Ok(())
+}
+
+/// One rank of data-parallel training over the job's GPUs: every rank trains its share of the
+/// batch's sequences (NCCL sums the gradients), then rank 0 trains the whole batch alone on its
+/// GPU from the same weights, and prints both throughputs and every step's losses.
+///
+/// # Errors
+/// No GPU; the job's group or NCCL failing; a batch of fewer sequences than ranks; a failure
+/// of a trainer.
+pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
+    let mut group = HostGroup::connect(env, JOIN_TIMEOUT)?;
+    let Some(gpu) = crate::gpu::gpu_for(DeviceChoice::Cuda)? else {
+        bail!("--device cuda found no gpu");
+    };
+    let mut id = match env.rank {
+        0 => NcclComm::unique_id()?.to_vec(),
+        _ => Vec::new(),
+    };
+    group.broadcast(&mut id)?;
+    let id: [u8; ID_BYTES] = id
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("rank 0 sent a communicator id of the wrong length"))?;
+    let comm = NcclComm::new(Arc::clone(&gpu), id, env.rank, env.world_size)?;
+    let config = args.preset.clone();
+    let tokenizer = ByteTokenizer::from_config(&config)?;
+    let (b, t) = (args.batch, args.seq);
+    let owned = text_batch(&tokenizer, b, t);
+    let batch = owned.view();
+    let part = batch.shard(env.rank, env.world_size)?;
+    let layout = ParamLayout::new(&config);
+    let mut params = vec![0.0; layout.len()];
+    init_params(&layout, &config, 0, &mut params)?;
+    let mut trainer =
+        crate::gpu::standalone_trainer(Arc::clone(&gpu), config.clone(), &params, part.batch * t)?;
+    trainer.join_data_parallel(comm)?;
+    let parallel = train_steps(&mut trainer, &part, args)?;
+    drop(trainer);
+    let gathered = group.gather(&serde_json::to_vec(&parallel)?)?;
+    let alone = match env.rank {
+        0 => {
+            let mut trainer = crate::gpu::standalone_trainer(gpu, config, &params, b * t)?;
+            Some(train_steps(&mut trainer, &batch, args)?)
+        }
+        _ => None,
+    };
+    group.barrier()?;
+    let (Some(gathered), Some((alone_losses, alone_seconds))) = (gathered, alone) else {
+        return Ok(());
+    };
+    let ranks: Vec<(Vec<f32>, f64)> = gathered
+        .iter()
+        .map(|part| serde_json::from_slice(part))
+        .collect::<Result<_, _>>()
+        .context("a rank sent figures this rank cannot read; run the same miles on every rank")?;
+    let slowest = ranks.iter().map(|(_, s)| *s).fold(0.0, f64::max);
+    let tokens = (args.steps * b * t) as f64;
+    let (together, single) = (tokens / slowest, tokens / alone_seconds);
+    let worst = ranks[0]
+        .0
+        .iter()
+        .zip(&alone_losses)
+        .map(|(p, a)| ((p - a) / a).abs())
+        .fold(0.0f32, f32::max);
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "bench train: {} parameters, batch {b} x seq {t}, data parallel over {} gpus, {} timed steps after {} warmup",
+        layout.len(),
+        ranks.len(),
+        args.steps,
+        args.warmup
+    )?;
+    writeln!(
+        out,
+        "  miles over {} gpus: {together:.0} tokens/s ({:.3} s/step); one gpu, the same batch: {single:.0} tokens/s; scaling {:.2}x",
+        ranks.len(),
+        slowest / args.steps as f64,
+        together / single
+    )?;
+    for (step, (p, a)) in ranks[0].0.iter().zip(&alone_losses).enumerate() {
+        writeln!(
+            out,
+            "  step {}: loss {p:.6} over {} gpus, {a:.6} on one",
+            step + 1,
+            ranks.len()
+        )?;
+    }
+    let same = ranks.iter().all(|(losses, _)| *losses == ranks[0].0);
+    writeln!(
+        out,
+        "  largest relative loss difference against one gpu: {worst:.2e}; every rank reports the same losses: {same}"
+    )?;
     Ok(())
 }
 

@@ -7,18 +7,22 @@ use anyhow::Context;
 use miles_core::device::{self, CudaDevice, DeviceError, Gpu};
 use miles_core::model::{GpuTrainer, GpuTrainerSpec, LlamaConfig};
 use miles_core::ops::AdamWConfig;
-use miles_core::{BackupPolicy, Device, DeviceChoice, DeviceKind, ManagerSettings, MemoryManager};
+use miles_core::{
+    BackupPolicy, Device, DeviceChoice, DeviceKind, LaunchEnv, ManagerSettings, MemoryManager,
+};
 
 use crate::settings_args::BadSettings;
 
 static SHARED: Mutex<Option<Arc<Gpu>>> = Mutex::new(None);
 
 /// The shared GPU when `choice` resolves to CUDA (`auto` does when a driver and a GPU are
-/// there), `None` for the CPU device.
+/// there), `None` for the CPU device. It is GPU `LOCAL_RANK` in one rank of a multi-process
+/// job (torchrun, srun, mpirun or `--nproc-per-node`), else GPU 0.
 ///
 /// # Errors
-/// [`BadSettings`] (exit status 2) when CUDA is asked for and not there; the GPU cannot be
-/// opened or its kernels do not compile, with the reason.
+/// [`BadSettings`] (exit status 2) when CUDA is asked for and not there, or for launch
+/// variables that do not parse; the GPU cannot be opened or its kernels do not compile, with
+/// the reason.
 pub fn gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>> {
     if device::resolve(choice) == DeviceKind::Cpu {
         return Ok(None);
@@ -27,14 +31,22 @@ pub fn gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>> {
     if let Some(gpu) = shared.as_ref() {
         return Ok(Some(Arc::clone(gpu)));
     }
-    let cuda = match CudaDevice::open(0) {
-        Ok(cuda) => Arc::new(cuda),
-        Err(error @ DeviceError::CudaUnavailable(_)) => {
+    let ordinal = LaunchEnv::from_process_env()
+        .map_err(|error| BadSettings(error.to_string()))?
+        .map_or(0, |env| env.local_rank);
+    let cuda = match i32::try_from(ordinal).map(CudaDevice::open) {
+        Ok(Ok(cuda)) => Arc::new(cuda),
+        Ok(Err(error @ DeviceError::CudaUnavailable(_))) => {
             return Err(BadSettings(format!("--device {choice}: {error}")).into());
         }
-        Err(error) => return Err(anyhow::Error::new(error).context("cannot open cuda:0")),
+        Ok(Err(error)) => {
+            return Err(anyhow::Error::new(error).context(format!("cannot open cuda:{ordinal}")));
+        }
+        Err(_) => return Err(BadSettings(format!("LOCAL_RANK {ordinal} names no gpu")).into()),
     };
-    let gpu = Arc::new(Gpu::new(cuda).context("cannot start gpu compute on cuda:0")?);
+    let gpu = Arc::new(
+        Gpu::new(cuda).with_context(|| format!("cannot start gpu compute on cuda:{ordinal}"))?,
+    );
     *shared = Some(Arc::clone(&gpu));
     Ok(Some(gpu))
 }

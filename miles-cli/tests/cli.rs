@@ -523,3 +523,12 @@ fn nproc_per_node_under_a_launcher_exits_2_naming_the_flag() {
     assert!(err.contains("--nproc-per-node 2"), "{err}");
     assert!(err.contains("rank 1 of 2"), "{err}");
 }
+
+#[test]
+fn bench_train_over_several_processes_needs_the_gpu() {
+    let (_, err) = expect(
+        &["bench", "train", "--preset", "tiny", "--nproc-per-node", "2"],
+        2,
+    );
+    assert!(err.contains("--device cuda"), "{err}");
+}

@@ -488,6 +488,12 @@ impl GpuTrainer {
         let (norm, grads) = (slice::<f32>(&self.scalar)?, slice::<f32>(&self.grads)?);
         self.gpu.zero(norm)?;
         self.gpu.sum_of_squares(norm, grads)?;
+        if let Some(group) = &self.data_parallel {
+            // The sum's atomics add in any order, so replicas of the same gradients can differ
+            // in the last bit; rank 0's sum clips every rank alike, keeping the replicas equal.
+            let comm = group.lock().unwrap_or_else(PoisonError::into_inner);
+            comm.broadcast(norm, 0)?;
+        }
         let mut sum = [0.0f32];
         self.gpu.download(&mut sum, norm)?;
         let grad_norm = sum[0].sqrt();
