@@ -527,7 +527,14 @@ fn nproc_per_node_under_a_launcher_exits_2_naming_the_flag() {
 #[test]
 fn bench_train_over_several_processes_needs_the_gpu() {
     let (_, err) = expect(
-        &["bench", "train", "--preset", "tiny", "--nproc-per-node", "2"],
+        &[
+            "bench",
+            "train",
+            "--preset",
+            "tiny",
+            "--nproc-per-node",
+            "2",
+        ],
         2,
     );
     assert!(err.contains("--device cuda"), "{err}");

@@ -430,7 +430,9 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
 }
 
 /// Losses of a data-parallel pair against one GPU, relative: the same fp32 gradients summed in
-/// another order, then bf16 weights.
+/// another order, then bf16 weights. At the trajectory test's learning rate (1e-2) the tiny
+/// model on random targets amplifies those last bits to 4% by step 5 (call 18 of
+/// `bench/RESULTS.md`, round 14), so this test steps at 1e-3.
 const DATA_PARALLEL_TOLERANCE: f32 = 1e-2;
 
 #[test]
@@ -454,10 +456,22 @@ fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
     let params = Arc::new(bf16_params(&config, 51));
     let data = Arc::new(Batch::random(52, config.vocab_size));
     let steps = 5;
+    let gentle = |config: LlamaConfig| GpuTrainerSpec {
+        adamw: AdamWConfig {
+            lr: 1e-3,
+            ..AdamWConfig::default()
+        },
+        ..spec(config, BackupPolicy::None, 64)
+    };
     let alone: Vec<f32> = {
         let gpu = &gpus[0];
-        let spec = spec(config.clone(), BackupPolicy::None, 64);
-        let mut trainer = GpuTrainer::new(Arc::clone(gpu), manager(gpu), spec, &params).unwrap();
+        let mut trainer = GpuTrainer::new(
+            Arc::clone(gpu),
+            manager(gpu),
+            gentle(config.clone()),
+            &params,
+        )
+        .unwrap();
         (1..=steps)
             .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
             .collect()
@@ -470,9 +484,9 @@ fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
             let (gpu, config) = (Arc::clone(gpu), config.clone());
             let (params, data) = (Arc::clone(&params), Arc::clone(&data));
             std::thread::spawn(move || {
-                let spec = spec(config, BackupPolicy::None, 64);
                 let mut trainer =
-                    GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+                    GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params)
+                        .unwrap();
                 let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
                 trainer.join_data_parallel(comm).unwrap();
                 let batch = data.view();
@@ -492,6 +506,13 @@ fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
     assert!(
         results[0].1 == results[1].1,
         "the replicas' master weights drifted apart"
+    );
+    let first = (results[0].0[0] - alone[0]).abs() / alone[0].abs();
+    assert!(
+        first < 1e-5,
+        "step 1 starts from the same weights: {} vs {}",
+        results[0].0[0],
+        alone[0]
     );
     for (step, (got, want)) in results[0].0.iter().zip(&alone).enumerate() {
         let rel = (got - want).abs() / want.abs();
