@@ -36,7 +36,7 @@ mod scrub;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
@@ -542,9 +542,11 @@ impl Device for CudaDevice {
         let mut created: Vec<Mapping> = Vec::new();
         let mut offset = 0;
         let mut failure = None;
+        let (mut create_time, mut map_time) = (Duration::ZERO, Duration::ZERO);
         while offset < range.len {
             let len = self.options.commit_chunk.min(range.len - offset);
             let start = range.start + offset as u64;
+            let started = Instant::now();
             let handle = match driver::mem_create(len, &self.prop) {
                 Ok(handle) => handle,
                 Err(error) => {
@@ -552,20 +554,33 @@ impl Device for CudaDevice {
                     break;
                 }
             };
+            let created_at = Instant::now();
+            create_time += created_at - started;
             // SAFETY: `[start, start + len)` lies in a reservation of ours with nothing mapped
             // (checked under the held lock).
-            if let Err(error) = unsafe { driver::mem_map(start, len, handle) } {
+            let mapped = unsafe { driver::mem_map(start, len, handle) };
+            map_time += created_at.elapsed();
+            if let Err(error) = mapped {
                 failure = Some((error, Some(handle)));
                 break;
             }
             created.push(Mapping { start, len, handle });
             offset += len;
         }
+        let started = Instant::now();
         if failure.is_none() {
             // SAFETY: the whole range was just mapped by this commit.
             let access = unsafe { driver::mem_set_access(range.start, range.len, self.device) };
             failure = access.err().map(|error| (error, None));
         }
+        tracing::debug!(
+            pieces = created.len(),
+            bytes = range.len,
+            create_ms = create_time.as_secs_f64() * 1e3,
+            map_ms = map_time.as_secs_f64() * 1e3,
+            access_ms = started.elapsed().as_secs_f64() * 1e3,
+            "committed device memory"
+        );
         if let Some((error, unmapped)) = failure {
             self.undo_commit(&created, unmapped);
             if driver::is_out_of_memory(&error) {
