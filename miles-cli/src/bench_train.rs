@@ -66,6 +66,10 @@ pub struct BenchTrainArgs {
     /// Under torchrun, srun or mpirun leave it out: the launcher's ranks do the same.
     #[arg(long, default_value_t = 1)]
     pub nproc_per_node: usize,
+    /// With several processes: tensor parallelism instead (Megatron's split of heads and MLP
+    /// columns over the ranks, every rank on the whole batch).
+    #[arg(long)]
+    pub tensor_parallel: bool,
 }
 
 /// `b` sequences of `t` tokens of deterministic text (a paragraph repeated to fill every
@@ -108,11 +112,17 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
         if args.nproc_per_node > 1 {
             return crate::launch::run_local(args.nproc_per_node);
         }
+        if args.tensor_parallel {
+            return Err(BadSettings(
+                "--tensor-parallel splits the model over several processes; add --nproc-per-node 2 (or more), or start the ranks with a launcher".into(),
+            )
+            .into());
+        }
         return crate::bench_train_gpu::run(&args);
     }
-    if args.nproc_per_node > 1 {
+    if args.nproc_per_node > 1 || args.tensor_parallel {
         return Err(BadSettings(
-            "--nproc-per-node trains data-parallel over gpus; add --device cuda".into(),
+            "--nproc-per-node and --tensor-parallel train over gpus; add --device cuda".into(),
         )
         .into());
     }

@@ -12,11 +12,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use miles_core::comm::ID_BYTES;
 use miles_core::device::NcclComm;
-use miles_core::model::{ByteTokenizer, GpuTrainer, ParamLayout, TrainBatch, init_params};
+use miles_core::model::{
+    ByteTokenizer, GpuTrainer, ParamLayout, TrainBatch, init_params, scatter, shard_config,
+};
 use miles_core::{DeviceChoice, HostGroup, LaunchEnv};
 use serde_json::Value;
 
 use crate::bench_train::{BenchTrainArgs, text_batch};
+use crate::settings_args::BadSettings;
 
 /// How long a rank waits for the others to join the job.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
@@ -105,9 +108,11 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One rank of data-parallel training over the job's GPUs: every rank trains its share of the
-/// batch's sequences (NCCL sums the gradients), then rank 0 trains the whole batch alone on its
-/// GPU from the same weights, and prints both throughputs and every step's losses.
+/// One rank of parallel training over the job's GPUs: data parallel (every rank trains its share
+/// of the batch's sequences, NCCL sums the gradients) or, with `--tensor-parallel`, tensor
+/// parallel (every rank holds its shard of the model and trains the whole batch); then rank 0
+/// trains the whole batch alone on its GPU from the same weights, and prints both throughputs
+/// and every step's losses.
 ///
 /// # Errors
 /// No GPU; the job's group or NCCL failing; a batch of fewer sequences than ranks; a failure
@@ -131,15 +136,30 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     let (b, t) = (args.batch, args.seq);
     let owned = text_batch(&tokenizer, b, t);
     let batch = owned.view();
-    let part = batch.shard(env.rank, env.world_size)?;
     let layout = ParamLayout::new(&config);
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, 0, &mut params)?;
-    let mut trainer =
-        crate::gpu::standalone_trainer(Arc::clone(&gpu), config.clone(), &params, part.batch * t)?;
-    trainer.join_data_parallel(comm)?;
-    let parallel = train_steps(&mut trainer, &part, args)?;
-    drop(trainer);
+    let parallel = if args.tensor_parallel {
+        let local_config = shard_config(&config, env.world_size)
+            .map_err(|error| BadSettings(format!("--tensor-parallel: {error}")))?;
+        let local_layout = ParamLayout::new(&local_config);
+        let mut local = vec![0.0; local_layout.len()];
+        scatter(&layout, &local_layout, &params, &mut local, env.rank);
+        let mut trainer =
+            crate::gpu::standalone_trainer(Arc::clone(&gpu), local_config, &local, b * t)?;
+        trainer.join_tensor_parallel(comm)?;
+        train_steps(&mut trainer, &batch, args)?
+    } else {
+        let part = batch.shard(env.rank, env.world_size)?;
+        let mut trainer = crate::gpu::standalone_trainer(
+            Arc::clone(&gpu),
+            config.clone(),
+            &params,
+            part.batch * t,
+        )?;
+        trainer.join_data_parallel(comm)?;
+        train_steps(&mut trainer, &part, args)?
+    };
     let gathered = group.gather(&serde_json::to_vec(&parallel)?)?;
     let alone = match env.rank {
         0 => {
@@ -169,8 +189,13 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "bench train: {} parameters, batch {b} x seq {t}, data parallel over {} gpus, {} timed steps after {} warmup",
+        "bench train: {} parameters, batch {b} x seq {t}, {} parallel over {} gpus, {} timed steps after {} warmup",
         layout.len(),
+        if args.tensor_parallel {
+            "tensor"
+        } else {
+            "data"
+        },
         ranks.len(),
         args.steps,
         args.warmup

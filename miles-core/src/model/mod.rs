@@ -9,6 +9,7 @@ mod gpu;
 mod init;
 mod layout;
 mod passes;
+mod tensor_parallel;
 #[cfg(test)]
 mod tests;
 mod tokenizer;
@@ -26,6 +27,7 @@ pub use gpu::{
 };
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
+pub use tensor_parallel::{Split, gather_tensor, scatter, shard_config, split_of};
 pub use tokenizer::ByteTokenizer;
 pub use train::{
     ModelBuffers, StepBuffers, StepReport, Trainer, score_tokens, scoring_batch, train_step,

@@ -14,7 +14,8 @@ use crate::device::testing::TestGpu;
 use crate::device::{CudaDevice, Device, Gpu, NcclComm};
 use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag, RegionState};
 use crate::model::{
-    LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Trainer, Transformer, init_params,
+    LlamaConfig, ModelError, ParamKind, ParamLayout, Split, TrainBatch, Trainer, Transformer,
+    init_params, scatter, shard_config, split_of,
 };
 use crate::ops::AdamWConfig;
 
@@ -165,10 +166,10 @@ fn forward_and_backward_match_the_cpu(test: &str, config: LlamaConfig) {
     );
     let acts = GpuActivations::new(layout, bf, fl, ids).unwrap();
     model
-        .forward(&t.gpu, dev_params, &acts, &batch, ForwardMode::Train)
+        .forward(&t.gpu, dev_params, &acts, &batch, ForwardMode::Train, None)
         .unwrap();
     model
-        .backward(&t.gpu, dev_params, dev_grads, &acts)
+        .backward(&t.gpu, dev_params, dev_grads, &acts, None)
         .unwrap();
     let logprobs = model.logprobs(&t.gpu, &acts).unwrap();
     let loss = GpuTransformer::loss(&logprobs, &batch);
@@ -518,6 +519,107 @@ fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
         let rel = (got - want).abs() / want.abs();
         eprintln!(
             "step {}: loss over two gpus {got} vs one gpu {want} (relative {rel:.3e})",
+            step + 1
+        );
+        assert!(
+            rel < DATA_PARALLEL_TOLERANCE,
+            "step {}: {got} vs {want}",
+            step + 1
+        );
+    }
+}
+
+#[test]
+fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() {
+    let test = "gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal";
+    let Some(t) = TestGpu::open(test, 1) else {
+        return;
+    };
+    let second = match CudaDevice::open(1) {
+        Ok(device) => device,
+        Err(error) => {
+            eprintln!("skipping {test}: it needs two gpus ({error})");
+            return;
+        }
+    };
+    let gpus = [
+        Arc::new(t.gpu),
+        Arc::new(Gpu::new(Arc::new(second)).unwrap()),
+    ];
+    let config = tiny();
+    let params = Arc::new(bf16_params(&config, 61));
+    let data = Arc::new(Batch::random(62, config.vocab_size));
+    let steps = 5;
+    let gentle = |config: LlamaConfig| GpuTrainerSpec {
+        adamw: AdamWConfig {
+            lr: 1e-3,
+            ..AdamWConfig::default()
+        },
+        ..spec(config, BackupPolicy::None, 64)
+    };
+    let alone: Vec<f32> = {
+        let gpu = &gpus[0];
+        let mut trainer = GpuTrainer::new(
+            Arc::clone(gpu),
+            manager(gpu),
+            gentle(config.clone()),
+            &params,
+        )
+        .unwrap();
+        (1..=steps)
+            .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
+            .collect()
+    };
+    let local_config = shard_config(&config, 2).unwrap();
+    let id = NcclComm::unique_id().unwrap();
+    let ranks: Vec<_> = gpus
+        .iter()
+        .enumerate()
+        .map(|(rank, gpu)| {
+            let (gpu, config, local_config) =
+                (Arc::clone(gpu), config.clone(), local_config.clone());
+            let (params, data) = (Arc::clone(&params), Arc::clone(&data));
+            std::thread::spawn(move || {
+                let (full_layout, layout) =
+                    (ParamLayout::new(&config), ParamLayout::new(&local_config));
+                let mut local = vec![0.0; layout.len()];
+                scatter(&full_layout, &layout, &params, &mut local, rank);
+                let mut trainer = GpuTrainer::new(
+                    Arc::clone(&gpu),
+                    manager(&gpu),
+                    gentle(local_config),
+                    &local,
+                )
+                .unwrap();
+                let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                trainer.join_tensor_parallel(comm).unwrap();
+                let losses: Vec<f32> = (1..=steps)
+                    .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
+                    .collect();
+                let master = trainer.master_params().unwrap();
+                let whole: Vec<f32> = layout
+                    .specs()
+                    .iter()
+                    .filter(|spec| split_of(spec.kind) == Split::Replicated)
+                    .flat_map(|spec| master[spec.range()].to_vec())
+                    .collect();
+                (losses, whole)
+            })
+        })
+        .collect();
+    let results: Vec<(Vec<f32>, Vec<f32>)> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    assert_eq!(
+        results[0].0, results[1].0,
+        "the two ranks report different losses"
+    );
+    assert!(
+        results[0].1 == results[1].1,
+        "the ranks' embedding, norms or head drifted apart"
+    );
+    for (step, (got, want)) in results[0].0.iter().zip(&alone).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        eprintln!(
+            "step {}: loss over two tensor-parallel gpus {got} vs one gpu {want} (relative {rel:.3e})",
             step + 1
         );
         assert!(

@@ -1,7 +1,8 @@
 //! The GPU trainer: bf16 parameters, fp32 master weights, AdamW moments and gradients, and the
 //! activations, each in its memory-manager region, so that an offload is four pauses.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
@@ -12,7 +13,7 @@ use crate::device::{AdamWStep, DeviceError, Fence, Gpu, GpuElement, GpuSlice, Nc
 use crate::memory::{
     BackupPolicy, Buffer, MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
 };
-use crate::model::{LlamaConfig, ModelError, StepReport, TrainBatch};
+use crate::model::{LlamaConfig, ModelError, Split, StepReport, TrainBatch, split_of};
 use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
 
 /// The trainer's regions, in the order [`GpuTrainer::offload`] pauses them.
@@ -69,11 +70,31 @@ pub struct GpuTrainer {
     m: Buffer,      // (P) fp32, Optimizer
     v: Buffer,      // (P) fp32, Optimizer
     grads: Buffer,  // (P) fp32, Grads
-    scalar: Buffer, // (1) fp32, Activations: the loss's sum over ranks, then the gradients' sum of squares
+    scalar: Buffer, // (2) fp32, Activations: the loss's sum over ranks, then sums of squares
     acts: Option<ActivationBuffers>,
     offloaded: bool,
-    /// Data parallelism: the group whose gradients and losses add up to one batch's.
-    data_parallel: Option<Mutex<NcclComm>>,
+    /// The parallel group this trainer is one rank of, if any.
+    group: Option<Group>,
+}
+
+/// A trainer's parallel group: its communicator, and what the ranks split.
+struct Group {
+    comm: Mutex<NcclComm>,
+    split: Parallel,
+}
+
+enum Parallel {
+    /// Each rank holds every weight and trains on its part of each batch.
+    Data,
+    /// Each rank holds its shard of the model and sees the whole batch; `replicated` are the
+    /// parameter ranges every rank holds whole.
+    Tensor { replicated: Vec<Range<usize>> },
+}
+
+impl Group {
+    fn comm(&self) -> MutexGuard<'_, NcclComm> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl std::fmt::Debug for GpuTrainer {
@@ -82,7 +103,13 @@ impl std::fmt::Debug for GpuTrainer {
             .field("params", &self.model.layout().len())
             .field("max_batch_tokens", &self.max_batch_tokens)
             .field("offloaded", &self.offloaded)
-            .field("data_parallel", &self.data_parallel.is_some())
+            .field(
+                "group",
+                &self.group.as_ref().map(|g| match g.split {
+                    Parallel::Data => "data parallel",
+                    Parallel::Tensor { .. } => "tensor parallel",
+                }),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -132,7 +159,7 @@ impl GpuTrainer {
             m: memory.alloc(&MemoryTag::Optimizer, full)?,
             v: memory.alloc(&MemoryTag::Optimizer, full)?,
             grads: memory.alloc(&MemoryTag::Grads, full)?,
-            scalar: memory.alloc(&MemoryTag::Activations, size_of::<f32>())?,
+            scalar: memory.alloc(&MemoryTag::Activations, 2 * size_of::<f32>())?,
             gpu,
             memory,
             model,
@@ -140,7 +167,7 @@ impl GpuTrainer {
             max_batch_tokens: spec.max_batch_tokens,
             acts: None,
             offloaded: false,
-            data_parallel: None,
+            group: None,
         };
         trainer.gpu.zero(slice::<f32>(&trainer.m)?)?;
         trainer.gpu.zero(slice::<f32>(&trainer.v)?)?;
@@ -199,15 +226,56 @@ impl GpuTrainer {
     /// # Errors
     /// [`ModelError::DeviceMismatch`] for a communicator on another GPU.
     pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), ModelError> {
+        self.join(comm, Parallel::Data)
+    }
+
+    /// Makes this trainer one rank of a tensor-parallel group, Megatron's way: the trainer was
+    /// built with its rank's shard of the model ([`shard_config`](crate::model::shard_config)
+    /// and [`scatter`](crate::model::scatter) of the full weights), q, k, v, gate and up hold
+    /// their rows, o and down their columns, and the embedding, norms and head are whole on
+    /// every rank. Every rank sees the whole batch. The forward pass sums the o and down
+    /// products over the group, the backward pass the gradients entering the two norms of each
+    /// layer (bf16, NCCL); the whole tensors' gradients are then rank 0's on every rank (the
+    /// kernels' atomics may differ in the last bit), so those tensors stay equal, and the
+    /// gradient norm counts them once.
+    ///
+    /// # Errors
+    /// [`ModelError::DeviceMismatch`] for a communicator on another GPU; [`ModelError::Config`]
+    /// when the trainer is in a group already.
+    pub fn join_tensor_parallel(&mut self, comm: NcclComm) -> Result<(), ModelError> {
+        let replicated = self
+            .model
+            .layout()
+            .specs()
+            .iter()
+            .filter(|spec| split_of(spec.kind) == Split::Replicated)
+            .map(|spec| spec.range())
+            .collect();
+        self.join(comm, Parallel::Tensor { replicated })
+    }
+
+    fn join(&mut self, comm: NcclComm, split: Parallel) -> Result<(), ModelError> {
         if !Arc::ptr_eq(comm.gpu(), &self.gpu) {
             return Err(ModelError::DeviceMismatch);
         }
+        if self.group.is_some() {
+            return Err(ModelError::Config(
+                "the gpu trainer is one rank of a parallel group already; it joins one group, data or tensor parallel".into(),
+            ));
+        }
+        let what = match split {
+            Parallel::Data => "data",
+            Parallel::Tensor { .. } => "tensor",
+        };
         tracing::info!(
             rank = comm.rank(),
             world = comm.world_size(),
-            "gpu trainer joined a data-parallel group"
+            "gpu trainer joined a {what}-parallel group"
         );
-        self.data_parallel = Some(Mutex::new(comm));
+        self.group = Some(Group {
+            comm: Mutex::new(comm),
+            split,
+        });
         Ok(())
     }
 
@@ -232,19 +300,32 @@ impl GpuTrainer {
         Ok((nll / f64::from(batch.normaliser)) as f32)
     }
 
-    /// In a data-parallel group: sums the gradients and `nll` over the ranks. Alone: `nll`.
+    /// In a data-parallel group: sums the gradients and `nll` over the ranks. In a
+    /// tensor-parallel group: makes the whole tensors' gradients rank 0's (`nll` is the same on
+    /// every rank). Alone: `nll`.
     fn sum_over_group(&self, nll: f64) -> Result<f64, ModelError> {
-        let Some(group) = &self.data_parallel else {
+        let Some(group) = &self.group else {
             return Ok(nll);
         };
-        let comm = group.lock().unwrap_or_else(PoisonError::into_inner);
-        let scalar = slice::<f32>(&self.scalar)?;
-        comm.all_reduce_sum(slice(&self.grads)?)?;
-        self.gpu.upload(scalar, &[nll as f32])?;
-        comm.all_reduce_sum(scalar)?;
-        let mut sum = [0.0f32];
-        self.gpu.download(&mut sum, scalar)?;
-        Ok(f64::from(sum[0]))
+        let comm = group.comm();
+        let grads = slice::<f32>(&self.grads)?;
+        match &group.split {
+            Parallel::Data => {
+                let scalar = slice::<f32>(&self.scalar)?.sub(0, 1)?;
+                comm.all_reduce_sum(grads)?;
+                self.gpu.upload(scalar, &[nll as f32])?;
+                comm.all_reduce_sum(scalar)?;
+                let mut sum = [0.0f32];
+                self.gpu.download(&mut sum, scalar)?;
+                Ok(f64::from(sum[0]))
+            }
+            Parallel::Tensor { replicated } => {
+                for range in replicated {
+                    comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
+                }
+                Ok(nll)
+            }
+        }
     }
 
     /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
@@ -457,9 +538,11 @@ impl GpuTrainer {
         let mut nll = 0.0;
         for micro in micro_batches(batch, self.max_batch_tokens) {
             let acts = self.activations_for(micro.batch, micro.seq)?;
+            let tp = self.tensor_parallel();
+            let tp = tp.as_deref();
             self.model
-                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train)?;
-            self.model.backward(&self.gpu, params, grads, &acts)?;
+                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train, tp)?;
+            self.model.backward(&self.gpu, params, grads, &acts, tp)?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         Ok(nll)
@@ -473,8 +556,15 @@ impl GpuTrainer {
         let mut nll = 0.0;
         for micro in micro_batches(batch, self.max_batch_tokens) {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            self.model
-                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Score)?;
+            let tp = self.tensor_parallel();
+            self.model.forward(
+                &self.gpu,
+                params,
+                &acts,
+                &micro,
+                ForwardMode::Score,
+                tp.as_deref(),
+            )?;
             let lp = self.model.logprobs(&self.gpu, &acts)?;
             nll += nll_sum(&lp, micro.weights);
             logprobs.extend_from_slice(&lp);
@@ -485,18 +575,53 @@ impl GpuTrainer {
     /// The gradients' global norm, the clipping factor and the AdamW update, as
     /// `ops::adamw_step` computes them.
     fn adamw_step(&self, step: u64) -> Result<AdamWStepStats, ModelError> {
-        let (norm, grads) = (slice::<f32>(&self.scalar)?, slice::<f32>(&self.grads)?);
-        self.gpu.zero(norm)?;
-        self.gpu.sum_of_squares(norm, grads)?;
-        if let Some(group) = &self.data_parallel {
-            // The sum's atomics add in any order, so replicas of the same gradients can differ
-            // in the last bit; rank 0's sum clips every rank alike, keeping the replicas equal.
-            let comm = group.lock().unwrap_or_else(PoisonError::into_inner);
-            comm.broadcast(norm, 0)?;
-        }
-        let mut sum = [0.0f32];
-        self.gpu.download(&mut sum, norm)?;
-        let grad_norm = sum[0].sqrt();
+        let grads = slice::<f32>(&self.grads)?;
+        let sums = slice::<f32>(&self.scalar)?;
+        let (first, second) = (sums.sub(0, 1)?, sums.sub(1, 1)?);
+        self.gpu.zero(sums)?;
+        let mut sum = [0.0f32; 2];
+        let norm_sq = match &self.group {
+            None => {
+                self.gpu.sum_of_squares(first, grads)?;
+                self.gpu.download(&mut sum, sums)?;
+                sum[0]
+            }
+            Some(group) => match &group.split {
+                Parallel::Data => {
+                    // The sum's atomics add in any order, so replicas of the same gradients
+                    // can differ in the last bit; rank 0's sum clips every rank alike, keeping
+                    // the replicas equal.
+                    self.gpu.sum_of_squares(first, grads)?;
+                    group.comm().broadcast(first, 0)?;
+                    self.gpu.download(&mut sum, sums)?;
+                    sum[0]
+                }
+                Parallel::Tensor { replicated } => {
+                    // Shards in the first sum, whole tensors (the same on every rank) in the
+                    // second: summed over the group, the second counts them `world` times.
+                    let mut start = 0;
+                    for range in replicated
+                        .iter()
+                        .chain(std::iter::once(&(grads.len()..grads.len())))
+                    {
+                        if range.start > start {
+                            self.gpu
+                                .sum_of_squares(first, grads.sub(start, range.start - start)?)?;
+                        }
+                        if !range.is_empty() {
+                            self.gpu
+                                .sum_of_squares(second, grads.sub(range.start, range.len())?)?;
+                        }
+                        start = range.end;
+                    }
+                    let comm = group.comm();
+                    comm.all_reduce_sum(sums)?;
+                    self.gpu.download(&mut sum, sums)?;
+                    sum[0] + sum[1] / comm.world_size() as f32
+                }
+            },
+        };
+        let grad_norm = norm_sq.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
         self.gpu.adamw_update(
             slice(&self.master)?,
@@ -511,6 +636,14 @@ impl GpuTrainer {
             grad_norm,
             clip_scale: clip,
         })
+    }
+
+    /// The tensor-parallel group's communicator, when the trainer is one rank of one.
+    fn tensor_parallel(&self) -> Option<MutexGuard<'_, NcclComm>> {
+        self.group
+            .as_ref()
+            .filter(|group| matches!(group.split, Parallel::Tensor { .. }))
+            .map(Group::comm)
     }
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use cudarc::nccl::result::{self, NcclError};
 use cudarc::nccl::sys;
+use half::bf16;
 
 use super::{Gpu, GpuSlice, cuda};
 use crate::comm::ID_BYTES;
@@ -149,15 +150,34 @@ impl NcclComm {
     /// # Errors
     /// [`DeviceError::Cuda`] with NCCL's words.
     pub fn all_reduce_sum(&self, buf: GpuSlice<f32>) -> Result<(), DeviceError> {
+        self.all_reduce_in_place(buf.address(), buf.len(), sys::ncclDataType_t::ncclFloat32)
+    }
+
+    /// As [`all_reduce_sum`](Self::all_reduce_sum) on bf16 elements (summed in bf16 by NCCL):
+    /// the tensor-parallel activations.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] with NCCL's words.
+    pub fn all_reduce_sum_bf16(&self, buf: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        self.all_reduce_in_place(buf.address(), buf.len(), sys::ncclDataType_t::ncclBfloat16)
+    }
+
+    fn all_reduce_in_place(
+        &self,
+        address: u64,
+        len: usize,
+        datatype: sys::ncclDataType_t,
+    ) -> Result<(), DeviceError> {
         let stream = self.queue()?;
-        // SAFETY: `buf` is device memory of this GPU the caller holds, read and written in
-        // place (allowed by NCCL); the communicator is alive.
+        // SAFETY: `address` holds `len` elements of `datatype` in device memory of this GPU
+        // that the caller holds (a `GpuSlice`), read and written in place (allowed by NCCL);
+        // the communicator is alive.
         unsafe {
             result::all_reduce(
-                buf.address() as *const _,
-                buf.address() as *mut _,
-                buf.len(),
-                sys::ncclDataType_t::ncclFloat32,
+                address as *const _,
+                address as *mut _,
+                len,
+                datatype,
                 sys::ncclRedOp_t::ncclSum,
                 self.comm,
                 stream,
