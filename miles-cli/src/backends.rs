@@ -4,18 +4,28 @@ use std::sync::Arc;
 
 use miles_core::backend::TrainBackend;
 use miles_core::config::Settings;
-use miles_core::device::Gpu;
+use miles_core::device::{Gpu, NcclComm};
 
-/// The backend `--train-backend` names, built from the settings.
+use crate::settings_args::BadSettings;
+
+/// The backend `--train-backend` names, built from the settings; with `group`, this process's
+/// rank of a job over one GPU a process (data parallel: `--train-backend fsdp`).
 ///
 /// # Errors
 /// `BadSettings` for settings the backend refuses, `BackendNotBuilt` for a backend this
 /// binary was built without, or the backend's failure to start.
-pub fn build_backend(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
+pub fn build_backend(
+    settings: &Settings,
+    group: Option<NcclComm>,
+) -> anyhow::Result<Box<dyn TrainBackend>> {
     let gpu = crate::gpu::gpu_for(settings.device)?;
     match settings.train_backend {
+        miles_core::TrainBackendKind::Megatron if group.is_some() => Err(BadSettings(
+            "--train-backend megatron runs one process in miles train for now; over several gpus use --train-backend fsdp --data-parallel-size N (tensor parallelism on gpus runs in bench train --tensor-parallel)".into(),
+        )
+        .into()),
         miles_core::TrainBackendKind::Megatron => megatron(settings, gpu),
-        miles_core::TrainBackendKind::Fsdp => fsdp(settings, gpu),
+        miles_core::TrainBackendKind::Fsdp => fsdp(settings, gpu, group),
     }
 }
 
@@ -23,9 +33,7 @@ pub fn build_backend(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend
 #[cfg(any(feature = "megatron", feature = "fsdp"))]
 fn refused(error: miles_core::BackendError) -> anyhow::Error {
     match error {
-        error @ miles_core::BackendError::Settings { .. } => {
-            crate::settings_args::BadSettings(error.to_string()).into()
-        }
+        error @ miles_core::BackendError::Settings { .. } => BadSettings(error.to_string()).into(),
         error => error.into(),
     }
 }
@@ -46,14 +54,22 @@ fn megatron(_: &Settings, _: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBa
 }
 
 #[cfg(feature = "fsdp")]
-fn fsdp(settings: &Settings, gpu: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn fsdp(
+    settings: &Settings,
+    gpu: Option<Arc<Gpu>>,
+    group: Option<NcclComm>,
+) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
-        Some(gpu) => Box::new(miles_fsdp::gpu_trainer(gpu, settings).map_err(refused)?),
+        Some(gpu) => Box::new(miles_fsdp::gpu_trainer(gpu, settings, group).map_err(refused)?),
         None => Box::new(miles_fsdp::FsdpBackend::from_settings(settings).map_err(refused)?),
     })
 }
 
 #[cfg(not(feature = "fsdp"))]
-fn fsdp(_: &Settings, _: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn fsdp(
+    _: &Settings,
+    _: Option<Arc<Gpu>>,
+    _: Option<NcclComm>,
+) -> anyhow::Result<Box<dyn TrainBackend>> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }

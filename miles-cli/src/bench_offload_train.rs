@@ -48,7 +48,7 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
     let mut raw = args.settings.to_raw();
     raw.offload_train.get_or_insert(true);
     let settings = Settings::load(raw, args.settings.config.as_deref())?;
-    let mut backend = build_backend(&settings)?;
+    let mut backend = build_backend(&settings, None)?;
     let target = settings.offload_train_target;
     let dp = settings.data_parallel_size;
     let tokenizer = ByteTokenizer::from_config(backend.config())?;

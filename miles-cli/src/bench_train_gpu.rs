@@ -7,22 +7,17 @@
 use std::io::Write;
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
-use miles_core::comm::ID_BYTES;
-use miles_core::device::NcclComm;
 use miles_core::model::{
     ByteTokenizer, GpuTrainer, ParamLayout, TrainBatch, init_params, scatter, shard_config,
 };
-use miles_core::{DeviceChoice, HostGroup, LaunchEnv};
+use miles_core::{DeviceChoice, LaunchEnv};
 use serde_json::Value;
 
 use crate::bench_train::{BenchTrainArgs, text_batch};
 use crate::settings_args::BadSettings;
-
-/// How long a rank waits for the others to join the job.
-const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The warmup then the timed steps of `args` on `batch`: every step's loss, and the timed
 /// steps' seconds.
@@ -118,19 +113,10 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
 /// No GPU; the job's group or NCCL failing; a batch of fewer sequences than ranks; a failure
 /// of a trainer.
 pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
-    let mut group = HostGroup::connect(env, JOIN_TIMEOUT)?;
     let Some(gpu) = crate::gpu::gpu_for(DeviceChoice::Cuda)? else {
         bail!("--device cuda found no gpu");
     };
-    let mut id = match env.rank {
-        0 => NcclComm::unique_id()?.to_vec(),
-        _ => Vec::new(),
-    };
-    group.broadcast(&mut id)?;
-    let id: [u8; ID_BYTES] = id
-        .try_into()
-        .map_err(|_| anyhow::anyhow!("rank 0 sent a communicator id of the wrong length"))?;
-    let comm = NcclComm::new(Arc::clone(&gpu), id, env.rank, env.world_size)?;
+    let (mut group, comm) = crate::gpu::join_job(env, &gpu)?;
     let config = args.preset.clone();
     let tokenizer = ByteTokenizer::from_config(&config)?;
     let (b, t) = (args.batch, args.seq);

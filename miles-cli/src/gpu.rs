@@ -2,18 +2,43 @@
 //! the trainers and the rollout engine, which each keep their own memory manager over it.
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use anyhow::Context;
-use miles_core::device::{self, CudaDevice, DeviceError, Gpu};
+use miles_core::comm::ID_BYTES;
+use miles_core::device::{self, CudaDevice, DeviceError, Gpu, NcclComm};
 use miles_core::model::{GpuTrainer, GpuTrainerSpec, LlamaConfig};
 use miles_core::ops::AdamWConfig;
 use miles_core::{
-    BackupPolicy, Device, DeviceChoice, DeviceKind, LaunchEnv, ManagerSettings, MemoryManager,
+    BackupPolicy, Device, DeviceChoice, DeviceKind, HostGroup, LaunchEnv, ManagerSettings,
+    MemoryManager,
 };
 
 use crate::settings_args::BadSettings;
 
 static SHARED: Mutex<Option<Arc<Gpu>>> = Mutex::new(None);
+
+/// How long a rank waits for the others to join the job.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// This process's place in `env`'s job: the job's [`HostGroup`], and an NCCL communicator over
+/// every rank's GPU (`gpu` here), its id handed out by rank 0 over the group.
+///
+/// # Errors
+/// The group cannot form (a rank missing, a port taken), or NCCL fails.
+pub fn join_job(env: &LaunchEnv, gpu: &Arc<Gpu>) -> anyhow::Result<(HostGroup, NcclComm)> {
+    let mut group = HostGroup::connect(env, JOIN_TIMEOUT)?;
+    let mut id = match env.rank {
+        0 => NcclComm::unique_id()?.to_vec(),
+        _ => Vec::new(),
+    };
+    group.broadcast(&mut id)?;
+    let id: [u8; ID_BYTES] = id
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("rank 0 sent a communicator id of the wrong length"))?;
+    let comm = NcclComm::new(Arc::clone(gpu), id, env.rank, env.world_size)?;
+    Ok((group, comm))
+}
 
 /// The shared GPU when `choice` resolves to CUDA (`auto` does when a driver and a GPU are
 /// there), `None` for the CPU device. It is GPU `LOCAL_RANK` in one rank of a multi-process

@@ -1,6 +1,11 @@
 //! `miles train`: the colocated RL loop (DESIGN section 8) on the backend named by
 //! `--train-backend` and the rollout engine, with a progress bar on a terminal and log lines
 //! otherwise; Ctrl-C stops it after the phase in progress.
+//!
+//! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
+//! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
+//! data-parallel replica of the trainer (`--train-backend fsdp --data-parallel-size N`, GRPO)
+//! whose gradients NCCL averages over the ranks. Rank 0 reports, writes metrics and saves.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
@@ -10,11 +15,12 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::config::{AdvantageEstimator, Settings};
+use miles_core::device::NcclComm;
 use miles_core::model::{ByteTokenizer, LlamaConfig};
 use miles_core::orchestrator::{Critic, LmCritic, LoopConfig, Orchestrator, RolloutEngine};
-use miles_core::{StepMetrics, backend::TrainBackend};
+use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
 
-use crate::settings_args::SettingsArgs;
+use crate::settings_args::{BadSettings, SettingsArgs};
 
 /// `miles train`.
 #[derive(Args, Debug)]
@@ -22,6 +28,11 @@ pub struct TrainArgs {
     /// Every setting, as flags or from `--config`.
     #[command(flatten)]
     pub settings: SettingsArgs,
+    /// Start this many processes on this machine, one per GPU, each running the loop with one
+    /// data-parallel replica of the trainer (`--device cuda --train-backend fsdp
+    /// --data-parallel-size N`). Under torchrun, srun or mpirun leave it out.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
 }
 
 /// Runs the loop and prints where its metrics went.
@@ -29,13 +40,44 @@ pub struct TrainArgs {
 /// # Errors
 /// Bad settings (exit status 2), or what the loop hit.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    if args.nproc_per_node == 0 {
+        return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
+    }
+    let env = crate::launch::rank_env(args.nproc_per_node)?;
+    if env.is_none() && args.nproc_per_node > 1 {
+        return crate::launch::run_local(args.nproc_per_node);
+    }
     let settings = args.settings.load()?;
+    if let Some(env) = &env {
+        check_ranks(&settings, env)?;
+    }
     let model = LlamaConfig::preset(&settings.preset)
         .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
     let tokenizer = ByteTokenizer::from_config(&model)?;
     let engine = build_engine(&settings, &model)?;
-    let actor = build_actor(&settings)?;
+    let job = match &env {
+        Some(env) => {
+            let Some(gpu) = crate::gpu::gpu_for(settings.device)? else {
+                return Err(BadSettings(
+                    "several processes train on gpus; add --device cuda".into(),
+                )
+                .into());
+            };
+            Some(crate::gpu::join_job(env, &gpu)?)
+        }
+        None => None,
+    };
+    let (mut group, comm) = job.map_or((None, None), |(group, comm)| (Some(group), Some(comm)));
+    let actor = build_actor(&settings, comm)?;
     let critic = build_critic(&settings, tokenizer.pad)?;
+    let rank = env.as_ref().map_or(0, |env| env.rank);
+    let mut loop_config = LoopConfig::from_settings(&settings);
+    loop_config.seed += rank as u64;
+    if rank > 0 {
+        loop_config.save = None;
+        loop_config.metrics = None;
+        loop_config.memory_timeline = None;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let handler_flag = Arc::clone(&stop);
     ctrlc::set_handler(move || {
@@ -43,19 +85,25 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         tracing::warn!("ctrl-c: stopping after the phase in progress");
     })
     .context("cannot install the ctrl-c handler")?;
-    let mut orchestrator = Orchestrator::new(
-        LoopConfig::from_settings(&settings),
-        actor,
-        engine,
-        tokenizer,
-    )
-    .with_stop_flag(stop);
+    let mut orchestrator =
+        Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(stop);
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
     }
-    let mut progress = Progress::new(settings.steps);
-    let summary = orchestrator.run(&mut |m| progress.step(m))?;
-    progress.finish();
+    let summary = if rank == 0 {
+        let mut progress = Progress::new(settings.steps);
+        let summary = orchestrator.run(&mut |m| progress.step(m))?;
+        progress.finish();
+        summary
+    } else {
+        orchestrator.run(&mut |_| {})?
+    };
+    if let Some(group) = &mut group {
+        group.barrier()?;
+    }
+    if rank > 0 {
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
     let (first, last) = (
         summary.reward_means.first().copied().unwrap_or_default(),
@@ -101,17 +149,42 @@ fn build_engine(
     )))
 }
 
+/// What one rank of several processes cannot run, as bad settings naming the flag.
+fn check_ranks(settings: &Settings, env: &LaunchEnv) -> anyhow::Result<()> {
+    let refuse = |reason: String| Err(BadSettings(reason).into());
+    if miles_core::device::resolve(settings.device) != DeviceKind::Cuda {
+        return refuse(format!(
+            "{} processes train one gpu each; add --device cuda (the cpu device runs its ranks as threads of one process: drop --nproc-per-node)",
+            env.world_size
+        ));
+    }
+    if settings.train_backend != TrainBackendKind::Fsdp {
+        return refuse(
+            "over several processes miles train runs --train-backend fsdp (data parallel) for now; megatron's tensor parallelism on gpus runs in bench train --tensor-parallel".into(),
+        );
+    }
+    if settings.advantage_estimator != AdvantageEstimator::Grpo {
+        return refuse(
+            "over several processes miles train runs --advantage-estimator grpo for now (ppo's critic is one more data-parallel trainer, not wired yet)".into(),
+        );
+    }
+    Ok(())
+}
+
 /// The actor: the `--train-backend` backend, built without `--load` (the loop resolves the
-/// checkpoint it names and restores the actor itself).
+/// checkpoint it names and restores the actor itself); with `group`, one rank of a job.
 ///
 /// # Errors
 /// As [`build_backend`](crate::backends::build_backend).
-fn build_actor(settings: &Settings) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn build_actor(
+    settings: &Settings,
+    group: Option<NcclComm>,
+) -> anyhow::Result<Box<dyn TrainBackend>> {
     let fresh = Settings {
         load: None,
         ..settings.clone()
     };
-    crate::backends::build_backend(&fresh)
+    crate::backends::build_backend(&fresh, group)
 }
 
 /// The PPO critic (none under GRPO): a second backend of the same kind, its language model
@@ -123,7 +196,7 @@ fn build_critic(settings: &Settings, pad: u32) -> anyhow::Result<Option<Box<dyn 
     match settings.advantage_estimator {
         AdvantageEstimator::Grpo => Ok(None),
         AdvantageEstimator::Ppo => {
-            let backend = build_actor(settings).context("cannot build the critic")?;
+            let backend = build_actor(settings, None).context("cannot build the critic")?;
             Ok(Some(Box::new(LmCritic::new(backend, pad))))
         }
     }

@@ -539,3 +539,23 @@ fn bench_train_over_several_processes_needs_the_gpu() {
     );
     assert!(err.contains("--device cuda"), "{err}");
 }
+
+#[test]
+fn train_over_several_processes_refuses_the_cpu_device_naming_the_flag() {
+    let (_, err) = expect(
+        &[
+            "train",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1",
+            "--nproc-per-node",
+            "2",
+        ],
+        2,
+    );
+    assert!(err.contains("--device cuda"), "{err}");
+    assert!(err.contains("refused its settings"), "{err}");
+}

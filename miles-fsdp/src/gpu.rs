@@ -1,12 +1,13 @@
-//! FSDP on one GPU: data parallel size 1 (nothing to shard), computed by core's GPU trainer,
-//! saved in this crate's optimizer files (so a GPU checkpoint loads on the CPU at any
-//! data-parallel size, and back).
+//! FSDP on GPUs: one process a GPU, each holding the whole model (nothing is sharded on the GPU
+//! yet: each rank is a data-parallel replica), computed by core's GPU trainer, saved in this
+//! crate's optimizer files (so a GPU checkpoint loads on the CPU at any data-parallel size, and
+//! back).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
-use miles_core::device::Gpu;
+use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{LlamaConfig, ParamLayout};
 use miles_core::{BackendError, Settings};
 
@@ -47,28 +48,42 @@ impl OptimizerFiles for FsdpFiles {
 /// The FSDP trainer on one GPU.
 pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
-/// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given.
+/// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
+/// with `group`, this process's rank of a data-parallel job over one GPU a process.
 ///
 /// # Errors
-/// [`BackendError::Settings`] for a data-parallel size above 1 (several GPUs need the NCCL
-/// communicator), tensor parallelism, or native CPU offload without core offload (on the GPU the
-/// memory manager moves the training state: use `--offload-train`); as
-/// [`GpuBackend::from_settings`].
-pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<FsdpGpu, BackendError> {
-    check_gpu_settings(settings)?;
-    GpuBackend::from_settings(gpu, settings)
+/// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
+/// tensor parallelism, or native CPU offload without core offload (on the GPU the memory
+/// manager moves the training state: use `--offload-train`); as
+/// [`GpuBackend::from_settings`] and [`GpuBackend::join_data_parallel`].
+pub fn gpu_trainer(
+    gpu: Arc<Gpu>,
+    settings: &Settings,
+    group: Option<NcclComm>,
+) -> Result<FsdpGpu, BackendError> {
+    let ranks = group.as_ref().map_or(1, NcclComm::world_size);
+    check_gpu_settings(settings, ranks)?;
+    let rank = group.as_ref().map_or(0, NcclComm::rank);
+    let mut trainer = GpuBackend::from_settings(gpu, settings, rank)?;
+    if let Some(comm) = group {
+        trainer.join_data_parallel(comm)?;
+    }
+    Ok(trainer)
 }
 
-/// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.
-fn check_gpu_settings(settings: &Settings) -> Result<(), BackendError> {
+/// The settings [`gpu_trainer`] refuses for a job of `ranks` processes, checked before
+/// anything touches the GPU.
+fn check_gpu_settings(settings: &Settings, ranks: usize) -> Result<(), BackendError> {
     let refuse = |reason: String| BackendError::Settings {
         backend: NAME,
         reason,
     };
-    if settings.data_parallel_size != 1 || settings.tensor_model_parallel_size != 1 {
+    if settings.data_parallel_size != ranks || settings.tensor_model_parallel_size != 1 {
         return Err(refuse(format!(
-            "on cuda it runs on one gpu for now (several need the nccl communicator); set --data-parallel-size 1 --tensor-model-parallel-size 1 (got {} and {})",
-            settings.data_parallel_size, settings.tensor_model_parallel_size
+            "on cuda it runs one data-parallel rank a process, here {ranks}; set --data-parallel-size {ranks} --tensor-model-parallel-size 1 (got {} and {}), or start {} processes (--nproc-per-node or a launcher)",
+            settings.data_parallel_size,
+            settings.tensor_model_parallel_size,
+            settings.data_parallel_size
         )));
     }
     if settings.fsdp_cpu_offload && !settings.offload_train {
@@ -89,15 +104,16 @@ mod tests {
             data_parallel_size: 2,
             ..Settings::default()
         };
-        let err = check_gpu_settings(&parallel).unwrap_err().to_string();
+        let err = check_gpu_settings(&parallel, 1).unwrap_err().to_string();
         assert!(err.contains("--data-parallel-size 1"), "{err}");
+        check_gpu_settings(&parallel, 2).unwrap();
         let native = Settings {
             fsdp_cpu_offload: true,
             offload_train: false,
             ..Settings::default()
         };
-        let err = check_gpu_settings(&native).unwrap_err().to_string();
+        let err = check_gpu_settings(&native, 1).unwrap_err().to_string();
         assert!(err.contains("--offload-train"), "{err}");
-        check_gpu_settings(&Settings::default()).unwrap();
+        check_gpu_settings(&Settings::default(), 1).unwrap();
     }
 }

@@ -48,7 +48,7 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 /// communicator) or optimizer-state streaming; as [`GpuBackend::from_settings`].
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, BackendError> {
     check_gpu_settings(settings)?;
-    GpuBackend::from_settings(gpu, settings)
+    GpuBackend::from_settings(gpu, settings, 0)
 }
 
 /// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.

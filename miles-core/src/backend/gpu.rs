@@ -4,7 +4,8 @@
 //! On one GPU a Megatron-style trainer (tensor and data parallel size 1) and an FSDP trainer
 //! (data parallel size 1) run the same step; what differs is the backend's own checkpoint files,
 //! which [`OptimizerFiles`] supplies, and the flags each backend accepts, which its constructor
-//! checks before building this. Several GPUs need the NCCL communicator (not built yet).
+//! checks before building this. Over several GPUs, one process each, a backend joins a
+//! data-parallel group ([`GpuBackend::join_data_parallel`]).
 
 use std::marker::PhantomData;
 use std::path::Path;
@@ -16,7 +17,7 @@ use super::{
     WeightSink, export_full_weights, load_checkpoint_of,
 };
 use crate::config::{OffloadTarget, Settings};
-use crate::device::{Device, Gpu};
+use crate::device::{Device, Gpu, NcclComm};
 use crate::memory::{BackupPolicy, DiskSettings, ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
     GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, init_params, save_checkpoint,
@@ -63,6 +64,8 @@ pub struct GpuBackend<F> {
     layout: ParamLayout,
     target: OffloadTarget,
     step: u64,
+    /// Ranks of the data-parallel group this backend is one of (1: alone).
+    ranks: usize,
     files: PhantomData<F>,
 }
 
@@ -80,20 +83,22 @@ impl<F> std::fmt::Debug for GpuBackend<F> {
 const MAX_BATCH_TOKENS: usize = 8192;
 
 impl<F: OptimizerFiles> GpuBackend<F> {
-    /// The trainer `settings` describe, on `gpu`: the preset, weights seeded by `--seed`, then
-    /// `--load` when given. Backends check their own flags first.
+    /// The trainer `settings` describe, on `gpu`, as rank `rank` of its job: the preset,
+    /// weights seeded by `--seed`, then `--load` when given. Backends check their own flags
+    /// first.
     ///
     /// # Errors
     /// An unknown preset; as [`GpuBackend::new`] and [`TrainBackend::load`].
     pub fn from_settings(
         gpu: Arc<Gpu>,
         settings: &Settings,
+        rank: usize,
     ) -> Result<GpuBackend<F>, BackendError> {
         let config = LlamaConfig::preset(&settings.preset)?;
         let layout = ParamLayout::new(&config);
         let mut params = vec![0.0; layout.len()];
         init_params(&layout, &config, settings.seed, &mut params)?;
-        let mut trainer = GpuBackend::new(gpu, config, settings, &params)?;
+        let mut trainer = GpuBackend::new(gpu, config, settings, &params, rank)?;
         if let Some(dir) = &settings.load {
             trainer.load(dir)?;
         }
@@ -101,8 +106,9 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     }
 
     /// A trainer of `config` on `gpu` starting from the full weights `params`, offloading to
-    /// `--offload-train-target` (with its disk settings), keeping `--train-memory-margin-bytes`
-    /// free on resume, with the learning rate of `settings`.
+    /// `--offload-train-target` (with its disk settings; rank `rank` of a job writes its own
+    /// files there), keeping `--train-memory-margin-bytes` free on resume, with the learning
+    /// rate of `settings`.
     ///
     /// # Errors
     /// [`BackendError::Settings`] for a disk target without a directory;
@@ -112,6 +118,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         config: LlamaConfig,
         settings: &Settings,
         params: &[f32],
+        rank: usize,
     ) -> Result<GpuBackend<F>, BackendError> {
         let target = settings.offload_train_target;
         let disk = match (target, &settings.offload_train_disk_dir) {
@@ -123,7 +130,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             }
             (OffloadTarget::Disk, Some(dir)) => Some(DiskSettings {
                 dir: dir.join("offload"),
-                rank: 0,
+                rank,
                 chunk_bytes: usize::try_from(settings.offload_train_disk_chunk_mb << 20)
                     .unwrap_or(usize::MAX),
             }),
@@ -164,8 +171,25 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             layout: ParamLayout::new(&config),
             target,
             step: 0,
+            ranks: 1,
             files: PhantomData,
         })
+    }
+
+    /// Makes this backend one rank of `comm`'s data-parallel group, as PyTorch's DDP does:
+    /// every rank trains on its own batches (normalised by their own normaliser), the gradients
+    /// are averaged over the ranks, and every rank takes the same step, so the replicas stay
+    /// equal. A step's loss is the ranks' summed negative log-probs over this rank's normaliser
+    /// times the ranks: their mean loss when the ranks' batches weigh alike.
+    ///
+    /// # Errors
+    /// [`BackendError::Model`] for a communicator on another GPU or a trainer in a group
+    /// already.
+    pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), BackendError> {
+        let ranks = comm.world_size();
+        self.trainer.join_data_parallel(comm)?;
+        self.ranks = ranks;
+        Ok(())
     }
 
     fn check_on_device(&self, op: &'static str) -> Result<(), BackendError> {
@@ -210,7 +234,9 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
         self.check_on_device("train")?;
         batch.check(1)?;
         let start = Instant::now();
-        let report = self.trainer.train_step(&batch.view(), self.step + 1)?;
+        let mut view = batch.view();
+        view.normaliser *= self.ranks as f32;
+        let report = self.trainer.train_step(&view, self.step + 1)?;
         self.step += 1;
         Ok(StepStats {
             step: self.step,

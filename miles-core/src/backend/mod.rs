@@ -51,21 +51,20 @@ pub struct Batch {
 impl Batch {
     /// The batch as the model's borrowed view.
     pub fn view(&self) -> TrainBatch<'_> {
-        self.rows(0..self.batch)
+        TrainBatch {
+            batch: self.batch,
+            seq: self.seq,
+            inputs: &self.inputs,
+            targets: &self.targets,
+            weights: &self.weights,
+            normaliser: self.normaliser,
+        }
     }
 
     /// Sequences `rows` of the batch, keeping the global normaliser (one data-parallel rank's
     /// share).
     pub fn rows(&self, rows: std::ops::Range<usize>) -> TrainBatch<'_> {
-        let cells = rows.start * self.seq..rows.end * self.seq;
-        TrainBatch {
-            batch: rows.len(),
-            seq: self.seq,
-            inputs: &self.inputs[cells.clone()],
-            targets: &self.targets[cells.clone()],
-            weights: &self.weights[cells],
-            normaliser: self.normaliser,
-        }
+        self.view().sequences(rows)
     }
 
     /// Sequences of data-parallel rank `rank` of `ranks`: a contiguous, near-equal share
