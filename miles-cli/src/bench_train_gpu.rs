@@ -11,13 +11,40 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use miles_core::model::{
-    ByteTokenizer, GpuTrainer, ParamLayout, TrainBatch, init_params, scatter, shard_config,
+    ByteTokenizer, GpuTrainer, LlamaConfig, ParamLayout, TrainBatch, init_params, scatter,
+    shard_config,
 };
-use miles_core::{DeviceChoice, LaunchEnv};
+use miles_core::{Batch, DeviceChoice, LaunchEnv};
 use serde_json::Value;
 
 use crate::bench_train::{BenchTrainArgs, text_batch};
 use crate::settings_args::BadSettings;
+
+/// What the GPU bench trains: the preset, its parameter table, the batch of text and the
+/// weights seeded with 0.
+struct Workload {
+    config: LlamaConfig,
+    layout: ParamLayout,
+    owned: Batch,
+    params: Vec<f32>,
+}
+
+impl Workload {
+    fn of(args: &BenchTrainArgs) -> anyhow::Result<Workload> {
+        let config = args.preset.clone();
+        let tokenizer = ByteTokenizer::from_config(&config)?;
+        let owned = text_batch(&tokenizer, args.batch, args.seq);
+        let layout = ParamLayout::new(&config);
+        let mut params = vec![0.0; layout.len()];
+        init_params(&layout, &config, 0, &mut params)?;
+        Ok(Workload {
+            config,
+            layout,
+            owned,
+            params,
+        })
+    }
+}
 
 /// The warmup then the timed steps of `args` on `batch`: every step's loss, and the timed
 /// steps' seconds.
@@ -43,17 +70,17 @@ fn train_steps(
 /// # Errors
 /// No GPU, a failure of the trainer, or a baseline that fails or prints no figure.
 pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
-    let config = args.preset.clone();
     let Some(gpu) = crate::gpu::gpu_for(DeviceChoice::Cuda)? else {
         bail!("--device cuda found no gpu");
     };
-    let tokenizer = ByteTokenizer::from_config(&config)?;
+    let Workload {
+        config,
+        layout,
+        owned,
+        params,
+    } = Workload::of(args)?;
     let (b, t) = (args.batch, args.seq);
-    let owned = text_batch(&tokenizer, b, t);
     let batch = owned.view();
-    let layout = ParamLayout::new(&config);
-    let mut params = vec![0.0; layout.len()];
-    init_params(&layout, &config, 0, &mut params)?;
     let mut trainer = crate::gpu::standalone_trainer(gpu, config.clone(), &params, b * t)?;
     drop(params);
     let (losses, seconds) = train_steps(&mut trainer, &batch, args)?;
@@ -117,14 +144,14 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         bail!("--device cuda found no gpu");
     };
     let (mut group, comm) = crate::gpu::join_job(env, &gpu)?;
-    let config = args.preset.clone();
-    let tokenizer = ByteTokenizer::from_config(&config)?;
+    let Workload {
+        config,
+        layout,
+        owned,
+        params,
+    } = Workload::of(args)?;
     let (b, t) = (args.batch, args.seq);
-    let owned = text_batch(&tokenizer, b, t);
     let batch = owned.view();
-    let layout = ParamLayout::new(&config);
-    let mut params = vec![0.0; layout.len()];
-    init_params(&layout, &config, 0, &mut params)?;
     let parallel = if args.tensor_parallel {
         let local_config = shard_config(&config, env.world_size)
             .map_err(|error| BadSettings(format!("--tensor-parallel: {error}")))?;

@@ -427,21 +427,7 @@ fn to_u32(value: usize) -> Result<u32, CommError> {
 #[allow(clippy::panic)]
 mod tests {
     use super::*;
-
-    fn free_port() -> u16 {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().port()
-    }
-
-    fn local(rank: usize, world_size: usize, port: u16) -> LaunchEnv {
-        LaunchEnv {
-            rank,
-            world_size,
-            local_rank: rank,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-        }
-    }
+    use crate::comm::testing::{free_port, local};
 
     /// Runs `body` on `world` threads, each with its rank's group; their results by rank.
     fn on_ranks<T: Send + 'static>(

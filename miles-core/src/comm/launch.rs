@@ -243,6 +243,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+    use crate::comm::testing::{free_port, local};
 
     fn read(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, CommError> {
         let map: HashMap<String, String> = vars
@@ -256,22 +257,6 @@ mod tests {
         match read(vars) {
             Err(CommError::Launch { variable, problem }) => (variable, problem),
             other => panic!("{vars:?} gave {other:?}, want a launch error"),
-        }
-    }
-
-    /// A port that was free a moment ago.
-    fn free_port() -> u16 {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().port()
-    }
-
-    fn local(rank: usize, world_size: usize, port: u16) -> LaunchEnv {
-        LaunchEnv {
-            rank,
-            world_size,
-            local_rank: rank,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
         }
     }
 

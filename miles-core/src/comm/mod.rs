@@ -11,6 +11,8 @@ mod error;
 mod group;
 mod launch;
 mod local;
+#[cfg(test)]
+mod testing;
 
 pub use error::CommError;
 pub use group::HostGroup;

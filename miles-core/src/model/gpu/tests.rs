@@ -430,53 +430,81 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
     ));
 }
 
-/// Losses of a data-parallel pair against one GPU, relative: the same fp32 gradients summed in
-/// another order, then bf16 weights. At the trajectory test's learning rate (1e-2) the tiny
-/// model on random targets amplifies those last bits to 4% by step 5 (call 18 of
-/// `bench/RESULTS.md`, round 14), so this test steps at 1e-3.
-const DATA_PARALLEL_TOLERANCE: f32 = 1e-2;
+/// Losses of a parallel pair against one GPU, relative: the same fp32 gradients summed in
+/// another order (data parallel) or bf16 partial sums (tensor parallel), then bf16 weights. At
+/// the trajectory test's learning rate (1e-2) the tiny model on random targets amplifies last
+/// bits to 4% by step 5 (call 18 of `bench/RESULTS.md`, round 14), so these tests step at 1e-3.
+const PARALLEL_TOLERANCE: f32 = 1e-2;
+const PARALLEL_STEPS: u64 = 5;
 
-#[test]
-fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
-    let test = "gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal";
-    let Some(t) = TestGpu::open(test, 1) else {
-        return;
-    };
-    let second = match CudaDevice::open(1) {
-        Ok(device) => device,
+/// GPUs 0 (with the test's lock) and 1, or `None` with a skip note on a machine with fewer.
+fn two_gpus(test: &str) -> Option<[Arc<Gpu>; 2]> {
+    let t = TestGpu::open(test, 1)?;
+    match CudaDevice::open(1) {
+        Ok(second) => Some([
+            Arc::new(t.gpu),
+            Arc::new(Gpu::new(Arc::new(second)).unwrap()),
+        ]),
         Err(error) => {
             eprintln!("skipping {test}: it needs two gpus ({error})");
-            return;
+            None
         }
-    };
-    let gpus = [
-        Arc::new(t.gpu),
-        Arc::new(Gpu::new(Arc::new(second)).unwrap()),
-    ];
-    let config = tiny();
-    let params = Arc::new(bf16_params(&config, 51));
-    let data = Arc::new(Batch::random(52, config.vocab_size));
-    let steps = 5;
-    let gentle = |config: LlamaConfig| GpuTrainerSpec {
+    }
+}
+
+/// AdamW at lr 1e-3, no backup, activations for 64 tokens.
+fn gentle(config: LlamaConfig) -> GpuTrainerSpec {
+    GpuTrainerSpec {
         adamw: AdamWConfig {
             lr: 1e-3,
             ..AdamWConfig::default()
         },
         ..spec(config, BackupPolicy::None, 64)
+    }
+}
+
+/// The losses of [`PARALLEL_STEPS`] steps of `trainer` on `batch`.
+fn losses(trainer: &mut GpuTrainer, batch: &TrainBatch<'_>) -> Vec<f32> {
+    (1..=PARALLEL_STEPS)
+        .map(|step| trainer.train_step(batch, step).unwrap().loss)
+        .collect()
+}
+
+/// Both ranks reported the same losses, and those follow one GPU's step by step.
+fn assert_pair_follows(what: &str, ranks: &[Vec<f32>], alone: &[f32]) {
+    assert_eq!(ranks[0], ranks[1], "the two ranks report different losses");
+    for (step, (got, want)) in ranks[0].iter().zip(alone).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        eprintln!(
+            "step {}: loss over two {what} gpus {got} vs one gpu {want} (relative {rel:.3e})",
+            step + 1
+        );
+        assert!(
+            rel < PARALLEL_TOLERANCE,
+            "step {}: {got} vs {want}",
+            step + 1
+        );
+    }
+}
+
+#[test]
+fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
+    let Some(gpus) = two_gpus("gpu_data_parallel_pair_follows_one_gpu") else {
+        return;
     };
-    let alone: Vec<f32> = {
-        let gpu = &gpus[0];
-        let mut trainer = GpuTrainer::new(
-            Arc::clone(gpu),
-            manager(gpu),
-            gentle(config.clone()),
-            &params,
-        )
-        .unwrap();
-        (1..=steps)
-            .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
-            .collect()
-    };
+    let config = tiny();
+    let params = Arc::new(bf16_params(&config, 51));
+    let data = Arc::new(Batch::random(52, config.vocab_size));
+    let gpu = &gpus[0];
+    let mut trainer = GpuTrainer::new(
+        Arc::clone(gpu),
+        manager(gpu),
+        gentle(config.clone()),
+        &params,
+    )
+    .unwrap();
+    let alone = losses(&mut trainer, &data.view());
+    drop(trainer);
     let id = NcclComm::unique_id().unwrap();
     let ranks: Vec<_> = gpus
         .iter()
@@ -492,84 +520,46 @@ fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
                 trainer.join_data_parallel(comm).unwrap();
                 let batch = data.view();
                 let part = batch.shard(rank, 2).unwrap();
-                let losses: Vec<f32> = (1..=steps)
-                    .map(|step| trainer.train_step(&part, step).unwrap().loss)
-                    .collect();
-                (losses, trainer.master_params().unwrap())
+                (
+                    losses(&mut trainer, &part),
+                    trainer.master_params().unwrap(),
+                )
             })
         })
         .collect();
-    let results: Vec<(Vec<f32>, Vec<f32>)> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
-    assert_eq!(
-        results[0].0, results[1].0,
-        "the two ranks report different losses"
-    );
+    let (losses, masters): (Vec<_>, Vec<_>) = ranks.into_iter().map(|r| r.join().unwrap()).unzip();
     assert!(
-        results[0].1 == results[1].1,
+        masters[0] == masters[1],
         "the replicas' master weights drifted apart"
     );
-    let first = (results[0].0[0] - alone[0]).abs() / alone[0].abs();
+    let first = (losses[0][0] - alone[0]).abs() / alone[0].abs();
     assert!(
         first < 1e-5,
-        "step 1 starts from the same weights: {} vs {}",
-        results[0].0[0],
+        "step 1 starts from the same weights on the same tokens: {} vs {}",
+        losses[0][0],
         alone[0]
     );
-    for (step, (got, want)) in results[0].0.iter().zip(&alone).enumerate() {
-        let rel = (got - want).abs() / want.abs();
-        eprintln!(
-            "step {}: loss over two gpus {got} vs one gpu {want} (relative {rel:.3e})",
-            step + 1
-        );
-        assert!(
-            rel < DATA_PARALLEL_TOLERANCE,
-            "step {}: {got} vs {want}",
-            step + 1
-        );
-    }
+    assert_pair_follows("data-parallel", &losses, &alone);
 }
 
 #[test]
 fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() {
-    let test = "gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal";
-    let Some(t) = TestGpu::open(test, 1) else {
+    let Some(gpus) = two_gpus("gpu_tensor_parallel_pair_follows_one_gpu") else {
         return;
     };
-    let second = match CudaDevice::open(1) {
-        Ok(device) => device,
-        Err(error) => {
-            eprintln!("skipping {test}: it needs two gpus ({error})");
-            return;
-        }
-    };
-    let gpus = [
-        Arc::new(t.gpu),
-        Arc::new(Gpu::new(Arc::new(second)).unwrap()),
-    ];
     let config = tiny();
     let params = Arc::new(bf16_params(&config, 61));
     let data = Arc::new(Batch::random(62, config.vocab_size));
-    let steps = 5;
-    let gentle = |config: LlamaConfig| GpuTrainerSpec {
-        adamw: AdamWConfig {
-            lr: 1e-3,
-            ..AdamWConfig::default()
-        },
-        ..spec(config, BackupPolicy::None, 64)
-    };
-    let alone: Vec<f32> = {
-        let gpu = &gpus[0];
-        let mut trainer = GpuTrainer::new(
-            Arc::clone(gpu),
-            manager(gpu),
-            gentle(config.clone()),
-            &params,
-        )
-        .unwrap();
-        (1..=steps)
-            .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
-            .collect()
-    };
+    let gpu = &gpus[0];
+    let mut trainer = GpuTrainer::new(
+        Arc::clone(gpu),
+        manager(gpu),
+        gentle(config.clone()),
+        &params,
+    )
+    .unwrap();
+    let alone = losses(&mut trainer, &data.view());
+    drop(trainer);
     let local_config = shard_config(&config, 2).unwrap();
     let id = NcclComm::unique_id().unwrap();
     let ranks: Vec<_> = gpus
@@ -593,9 +583,7 @@ fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() 
                 .unwrap();
                 let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
                 trainer.join_tensor_parallel(comm).unwrap();
-                let losses: Vec<f32> = (1..=steps)
-                    .map(|step| trainer.train_step(&data.view(), step).unwrap().loss)
-                    .collect();
+                let steps = losses(&mut trainer, &data.view());
                 let master = trainer.master_params().unwrap();
                 let whole: Vec<f32> = layout
                     .specs()
@@ -603,29 +591,14 @@ fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() 
                     .filter(|spec| split_of(spec.kind) == Split::Replicated)
                     .flat_map(|spec| master[spec.range()].to_vec())
                     .collect();
-                (losses, whole)
+                (steps, whole)
             })
         })
         .collect();
-    let results: Vec<(Vec<f32>, Vec<f32>)> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
-    assert_eq!(
-        results[0].0, results[1].0,
-        "the two ranks report different losses"
-    );
+    let (losses, whole): (Vec<_>, Vec<_>) = ranks.into_iter().map(|r| r.join().unwrap()).unzip();
     assert!(
-        results[0].1 == results[1].1,
+        whole[0] == whole[1],
         "the ranks' embedding, norms or head drifted apart"
     );
-    for (step, (got, want)) in results[0].0.iter().zip(&alone).enumerate() {
-        let rel = (got - want).abs() / want.abs();
-        eprintln!(
-            "step {}: loss over two tensor-parallel gpus {got} vs one gpu {want} (relative {rel:.3e})",
-            step + 1
-        );
-        assert!(
-            rel < DATA_PARALLEL_TOLERANCE,
-            "step {}: {got} vs {want}",
-            step + 1
-        );
-    }
+    assert_pair_follows("tensor-parallel", &losses, &alone);
 }
