@@ -470,6 +470,13 @@ fn losses(trainer: &mut GpuTrainer, batch: &TrainBatch<'_>) -> Vec<f32> {
         .collect()
 }
 
+/// The losses of one trainer on `gpu` from `params` on the whole batch.
+fn losses_alone(gpu: &Arc<Gpu>, config: &LlamaConfig, params: &[f32], data: &Batch) -> Vec<f32> {
+    let spec = gentle(config.clone());
+    let mut trainer = GpuTrainer::new(Arc::clone(gpu), manager(gpu), spec, params).unwrap();
+    losses(&mut trainer, &data.view())
+}
+
 /// Both ranks reported the same losses, and those follow one GPU's step by step.
 fn assert_pair_follows(what: &str, ranks: &[Vec<f32>], alone: &[f32]) {
     assert_eq!(ranks[0], ranks[1], "the two ranks report different losses");
@@ -495,16 +502,7 @@ fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
     let config = tiny();
     let params = Arc::new(bf16_params(&config, 51));
     let data = Arc::new(Batch::random(52, config.vocab_size));
-    let gpu = &gpus[0];
-    let mut trainer = GpuTrainer::new(
-        Arc::clone(gpu),
-        manager(gpu),
-        gentle(config.clone()),
-        &params,
-    )
-    .unwrap();
-    let alone = losses(&mut trainer, &data.view());
-    drop(trainer);
+    let alone = losses_alone(&gpus[0], &config, &params, &data);
     let id = NcclComm::unique_id().unwrap();
     let ranks: Vec<_> = gpus
         .iter()
@@ -550,16 +548,7 @@ fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() 
     let config = tiny();
     let params = Arc::new(bf16_params(&config, 61));
     let data = Arc::new(Batch::random(62, config.vocab_size));
-    let gpu = &gpus[0];
-    let mut trainer = GpuTrainer::new(
-        Arc::clone(gpu),
-        manager(gpu),
-        gentle(config.clone()),
-        &params,
-    )
-    .unwrap();
-    let alone = losses(&mut trainer, &data.view());
-    drop(trainer);
+    let alone = losses_alone(&gpus[0], &config, &params, &data);
     let local_config = shard_config(&config, 2).unwrap();
     let id = NcclComm::unique_id().unwrap();
     let ranks: Vec<_> = gpus
