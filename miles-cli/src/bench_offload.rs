@@ -31,6 +31,17 @@ pub enum OffloadTarget {
     Disk,
 }
 
+impl OffloadTarget {
+    /// The memory manager's backup policy for this target.
+    pub(crate) fn policy(self) -> BackupPolicy {
+        match self {
+            OffloadTarget::None => BackupPolicy::None,
+            OffloadTarget::Host => BackupPolicy::Host,
+            OffloadTarget::Disk => BackupPolicy::Disk,
+        }
+    }
+}
+
 /// Settings of `miles bench offload`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OffloadBenchArgs {
@@ -219,11 +230,7 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let bench_dir = dir.join(format!("miles-bench-offload-{}", std::process::id()));
-    let policy = match args.target {
-        OffloadTarget::None => BackupPolicy::None,
-        OffloadTarget::Host => BackupPolicy::Host,
-        OffloadTarget::Disk => BackupPolicy::Disk,
-    };
+    let policy = args.target.policy();
     let settings = ManagerSettings {
         margin_bytes: 0,
         disk: (policy == BackupPolicy::Disk).then(|| DiskSettings {

@@ -117,10 +117,7 @@ fn rank_cycles(
     group: &mut HostGroup,
     size: usize,
 ) -> anyhow::Result<RankRun> {
-    let policy = match args.target {
-        OffloadTarget::Host => BackupPolicy::Host,
-        _ => BackupPolicy::None,
-    };
+    let policy = args.target.policy();
     let device = opened.shared();
     let memory = MemoryManager::new(
         Arc::clone(&device),

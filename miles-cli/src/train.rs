@@ -251,3 +251,62 @@ impl Progress {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use miles_core::DeviceChoice;
+
+    use super::*;
+
+    fn rank(world_size: usize) -> LaunchEnv {
+        LaunchEnv {
+            rank: 1,
+            world_size,
+            local_rank: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+        }
+    }
+
+    #[test]
+    fn ranks_refuse_what_they_cannot_run_naming_the_flag() {
+        let cuda = Settings {
+            device: DeviceChoice::Cuda,
+            train_backend: TrainBackendKind::Fsdp,
+            data_parallel_size: 2,
+            ..Settings::default()
+        };
+        check_ranks(&cuda, &rank(2)).unwrap();
+        let cases = [
+            (
+                Settings {
+                    device: DeviceChoice::Cpu,
+                    ..cuda.clone()
+                },
+                "--device cuda",
+            ),
+            (
+                Settings {
+                    train_backend: TrainBackendKind::Megatron,
+                    ..cuda.clone()
+                },
+                "--train-backend fsdp",
+            ),
+            (
+                Settings {
+                    advantage_estimator: AdvantageEstimator::Ppo,
+                    ..cuda.clone()
+                },
+                "--advantage-estimator grpo",
+            ),
+        ];
+        for (settings, flag) in cases {
+            let error = check_ranks(&settings, &rank(2)).unwrap_err();
+            assert!(
+                crate::settings_args::is_bad_settings(&error),
+                "{flag}: {error}"
+            );
+            assert!(error.to_string().contains(flag), "{flag}: {error}");
+        }
+    }
+}

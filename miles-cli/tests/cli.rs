@@ -559,3 +559,37 @@ fn train_over_several_processes_refuses_the_cpu_device_naming_the_flag() {
     assert!(err.contains("--device cuda"), "{err}");
     assert!(err.contains("refused its settings"), "{err}");
 }
+
+#[test]
+fn a_rank_that_fails_stops_the_job_and_is_named() {
+    let (_, err) = expect(
+        &[
+            "bench",
+            "offload",
+            "--device",
+            "cpu",
+            "--device-memory-gib",
+            "1",
+            "--size",
+            "2GiB",
+            "--target",
+            "host",
+            "--nproc-per-node",
+            "2",
+        ],
+        1,
+    );
+    assert!(err.contains("out of device memory"), "{err}");
+    assert!(err.contains("failed"), "{err}");
+    assert!(err.contains("the other ranks were stopped"), "{err}");
+}
+
+#[test]
+fn tensor_parallel_without_gpus_exits_2_naming_the_device_flag() {
+    let (_, err) = expect(
+        &["bench", "train", "--preset", "tiny", "--tensor-parallel"],
+        2,
+    );
+    assert!(err.contains("--tensor-parallel"), "{err}");
+    assert!(err.contains("--device cuda"), "{err}");
+}

@@ -45,7 +45,7 @@ impl OptimizerFiles for FsdpFiles {
     }
 }
 
-/// The FSDP trainer on one GPU.
+/// The FSDP trainer on one GPU (one data-parallel rank of several).
 pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;

@@ -44,8 +44,9 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given.
 ///
 /// # Errors
-/// [`BackendError::Settings`] for parallel sizes above 1 (several GPUs need the NCCL
-/// communicator) or optimizer-state streaming; as [`GpuBackend::from_settings`].
+/// [`BackendError::Settings`] for parallel sizes above 1 (this backend runs one GPU in `miles
+/// train`; tensor parallelism on GPUs runs in `bench train --tensor-parallel`) or
+/// optimizer-state streaming; as [`GpuBackend::from_settings`].
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, BackendError> {
     check_gpu_settings(settings)?;
     GpuBackend::from_settings(gpu, settings, 0)
@@ -59,7 +60,7 @@ fn check_gpu_settings(settings: &Settings) -> Result<(), BackendError> {
     };
     if settings.tensor_model_parallel_size != 1 || settings.data_parallel_size != 1 {
         return Err(refuse(format!(
-            "on cuda it runs on one gpu for now (several need the nccl communicator); set --tensor-model-parallel-size 1 --data-parallel-size 1 (got {} and {})",
+            "on cuda it runs on one gpu for now (over several gpus use --train-backend fsdp --data-parallel-size N with --nproc-per-node N); set --tensor-model-parallel-size 1 --data-parallel-size 1 (got {} and {})",
             settings.tensor_model_parallel_size, settings.data_parallel_size
         )));
     }

@@ -591,3 +591,33 @@ fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() 
     );
     assert_pair_follows("tensor-parallel", &losses, &alone);
 }
+
+#[test]
+fn gpu_trainer_joins_one_group_and_only_on_its_own_gpu() {
+    let test = "gpu_trainer_joins_one_group_and_only_on_its_own_gpu";
+    let Some(t) = TestGpu::open(test, 1) else {
+        return;
+    };
+    let gpu = Arc::new(t.gpu);
+    let config = tiny();
+    let params = bf16_params(&config, 71);
+    let data = Batch::random(72, config.vocab_size);
+    let mut trainer =
+        GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params).unwrap();
+    let alone = |gpu: &Arc<Gpu>| {
+        NcclComm::new(Arc::clone(gpu), NcclComm::unique_id().unwrap(), 0, 1).unwrap()
+    };
+    // Another compute handle on the same device is not the trainer's stream.
+    let other = Arc::new(Gpu::new(Arc::clone(gpu.device())).unwrap());
+    assert!(matches!(
+        trainer.join_data_parallel(alone(&other)),
+        Err(ModelError::DeviceMismatch)
+    ));
+    trainer.join_data_parallel(alone(&gpu)).unwrap();
+    assert!(matches!(
+        trainer.join_tensor_parallel(alone(&gpu)),
+        Err(ModelError::Config(_))
+    ));
+    let loss = trainer.train_step(&data.view(), 1).unwrap().loss;
+    assert!(loss.is_finite(), "a group of one still trains: loss {loss}");
+}

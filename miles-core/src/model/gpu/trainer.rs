@@ -91,6 +91,15 @@ enum Parallel {
     Tensor { replicated: Vec<Range<usize>> },
 }
 
+impl Parallel {
+    fn name(&self) -> &'static str {
+        match self {
+            Parallel::Data => "data",
+            Parallel::Tensor { .. } => "tensor",
+        }
+    }
+}
+
 impl Group {
     fn comm(&self) -> MutexGuard<'_, NcclComm> {
         self.comm.lock().unwrap_or_else(PoisonError::into_inner)
@@ -103,13 +112,7 @@ impl std::fmt::Debug for GpuTrainer {
             .field("params", &self.model.layout().len())
             .field("max_batch_tokens", &self.max_batch_tokens)
             .field("offloaded", &self.offloaded)
-            .field(
-                "group",
-                &self.group.as_ref().map(|g| match g.split {
-                    Parallel::Data => "data parallel",
-                    Parallel::Tensor { .. } => "tensor parallel",
-                }),
-            )
+            .field("group", &self.group.as_ref().map(|g| g.split.name()))
             .finish_non_exhaustive()
     }
 }
@@ -224,7 +227,8 @@ impl GpuTrainer {
     /// must start from the same weights.
     ///
     /// # Errors
-    /// [`ModelError::DeviceMismatch`] for a communicator on another GPU.
+    /// [`ModelError::DeviceMismatch`] for a communicator on another GPU; [`ModelError::Config`]
+    /// when the trainer is in a group already.
     pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), ModelError> {
         self.join(comm, Parallel::Data)
     }
@@ -263,14 +267,11 @@ impl GpuTrainer {
                 "the gpu trainer is one rank of a parallel group already; it joins one group, data or tensor parallel".into(),
             ));
         }
-        let what = match split {
-            Parallel::Data => "data",
-            Parallel::Tensor { .. } => "tensor",
-        };
         tracing::info!(
             rank = comm.rank(),
             world = comm.world_size(),
-            "gpu trainer joined a {what}-parallel group"
+            "gpu trainer joined a {}-parallel group",
+            split.name()
         );
         self.group = Some(Group {
             comm: Mutex::new(comm),
