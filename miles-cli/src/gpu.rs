@@ -70,7 +70,8 @@ pub fn gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>> {
         Err(_) => return Err(BadSettings(format!("LOCAL_RANK {ordinal} names no gpu")).into()),
     };
     let gpu = Arc::new(
-        Gpu::new(cuda).with_context(|| format!("cannot start gpu compute on cuda:{ordinal}"))?,
+        miles_core::ops::gpu::open_gpu(cuda)
+            .with_context(|| format!("cannot start gpu compute on cuda:{ordinal}"))?,
     );
     *shared = Some(Arc::clone(&gpu));
     Ok(Some(gpu))

@@ -3,7 +3,7 @@
 //! Exit status: 0 on success, 2 for bad settings (every broken rule is printed), 1 for any other
 //! failure.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod backends;
 mod baseline;

@@ -1,9 +1,14 @@
 //! The core of miles: settings, devices, the memory manager with its backup stores, and
 //! everything the training backends and the rollout engine share.
 
+#![deny(unsafe_code)]
+
 pub mod backend;
+pub mod choice;
 pub mod comm;
 pub mod config;
+// The one room of miles where `unsafe` is allowed: driver calls, mmap, raw FFI.
+#[allow(unsafe_code)]
 pub mod device;
 pub mod memory;
 pub mod metrics;

@@ -35,7 +35,7 @@
 //! assert!(second.loss < first.loss);
 //! # Ok::<(), miles_fsdp::BackendError>(())
 //! ```
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod backend;
 pub mod checkpoint;

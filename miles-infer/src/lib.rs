@@ -12,7 +12,7 @@
 //! bf16 ([`RolloutEngine::on_gpu`]): a step is one pass of kernels over the tokens of several
 //! prompts (prefill) or of the running sequences (decode), with a paged attention kernel reading
 //! the cache through the block tables.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod controller;
 mod engine;

@@ -28,7 +28,7 @@
 //! assert!(second.loss < first.loss);
 //! # Ok::<(), miles_megatron::BackendError>(())
 //! ```
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod checkpoint;
 mod error;

@@ -1,6 +1,8 @@
 //! Workspace integration tests of miles live in `tests/tests/`, one file per backend and one for
 //! the colocated loop; this library holds what several of them share.
 
+#![deny(unsafe_code)]
+
 use miles_core::Batch;
 use miles_core::model::LlamaConfig;
 use rand::{RngExt, SeedableRng};

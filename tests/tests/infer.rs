@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use miles_core::backend::{BackendError, Batch, DeviceWeights, TrainBackend};
-use miles_core::device::{Gpu, GpuSlice, OpenedDevice, open_test_device};
+use miles_core::device::{GpuSlice, OpenedDevice, open_test_device};
 use miles_core::model::{LlamaConfig, ParamLayout, init_params};
 use miles_core::orchestrator::RolloutEngine as LoopEngine;
 use miles_core::{
@@ -531,7 +531,7 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
             return;
         }
     };
-    let gpu = Arc::new(Gpu::new(Arc::clone(&device)).unwrap());
+    let gpu = Arc::new(miles_core::ops::gpu::open_gpu(Arc::clone(&device)).unwrap());
     let settings = Settings {
         preset: "tiny".into(),
         seed: 11,

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use super::{CommError, HostGroup};
 
-/// Bytes of a communicator id (NCCL's `ncclUniqueId`).
-pub const ID_BYTES: usize = 128;
+pub use crate::device::ID_BYTES;
 
 /// The port rank 0 listens on when `MASTER_PORT` is unset (torchrun's default).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use super::choice::did_you_mean;
+use crate::choice::did_you_mean;
 
 /// Why settings could not be loaded or resolved. Every variant means bad settings (exit status 2).
 #[derive(Debug, thiserror::Error)]

@@ -6,13 +6,12 @@
 //! switches (unset: on with `--colocate`), records the [`Source`] of every value, and checks the
 //! rules, returning all broken rules at once as [`InvalidSettings`].
 
-mod choice;
 mod error;
 mod raw;
 mod settings;
 mod validate;
 
-pub use choice::{
+pub use crate::choice::{
     AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
     TrainBackendKind, UnknownChoice,
 };

@@ -4,11 +4,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::choice::nearest;
 use super::{
     AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task,
     TrainBackendKind,
 };
+use crate::choice::nearest;
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
 /// was. [`Settings::resolve`](super::Settings::resolve) turns the layers into [`Settings`](super::Settings).

@@ -4,10 +4,10 @@
 use std::io::Write;
 use std::path::Path;
 
-use super::choice::nearest;
 use super::{
     OffloadTarget, RolloutOffloadLevel, Settings, SettingsError, Source, TrainBackendKind,
 };
+use crate::choice::nearest;
 use crate::device::probe::filesystem;
 
 /// Rule 5: parses rollout offload levels (each value may hold several names separated by spaces

@@ -20,11 +20,9 @@ pub mod probe;
 mod view;
 
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
-#[cfg(test)]
-pub(crate) use cuda::compute::testing;
 pub use cuda::compute::{
-    AdamWStep, Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, HeadShape, NcclComm,
-    PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, Transpose,
+    Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, ID_BYTES, KernelProgram, LaunchConfig, NcclComm,
+    Transpose, compile,
 };
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{CudaDevice, CudaOptions, Device, DeviceError, DeviceKind, HostDevice, probe};
-use crate::config::DeviceChoice;
+use crate::choice::DeviceChoice;
 
 /// A device opened by [`open`], kept with its concrete type for the calls only one kind has
 /// (the CUDA device's plain baseline copies and stream waits, say).

@@ -1,12 +1,14 @@
-//! CPU kernels of the transformer, in `<op>_forward` / `<op>_backward` pairs over plain slices.
+//! Kernels of the transformer: on the CPU, `<op>_forward` / `<op>_backward` pairs over plain
+//! slices (this module); on the GPU, CUDA kernels and their launch wrappers ([`gpu`]).
 //!
-//! Outputs come first, gradients carry a `d` prefix and are accumulated with `+=`. Matrix
+//! Outputs come first, gradients carry a `d` prefix and are accumulated with `+=`. CPU matrix
 //! products run on the `gemm` crate; everything else on rayon.
 
 mod adamw;
 mod attention;
 mod crossentropy;
 mod embedding;
+pub mod gpu;
 mod matmul;
 mod matmul_rows;
 mod residual;

@@ -16,12 +16,10 @@
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{
-    AddressRange, DeviceError, Gemm, Gpu, GpuElement, GpuSlice, PAGED_MAX_HEAD_DIM, PagedCache,
-    PagedTokens, Transpose,
-};
+use miles_core::device::{AddressRange, DeviceError, Gemm, Gpu, GpuElement, GpuSlice, Transpose};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
+use miles_core::ops::gpu::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 

@@ -93,7 +93,7 @@ impl TestGpu {
         match open_test_device(2 << 30).unwrap() {
             OpenedDevice::Cuda(device) => Some(TestGpu {
                 memory_device: Arc::clone(&device) as Arc<dyn Device>,
-                gpu: Arc::new(Gpu::new(device).unwrap()),
+                gpu: Arc::new(miles_core::ops::gpu::open_gpu(device).unwrap()),
                 _lock: lock,
             }),
             OpenedDevice::Cpu(_) => {

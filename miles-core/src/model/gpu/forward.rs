@@ -5,9 +5,10 @@ use half::bf16;
 
 use super::layout::{GpuActivationLayout, GpuActivations, LayerActs};
 use super::weights::{LayerTensors, tensor};
-use crate::device::{Gemm, Gpu, GpuSlice, HeadShape, NcclComm, Transpose};
+use crate::device::{Gemm, Gpu, GpuSlice, NcclComm, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
+use crate::ops::gpu::HeadShape;
 
 /// What a forward pass is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,6 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::device::testing::TestGpu;
 use crate::device::{CudaDevice, Device, Gpu, NcclComm};
 use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag, RegionState};
 use crate::model::{
@@ -18,6 +17,7 @@ use crate::model::{
     init_params, scatter, shard_config, split_of,
 };
 use crate::ops::AdamWConfig;
+use crate::ops::gpu::testing::TestGpu;
 
 /// Loss: bf16 weights, activations and probabilities against fp32 throughout, 2% of it.
 const LOSS_TOLERANCE: f32 = 2e-2;
@@ -443,7 +443,7 @@ fn two_gpus(test: &str) -> Option<[Arc<Gpu>; 2]> {
     match CudaDevice::open(1) {
         Ok(second) => Some([
             Arc::new(t.gpu),
-            Arc::new(Gpu::new(Arc::new(second)).unwrap()),
+            Arc::new(crate::ops::gpu::open_gpu(Arc::new(second)).unwrap()),
         ]),
         Err(error) => {
             eprintln!("skipping {test}: it needs two gpus ({error})");
@@ -608,7 +608,7 @@ fn gpu_trainer_joins_one_group_and_only_on_its_own_gpu() {
         NcclComm::new(Arc::clone(gpu), NcclComm::unique_id().unwrap(), 0, 1).unwrap()
     };
     // Another compute handle on the same device is not the trainer's stream.
-    let other = Arc::new(Gpu::new(Arc::clone(gpu.device())).unwrap());
+    let other = Arc::new(crate::ops::gpu::open_gpu(Arc::clone(gpu.device())).unwrap());
     assert!(matches!(
         trainer.join_data_parallel(alone(&other)),
         Err(ModelError::DeviceMismatch)

@@ -9,11 +9,12 @@ use half::bf16;
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
 use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer};
-use crate::device::{AdamWStep, DeviceError, Fence, Gpu, GpuElement, GpuSlice, NcclComm};
+use crate::device::{DeviceError, Fence, Gpu, GpuElement, GpuSlice, NcclComm};
 use crate::memory::{
     BackupPolicy, Buffer, MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
 };
 use crate::model::{LlamaConfig, ModelError, Split, StepReport, TrainBatch, split_of};
+use crate::ops::gpu::AdamWStep;
 use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
 
 /// The trainer's regions, in the order [`GpuTrainer::offload`] pauses them.

@@ -1,6 +1,7 @@
-//! GPU compute for the transformer: kernels compiled at start-up by NVRTC (for `compute_90`),
-//! matrix products through cuBLAS, all queued on one compute stream of the device's primary
-//! context.
+//! GPU compute handles: a program of kernels compiled at start-up by NVRTC (for `compute_90`),
+//! matrix products through cuBLAS, NCCL, all queued on one compute stream of the device's primary
+//! context. The kernels themselves and their typed launch wrappers live in
+//! [`crate::ops::gpu`]; this module holds the raw launch, copies and library calls.
 //!
 //! Tensors are [`GpuSlice`]s: a device address and an element count, typically carved out of a
 //! memory-manager buffer (`Buffer::address`). A kernel that reaches past a committed range faults
@@ -12,67 +13,36 @@
 //! [`Gpu::record_fence`] hands the memory manager a fence after the last use of a tag.
 
 mod blas;
-mod elementwise;
 mod nccl;
-mod paged;
-#[cfg(test)]
-#[allow(clippy::panic, clippy::print_stderr)]
-mod paged_tests;
-#[cfg(test)]
-#[allow(clippy::panic, clippy::print_stderr)]
-pub(crate) mod testing;
-#[cfg(test)]
-#[allow(clippy::panic, clippy::print_stderr)]
-mod tests;
-mod train;
-#[cfg(test)]
-#[allow(clippy::panic, clippy::print_stderr)]
-mod train_tests;
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PushKernelArg};
 use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
-pub use nccl::NcclComm;
-pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
-pub use train::{AdamWStep, HeadShape};
+pub use cudarc::driver::LaunchConfig;
+pub use nccl::{ID_BYTES, NcclComm};
 
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
-/// The kernel sources, compiled as one program: the shared header first.
-const SOURCES: [&str; 4] = [
-    include_str!("kernels/common.cuh"),
-    include_str!("kernels/forward.cu"),
-    include_str!("kernels/train.cu"),
-    include_str!("kernels/paged.cu"),
-];
-
-/// Every `extern "C"` kernel of [`SOURCES`], looked up once at start-up.
-fn kernel_names() -> impl Iterator<Item = &'static str> {
-    FORWARD_KERNELS
-        .into_iter()
-        .chain(train::KERNELS)
-        .chain(paged::KERNELS)
-}
-
-/// The kernels of `kernels/forward.cu`.
-const FORWARD_KERNELS: [&str; 7] = [
-    "cast_f32_to_bf16",
-    "cast_bf16_to_f32",
-    "embedding_forward",
-    "rmsnorm_forward",
-    "rope_forward",
-    "swiglu_forward",
-    "residual_add",
-];
-
-/// The architecture the kernels are compiled for: Hopper (H100, H200).
+/// The architecture kernels are compiled for: Hopper (H100, H200).
 const ARCH: &str = "compute_90";
+
+/// A program of CUDA C++ kernels: compiled as one translation unit, each named kernel looked up
+/// once when a [`Gpu`] starts.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelProgram {
+    /// The program's name in compiler messages.
+    pub name: &'static str,
+    /// The sources, concatenated in order (shared headers first).
+    pub sources: &'static [&'static str],
+    /// Every `extern "C"` kernel the program defines, in groups (one a source file, say).
+    pub kernels: &'static [&'static [&'static str]],
+}
 
 /// Element types a [`GpuSlice`] may hold.
 pub trait GpuElement: Copy + Send + Sync + 'static {}
@@ -191,23 +161,26 @@ impl std::fmt::Debug for Gpu {
 }
 
 impl Gpu {
-    /// Compute on `device`'s GPU: compiles the kernels with NVRTC, loads them, and opens cuBLAS
-    /// on a new compute stream.
+    /// Compute on `device`'s GPU: compiles `program` with NVRTC, loads its kernels, and opens
+    /// cuBLAS on a new compute stream.
     ///
     /// # Errors
     /// [`DeviceError::CudaUnavailable`] when NVRTC or cuBLAS cannot be loaded;
     /// [`DeviceError::Cuda`] with the compiler's log when the kernels do not compile.
-    pub fn new(device: Arc<CudaDevice>) -> Result<Gpu, DeviceError> {
+    pub fn new(device: Arc<CudaDevice>, program: &KernelProgram) -> Result<Gpu, DeviceError> {
         for library in ["nvrtc", "cublas", "cublasLt"] {
             crate::device::probe::cudarc_library_ready(library)
                 .map_err(DeviceError::CudaUnavailable)?;
         }
-        let ptx = compile()?;
+        let ptx = compile(program)?;
         let context = CudaContext::new(device.ordinal() as usize).map_err(cuda("cuCtxRetain"))?;
         let stream = context.new_stream().map_err(cuda("cuStreamCreate"))?;
         let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
-        let kernels = kernel_names()
-            .map(|name| {
+        let kernels = program
+            .kernels
+            .iter()
+            .flat_map(|group| group.iter())
+            .map(|&name| {
                 module
                     .load_function(name)
                     .map(|function| (name, function))
@@ -364,8 +337,9 @@ impl Gpu {
     }
 
     /// Queues `name` with `args` (each a `DeviceRepr` value: device addresses as `u64`, sizes
-    /// as `i32`/`i64`, scalars as `f32`) on the compute stream.
-    fn launch(
+    /// as `i32`/`i64`, scalars as `f32`) on the compute stream. Only the typed wrappers of
+    /// [`crate::ops::gpu`] call it, each passing exactly its kernel's parameters.
+    pub(crate) fn launch(
         &self,
         name: &'static str,
         config: LaunchConfig,
@@ -376,9 +350,10 @@ impl Gpu {
         for arg in args {
             arg.push(&mut builder);
         }
-        // SAFETY: every kernel of `SOURCES` takes exactly the arguments its wrapper in this
-        // module passes, in order and of the same C types (u64 for pointers); the pointers are
-        // views of device memory (a kernel that strays faults on the GPU, not on the host).
+        // SAFETY: every kernel of the program takes exactly the arguments its wrapper in
+        // `crate::ops::gpu` passes, in order and of the same C types (u64 for pointers); the
+        // pointers are views of device memory (a kernel that strays faults on the GPU, not on
+        // the host).
         unsafe { builder.launch(config) }
             .map(drop)
             .map_err(cuda("cuLaunchKernel"))
@@ -386,7 +361,7 @@ impl Gpu {
 }
 
 /// A kernel argument: a plain value pushed by reference.
-trait KernelArg {
+pub(crate) trait KernelArg {
     fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
 }
 
@@ -396,15 +371,18 @@ impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
     }
 }
 
-/// Compiles [`SOURCES`] to PTX for [`ARCH`].
-fn compile() -> Result<cudarc::nvrtc::Ptx, DeviceError> {
+/// Compiles `program` to PTX for [`ARCH`].
+///
+/// # Errors
+/// [`DeviceError::Cuda`] with the compiler's log.
+pub fn compile(program: &KernelProgram) -> Result<cudarc::nvrtc::Ptx, DeviceError> {
     let options = cudarc::nvrtc::CompileOptions {
         arch: Some(ARCH),
         options: vec!["--std=c++17".into()],
-        name: Some("miles_kernels.cu".into()),
+        name: Some(format!("{}.cu", program.name)),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCES.concat(), options).map_err(|error| {
+    cudarc::nvrtc::compile_ptx_with_opts(program.sources.concat(), options).map_err(|error| {
         let message = match &error {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                 log.to_string_lossy().into_owned()
@@ -423,25 +401,5 @@ fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DeviceErr
     move |error| DeviceError::Cuda {
         call,
         message: error.to_string(),
-    }
-}
-
-/// A launch of one thread per element over `n` elements, in blocks of 256, at most 65535 *
-/// 8 blocks (kernels loop over what remains).
-fn elementwise(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 65535 * 8) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// A launch of one block of `threads` per row over `rows` rows.
-fn per_row(rows: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows.max(1) as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
     }
 }

@@ -22,8 +22,10 @@ use cudarc::nccl::sys;
 use half::bf16;
 
 use super::{Gpu, GpuSlice, cuda};
-use crate::comm::ID_BYTES;
 use crate::device::DeviceError;
+
+/// Bytes of a communicator id (NCCL's `ncclUniqueId`).
+pub const ID_BYTES: usize = 128;
 
 /// One rank's NCCL communicator over f32 buffers of its GPU.
 ///
@@ -350,12 +352,12 @@ fn nccl(call: &'static str) -> impl Fn(NcclError) -> DeviceError {
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod tests {
-    use super::super::testing::TestGpu;
     use super::*;
     use crate::device::Device;
     use crate::memory::{
         BackupPolicy, Buffer, ManagerSettings, MemoryManager, MemoryTag, RegionState,
     };
+    use crate::ops::gpu::testing::TestGpu;
     use crate::ops::testing::seeded_vec;
 
     const N: usize = 4099;

@@ -36,7 +36,7 @@ fn block_tables(shape: &PagedCache, lengths: &[usize]) -> Vec<Vec<usize>> {
 /// The sequences' keys and values `(T, K*D)` each, rounded to bf16, and the cache filled with
 /// them through `paged_kv_write` of `layer` (one call for every token of every sequence).
 struct Filled {
-    cache: super::GpuSlice<bf16>,
+    cache: crate::device::GpuSlice<bf16>,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     tables: Vec<Vec<usize>>,

@@ -9,8 +9,9 @@
 use half::bf16;
 
 use super::elementwise::as_i32;
-use super::{Gpu, GpuSlice, elementwise, per_row};
+use super::{elementwise, per_row};
 use crate::device::DeviceError;
+use crate::device::{Gpu, GpuSlice};
 use crate::ops::{AdamWConfig, AdamWScalars};
 
 /// The kernels of `kernels/train.cu`.

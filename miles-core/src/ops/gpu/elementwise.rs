@@ -2,8 +2,9 @@
 
 use half::bf16;
 
-use super::{Gpu, GpuSlice, elementwise, per_row};
+use super::{elementwise, per_row};
 use crate::device::DeviceError;
+use crate::device::{Gpu, GpuSlice};
 
 /// Threads per block of the per-row kernels (norms).
 const ROW_THREADS: u32 = 256;

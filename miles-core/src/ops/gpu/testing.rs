@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
-use super::{Gpu, GpuElement, GpuSlice};
 use crate::device::{AddressRange, CudaDevice, Device};
+use crate::device::{Gpu, GpuElement, GpuSlice};
 
 static GPU_LOCK: Mutex<()> = Mutex::new(());
 
@@ -37,7 +37,7 @@ impl TestGpu {
         device
             .commit(range)
             .unwrap_or_else(|e| panic!("commit: {e}"));
-        let gpu = Gpu::new(device).unwrap_or_else(|e| panic!("gpu compute: {e}"));
+        let gpu = super::open_gpu(device).unwrap_or_else(|e| panic!("gpu compute: {e}"));
         Some(TestGpu {
             gpu,
             range,

@@ -1,10 +1,13 @@
 //! Kernel tests: each against the CPU implementation (`crate::ops`) on seeded random inputs
 //! rounded to bf16, within bf16 tolerance. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test
-//! -p miles-core compute -- --test-threads=1`; elsewhere they skip, except the compile check,
+//! -p miles-core ops::gpu -- --test-threads=1`; elsewhere they skip, except the compile check,
 //! which needs only NVRTC (`libnvrtc.so.13` on the library path).
 
 use super::testing::{TestGpu, assert_close};
 use super::*;
+use half::bf16;
+
+use crate::device::{Gemm, GpuSlice, Transpose, compile};
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{RopeTable, rmsnorm_forward, rope_forward, swiglu_forward};
 
@@ -17,9 +20,9 @@ fn kernels_compile_with_nvrtc_for_hopper() {
         eprintln!("skipping kernels_compile_with_nvrtc_for_hopper: {why}");
         return;
     }
-    let ptx = compile().unwrap_or_else(|e| panic!("{e}"));
+    let ptx = compile(&PROGRAM).unwrap_or_else(|e| panic!("{e}"));
     let text = ptx.to_src();
-    for name in kernel_names() {
+    for name in PROGRAM.kernels.iter().flat_map(|group| group.iter()) {
         assert!(
             text.contains(&format!(".entry {name}(")),
             "kernel {name} is missing from the ptx"

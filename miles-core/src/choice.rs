@@ -1,5 +1,6 @@
 //! The closed sets of values a setting can take, each spelled once: the same names serve flags,
-//! TOML, JSON and messages.
+//! TOML, JSON and messages. A leaf module: the settings ([`crate::config`]) and the devices
+//! ([`crate::device`]) both name their choices from here.
 
 use std::fmt;
 use std::str::FromStr;

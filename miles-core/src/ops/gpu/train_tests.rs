@@ -6,8 +6,9 @@
 use half::bf16;
 
 use super::testing::{TestGpu, assert_close};
-use super::{AdamWStep, Gemm, HeadShape, Transpose};
+use super::{AdamWStep, HeadShape};
 use crate::device::DeviceError;
+use crate::device::{Gemm, Transpose};
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{
     AdamWConfig, AttentionShape, RopeTable, adamw_update, attention_backward, attention_forward,

@@ -9,9 +9,10 @@
 
 use half::bf16;
 
+use super::elementwise;
 use super::elementwise::as_i32;
-use super::{Gpu, GpuSlice, LaunchConfig, elementwise};
 use crate::device::DeviceError;
+use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
 /// The kernels of `kernels/paged.cu`.
 pub(super) const KERNELS: [&str; 2] = ["paged_kv_write", "paged_attention"];

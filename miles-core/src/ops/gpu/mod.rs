@@ -1,0 +1,80 @@
+//! GPU kernels of the transformer: the CUDA C++ sources (`kernels/`, compiled at start-up for
+//! `compute_90`) and their typed launch wrappers on [`Gpu`], each checking shapes before it
+//! queues work. Matrix products are [`Gpu::gemm`] (cuBLAS).
+//!
+//! The raw launch, the compute stream and the libraries live in [`crate::device`]; nothing here
+//! needs `unsafe`.
+
+mod elementwise;
+mod paged;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod paged_tests;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+pub(crate) mod testing;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod tests;
+mod train;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod train_tests;
+
+use std::sync::Arc;
+
+pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
+pub use train::{AdamWStep, HeadShape};
+
+use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
+
+/// Every kernel of the transformer, compiled as one program: the shared header first.
+pub const PROGRAM: KernelProgram = KernelProgram {
+    name: "miles_kernels",
+    sources: &[
+        include_str!("kernels/common.cuh"),
+        include_str!("kernels/forward.cu"),
+        include_str!("kernels/train.cu"),
+        include_str!("kernels/paged.cu"),
+    ],
+    kernels: &[&FORWARD_KERNELS, &train::KERNELS, &paged::KERNELS],
+};
+
+/// The kernels of `kernels/forward.cu`.
+const FORWARD_KERNELS: [&str; 7] = [
+    "cast_f32_to_bf16",
+    "cast_bf16_to_f32",
+    "embedding_forward",
+    "rmsnorm_forward",
+    "rope_forward",
+    "swiglu_forward",
+    "residual_add",
+];
+
+/// GPU compute on `device` with the transformer's kernels ([`PROGRAM`]).
+///
+/// # Errors
+/// As [`Gpu::new`].
+pub fn open_gpu(device: Arc<CudaDevice>) -> Result<Gpu, DeviceError> {
+    Gpu::new(device, &PROGRAM)
+}
+
+/// A launch of one thread per element over `n` elements, in blocks of 256, at most 65535 *
+/// 8 blocks (kernels loop over what remains).
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65535 * 8) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A launch of one block of `threads` per row over `rows` rows.
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
