@@ -20,28 +20,6 @@ use crate::settings_args::BadSettings;
 const MIB: usize = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// Where the bench's tag goes while paused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OffloadTarget {
-    /// Contents dropped: pause and resume only map and unmap.
-    None,
-    /// A reused host buffer.
-    Host,
-    /// Checksummed chunk files in `--disk-dir`.
-    Disk,
-}
-
-impl OffloadTarget {
-    /// The memory manager's backup policy for this target.
-    pub(crate) fn policy(self) -> BackupPolicy {
-        match self {
-            OffloadTarget::None => BackupPolicy::None,
-            OffloadTarget::Host => BackupPolicy::Host,
-            OffloadTarget::Disk => BackupPolicy::Disk,
-        }
-    }
-}
-
 /// Settings of `miles bench offload`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OffloadBenchArgs {
@@ -53,8 +31,8 @@ pub struct OffloadBenchArgs {
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub size: u64,
     /// Backup target of the tag.
-    #[arg(long, value_enum, default_value = "host")]
-    pub target: OffloadTarget,
+    #[arg(long, default_value = "host", value_name = "none|host|disk")]
+    pub target: BackupPolicy,
     /// Pause/resume cycles; the first is reported apart, as it allocates the host pool.
     #[arg(long, default_value_t = 5)]
     pub cycles: usize,
@@ -198,10 +176,10 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     if args.cycles == 0 || args.chunk_mb == 0 {
         return Err(BadSettings("--cycles and --chunk-mb must be at least 1".to_string()).into());
     }
-    if args.target == OffloadTarget::Disk && args.disk_dir.is_none() {
+    if args.target == BackupPolicy::Disk && args.disk_dir.is_none() {
         return Err(BadSettings("--target disk requires --disk-dir DIR".to_string()).into());
     }
-    if args.both_directions && args.target != OffloadTarget::Host {
+    if args.both_directions && args.target != BackupPolicy::Host {
         return Err(BadSettings("--both-directions needs --target host".to_string()).into());
     }
     if args.both_directions && args.pause_gap_ms > 0 {
@@ -230,7 +208,7 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let bench_dir = dir.join(format!("miles-bench-offload-{}", std::process::id()));
-    let policy = args.target.policy();
+    let policy = args.target;
     let settings = ManagerSettings {
         margin_bytes: 0,
         disk: (policy == BackupPolicy::Disk).then(|| DiskSettings {

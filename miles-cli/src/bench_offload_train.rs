@@ -14,7 +14,7 @@ use clap::Args;
 use miles_core::config::{OffloadTarget, Settings};
 use miles_core::device::Gpu;
 use miles_core::model::ByteTokenizer;
-use miles_core::{CudaDevice, Device, HostDevice, MemoryTag, OffloadStats};
+use miles_core::{CpuDevice, CudaDevice, Device, MemoryTag, OffloadStats};
 
 use crate::backends::build_backend;
 use crate::baseline::{DirectIoBaseline, MemcpyBaseline};
@@ -61,7 +61,7 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
     let mut cycles = Vec::with_capacity(args.cycles);
     for _ in 0..args.cycles {
         backend.train_step(&batch)?;
-        let out = backend.offload(target)?;
+        let out = backend.offload()?;
         let back = backend.onload()?;
         cycles.push((out, back));
     }
@@ -92,8 +92,8 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
         out,
         "baseline ({}, {} bytes, same run): out {base_out:.2} GB/s, in {base_in:.2} GB/s",
         match target {
-            OffloadTarget::Cpu if backend_on_gpu => "plain pinned cuMemcpy",
-            OffloadTarget::Cpu => "single-threaded memcpy",
+            OffloadTarget::Host if backend_on_gpu => "plain pinned cuMemcpy",
+            OffloadTarget::Host => "single-threaded memcpy",
             OffloadTarget::Disk => "O_DIRECT write+fsync / read",
         },
         size
@@ -148,7 +148,7 @@ fn baseline(
     size: usize,
 ) -> anyhow::Result<(f64, f64)> {
     match target {
-        OffloadTarget::Cpu => match gpu {
+        OffloadTarget::Host => match gpu {
             Some(gpu) => pinned_copies(gpu.device(), size),
             None => {
                 let mut copy = MemcpyBaseline::new(size);
@@ -166,7 +166,7 @@ fn baseline(
                 .with_context(|| format!("cannot create {}", dir.display()))?;
             let chunk = usize::try_from(settings.offload_train_disk_chunk_mb << 20)
                 .context("--offload-train-disk-chunk-mb does not fit this machine")?;
-            let device = HostDevice::new(settings.device_memory_bytes());
+            let device = CpuDevice::new(settings.device_memory_bytes());
             let mut io =
                 DirectIoBaseline::new(&device, &dir, chunk.min(size.next_multiple_of(4096)))?;
             io.run(size)

@@ -19,7 +19,7 @@ use serde_json::json;
 
 use crate::baseline::CopyBaseline;
 use crate::bench_offload::{
-    OffloadBenchArgs, OffloadTarget, cuda_options, fill, prepin_host_pool, settings_json, verify,
+    OffloadBenchArgs, cuda_options, fill, prepin_host_pool, settings_json, verify,
 };
 use crate::settings_args::BadSettings;
 
@@ -84,7 +84,7 @@ fn timed<T>(op: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<(T, Span)>
 /// [`BadSettings`] for a target or mode the multi-process bench does not run; a failure of the
 /// device, the memory manager or the group (a rank that fails makes the others fail too).
 pub fn run(args: &OffloadBenchArgs, env: &LaunchEnv, size: usize) -> anyhow::Result<()> {
-    if args.target == OffloadTarget::Disk || args.both_directions {
+    if args.target == BackupPolicy::Disk || args.both_directions {
         return Err(BadSettings(
             "one process per gpu runs --target host or none, one direction at a time; drop --nproc-per-node (or the launcher) for --target disk or --both-directions".into(),
         )
@@ -117,7 +117,7 @@ fn rank_cycles(
     group: &mut HostGroup,
     size: usize,
 ) -> anyhow::Result<RankRun> {
-    let policy = args.target.policy();
+    let policy = args.target;
     let device = opened.shared();
     let memory = MemoryManager::new(
         Arc::clone(&device),

@@ -8,8 +8,8 @@ use anyhow::Context;
 use clap::Args;
 use miles_core::device::Gpu;
 use miles_core::model::LlamaConfig;
-use miles_core::{Device, HostDevice, ManagerSettings, MemoryManager, Settings};
-use miles_infer::{EngineConfig, RolloutEngine, SamplingParams};
+use miles_core::{CpuDevice, Device, ManagerSettings, MemoryManager, Settings};
+use miles_infer::{Engine, EngineConfig, SamplingParams};
 
 use crate::settings_args::SettingsArgs;
 
@@ -53,7 +53,7 @@ pub fn engine_memory(
     let gpu = crate::gpu::gpu_for(settings.device)?;
     let device: Arc<dyn Device> = match &gpu {
         Some(gpu) => gpu.device().clone(),
-        None => Arc::new(HostDevice::new(settings.device_memory_bytes())),
+        None => Arc::new(CpuDevice::new(settings.device_memory_bytes())),
     };
     let manager = MemoryManager::new(
         device,
@@ -73,11 +73,11 @@ pub fn build_engine(
     settings: &Settings,
     model: &LlamaConfig,
     config: EngineConfig,
-) -> anyhow::Result<RolloutEngine> {
+) -> anyhow::Result<Engine> {
     let (memory, gpu) = engine_memory(settings)?;
     let engine = match gpu {
-        Some(gpu) => RolloutEngine::on_gpu(memory, gpu, model.clone(), config),
-        None => RolloutEngine::new(memory, model.clone(), config),
+        Some(gpu) => Engine::on_gpu(memory, gpu, model.clone(), config),
+        None => Engine::new(memory, model.clone(), config),
     };
     engine.context("cannot build the rollout engine")
 }
@@ -91,8 +91,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (memory, gpu) = engine_memory(&settings)?;
     let config = EngineConfig::from_settings(&settings);
     let mut engine = match gpu {
-        Some(gpu) => RolloutEngine::from_checkpoint_on_gpu(memory, gpu, &args.checkpoint, config),
-        None => RolloutEngine::from_checkpoint(memory, &args.checkpoint, config),
+        Some(gpu) => Engine::from_checkpoint_on_gpu(memory, gpu, &args.checkpoint, config),
+        None => Engine::from_checkpoint(memory, &args.checkpoint, config),
     }
     .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
     let tokenizer = *engine.tokenizer();

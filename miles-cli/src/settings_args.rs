@@ -1,133 +1,139 @@
 //! The settings flags, shared by every command that runs with [`Settings`] (flattened into its
-//! arguments with `#[command(flatten)]`).
+//! arguments with `#[command(flatten)]`). Every flag comes from the settings table
+//! ([`FIELDS`]): its name, help, heading, value name and parser.
 
 use std::fmt;
 use std::path::PathBuf;
 
-use clap::Args;
-use miles_core::config::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, RawSettings,
-    Settings, Task, TrainBackendKind,
-};
+use clap::{Arg, ArgAction, ArgMatches, Command};
+use miles_core::TrainBackendKind;
+use miles_core::config::{ConfigError, FIELDS, Field, FieldKind, RawSettings, Settings};
 
-/// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
+/// `--config FILE` and every setting's flag. A flag left out leaves the value to the
 /// `--config` file, then to the default.
-#[derive(Args, Debug, Default, Clone)]
+#[derive(Debug, Default, Clone)]
 pub struct SettingsArgs {
-    /// TOML file with the same keys (underscores); flags override it
-    #[arg(long, value_name = "FILE", help_heading = "Settings")]
+    /// TOML file with the same keys (underscores); flags override it.
     pub config: Option<PathBuf>,
-    /// Which training backend runs [default: megatron]
-    #[arg(long, value_name = "megatron|fsdp", help_heading = "Settings")]
-    pub train_backend: Option<TrainBackendKind>,
-    /// Training and rollout share the same devices (turns both offloads on unless set)
-    #[arg(long, help_heading = "Settings")]
-    pub colocate: bool,
-    /// Shorthand for --offload-train --offload-rollout
-    #[arg(long, help_heading = "Settings")]
-    pub offload: bool,
-    /// Move training tensors off the device between train steps [default: on with --colocate]
-    #[arg(long, overrides_with = "no_offload_train", help_heading = "Settings")]
-    pub offload_train: bool,
-    /// Keep training tensors on the device
-    #[arg(long, overrides_with = "offload_train", help_heading = "Settings")]
-    pub no_offload_train: bool,
-    /// Move rollout tensors off the device between rollouts [default: on with --colocate]
-    #[arg(long, overrides_with = "no_offload_rollout", help_heading = "Settings")]
-    pub offload_rollout: bool,
-    /// Keep rollout tensors on the device
-    #[arg(long, overrides_with = "offload_rollout", help_heading = "Settings")]
-    pub no_offload_rollout: bool,
-    /// Rollout tags that leave the device: kv_cache, weight, cuda_graph [default: kv_cache weight]
-    #[arg(long, num_args = 1.., value_name = "LEVEL", help_heading = "Settings")]
-    pub offload_rollout_level: Option<Vec<String>>,
-    /// Where training tensors go [default: cpu]
-    #[arg(long, value_name = "cpu|disk", help_heading = "Settings")]
-    pub offload_train_target: Option<OffloadTarget>,
-    /// Directory for disk offload (one subdirectory per rank)
-    #[arg(long, value_name = "DIR", help_heading = "Settings")]
-    pub offload_train_disk_dir: Option<PathBuf>,
-    /// Granularity of disk writes and reads in MiB [default: 64]
-    #[arg(long, value_name = "N", help_heading = "Settings")]
-    pub offload_train_disk_chunk_mb: Option<u64>,
-    /// Optimizer state lives on disk and streams through the step
-    #[arg(long, help_heading = "Settings")]
-    pub stream_optimizer_state_to_disk: bool,
-    /// Storage type of Adam moments on disk [default: fp32]
-    #[arg(long, value_name = "fp32|bf16|fp16", help_heading = "Settings")]
-    pub stream_optimizer_state_moment_dtype: Option<MomentDtype>,
-    /// Resume refuses unless free memory >= need + this margin [default: 1 GiB]
-    #[arg(long, value_name = "N", help_heading = "Settings")]
-    pub train_memory_margin_bytes: Option<u64>,
-    /// FSDP's own (native) CPU offload; yields to --offload-train
-    #[arg(long, help_heading = "Settings")]
-    pub fsdp_cpu_offload: bool,
-    /// Which device runs [default: auto]
-    #[arg(long, value_name = "auto|cpu|cuda", help_heading = "Run")]
-    pub device: Option<DeviceChoice>,
-    /// Capacity of the CPU device in GiB [default: 8]
-    #[arg(long, value_name = "GIB", help_heading = "Run")]
-    pub device_memory_gib: Option<f64>,
-    /// Model preset [default: tiny]
-    #[arg(long, value_name = "NAME", help_heading = "Run")]
-    pub preset: Option<String>,
-    /// RL steps to run [default: 10]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub steps: Option<u64>,
-    /// Prompts per rollout [default: 8]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub rollout_batch_size: Option<usize>,
-    /// Samples generated per prompt [default: 4]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub n_samples_per_prompt: Option<usize>,
-    /// Samples per optimizer step [default: 32]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub global_batch_size: Option<usize>,
-    /// Learning rate [default: 1e-4]
-    #[arg(long, value_name = "LR", help_heading = "Run")]
-    pub lr: Option<f64>,
-    /// Seed of every random choice [default: 42]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub seed: Option<u64>,
-    /// Checkpoint directory to save to
-    #[arg(long, value_name = "DIR", help_heading = "Run")]
-    pub save: Option<PathBuf>,
-    /// Save every N steps (and at the end)
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub save_interval: Option<u64>,
-    /// Checkpoint directory to start from
-    #[arg(long, value_name = "DIR", help_heading = "Run")]
-    pub load: Option<PathBuf>,
-    /// Tensor-parallel ranks [default: 1]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub tensor_model_parallel_size: Option<usize>,
-    /// Data-parallel ranks [default: 1]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub data_parallel_size: Option<usize>,
-    /// Fraction of device memory the rollout engine may take [default: 0.8]
-    #[arg(long, value_name = "F", help_heading = "Run")]
-    pub rollout_mem_fraction: Option<f64>,
-    /// Bytes per bucket of the weight update [default: 512 MiB]
-    #[arg(long, value_name = "BYTES", help_heading = "Run")]
-    pub update_weight_buffer_size: Option<u64>,
-    /// How advantages are estimated [default: grpo]
-    #[arg(long, value_name = "grpo|ppo", help_heading = "Run")]
-    pub advantage_estimator: Option<AdvantageEstimator>,
-    /// JSON-lines file for per-phase metrics
-    #[arg(long, value_name = "FILE", help_heading = "Run")]
-    pub metrics: Option<PathBuf>,
-    /// File for the device-memory timeline
-    #[arg(long, value_name = "FILE", help_heading = "Run")]
-    pub memory_timeline: Option<PathBuf>,
-    /// Synthetic task with a verifiable reward [default: repeat]
-    #[arg(long, value_name = "repeat|reverse|add", help_heading = "Run")]
-    pub task: Option<Task>,
-    /// Supervised steps on the task's answers before RL [default: 0]
-    #[arg(long, value_name = "N", help_heading = "Run")]
-    pub sft_warmup_steps: Option<u64>,
-    /// Softmax temperature of rollout sampling, 0 is greedy [default: 1.0]
-    #[arg(long, value_name = "T", help_heading = "Run")]
-    pub rollout_temperature: Option<f64>,
+    /// The flag layer.
+    raw: RawSettings,
+}
+
+/// The id of a toggle's negation (`--no-offload-train`).
+fn negation(field: &Field) -> String {
+    format!("no_{}", field.key)
+}
+
+impl clap::Args for SettingsArgs {
+    fn augment_args(cmd: Command) -> Command {
+        let mut cmd = cmd.arg(
+            Arg::new("config")
+                .long("config")
+                .value_name("FILE")
+                .value_parser(clap::value_parser!(PathBuf))
+                .help("TOML file with the same keys (underscores); flags override it")
+                .help_heading("Settings"),
+        );
+        for field in FIELDS {
+            let arg = Arg::new(field.key)
+                .long(field.flag())
+                .help(help_line(field))
+                .help_heading(field.heading);
+            cmd = match field.kind {
+                FieldKind::Switch | FieldKind::Shorthand => cmd.arg(arg.action(ArgAction::SetTrue)),
+                FieldKind::Toggle => {
+                    let no = negation(field);
+                    cmd.arg(arg.action(ArgAction::SetTrue).overrides_with(no.clone()))
+                        .arg(
+                            Arg::new(no)
+                                .long(format!("no-{}", field.flag()))
+                                .action(ArgAction::SetTrue)
+                                .overrides_with(field.key)
+                                .help(format!("Turn --{} off", field.flag()))
+                                .help_heading(field.heading),
+                        )
+                }
+                FieldKind::Value | FieldKind::Optional | FieldKind::List => {
+                    let parse = move |text: &str| field.parse(text);
+                    let arg = arg
+                        .value_name(field.value_name)
+                        .allow_negative_numbers(true)
+                        .value_parser(parse);
+                    cmd.arg(if field.kind == FieldKind::List {
+                        arg.num_args(1..)
+                    } else {
+                        arg
+                    })
+                }
+            };
+        }
+        cmd
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+/// A flag's help: the table's line, then its default and range.
+fn help_line(field: &Field) -> String {
+    let mut help = field.help().to_owned();
+    let default = field.default_text();
+    if !default.is_empty() && default != "none" {
+        help.push_str(&format!(" [default: {default}]"));
+    }
+    if let Some(range) = field.range.describe() {
+        help.push_str(&format!(" [range: {range}]"));
+    }
+    help
+}
+
+impl clap::FromArgMatches for SettingsArgs {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut args = SettingsArgs::default();
+        args.update_from_arg_matches(matches)?;
+        Ok(args)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        use serde_json::Value;
+        if let Some(config) = matches.get_one::<PathBuf>("config") {
+            self.config = Some(config.clone());
+        }
+        let mut layer = serde_json::Map::new();
+        for field in FIELDS {
+            let given = |id: &str| {
+                matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+                    && matches.get_flag(id)
+            };
+            let value = match field.kind {
+                FieldKind::Switch | FieldKind::Shorthand => {
+                    given(field.key).then_some(Value::Bool(true))
+                }
+                FieldKind::Toggle => {
+                    if given(field.key) {
+                        Some(Value::Bool(true))
+                    } else if given(&negation(field)) {
+                        Some(Value::Bool(false))
+                    } else {
+                        None
+                    }
+                }
+                FieldKind::Value | FieldKind::Optional => {
+                    matches.get_one::<Value>(field.key).cloned()
+                }
+                FieldKind::List => matches
+                    .get_many::<Value>(field.key)
+                    .map(|values| Value::Array(values.cloned().collect())),
+            };
+            if let Some(value) = value {
+                layer.insert(field.key.to_owned(), value);
+            }
+        }
+        self.raw = serde_json::from_value(Value::Object(layer))
+            .map_err(|error| clap::Error::raw(clap::error::ErrorKind::ValueValidation, error))?;
+        Ok(())
+    }
 }
 
 impl SettingsArgs {
@@ -150,49 +156,7 @@ impl SettingsArgs {
 
     /// The flag layer: a switch left out is `None`, so the file can set it.
     pub fn to_raw(&self) -> RawSettings {
-        let switch = |on: bool, off: bool| match (on, off) {
-            (true, _) => Some(true),
-            (_, true) => Some(false),
-            _ => None,
-        };
-        let flag = |given: bool| given.then_some(true);
-        RawSettings {
-            train_backend: self.train_backend,
-            colocate: flag(self.colocate),
-            offload: flag(self.offload),
-            offload_train: switch(self.offload_train, self.no_offload_train),
-            offload_rollout: switch(self.offload_rollout, self.no_offload_rollout),
-            offload_rollout_level: self.offload_rollout_level.clone(),
-            offload_train_target: self.offload_train_target,
-            offload_train_disk_dir: self.offload_train_disk_dir.clone(),
-            offload_train_disk_chunk_mb: self.offload_train_disk_chunk_mb,
-            stream_optimizer_state_to_disk: flag(self.stream_optimizer_state_to_disk),
-            stream_optimizer_state_moment_dtype: self.stream_optimizer_state_moment_dtype,
-            train_memory_margin_bytes: self.train_memory_margin_bytes,
-            fsdp_cpu_offload: flag(self.fsdp_cpu_offload),
-            device: self.device,
-            device_memory_gib: self.device_memory_gib,
-            preset: self.preset.clone(),
-            steps: self.steps,
-            rollout_batch_size: self.rollout_batch_size,
-            n_samples_per_prompt: self.n_samples_per_prompt,
-            global_batch_size: self.global_batch_size,
-            lr: self.lr,
-            seed: self.seed,
-            save: self.save.clone(),
-            save_interval: self.save_interval,
-            load: self.load.clone(),
-            tensor_model_parallel_size: self.tensor_model_parallel_size,
-            data_parallel_size: self.data_parallel_size,
-            rollout_mem_fraction: self.rollout_mem_fraction,
-            update_weight_buffer_size: self.update_weight_buffer_size,
-            advantage_estimator: self.advantage_estimator,
-            metrics: self.metrics.clone(),
-            memory_timeline: self.memory_timeline.clone(),
-            task: self.task,
-            sft_warmup_steps: self.sft_warmup_steps,
-            rollout_temperature: self.rollout_temperature,
-        }
+        self.raw.clone()
     }
 }
 

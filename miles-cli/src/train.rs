@@ -14,10 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use miles_core::backend::{Critic, RolloutEngine};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::device::NcclComm;
 use miles_core::model::{ByteTokenizer, LlamaConfig};
-use miles_core::orchestrator::{Critic, LmCritic, LoopConfig, Orchestrator, RolloutEngine};
+use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
 
 use crate::settings_args::{BadSettings, SettingsArgs};

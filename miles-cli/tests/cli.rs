@@ -593,3 +593,57 @@ fn tensor_parallel_without_gpus_exits_2_naming_the_device_flag() {
     assert!(err.contains("--tensor-parallel"), "{err}");
     assert!(err.contains("--device cuda"), "{err}");
 }
+
+#[test]
+fn the_readme_settings_table_is_the_one_the_settings_table_prints() {
+    let (table, _) = expect(&["check-config", "--table"], 0);
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    assert!(
+        readme.contains(table.trim()),
+        "README.md's settings table differs from `miles check-config --table`; paste its output:\n{table}"
+    );
+}
+
+#[test]
+fn check_config_text_is_a_config_file_even_with_a_newline_in_a_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let odd = dir.path().join("odd\nname");
+    let (text, _) = expect(
+        &[
+            "check-config",
+            "--offload-train",
+            "--offload-train-target",
+            "disk",
+            "--offload-train-disk-dir",
+            odd.to_str().unwrap(),
+        ],
+        0,
+    );
+    let file = dir.path().join("resolved.toml");
+    std::fs::write(&file, &text).unwrap();
+    let (again, _) = expect(
+        &["check-config", "--config", file.to_str().unwrap(), "--json"],
+        0,
+    );
+    let json: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(
+        json["offload_train_disk_dir"],
+        odd.to_str().unwrap(),
+        "{text}"
+    );
+}
+
+#[test]
+fn values_outside_their_ranges_exit_2_naming_the_flag() {
+    for (flag, value) in [
+        ("--offload-train-disk-chunk-mb", "17592186044416"),
+        ("--device-memory-gib", "1e30"),
+        ("--steps", "0"),
+        ("--lr", "-1"),
+    ] {
+        let (_, err) = expect(&["check-config", flag, value], 2);
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
+}

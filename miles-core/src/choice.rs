@@ -141,9 +141,21 @@ choice! {
 choice! {
     /// Where training tensors go when training is offloaded (`--offload-train-target`).
     pub enum OffloadTarget ("offload target") {
-        /// Pinned host memory.
-        Cpu => "cpu",
+        /// Host RAM (pinned on CUDA); spelled `cpu` as the reference system's flag does.
+        Host => "cpu",
         /// Files under `--offload-train-disk-dir`.
+        Disk => "disk",
+    }
+}
+
+choice! {
+    /// Where a memory region's bytes go while it is paused.
+    pub enum BackupPolicy ("backup policy") {
+        /// Nowhere: the contents are dropped (gradients, KV cache); resume gives unspecified bytes.
+        None => "none",
+        /// A host buffer from the memory manager's pool (pinned on CUDA).
+        Host => "host",
+        /// Checksummed chunk files in the memory manager's disk directory.
         Disk => "disk",
     }
 }

@@ -18,27 +18,25 @@ pub mod orchestrator;
 pub mod store;
 
 pub use backend::{
-    BackendError, Batch, DeviceWeights, NamedTensor, OffloadStats, RankOffload, StepStats,
-    TrainBackend, WeightBucket, WeightSink,
+    BackendError, Batch, Critic, DeviceWeights, EngineError, NamedTensor, OffloadStats,
+    RankOffload, RolloutEngine, Sample, Sampling, StepStats, TrainBackend, WeightBucket,
+    WeightSink,
 };
 pub use comm::{CommError, Communicator, HostGroup, LaunchEnv, LocalComm, exchange_id};
 pub use config::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Settings, SettingsError, Source, Sources, Task,
-    TrainBackendKind, UnknownChoice,
+    OptimizerStream, RawSettings, RolloutOffload, RolloutOffloadLevel, Settings, SettingsError,
+    Source, Sources, Task, TrainBackendKind, TrainOffload, UnknownChoice,
 };
 pub use device::{
-    AddressRange, CudaDevice, CudaOptions, Device, DeviceAddress, DeviceError, DeviceKind, Fence,
-    HostAllocation, HostBuffer, HostDevice, HostView, MemoryInfo, PendingWork, Pod, ViewAccess,
-    ViewClaim,
+    AddressRange, CpuDevice, CudaDevice, CudaOptions, Device, DeviceAddress, DeviceError,
+    DeviceKind, Fence, HostAllocation, HostBuffer, HostView, MemoryInfo, PendingWork, Pod,
+    ViewAccess, ViewClaim,
 };
 pub use memory::{
     BackupPolicy, Buffer, BufferView, BufferViewMut, DiskSettings, FreeError, ManagerSettings,
     MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
 };
 pub use metrics::{MemoryTimeline, MetricsError, MetricsWriter, Phase, StepMetrics};
-pub use orchestrator::{
-    Critic, EngineError, LoopConfig, Orchestrator, OrchestratorError, RolloutEngine, RunSummary,
-    Sample, Sampling,
-};
+pub use orchestrator::{LoopConfig, Orchestrator, OrchestratorError, RunSummary};
 pub use store::{DiskBackup, DiskStore, HostPool, StoreError};

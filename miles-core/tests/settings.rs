@@ -194,7 +194,7 @@ const CASES: &[(&str, &str, Expect)] = &[
         "colocated disk target with a zero chunk",
         "colocate = true\noffload_train_target = \"disk\"\noffload_train_disk_dir = \"{dir}\"\n\
          offload_train_disk_chunk_mb = 0",
-        Expect::Invalid(&["rule3:chunk"]),
+        Expect::Invalid(&["range:offload-train-disk-chunk-mb"]),
     ),
     (
         "disk directory under a regular file",

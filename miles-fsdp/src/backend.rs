@@ -5,14 +5,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use miles_core::backend::{TrainBackend, WeightSink, export_full_weights, sum_over_ranks};
-use miles_core::config::{DeviceChoice, OffloadTarget, Settings};
-use miles_core::memory::BackupPolicy;
+use miles_core::config::{DeviceChoice, OffloadTarget, Settings, TrainOffload};
 use miles_core::model::{
     LlamaConfig, ParamLayout, Transformer, init_params, load_params, save_checkpoint,
 };
 use miles_core::ops::AdamWConfig;
 use miles_core::{
-    BackendError, Batch, CommError, Communicator, Device, HostDevice, LocalComm, MemoryTag,
+    BackendError, Batch, CommError, Communicator, CpuDevice, Device, LocalComm, MemoryTag,
     OffloadStats, RankOffload, StepStats,
 };
 
@@ -62,7 +61,7 @@ impl FsdpBackend {
         }
         let config = LlamaConfig::preset(&settings.preset)?;
         let devices = (0..settings.data_parallel_size)
-            .map(|_| Arc::new(HostDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
+            .map(|_| Arc::new(CpuDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
             .collect();
         let mut backend = FsdpBackend::new(config, settings, devices)?;
         if let Some(dir) = &settings.load {
@@ -109,45 +108,15 @@ impl FsdpBackend {
                 devices.len()
             )));
         }
-        let native = if settings.fsdp_cpu_offload && settings.offload_train {
-            tracing::warn!(
-                "--fsdp-cpu-offload is disabled because --offload-train is on: core offload moves the \
-                 training state off the device, and native CPU offload would move the same bytes twice"
-            );
-            false
-        } else {
-            settings.fsdp_cpu_offload
-        };
-        let target = settings.offload_train_target;
-        let disk = match (target, &settings.offload_train_disk_dir) {
-            (OffloadTarget::Disk, None) => {
-                return Err(settings_error(
-                    "--offload-train-target disk needs --offload-train-disk-dir".into(),
-                ));
-            }
-            (_, Some(dir)) => {
-                let chunk = settings
-                    .offload_train_disk_chunk_mb
-                    .checked_mul(1 << 20)
-                    .and_then(|b| usize::try_from(b).ok())
-                    .ok_or_else(|| {
-                        settings_error(format!(
-                            "--offload-train-disk-chunk-mb {} does not fit this machine; give a smaller chunk",
-                            settings.offload_train_disk_chunk_mb
-                        ))
-                    })?;
-                Some((dir.clone(), chunk))
-            }
-            (_, None) => None,
-        };
+        // Rule 6 (native CPU offload yields to core offload) is settled when the settings resolve.
+        let native = settings.fsdp_cpu_offload && !settings.offload_train;
+        let offload =
+            TrainOffload::of(settings).map_err(|error| settings_error(error.to_string()))?;
         let setup = RankSetup {
             native,
-            policy: match target {
-                OffloadTarget::Cpu => BackupPolicy::Host,
-                OffloadTarget::Disk => BackupPolicy::Disk,
-            },
+            policy: offload.policy(),
             margin_bytes: settings.train_memory_margin_bytes,
-            disk,
+            offload: offload.clone(),
         };
         let model = Transformer::new(config);
         let layout = model.layout().clone();
@@ -175,7 +144,7 @@ impl FsdpBackend {
             },
             ranks,
             native,
-            target,
+            target: offload.target(),
             step: 0,
             offloaded: None,
         })
@@ -341,25 +310,9 @@ impl TrainBackend for FsdpBackend {
         Ok((logprobs, loss))
     }
 
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
         self.check_onloaded("offload")?;
-        if self.native && target == OffloadTarget::Disk {
-            return Err(BackendError::Settings {
-                backend: NAME,
-                reason: "native CPU offload keeps shards and optimizer state in host memory; \
-                         disk offload needs --offload-train (which turns native offload off)"
-                    .into(),
-            });
-        }
-        if !self.native && target != self.target {
-            return Err(BackendError::Settings {
-                backend: NAME,
-                reason: format!(
-                    "its regions back up to {}, set by --offload-train-target; offload to that target or restart with --offload-train-target {target}",
-                    self.target
-                ),
-            });
-        }
+        let target = self.target;
         let stats = self.offload_stats(target, false)?;
         self.offloaded = Some(target);
         tracing::debug!(%target, bytes = stats.bytes(), seconds = stats.seconds, "fsdp offloaded");
@@ -517,9 +470,9 @@ mod tests {
     fn misuse_of_offload_and_onload_is_a_clear_error() {
         let mut fsdp = tiny(2);
         assert!(matches!(fsdp.onload(), Err(BackendError::NotOffloaded)));
-        fsdp.offload(OffloadTarget::Cpu).unwrap();
+        fsdp.offload().unwrap();
         assert!(matches!(
-            fsdp.offload(OffloadTarget::Cpu),
+            fsdp.offload(),
             Err(BackendError::Offloaded { .. })
         ));
         let err = fsdp.train_step(&batch(2, 3)).unwrap_err();
@@ -535,15 +488,6 @@ mod tests {
     }
 
     #[test]
-    fn offload_to_another_target_than_the_regions_back_up_to_is_refused_by_flag() {
-        let mut fsdp = tiny(1);
-        let err = fsdp.offload(OffloadTarget::Disk).unwrap_err().to_string();
-        assert!(err.contains("--offload-train-target"), "{err}");
-        assert!(!fsdp.is_offloaded());
-        fsdp.train_step(&batch(1, 4)).unwrap();
-    }
-
-    #[test]
     fn settings_the_backend_cannot_run_are_refused_by_name() {
         let mut s = settings(1);
         s.tensor_model_parallel_size = 2;
@@ -554,13 +498,41 @@ mod tests {
         let err = FsdpBackend::from_settings(&s).unwrap_err().to_string();
         assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
         let s = settings(2);
-        let one: Vec<Arc<dyn Device>> = vec![Arc::new(HostDevice::new(1 << 28))];
+        let one: Vec<Arc<dyn Device>> = vec![Arc::new(CpuDevice::new(1 << 28))];
         let err = FsdpBackend::new(LlamaConfig::preset("tiny").unwrap(), &s, one)
             .unwrap_err()
             .to_string();
         assert!(err.contains("one device per rank"), "{err}");
         let err = tiny(2).train_step(&batch(1, 4)).unwrap_err().to_string();
         assert!(err.contains("2 data-parallel"), "{err}");
+    }
+
+    #[test]
+    fn an_onload_that_fails_half_way_leaves_the_backend_offloaded_and_can_be_retried() {
+        let device = Arc::new(CpuDevice::new(64 << 20));
+        let devices: Vec<Arc<dyn Device>> = vec![device.clone()];
+        let s = Settings {
+            offload_train: true,
+            ..settings(1)
+        };
+        let mut fsdp = FsdpBackend::new(LlamaConfig::preset("tiny").unwrap(), &s, devices).unwrap();
+        fsdp.train_step(&batch(1, 4)).unwrap();
+        let params = fsdp.region_bytes(&MemoryTag::Params).unwrap()[0];
+        fsdp.offload().unwrap();
+        // Another holder takes the device but for the parameters: the next tag cannot resume.
+        let free = device.memory_info().unwrap().free;
+        let granule = device.granularity() as u64;
+        let taken = (free - params) / granule * granule;
+        let held = device.reserve(taken as usize).unwrap();
+        device.commit(held).unwrap();
+        let err = fsdp.onload().unwrap_err();
+        assert!(matches!(err, BackendError::Memory(_)), "{err}");
+        assert!(fsdp.is_offloaded());
+        device.release(held).unwrap();
+        device.unreserve(held).unwrap();
+        fsdp.onload().unwrap();
+        assert!(!fsdp.is_offloaded());
+        fsdp.train_step(&batch(1, 4)).unwrap();
     }
 
     #[test]

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use miles_core::config::TrainOffload;
 use miles_core::memory::{
-    BackupPolicy, Buffer, DiskSettings, ManagerSettings, MemoryError, MemoryManager, MemoryTag,
-    OffloadReport,
+    BackupPolicy, Buffer, ManagerSettings, MemoryError, MemoryManager, MemoryTag, OffloadReport,
 };
 use miles_core::model::{ActivationLayout, TrainBatch, Transformer};
 use miles_core::ops::AdamWConfig;
@@ -30,8 +30,8 @@ pub(crate) struct RankSetup {
     pub policy: BackupPolicy,
     /// `--train-memory-margin-bytes`.
     pub margin_bytes: u64,
-    /// Where disk backups go (the store adds `rank-<rank>/`), with the chunk size.
-    pub disk: Option<(std::path::PathBuf, usize)>,
+    /// Where the parameter and optimizer regions offload to (the disk store per rank).
+    pub offload: TrainOffload,
 }
 
 /// One rank's state.
@@ -63,11 +63,7 @@ impl Rank {
             Arc::clone(&device),
             ManagerSettings {
                 margin_bytes: setup.margin_bytes,
-                disk: setup.disk.as_ref().map(|(dir, chunk_bytes)| DiskSettings {
-                    dir: dir.clone(),
-                    rank,
-                    chunk_bytes: *chunk_bytes,
-                }),
+                disk: setup.offload.disk(rank),
             },
         )?;
         let gather_tag = MemoryTag::Named(GATHER_TAG.into());
@@ -330,29 +326,14 @@ impl Rank {
     /// Pauses every tag (parameters and optimizer state to their backup, the rest dropped); on
     /// a failure the tags already paused come back and the error is returned.
     pub(crate) fn offload(&mut self) -> Result<Vec<OffloadReport>, BackendError> {
-        let mut reports = Vec::with_capacity(self.tags.len());
-        for tag in &self.tags {
-            match self.memory.pause(tag) {
-                Ok(report) => reports.push(report),
-                Err(error) => {
-                    for done in reports.iter().rev() {
-                        if let Err(undo) = self.memory.resume(&done.tag) {
-                            tracing::error!(tag = %done.tag, %undo, "cannot resume a tag after a failed offload");
-                        }
-                    }
-                    return Err(error.into());
-                }
-            }
-        }
+        let reports = self.memory.pause_all(&self.tags)?;
         Ok(reports)
     }
 
-    /// Resumes every tag and re-zeroes the gradient shards.
+    /// Resumes every tag and re-zeroes the gradient shards; on a failure the tags already
+    /// resumed are paused again, so the rank stays offloaded and a later onload can retry.
     pub(crate) fn onload(&mut self) -> Result<Vec<OffloadReport>, BackendError> {
-        let mut reports = Vec::with_capacity(self.tags.len());
-        for tag in &self.tags {
-            reports.push(self.memory.resume(tag)?);
-        }
+        let reports = self.memory.resume_all(&self.tags)?;
         if let ShardStore::Device { grads, .. } = &mut self.shards {
             grads.view_mut::<f32>()?.fill(0.0);
         }

@@ -11,54 +11,52 @@
 //! [`update_weights`]: InferenceController::update_weights
 //! [`onload_kv`]: InferenceController::onload_kv
 
-use miles_core::{
-    BackupPolicy, MemoryTag, OffloadReport, RegionState, RolloutOffloadLevel, Settings,
-};
+use miles_core::{BackupPolicy, MemoryTag, OffloadReport, RegionState, RolloutOffload, Settings};
 
 use crate::weights::{self, NamedTensor, WeightUpdateReport};
-use crate::{Generation, InferError, RolloutEngine, SamplingParams};
+use crate::{Engine, Generation, InferError, SamplingParams};
 
-/// Drives a [`RolloutEngine`] through the rollout / training switch.
+/// Drives a [`Engine`] through the rollout / training switch.
 #[derive(Debug)]
 pub struct InferenceController {
-    engine: RolloutEngine,
-    levels: Vec<RolloutOffloadLevel>,
+    engine: Engine,
+    levels: RolloutOffload,
     bucket_bytes: u64,
 }
 
 impl InferenceController {
     /// A controller offloading `levels` and updating weights in buckets of `bucket_bytes`.
-    pub fn new(engine: RolloutEngine, levels: &[RolloutOffloadLevel], bucket_bytes: u64) -> Self {
+    pub fn new(engine: Engine, levels: RolloutOffload, bucket_bytes: u64) -> Self {
         Self {
             engine,
-            levels: levels.to_vec(),
+            levels,
             bucket_bytes: bucket_bytes.max(1),
         }
     }
 
-    /// A controller with `--offload-rollout-level` and `--update-weight-buffer-size`.
-    pub fn from_settings(engine: RolloutEngine, settings: &Settings) -> Self {
+    /// A controller with the settings' rollout offload plan and `--update-weight-buffer-size`.
+    pub fn from_settings(engine: Engine, settings: &Settings) -> Self {
         Self::new(
             engine,
-            &settings.offload_rollout_level,
+            RolloutOffload::of(settings),
             settings.update_weight_buffer_size,
         )
     }
 
     /// The engine.
-    pub fn engine(&self) -> &RolloutEngine {
+    pub fn engine(&self) -> &Engine {
         &self.engine
     }
 
     /// The engine, to load checkpoints into.
-    pub fn engine_mut(&mut self) -> &mut RolloutEngine {
+    pub fn engine_mut(&mut self) -> &mut Engine {
         &mut self.engine
     }
 
-    /// Generates with the engine; see [`RolloutEngine::generate`].
+    /// Generates with the engine; see [`Engine::generate`].
     ///
     /// # Errors
-    /// As [`RolloutEngine::generate`]; [`InferError::Offloaded`] names what must come back.
+    /// As [`Engine::generate`]; [`InferError::Offloaded`] names what must come back.
     pub fn generate(
         &mut self,
         prompts: &[Vec<u32>],
@@ -149,13 +147,13 @@ impl InferenceController {
     /// As [`offload_kv`](Self::offload_kv) and [`offload_weights`](Self::offload_weights).
     pub fn offload(&mut self) -> Result<Vec<OffloadReport>, InferError> {
         let mut reports = Vec::new();
-        if self.levels.contains(&RolloutOffloadLevel::KvCache) {
+        if self.levels.kv_cache {
             reports.push(self.offload_kv()?);
         }
-        if self.levels.contains(&RolloutOffloadLevel::Weight) {
+        if self.levels.weights {
             reports.push(self.offload_weights()?);
         }
-        if self.levels.contains(&RolloutOffloadLevel::CudaGraph) {
+        if self.levels.cuda_graph {
             tracing::debug!("offload level cuda_graph: this engine captures no graphs");
         }
         Ok(reports)

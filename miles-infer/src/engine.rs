@@ -31,7 +31,7 @@ pub enum KvCapacity {
     Blocks(usize),
 }
 
-/// How a [`RolloutEngine`] is built.
+/// How a [`Engine`] is built.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// Positions per KV block.
@@ -100,7 +100,7 @@ fn kv_blocks(
     Ok(num_blocks)
 }
 
-/// What one [`RolloutEngine::generate`] call returns.
+/// What one [`Engine::generate`] call returns.
 #[derive(Clone, Debug)]
 pub struct Generation {
     /// One completion per sample, ordered by prompt, then sample.
@@ -118,7 +118,7 @@ pub struct Generation {
 /// of the engine's device memory. Weights start missing: load a checkpoint or send every tensor
 /// with [`write_tensors`](Self::write_tensors) before generating.
 #[derive(Debug)]
-pub struct RolloutEngine {
+pub struct Engine {
     memory: Arc<MemoryManager>,
     model: Transformer,
     tokenizer: ByteTokenizer,
@@ -141,7 +141,7 @@ enum Backend {
     Gpu(Box<GpuModel>),
 }
 
-impl RolloutEngine {
+impl Engine {
     /// An engine for `model_config` on the CPU device: creates the `weights` and `kv_cache`
     /// regions in `memory` and allocates both buffers.
     ///
@@ -159,7 +159,7 @@ impl RolloutEngine {
             return Err(InferError::BadParameter {
                 what: "engine device",
                 reason: format!(
-                    "the memory manager allocates on {}; build the engine with RolloutEngine::on_gpu and a Gpu of that device",
+                    "the memory manager allocates on {}; build the engine with Engine::on_gpu and a Gpu of that device",
                     memory.device().name()
                 ),
             });

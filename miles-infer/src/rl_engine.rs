@@ -1,7 +1,7 @@
-//! The colocated loop's view of the controller: [`miles_core::orchestrator::RolloutEngine`].
+//! The colocated loop's view of the controller: [`miles_core::backend::RolloutEngine`].
 
 use miles_core::backend::{DeviceWeights, WeightBucket};
-use miles_core::orchestrator::{EngineError, RolloutEngine as LoopEngine, Sample, Sampling};
+use miles_core::backend::{EngineError, RolloutEngine as LoopEngine, Sample, Sampling};
 use miles_core::{MemoryTag, OffloadReport, RegionState};
 
 use crate::{FinishReason, InferError, InferenceController, NamedTensor, SamplingParams};

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use miles_core::model::ParamLayout;
 pub use safetensors::Dtype;
 
-use crate::{InferError, RolloutEngine};
+use crate::{Engine, InferError};
 
 /// The elements of a [`NamedTensor`].
 #[derive(Clone, Copy, Debug)]
@@ -158,7 +158,7 @@ fn elements<'a>(t: &NamedTensor<'a>, staging: &'a mut Vec<f32>) -> &'a [f32] {
 /// [`InferError::WeightMismatch`] listing every unknown name, wrong shape, dtype or length;
 /// [`InferError::Offloaded`] while the weights are offloaded.
 pub(crate) fn update_weights(
-    engine: &mut RolloutEngine,
+    engine: &mut Engine,
     tensors: &[NamedTensor<'_>],
     bucket_bytes: u64,
 ) -> Result<WeightUpdateReport, InferError> {
@@ -213,13 +213,13 @@ mod tests {
     use std::sync::Arc;
 
     use miles_core::model::LlamaConfig;
-    use miles_core::{BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager};
+    use miles_core::{BackupPolicy, CpuDevice, Device, ManagerSettings, MemoryManager};
 
     use super::*;
     use crate::{EngineConfig, KvCapacity};
 
-    fn engine() -> RolloutEngine {
-        let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 << 20));
+    fn engine() -> Engine {
+        let device: Arc<dyn Device> = Arc::new(CpuDevice::new(64 << 20));
         let settings = ManagerSettings {
             margin_bytes: 0,
             disk: None,
@@ -232,7 +232,7 @@ mod tests {
             weights_policy: BackupPolicy::Host,
             share_prompt_blocks: true,
         };
-        RolloutEngine::new(memory, LlamaConfig::preset("tiny").unwrap(), config).unwrap()
+        Engine::new(memory, LlamaConfig::preset("tiny").unwrap(), config).unwrap()
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Megatron-style training backend of miles: tensor-parallel shards, contiguous parameter and
-//! gradient buffers, a distributed optimizer, and `offload(target)` through the core memory
+//! gradient buffers, a distributed optimizer, and `offload()` through the core memory
 //! manager.
 //!
 //! A user can depend on this crate alone: it re-exports what a training loop needs of the core.
@@ -41,7 +41,7 @@ mod trainer;
 pub use checkpoint::OPTIMIZER_DIR;
 pub use gpu::{MegatronFiles, MegatronGpu, gpu_trainer};
 pub use miles_core::backend::TrainBackend;
-pub use miles_core::config::{MomentDtype, OffloadTarget, Settings};
+pub use miles_core::config::{MomentDtype, OffloadTarget, OptimizerStream, Settings, TrainOffload};
 pub use miles_core::model::LlamaConfig;
 pub use miles_core::ops::AdamWConfig;
 pub use miles_core::{

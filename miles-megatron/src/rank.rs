@@ -13,12 +13,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use miles_core::config::{MomentDtype, OffloadTarget};
+use miles_core::config::MomentDtype;
 use miles_core::model::{ActivationLayout, ParamLayout, TrainBatch, Transformer};
 use miles_core::ops::{AdamWConfig, adamw_update, clip_scale};
 use miles_core::{
-    BackendError, BackupPolicy, Buffer, Communicator, DiskSettings, DiskStore, HostDevice,
-    HostPool, ManagerSettings, MemoryManager, MemoryTag, RankOffload,
+    BackendError, BackupPolicy, Buffer, Communicator, CpuDevice, DiskSettings, DiskStore, HostPool,
+    ManagerSettings, MemoryManager, MemoryTag, RankOffload,
 };
 
 use crate::shard::{Split, split_of};
@@ -58,7 +58,7 @@ pub(crate) struct RankSpec {
     pub adamw: AdamWConfig,
     pub device_bytes: u64,
     pub margin_bytes: u64,
-    pub target: OffloadTarget,
+    pub backup: BackupPolicy,
     pub disk: Option<DiskSettings>,
     pub stream: Option<StreamSpec>,
 }
@@ -83,7 +83,7 @@ enum Moments {
 pub(crate) struct Rank {
     pub grid: Grid,
     comms: Option<Comms>,
-    host: Arc<HostDevice>,
+    host: Arc<CpuDevice>,
     manager: Arc<MemoryManager>,
     model: Transformer,
     adamw: AdamWConfig,
@@ -111,7 +111,7 @@ impl Rank {
         local_params: &[f32],
     ) -> Result<Rank, BackendError> {
         let grid = spec.grid;
-        let host = Arc::new(HostDevice::new(spec.device_bytes));
+        let host = Arc::new(CpuDevice::new(spec.device_bytes));
         let device: Arc<dyn miles_core::Device> = host.clone();
         let manager = Arc::new(MemoryManager::new(
             Arc::clone(&device),
@@ -124,10 +124,7 @@ impl Rank {
         let local_len = layout.len();
         let shard_len = local_len.div_ceil(grid.dp);
         let padded = shard_len * grid.dp;
-        let backup = match spec.target {
-            OffloadTarget::Cpu => BackupPolicy::Host,
-            OffloadTarget::Disk => BackupPolicy::Disk,
-        };
+        let backup = spec.backup;
         manager.create_region(MemoryTag::Params, backup, padded * F32)?;
         manager.create_region(
             MemoryTag::Grads,
@@ -405,20 +402,7 @@ impl Rank {
     pub(crate) fn offload(&mut self) -> Result<RankOffload, BackendError> {
         self.check_active("offload")?;
         let start = Instant::now();
-        let mut reports = Vec::new();
-        for tag in self.tags() {
-            match self.manager.pause(&tag) {
-                Ok(report) => reports.push(report),
-                Err(error) => {
-                    for done in reports.iter().rev() {
-                        if let Err(undo) = self.manager.resume(&done.tag) {
-                            tracing::error!(rank = self.grid.rank, tag = %done.tag, %undo, "cannot resume a tag after a failed offload");
-                        }
-                    }
-                    return Err(error.into());
-                }
-            }
-        }
+        let reports = self.manager.pause_all(&self.tags())?;
         self.offloaded = true;
         Ok(RankOffload::new(
             self.grid.rank,
@@ -433,12 +417,7 @@ impl Rank {
             return Err(BackendError::NotOffloaded);
         }
         let start = Instant::now();
-        let mut reports = Vec::new();
-        for tag in self.tags() {
-            if self.manager.state(&tag)? == miles_core::RegionState::Paused {
-                reports.push(self.manager.resume(&tag)?);
-            }
-        }
+        let reports = self.manager.resume_all(&self.tags())?;
         self.grads.view_mut::<f32>()?.fill(0.0);
         self.grad_shard.view_mut::<f32>()?.fill(0.0);
         self.offloaded = false;

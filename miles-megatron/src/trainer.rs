@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use miles_core::backend::{TrainBackend, sum_over_ranks};
 use miles_core::backend::{export_full_weights, load_checkpoint_of};
-use miles_core::config::{OffloadTarget, Settings};
+use miles_core::config::{OptimizerStream, Settings, TrainOffload};
 use miles_core::model::{LlamaConfig, ParamLayout, Transformer, init_params, save_checkpoint};
 use miles_core::ops::AdamWConfig;
 use miles_core::{
-    BackendError, Batch, CommError, Communicator, DiskSettings, LocalComm, MemoryManager,
-    MemoryTag, OffloadStats, RankOffload, StepStats, WeightSink,
+    BackendError, Batch, CommError, Communicator, LocalComm, MemoryManager, MemoryTag,
+    OffloadStats, RankOffload, StepStats, WeightSink,
 };
 
 use crate::checkpoint::{own_slice, read_full_optimizer, write_optimizer};
@@ -67,13 +67,9 @@ pub struct MegatronOptions {
     /// Free memory a resume must leave (`--train-memory-margin-bytes`).
     pub margin_bytes: u64,
     /// Where [`TrainBackend::offload`] sends parameters and optimizer state.
-    pub offload_target: OffloadTarget,
-    /// Offload directory and chunk size, for the disk target and optimizer streaming.
-    pub disk_dir: Option<std::path::PathBuf>,
-    /// Disk chunk size in bytes.
-    pub disk_chunk_bytes: usize,
-    /// Keep the Adam moments on disk, streamed bucket by bucket, in this dtype.
-    pub stream_optimizer: Option<miles_core::config::MomentDtype>,
+    pub offload: TrainOffload,
+    /// Keep the Adam moments on disk, streamed bucket by bucket.
+    pub stream_optimizer: Option<OptimizerStream>,
 }
 
 impl Default for MegatronOptions {
@@ -85,9 +81,7 @@ impl Default for MegatronOptions {
             adamw: AdamWConfig::default(),
             device_bytes: 4 << 30,
             margin_bytes: 0,
-            offload_target: OffloadTarget::Cpu,
-            disk_dir: None,
-            disk_chunk_bytes: 64 << 20,
+            offload: TrainOffload::Host,
             stream_optimizer: None,
         }
     }
@@ -106,8 +100,13 @@ pub fn init_weights(config: &LlamaConfig, seed: u64) -> Result<Vec<f32>, Backend
 
 impl MegatronOptions {
     /// The options `settings` ask for.
-    pub fn from_settings(settings: &Settings) -> MegatronOptions {
-        MegatronOptions {
+    ///
+    /// # Errors
+    /// [`BackendError::Settings`] for a disk target or optimizer streaming without a usable disk
+    /// directory or chunk (settings that did not go through [`Settings::resolve`]).
+    pub fn from_settings(settings: &Settings) -> Result<MegatronOptions, BackendError> {
+        let refused = |error: miles_core::config::SettingsError| invalid(error.to_string());
+        Ok(MegatronOptions {
             tensor_parallel: settings.tensor_model_parallel_size,
             data_parallel: settings.data_parallel_size,
             adamw: AdamWConfig {
@@ -116,14 +115,9 @@ impl MegatronOptions {
             },
             device_bytes: settings.device_memory_bytes(),
             margin_bytes: settings.train_memory_margin_bytes,
-            offload_target: settings.offload_train_target,
-            disk_dir: settings.offload_train_disk_dir.clone(),
-            disk_chunk_bytes: usize::try_from(settings.offload_train_disk_chunk_mb << 20)
-                .unwrap_or(usize::MAX),
-            stream_optimizer: settings
-                .stream_optimizer_state_to_disk
-                .then_some(settings.stream_optimizer_state_moment_dtype),
-        }
+            offload: TrainOffload::of(settings).map_err(refused)?,
+            stream_optimizer: OptimizerStream::of(settings).map_err(refused)?,
+        })
     }
 }
 
@@ -150,7 +144,7 @@ impl MegatronTrainer {
     pub fn from_settings(settings: &Settings) -> Result<MegatronTrainer, BackendError> {
         let config = LlamaConfig::preset(&settings.preset)?;
         let params = init_weights(&config, settings.seed)?;
-        MegatronTrainer::new(config, &params, MegatronOptions::from_settings(settings))
+        MegatronTrainer::new(config, &params, MegatronOptions::from_settings(settings)?)
     }
 
     /// A trainer of `config` starting from the full weights `params`.
@@ -172,13 +166,6 @@ impl MegatronTrainer {
         let local_config = shard_config(&config, tp)?;
         let full_layout = ParamLayout::new(&config);
         full_layout.check("params", params)?;
-        let needs_disk =
-            options.offload_target == OffloadTarget::Disk || options.stream_optimizer.is_some();
-        if needs_disk && options.disk_dir.is_none() {
-            return Err(invalid(
-                "disk offload and optimizer streaming need --offload-train-disk-dir".to_string(),
-            ));
-        }
         let local_model = Transformer::new(local_config);
         let local_layout = local_model.layout().clone();
         let full = Arc::new(params.to_vec());
@@ -186,31 +173,18 @@ impl MegatronTrainer {
         let mut workers = Vec::with_capacity(tp * dp);
         for (rank, comm) in comms.into_iter().enumerate() {
             let grid = Grid { rank, tp, dp };
-            let disk_for = |sub: &str| {
-                options.disk_dir.as_ref().map(|dir| DiskSettings {
-                    dir: dir.join(sub),
-                    rank,
-                    chunk_bytes: options.disk_chunk_bytes,
-                })
-            };
             let spec = RankSpec {
                 grid,
                 model: local_model.clone(),
                 adamw: options.adamw,
                 device_bytes: options.device_bytes,
                 margin_bytes: options.margin_bytes,
-                target: options.offload_target,
-                disk: if options.offload_target == OffloadTarget::Disk {
-                    disk_for("offload")
-                } else {
-                    None
-                },
-                stream: options.stream_optimizer.and_then(|dtype| {
-                    disk_for("optimizer").map(|disk| StreamSpec {
-                        dtype,
-                        bucket_bytes: disk.chunk_bytes,
-                        disk,
-                    })
+                backup: options.offload.policy(),
+                disk: options.offload.disk(rank),
+                stream: options.stream_optimizer.as_ref().map(|stream| StreamSpec {
+                    dtype: stream.dtype,
+                    bucket_bytes: stream.bucket_bytes,
+                    disk: stream.disk(rank),
                 }),
             };
             workers.push(spawn_rank(
@@ -372,7 +346,7 @@ impl MegatronTrainer {
             })
             .collect::<Result<_, _>>()?;
         Ok(OffloadStats {
-            target: self.options.offload_target,
+            target: self.options.offload.target(),
             ranks,
             seconds: start.elapsed().as_secs_f64(),
         })
@@ -594,14 +568,8 @@ impl TrainBackend for MegatronTrainer {
         Ok((all, loss))
     }
 
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
         self.check_on_device("offload")?;
-        if target != self.options.offload_target {
-            return Err(invalid(format!(
-                "this trainer was built to offload to {}, not {target}; build it with --offload-train-target {target}",
-                self.options.offload_target
-            )));
-        }
         let start = Instant::now();
         let result = self.run_all(false, |_| {
             Box::new(|rank| Ok(Reply::Offload(rank.offload()?)))

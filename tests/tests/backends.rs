@@ -17,7 +17,7 @@ use miles_core::backend::TrainBackend;
 use miles_core::config::{Settings, TrainBackendKind};
 use miles_core::model::LlamaConfig;
 use miles_core::ops::AdamWConfig;
-use miles_core::{Batch, Device, HostDevice};
+use miles_core::{Batch, CpuDevice, Device};
 use miles_fsdp::FsdpBackend;
 use miles_megatron::{MegatronOptions, MegatronTrainer, init_weights};
 
@@ -43,7 +43,7 @@ fn fsdp(dp: usize) -> FsdpBackend {
         ..Settings::default()
     };
     let devices = (0..dp)
-        .map(|_| Arc::new(HostDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
+        .map(|_| Arc::new(CpuDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
         .collect();
     FsdpBackend::new(tiny(), &settings, devices).unwrap()
 }

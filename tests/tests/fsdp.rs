@@ -15,7 +15,7 @@ use miles_core::backend::TrainBackend;
 use miles_core::config::{OffloadTarget, RawSettings, Settings, TrainBackendKind as BackendChoice};
 use miles_core::model::{LlamaConfig, Trainer, Transformer, init_params};
 use miles_core::ops::AdamWConfig;
-use miles_core::{Batch, Device, HostDevice, MemoryTag};
+use miles_core::{Batch, CpuDevice, Device, MemoryTag};
 use miles_fsdp::FsdpBackend;
 
 const STEPS: usize = 5;
@@ -35,7 +35,7 @@ fn settings(dp: usize) -> Settings {
 
 fn devices(dp: usize, settings: &Settings) -> Vec<Arc<dyn Device>> {
     (0..dp)
-        .map(|_| Arc::new(HostDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
+        .map(|_| Arc::new(CpuDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
         .collect()
 }
 
@@ -156,7 +156,7 @@ fn offload_trajectory(target: OffloadTarget, dir: Option<&Path>) {
     let mut losses = Vec::new();
     for step in 0..STEPS {
         losses.extend(train(&mut cycled, &config, step..step + 1, b, t));
-        let out = cycled.offload(target).unwrap();
+        let out = cycled.offload().unwrap();
         assert!(cycled.is_offloaded());
         assert_eq!(out.ranks.len(), 2);
         for rank in &out.ranks {
@@ -205,7 +205,7 @@ fn offload_trajectory(target: OffloadTarget, dir: Option<&Path>) {
 
 #[test]
 fn offload_cycles_to_cpu_between_steps_leave_the_trajectory_bit_exact() {
-    offload_trajectory(OffloadTarget::Cpu, None);
+    offload_trajectory(OffloadTarget::Host, None);
 }
 
 #[test]
@@ -305,10 +305,8 @@ fn native_cpu_offload_trains_to_the_same_losses_holding_one_unit_and_activations
             "{resident} vs {peak}"
         );
     }
-    // Its state already lives on the host: an offload frees the device's transient buffers
-    // only, and refuses the disk (that is core offload's job, with --offload-train).
-    assert!(native.offload(OffloadTarget::Disk).is_err());
-    native.offload(OffloadTarget::Cpu).unwrap();
+    // Its state already lives on the host: an offload frees the device's transient buffers only.
+    native.offload().unwrap();
     assert!(native.device_bytes().unwrap().iter().all(|&d| d == 0));
     native.onload().unwrap();
     let next = train(&mut native, &config, 3..4, b, t);
@@ -384,20 +382,16 @@ fn fsdp_cpu_offload_with_offload_train_warns_once_end_to_end_and_native_offload_
             .iter()
             .all(|&b| b > 0)
     );
-    let out = fsdp.offload(OffloadTarget::Cpu).unwrap();
+    let out = fsdp.offload().unwrap();
     assert!(out.bytes() > 0);
 
-    // Settings that skipped validation get the rule, and its one warning, from the backend.
-    let captured = capturing(|| {
-        let s = Settings {
-            offload_train: true,
-            fsdp_cpu_offload: true,
-            ..settings(1)
-        };
-        let fsdp = backend(&tiny(), &s);
-        assert!(!fsdp.native_cpu_offload());
-    });
-    assert_eq!(captured.warnings_about("--fsdp-cpu-offload"), 1);
+    // Settings that skipped validation still get the rule (warned once, where settings resolve).
+    let s = Settings {
+        offload_train: true,
+        fsdp_cpu_offload: true,
+        ..settings(1)
+    };
+    assert!(!backend(&tiny(), &s).native_cpu_offload());
 }
 
 #[test]

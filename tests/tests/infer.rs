@@ -9,17 +9,17 @@
 use std::sync::Arc;
 
 use half::bf16;
+use miles_core::backend::RolloutEngine as LoopEngine;
 use miles_core::backend::{BackendError, Batch, DeviceWeights, TrainBackend};
 use miles_core::device::{GpuSlice, OpenedDevice, open_test_device};
 use miles_core::model::{LlamaConfig, ParamLayout, init_params};
-use miles_core::orchestrator::RolloutEngine as LoopEngine;
 use miles_core::{
-    AddressRange, BackupPolicy, Device, Fence, HostDevice, ManagerSettings, MemoryManager,
-    MemoryTag, OffloadTarget, RegionState, RolloutOffloadLevel, Settings,
+    AddressRange, BackupPolicy, CpuDevice, Device, Fence, ManagerSettings, MemoryManager,
+    MemoryTag, RegionState, RolloutOffload, RolloutOffloadLevel, Settings,
 };
 use miles_infer::{
-    Completion, Dtype, EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor,
-    RolloutEngine, SamplingParams, TensorData,
+    Completion, Dtype, Engine, EngineConfig, InferError, InferenceController, KvCapacity,
+    NamedTensor, SamplingParams, TensorData,
 };
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -41,7 +41,7 @@ fn params_of(config: &LlamaConfig, seed: u64) -> Vec<f32> {
 }
 
 struct Setup {
-    device: Arc<HostDevice>,
+    device: Arc<CpuDevice>,
     controller: InferenceController,
     params: Vec<f32>,
 }
@@ -57,7 +57,7 @@ fn engine_config(policy: BackupPolicy, kv: KvCapacity) -> EngineConfig {
 }
 
 fn setup_with(cfg: EngineConfig, levels: &[RolloutOffloadLevel], bucket: u64) -> Setup {
-    let device = Arc::new(HostDevice::new(256 * MIB));
+    let device = Arc::new(CpuDevice::new(256 * MIB));
     let dyn_device: Arc<dyn Device> = device.clone();
     let settings = ManagerSettings {
         margin_bytes: 0,
@@ -66,10 +66,11 @@ fn setup_with(cfg: EngineConfig, levels: &[RolloutOffloadLevel], bucket: u64) ->
     let memory = Arc::new(MemoryManager::new(dyn_device, settings).unwrap());
     let config = config();
     let params = params_of(&config, 7);
-    let engine = RolloutEngine::new(memory, config, cfg).unwrap();
+    let engine = Engine::new(memory, config, cfg).unwrap();
     let layout = engine.layout().clone();
     let tensors = named(&layout, &params);
-    let mut controller = InferenceController::new(engine, levels, bucket);
+    let mut controller =
+        InferenceController::new(engine, RolloutOffload::from_levels(levels), bucket);
     controller.update_weights(&tensors).unwrap();
     Setup {
         device,
@@ -402,24 +403,24 @@ fn bad_requests_are_refused_naming_the_fault() {
 
 #[test]
 fn a_fresh_engine_refuses_to_generate_until_weights_arrive() {
-    let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 * MIB));
+    let device: Arc<dyn Device> = Arc::new(CpuDevice::new(64 * MIB));
     let settings = ManagerSettings {
         margin_bytes: 0,
         disk: None,
     };
     let memory = Arc::new(MemoryManager::new(device, settings).unwrap());
     let cfg = engine_config(BackupPolicy::Host, KvCapacity::MemFraction(0.5));
-    let mut engine = RolloutEngine::new(Arc::clone(&memory), config(), cfg.clone()).unwrap();
+    let mut engine = Engine::new(Arc::clone(&memory), config(), cfg.clone()).unwrap();
     assert!(engine.kv_blocks() > 0);
     let err = engine.generate(&prompts(), &sampling()).unwrap_err();
     assert!(matches!(err, InferError::WeightsMissing { .. }), "{err}");
-    let err = RolloutEngine::new(memory, config(), cfg).unwrap_err();
+    let err = Engine::new(memory, config(), cfg).unwrap_err();
     assert!(
         matches!(err, InferError::Memory { .. }),
         "a second engine on the same tags: {err}"
     );
 
-    let device: Arc<dyn Device> = Arc::new(HostDevice::new(64 * MIB));
+    let device: Arc<dyn Device> = Arc::new(CpuDevice::new(64 * MIB));
     let memory = Arc::new(
         MemoryManager::new(
             device,
@@ -431,7 +432,7 @@ fn a_fresh_engine_refuses_to_generate_until_weights_arrive() {
         .unwrap(),
     );
     let zero = engine_config(BackupPolicy::Host, KvCapacity::Blocks(0));
-    let err = RolloutEngine::new(memory, config(), zero).unwrap_err();
+    let err = Engine::new(memory, config(), zero).unwrap_err();
     assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
 }
 
@@ -555,8 +556,8 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
             .unwrap(),
         );
         let cfg = engine_config(BackupPolicy::Host, KvCapacity::Blocks(256));
-        let engine = RolloutEngine::on_gpu(memory, Arc::clone(&gpu), model.clone(), cfg).unwrap();
-        InferenceController::new(engine, &[], 64 * MIB)
+        let engine = Engine::on_gpu(memory, Arc::clone(&gpu), model.clone(), cfg).unwrap();
+        InferenceController::new(engine, RolloutOffload::default(), 64 * MIB)
     };
 
     let mut host = engine();
@@ -579,7 +580,7 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
     let bytes = copied.copy_device_weights(&weights).unwrap();
     assert_eq!(bytes, Some(len as u64 * 2));
     // The copy is complete: the trainer may sleep before the engine generates.
-    trainer.offload(OffloadTarget::Cpu).unwrap();
+    trainer.offload().unwrap();
     assert!(trainer.device_weights().unwrap().is_none());
 
     let greedy = SamplingParams {

@@ -11,10 +11,10 @@ use miles_core::config::TrainBackendKind as BackendChoice;
 use miles_core::model::{ByteTokenizer, LlamaConfig};
 use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator, RunSummary};
 use miles_core::{
-    AdvantageEstimator, BackupPolicy, HostDevice, ManagerSettings, MemoryManager, OffloadTarget,
+    AdvantageEstimator, BackupPolicy, CpuDevice, ManagerSettings, MemoryManager, OffloadTarget,
     Phase, RolloutOffloadLevel, Settings, StepMetrics, Task,
 };
-use miles_infer::{EngineConfig, InferenceController, RolloutEngine};
+use miles_infer::{Engine, EngineConfig, InferenceController};
 
 const BACKENDS: [BackendChoice; 2] = [BackendChoice::Megatron, BackendChoice::Fsdp];
 
@@ -66,7 +66,7 @@ fn trainer(s: &Settings) -> Box<dyn TrainBackend> {
 }
 
 fn engine(s: &Settings) -> (InferenceController, Arc<MemoryManager>) {
-    let device = Arc::new(HostDevice::new(s.device_memory_bytes()));
+    let device = Arc::new(CpuDevice::new(s.device_memory_bytes()));
     let settings = ManagerSettings {
         margin_bytes: 0,
         disk: None,
@@ -77,7 +77,7 @@ fn engine(s: &Settings) -> (InferenceController, Arc<MemoryManager>) {
         weights_policy: BackupPolicy::None,
         ..EngineConfig::from_settings(s)
     };
-    let engine = RolloutEngine::new(Arc::clone(&memory), tiny(), config).unwrap();
+    let engine = Engine::new(Arc::clone(&memory), tiny(), config).unwrap();
     (InferenceController::from_settings(engine, s), memory)
 }
 
@@ -114,7 +114,7 @@ fn rewards_and_losses(steps: &[StepMetrics]) -> Vec<(u32, u32, u32)> {
 /// Colocated, both rollout levels, training state to the host.
 fn colocated(backend: BackendChoice) -> Settings {
     use RolloutOffloadLevel::{KvCache, Weight};
-    settings(backend, true, OffloadTarget::Cpu, &[KvCache, Weight])
+    settings(backend, true, OffloadTarget::Host, &[KvCache, Weight])
 }
 
 #[test]
@@ -122,9 +122,9 @@ fn offload_changes_no_reward_and_no_loss_for_every_backend_target_and_level() {
     use RolloutOffloadLevel::{KvCache, Weight};
     let disk = tempfile::tempdir().unwrap();
     for backend in BACKENDS {
-        let plain = settings(backend, false, OffloadTarget::Cpu, &[KvCache, Weight]);
+        let plain = settings(backend, false, OffloadTarget::Host, &[KvCache, Weight]);
         let (_, baseline) = run(&mut orchestrator(&plain));
-        for target in [OffloadTarget::Cpu, OffloadTarget::Disk] {
+        for target in [OffloadTarget::Host, OffloadTarget::Disk] {
             for levels in [&[KvCache][..], &[KvCache, Weight][..]] {
                 let mut s = settings(backend, true, target, levels);
                 if target == OffloadTarget::Disk {

@@ -6,7 +6,7 @@
 
 use miles_megatron::{
     BackendError, Batch, LlamaConfig, MegatronOptions, MegatronTrainer, MomentDtype, OffloadTarget,
-    TrainBackend, init_weights,
+    OptimizerStream, TrainBackend, TrainOffload, init_weights,
 };
 
 const STEPS: usize = 5;
@@ -98,16 +98,21 @@ fn tensor_and_data_parallel_layouts_give_the_single_rank_losses() {
 #[test]
 fn an_offload_cycle_between_steps_leaves_the_trajectory_bit_exact() {
     let dir = tempfile::tempdir().unwrap();
-    for target in [OffloadTarget::Cpu, OffloadTarget::Disk] {
+    for target in [OffloadTarget::Host, OffloadTarget::Disk] {
+        let offload = match target {
+            OffloadTarget::Host => TrainOffload::Host,
+            OffloadTarget::Disk => TrainOffload::Disk {
+                dir: dir.path().join(target.to_string()),
+                chunk_bytes: 64 << 10,
+            },
+        };
         let opts = MegatronOptions {
-            offload_target: target,
-            disk_dir: Some(dir.path().join(target.to_string())),
-            disk_chunk_bytes: 64 << 10,
+            offload,
             ..options(2, 2)
         };
         let reference = losses(&mut trainer(opts.clone()), |_| {});
         let got = losses(&mut trainer(opts), |t| {
-            let out = t.offload(target).unwrap();
+            let out = t.offload().unwrap();
             assert_eq!(out.ranks.len(), 4);
             assert!(out.ranks.iter().all(|r| r.bytes > 0));
             let back = t.onload().unwrap();
@@ -127,7 +132,7 @@ fn after_offload_the_resident_bytes_of_the_tags_are_near_zero() {
     let mut t = trainer(options(2, 1));
     t.train_step(&batch(1, 2, 16)).unwrap();
     let before = t.resident_bytes().unwrap();
-    t.offload(OffloadTarget::Cpu).unwrap();
+    t.offload().unwrap();
     let during = t.resident_bytes().unwrap();
     t.onload().unwrap();
     for (rank, (b, d)) in before.iter().zip(&during).enumerate() {
@@ -146,16 +151,22 @@ fn streaming_the_optimizer_state_is_exact_in_fp32_and_close_in_bf16() {
     let dir = tempfile::tempdir().unwrap();
     let reference = losses(&mut trainer(options(2, 2)), |_| {});
     for (dtype, tolerance) in [(MomentDtype::Fp32, 0.0), (MomentDtype::Bf16, 1e-5)] {
+        let disk = dir.path().join(dtype.to_string());
         let opts = MegatronOptions {
-            stream_optimizer: Some(dtype),
-            offload_target: OffloadTarget::Disk,
-            disk_dir: Some(dir.path().join(dtype.to_string())),
-            disk_chunk_bytes: 16 << 10,
+            stream_optimizer: Some(OptimizerStream {
+                dtype,
+                dir: disk.clone(),
+                bucket_bytes: 16 << 10,
+            }),
+            offload: TrainOffload::Disk {
+                dir: disk,
+                chunk_bytes: 16 << 10,
+            },
             ..options(2, 2)
         };
         // Offload cycles between the steps, as a colocated run streaming its optimizer does.
         let got = losses(&mut trainer(opts), |t| {
-            t.offload(OffloadTarget::Disk).unwrap();
+            t.offload().unwrap();
             t.onload().unwrap();
         });
         let worst = worst_relative(&got, &reference);
@@ -257,8 +268,7 @@ fn a_checkpoint_saved_at_tp_2_dp_2_resumes_at_other_tensor_and_data_parallel_siz
 fn misuse_and_failures_are_clear_errors() {
     let mut t = trainer(options(2, 1));
     assert!(matches!(t.onload(), Err(BackendError::NotOffloaded)));
-    assert!(t.offload(OffloadTarget::Disk).is_err());
-    t.offload(OffloadTarget::Cpu).unwrap();
+    t.offload().unwrap();
     let err = t.train_step(&batch(0, 2, 8)).unwrap_err();
     assert!(matches!(err, BackendError::Offloaded { .. }), "{err}");
     t.onload().unwrap();
@@ -278,15 +288,16 @@ fn misuse_and_failures_are_clear_errors() {
     // A disk that cannot take the files: the offload fails, the trainer stays usable.
     let dir = tempfile::tempdir().unwrap();
     let mut t = trainer(MegatronOptions {
-        offload_target: OffloadTarget::Disk,
-        disk_dir: Some(dir.path().to_path_buf()),
-        disk_chunk_bytes: 64 << 10,
+        offload: TrainOffload::Disk {
+            dir: dir.path().to_path_buf(),
+            chunk_bytes: 64 << 10,
+        },
         ..options(1, 1)
     });
     let rank_dir = dir.path().join("offload").join("rank-0");
     std::fs::remove_dir_all(&rank_dir).unwrap();
     std::fs::write(&rank_dir, b"not a directory").unwrap();
-    let err = t.offload(OffloadTarget::Disk).unwrap_err();
+    let err = t.offload().unwrap_err();
     assert!(matches!(err, BackendError::Memory(_)), "{err}");
     assert!(!t.is_offloaded());
     t.train_step(&batch(5, 2, 8)).unwrap();
@@ -296,9 +307,11 @@ fn misuse_and_failures_are_clear_errors() {
 fn a_corrupted_optimizer_bucket_on_disk_fails_the_step_naming_the_checksum() {
     let dir = tempfile::tempdir().unwrap();
     let mut t = trainer(MegatronOptions {
-        stream_optimizer: Some(MomentDtype::Fp32),
-        disk_dir: Some(dir.path().to_path_buf()),
-        disk_chunk_bytes: 16 << 10,
+        stream_optimizer: Some(OptimizerStream {
+            dtype: MomentDtype::Fp32,
+            dir: dir.path().to_path_buf(),
+            bucket_bytes: 16 << 10,
+        }),
         ..options(1, 2)
     });
     t.train_step(&batch(0, 2, 8)).unwrap();

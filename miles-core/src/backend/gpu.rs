@@ -16,9 +16,9 @@ use super::{
     BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
     WeightSink, export_full_weights, load_checkpoint_of,
 };
-use crate::config::{OffloadTarget, Settings};
+use crate::config::{OffloadTarget, Settings, TrainOffload};
 use crate::device::{Device, Gpu, NcclComm};
-use crate::memory::{BackupPolicy, DiskSettings, ManagerSettings, MemoryManager, MemoryTag};
+use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
     GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, init_params, save_checkpoint,
 };
@@ -120,28 +120,16 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         params: &[f32],
         rank: usize,
     ) -> Result<GpuBackend<F>, BackendError> {
-        let target = settings.offload_train_target;
-        let disk = match (target, &settings.offload_train_disk_dir) {
-            (OffloadTarget::Disk, None) => {
-                return Err(BackendError::Settings {
-                    backend: F::NAME,
-                    reason: "--offload-train-target disk needs --offload-train-disk-dir".into(),
-                });
-            }
-            (OffloadTarget::Disk, Some(dir)) => Some(DiskSettings {
-                dir: dir.join("offload"),
-                rank,
-                chunk_bytes: usize::try_from(settings.offload_train_disk_chunk_mb << 20)
-                    .unwrap_or(usize::MAX),
-            }),
-            (OffloadTarget::Cpu, _) => None,
-        };
+        let offload = TrainOffload::of(settings).map_err(|error| BackendError::Settings {
+            backend: F::NAME,
+            reason: error.to_string(),
+        })?;
         let device: Arc<dyn Device> = gpu.device().clone();
         let memory = Arc::new(MemoryManager::new(
             device,
             ManagerSettings {
                 margin_bytes: settings.train_memory_margin_bytes,
-                disk,
+                disk: offload.disk(rank),
             },
         )?);
         let spec = GpuTrainerSpec {
@@ -150,10 +138,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 lr: settings.lr as f32,
                 ..AdamWConfig::default()
             },
-            backup: match target {
-                OffloadTarget::Cpu => BackupPolicy::Host,
-                OffloadTarget::Disk => BackupPolicy::Disk,
-            },
+            backup: offload.policy(),
             max_batch_tokens: MAX_BATCH_TOKENS,
         };
         let trainer = GpuTrainer::new(gpu, Arc::clone(&memory), spec, params)?;
@@ -169,7 +154,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         Ok(GpuBackend {
             trainer,
             layout: ParamLayout::new(&config),
-            target,
+            target: offload.target(),
             step: 0,
             ranks: 1,
             files: PhantomData,
@@ -253,17 +238,8 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
         Ok(self.trainer.logprobs(&batch.view())?)
     }
 
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
         self.check_on_device("offload")?;
-        if target != self.target {
-            return Err(BackendError::Settings {
-                backend: F::NAME,
-                reason: format!(
-                    "this trainer was built to offload to {}, not {target}; build it with --offload-train-target {target}",
-                    self.target
-                ),
-            });
-        }
         let start = Instant::now();
         let tags = self.trainer.offload()?;
         Ok(self.stats(start.elapsed().as_secs_f64(), tags))

@@ -1,5 +1,6 @@
-//! The training-backend contract: what the orchestrator and the CLI drive, whatever the
-//! parallelism behind it.
+//! The plug-in contracts: what the orchestrator and the CLI drive, whatever runs behind them.
+//! [`TrainBackend`] (a trainer, whatever its parallelism), [`RolloutEngine`] (an inference
+//! engine) and [`Critic`] (PPO's value function).
 //!
 //! A backend crate (`miles-megatron`, `miles-fsdp`) implements [`TrainBackend`] over the
 //! [`Communicator`](crate::comm::Communicator) and the [`MemoryManager`](crate::MemoryManager)
@@ -10,7 +11,9 @@
 //! Every call here is collective over the backend's ranks: the backend runs them on all ranks
 //! (threads on the CPU device, processes on CUDA) and returns once all are done.
 
+mod critic;
 mod gpu;
+mod rollout;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -24,7 +27,9 @@ use crate::memory::{MemoryError, MemoryTag, OffloadReport};
 use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::StoreError;
 
+pub use critic::Critic;
 pub use gpu::{GpuBackend, OptimizerFiles, SavedOptimizer};
+pub use rollout::{EngineError, RolloutEngine, Sample, Sampling};
 
 /// A global training batch of `B` sequences of `T` positions, owned, for policy-gradient or
 /// supervised loss.
@@ -268,13 +273,14 @@ pub trait TrainBackend: Send {
     /// As [`train_step`](Self::train_step).
     fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError>;
 
-    /// Moves parameters and optimizer state to `target` and drops gradients, releasing their
-    /// device memory; reports per rank.
+    /// Moves parameters and optimizer state to where the backend was built to offload them
+    /// (its [`TrainOffload`](crate::config::TrainOffload) plan) and drops gradients, releasing
+    /// their device memory; reports per rank.
     ///
     /// # Errors
     /// [`BackendError::Offloaded`] when already offloaded; [`BackendError::Memory`] when a
-    /// backup fails (the tags that were not yet paused stay on the device).
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError>;
+    /// backup fails (every tag then stays on the device, as it was).
+    fn offload(&mut self) -> Result<OffloadStats, BackendError>;
 
     /// Brings parameters and optimizer state back at the same addresses, bit-exact, and
     /// re-zeroes gradients; reports per rank.
@@ -301,7 +307,6 @@ pub trait TrainBackend: Send {
     /// backend that holds no full bf16 copy on one device (the CPU backends), or while
     /// offloaded: the loop then syncs through [`export_weights`](Self::export_weights).
     ///
-    /// [`RolloutEngine::copy_device_weights`]: crate::orchestrator::RolloutEngine::copy_device_weights
     ///
     /// # Errors
     /// What the device hit recording the fence.
@@ -515,7 +520,7 @@ mod tests {
             tags: Vec::new(),
         };
         let stats = OffloadStats {
-            target: OffloadTarget::Cpu,
+            target: OffloadTarget::Host,
             ranks: vec![rank(0, 3_000_000_000), rank(1, 1_000_000_000)],
             seconds: 2.0,
         };

@@ -139,12 +139,12 @@ pub enum SettingsError {
     /// A number outside its range.
     #[error("--{flag} must be {expected} (got {value})")]
     OutOfRange {
-        /// The flag, without dashes.
-        flag: &'static str,
+        /// The flag, without its leading dashes.
+        flag: String,
         /// The value given.
         value: String,
         /// The range it must lie in, in words.
-        expected: &'static str,
+        expected: String,
     },
     /// The samples of one rollout do not split into whole training batches.
     #[error(

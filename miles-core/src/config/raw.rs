@@ -1,93 +1,9 @@
 //! Settings as typed or read: every value optional, nothing checked yet.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use serde::{Deserialize, Serialize};
-
-use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task,
-    TrainBackendKind,
-};
+use super::{ConfigError, RawSettings};
 use crate::choice::nearest;
-
-/// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
-/// was. [`Settings::resolve`](super::Settings::resolve) turns the layers into [`Settings`](super::Settings).
-///
-/// The TOML keys are the flag names with underscores; an unknown key is an error.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawSettings {
-    /// `--train-backend`.
-    pub train_backend: Option<TrainBackendKind>,
-    /// `--colocate`.
-    pub colocate: Option<bool>,
-    /// `--offload`: shorthand for both offloads; the explicit switches of the same layer win.
-    pub offload: Option<bool>,
-    /// `--offload-train` / `--no-offload-train`.
-    pub offload_train: Option<bool>,
-    /// `--offload-rollout` / `--no-offload-rollout`.
-    pub offload_rollout: Option<bool>,
-    /// `--offload-rollout-level`, unchecked (rule 5 checks the names).
-    pub offload_rollout_level: Option<Vec<String>>,
-    /// `--offload-train-target`.
-    pub offload_train_target: Option<OffloadTarget>,
-    /// `--offload-train-disk-dir`.
-    pub offload_train_disk_dir: Option<PathBuf>,
-    /// `--offload-train-disk-chunk-mb`.
-    pub offload_train_disk_chunk_mb: Option<u64>,
-    /// `--stream-optimizer-state-to-disk`.
-    pub stream_optimizer_state_to_disk: Option<bool>,
-    /// `--stream-optimizer-state-moment-dtype`.
-    pub stream_optimizer_state_moment_dtype: Option<MomentDtype>,
-    /// `--train-memory-margin-bytes`.
-    pub train_memory_margin_bytes: Option<u64>,
-    /// `--fsdp-cpu-offload`.
-    pub fsdp_cpu_offload: Option<bool>,
-    /// `--device`.
-    pub device: Option<DeviceChoice>,
-    /// `--device-memory-gib`.
-    pub device_memory_gib: Option<f64>,
-    /// `--preset`.
-    pub preset: Option<String>,
-    /// `--steps`.
-    pub steps: Option<u64>,
-    /// `--rollout-batch-size`.
-    pub rollout_batch_size: Option<usize>,
-    /// `--n-samples-per-prompt`.
-    pub n_samples_per_prompt: Option<usize>,
-    /// `--global-batch-size`.
-    pub global_batch_size: Option<usize>,
-    /// `--lr`.
-    pub lr: Option<f64>,
-    /// `--seed`.
-    pub seed: Option<u64>,
-    /// `--save`.
-    pub save: Option<PathBuf>,
-    /// `--save-interval`.
-    pub save_interval: Option<u64>,
-    /// `--load`.
-    pub load: Option<PathBuf>,
-    /// `--tensor-model-parallel-size`.
-    pub tensor_model_parallel_size: Option<usize>,
-    /// `--data-parallel-size`.
-    pub data_parallel_size: Option<usize>,
-    /// `--rollout-mem-fraction`.
-    pub rollout_mem_fraction: Option<f64>,
-    /// `--update-weight-buffer-size`.
-    pub update_weight_buffer_size: Option<u64>,
-    /// `--advantage-estimator`.
-    pub advantage_estimator: Option<AdvantageEstimator>,
-    /// `--metrics`.
-    pub metrics: Option<PathBuf>,
-    /// `--memory-timeline`.
-    pub memory_timeline: Option<PathBuf>,
-    /// `--task`.
-    pub task: Option<Task>,
-    /// `--sft-warmup-steps`.
-    pub sft_warmup_steps: Option<u64>,
-    /// `--rollout-temperature`.
-    pub rollout_temperature: Option<f64>,
-}
 
 impl RawSettings {
     /// Reads a TOML config file.
@@ -135,17 +51,16 @@ impl RawSettings {
 
     /// Every key a config file may hold, sorted.
     pub fn keys() -> Vec<String> {
-        // Every field is an `Option` serialised as `null`, so the object lists them all.
-        match serde_json::to_value(RawSettings::default()) {
-            Ok(serde_json::Value::Object(fields)) => fields.keys().cloned().collect(),
-            _ => Vec::new(),
-        }
+        let mut keys: Vec<String> = super::FIELDS.iter().map(|f| f.key.to_owned()).collect();
+        keys.sort();
+        keys
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TrainBackendKind;
 
     fn parse(text: &str) -> Result<RawSettings, ConfigError> {
         RawSettings::from_toml_str(text, Path::new("test.toml"))
@@ -154,7 +69,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 35);
+        assert_eq!(keys.len(), super::super::FIELDS.len());
         for key in [
             "offload",
             "offload_train",

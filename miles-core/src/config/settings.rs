@@ -2,138 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
-use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Task, TrainBackendKind,
-};
-
-/// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
-/// checked. Built by [`Settings::resolve`] or [`Settings::load`]; serialises with the TOML keys.
-///
-/// [`Settings::default`] holds the defaults. Deserialising skips the rules; use it only for
-/// settings that were resolved before (a rank process receiving its parent's settings, say).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Settings {
-    /// Which training backend crate runs.
-    pub train_backend: TrainBackendKind,
-    /// Training and rollout share the same devices.
-    pub colocate: bool,
-    /// Training tensors leave the device between train steps.
-    pub offload_train: bool,
-    /// Rollout tensors leave the device between rollouts.
-    pub offload_rollout: bool,
-    /// Which rollout tags leave the device, without repeats.
-    pub offload_rollout_level: Vec<RolloutOffloadLevel>,
-    /// Where training tensors go.
-    pub offload_train_target: OffloadTarget,
-    /// Directory for disk offload (one subdirectory per rank).
-    pub offload_train_disk_dir: Option<PathBuf>,
-    /// Granularity of disk writes and reads, in MiB.
-    pub offload_train_disk_chunk_mb: u64,
-    /// Optimizer state lives on disk and streams through the step.
-    pub stream_optimizer_state_to_disk: bool,
-    /// Storage type of Adam moments on disk.
-    pub stream_optimizer_state_moment_dtype: MomentDtype,
-    /// Resume refuses unless free device memory >= need + this margin, in bytes.
-    pub train_memory_margin_bytes: u64,
-    /// FSDP's own (native) CPU offload; off whenever core training offload is on (rule 6).
-    pub fsdp_cpu_offload: bool,
-    /// Which device runs.
-    pub device: DeviceChoice,
-    /// Capacity of the CPU device in GiB (so that out-of-memory is real there).
-    pub device_memory_gib: f64,
-    /// Name of the model preset.
-    pub preset: String,
-    /// RL steps (rollout then training) to run.
-    pub steps: u64,
-    /// Prompts per rollout.
-    pub rollout_batch_size: usize,
-    /// Samples generated per prompt.
-    pub n_samples_per_prompt: usize,
-    /// Samples per optimizer step.
-    pub global_batch_size: usize,
-    /// Learning rate of AdamW.
-    pub lr: f64,
-    /// Seed of every random choice of the run.
-    pub seed: u64,
-    /// Checkpoint directory to save to.
-    pub save: Option<PathBuf>,
-    /// Save every this many steps (and at the end); `None`: only at the end.
-    pub save_interval: Option<u64>,
-    /// Checkpoint directory to start from.
-    pub load: Option<PathBuf>,
-    /// Tensor-parallel ranks (megatron).
-    pub tensor_model_parallel_size: usize,
-    /// Data-parallel ranks.
-    pub data_parallel_size: usize,
-    /// Fraction of device memory the rollout engine may take for weights and KV cache.
-    pub rollout_mem_fraction: f64,
-    /// Bytes per bucket of the trainer-to-engine weight update.
-    pub update_weight_buffer_size: u64,
-    /// How advantages are estimated.
-    pub advantage_estimator: AdvantageEstimator,
-    /// JSON-lines file for per-phase metrics.
-    pub metrics: Option<PathBuf>,
-    /// File for the device-memory timeline.
-    pub memory_timeline: Option<PathBuf>,
-    /// The synthetic task the RL loop trains on.
-    pub task: Task,
-    /// Supervised steps on the task's correct answers before the first RL step.
-    pub sft_warmup_steps: u64,
-    /// Softmax temperature of rollout sampling (0 is greedy).
-    pub rollout_temperature: f64,
-    /// Where each value came from.
-    #[serde(skip)]
-    pub sources: Sources,
-}
-
-impl Default for Settings {
-    fn default() -> Settings {
-        Settings {
-            train_backend: TrainBackendKind::Megatron,
-            colocate: false,
-            offload_train: false,
-            offload_rollout: false,
-            offload_rollout_level: vec![RolloutOffloadLevel::KvCache, RolloutOffloadLevel::Weight],
-            offload_train_target: OffloadTarget::Cpu,
-            offload_train_disk_dir: None,
-            offload_train_disk_chunk_mb: 64,
-            stream_optimizer_state_to_disk: false,
-            stream_optimizer_state_moment_dtype: MomentDtype::Fp32,
-            train_memory_margin_bytes: 1 << 30,
-            fsdp_cpu_offload: false,
-            device: DeviceChoice::Auto,
-            device_memory_gib: 8.0,
-            preset: "tiny".to_owned(),
-            steps: 10,
-            rollout_batch_size: 8,
-            n_samples_per_prompt: 4,
-            global_batch_size: 32,
-            lr: 1e-4,
-            seed: 42,
-            save: None,
-            save_interval: None,
-            load: None,
-            tensor_model_parallel_size: 1,
-            data_parallel_size: 1,
-            rollout_mem_fraction: 0.8,
-            update_weight_buffer_size: 512 << 20,
-            advantage_estimator: AdvantageEstimator::Grpo,
-            metrics: None,
-            memory_timeline: None,
-            task: Task::Repeat,
-            sft_warmup_steps: 0,
-            rollout_temperature: 1.0,
-            sources: Sources::default(),
-        }
-    }
-}
+use super::{ConfigError, InvalidSettings, OffloadTarget, RawSettings, Settings};
 
 /// Where a resolved value came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -183,7 +57,13 @@ impl Sources {
     }
 
     /// The value of the flag layer, else of the file layer, else `default`, noting which.
-    fn pick<T>(&mut self, key: &'static str, flag: Option<T>, file: Option<T>, default: T) -> T {
+    pub(crate) fn pick<T>(
+        &mut self,
+        key: &'static str,
+        flag: Option<T>,
+        file: Option<T>,
+        default: T,
+    ) -> T {
         let (value, source) = match (flag, file) {
             (Some(value), _) => (value, Source::Flag),
             (None, Some(value)) => (value, Source::File),
@@ -194,7 +74,7 @@ impl Sources {
     }
 
     /// As [`Sources::pick`] for a setting whose default is "none".
-    fn pick_optional<T>(
+    pub(crate) fn pick_optional<T>(
         &mut self,
         key: &'static str,
         flag: Option<T>,
@@ -244,79 +124,34 @@ impl Settings {
     /// # Errors
     /// [`InvalidSettings`] with every broken rule, not only the first.
     pub fn resolve(flags: RawSettings, file: RawSettings) -> Result<Settings, InvalidSettings> {
-        let d = Settings::default();
         let mut s = Sources::default();
-        macro_rules! pick {
-            ($key:ident) => {
-                s.pick(stringify!($key), flags.$key, file.$key, d.$key)
-            };
-        }
-        macro_rules! pick_optional {
-            ($key:ident) => {
-                s.pick_optional(stringify!($key), flags.$key, file.$key, d.$key)
-            };
-        }
-        let colocate = pick!(colocate);
+        let mut settings = Settings::pick_layers(&flags, &file, &mut s);
         let (offload_train, source) = resolve_offload_switch(
             (flags.offload_train, file.offload_train),
             (flags.offload, file.offload),
-            colocate,
+            settings.colocate,
         );
         s.set("offload_train", source);
         let (offload_rollout, source) = resolve_offload_switch(
             (flags.offload_rollout, file.offload_rollout),
             (flags.offload, file.offload),
-            colocate,
+            settings.colocate,
         );
         s.set("offload_rollout", source);
         let level_names = s.pick(
             "offload_rollout_level",
             flags.offload_rollout_level,
             file.offload_rollout_level,
-            d.offload_rollout_level
+            settings
+                .offload_rollout_level
                 .iter()
                 .map(|l| l.as_str().to_owned())
                 .collect(),
         );
         let (offload_rollout_level, mut violations) = parse_rollout_levels(&level_names);
-
-        let mut settings = Settings {
-            train_backend: pick!(train_backend),
-            colocate,
-            offload_train,
-            offload_rollout,
-            offload_rollout_level,
-            offload_train_target: pick!(offload_train_target),
-            offload_train_disk_dir: pick_optional!(offload_train_disk_dir),
-            offload_train_disk_chunk_mb: pick!(offload_train_disk_chunk_mb),
-            stream_optimizer_state_to_disk: pick!(stream_optimizer_state_to_disk),
-            stream_optimizer_state_moment_dtype: pick!(stream_optimizer_state_moment_dtype),
-            train_memory_margin_bytes: pick!(train_memory_margin_bytes),
-            fsdp_cpu_offload: pick!(fsdp_cpu_offload),
-            device: pick!(device),
-            device_memory_gib: pick!(device_memory_gib),
-            preset: pick!(preset),
-            steps: pick!(steps),
-            rollout_batch_size: pick!(rollout_batch_size),
-            n_samples_per_prompt: pick!(n_samples_per_prompt),
-            global_batch_size: pick!(global_batch_size),
-            lr: pick!(lr),
-            seed: pick!(seed),
-            save: pick_optional!(save),
-            save_interval: pick_optional!(save_interval),
-            load: pick_optional!(load),
-            tensor_model_parallel_size: pick!(tensor_model_parallel_size),
-            data_parallel_size: pick!(data_parallel_size),
-            rollout_mem_fraction: pick!(rollout_mem_fraction),
-            update_weight_buffer_size: pick!(update_weight_buffer_size),
-            advantage_estimator: pick!(advantage_estimator),
-            metrics: pick_optional!(metrics),
-            memory_timeline: pick_optional!(memory_timeline),
-            task: pick!(task),
-            sft_warmup_steps: pick!(sft_warmup_steps),
-            rollout_temperature: pick!(rollout_temperature),
-            sources: Sources::default(),
-        };
+        settings.offload_train = offload_train;
+        settings.offload_rollout = offload_rollout;
+        settings.offload_rollout_level = offload_rollout_level;
         settings.sources = s;
         resolve_fsdp_cpu_offload(&mut settings);
         violations.extend(validate(&settings));

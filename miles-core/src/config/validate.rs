@@ -5,7 +5,8 @@ use std::io::Write;
 use std::path::Path;
 
 use super::{
-    OffloadTarget, RolloutOffloadLevel, Settings, SettingsError, Source, TrainBackendKind,
+    FIELDS, OffloadTarget, RolloutOffloadLevel, Settings, SettingsError, Source, TrainBackendKind,
+    text_of,
 };
 use crate::choice::nearest;
 use crate::device::probe::filesystem;
@@ -87,11 +88,8 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
             errors.push(SettingsError::StreamWithoutDiskDir);
         }
     }
-    // Rule 3, for every use of the disk.
+    // Rule 3, for every use of the disk (the chunk's range is checked with every range).
     if s.uses_disk() {
-        if s.offload_train_disk_chunk_mb == 0 {
-            errors.push(SettingsError::ZeroDiskChunk);
-        }
         if let Some(dir) = &s.offload_train_disk_dir
             && let Err(error) = check_disk_dir(dir)
         {
@@ -133,72 +131,33 @@ fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
     Ok(())
 }
 
-/// The numbers outside their ranges, and batch sizes that do not split.
+/// The numbers outside their ranges (each field's range in the table), and batch sizes that do
+/// not split.
 fn check_ranges(s: &Settings) -> Vec<SettingsError> {
     let mut errors = Vec::new();
-    let mut require = |ok: bool, flag: &'static str, value: String, expected: &'static str| {
-        if !ok {
+    for field in FIELDS {
+        let value = s.value_of(field);
+        let Some(number) = value.as_f64() else {
+            continue;
+        };
+        if let Some(expected) = field.range.describe()
+            && !field.range.contains(number)
+        {
             errors.push(SettingsError::OutOfRange {
-                flag,
-                value,
+                flag: field.flag(),
+                value: text_of(&value),
                 expected,
             });
         }
-    };
-    let positive = "a number above 0";
-    let g = s.device_memory_gib;
-    require(
-        g.is_finite() && g > 0.0,
-        "device-memory-gib",
-        g.to_string(),
-        positive,
-    );
-    require(s.steps > 0, "steps", s.steps.to_string(), "at least 1");
-    for (flag, value) in [
-        ("rollout-batch-size", s.rollout_batch_size),
-        ("n-samples-per-prompt", s.n_samples_per_prompt),
-        ("global-batch-size", s.global_batch_size),
-        ("tensor-model-parallel-size", s.tensor_model_parallel_size),
-        ("data-parallel-size", s.data_parallel_size),
-    ] {
-        require(value > 0, flag, value.to_string(), "at least 1");
     }
-    require(
-        s.lr.is_finite() && s.lr > 0.0,
-        "lr",
-        s.lr.to_string(),
-        positive,
-    );
-    let f = s.rollout_mem_fraction;
-    require(
-        f > 0.0 && f <= 1.0,
-        "rollout-mem-fraction",
-        f.to_string(),
-        "above 0 and at most 1",
-    );
-    let t = s.rollout_temperature;
-    require(
-        t.is_finite() && t >= 0.0,
-        "rollout-temperature",
-        t.to_string(),
-        "a number at least 0 (0 is greedy)",
-    );
-    let u = s.update_weight_buffer_size;
-    require(
-        u > 0,
-        "update-weight-buffer-size",
-        u.to_string(),
-        "at least 1 byte",
-    );
-    if let Some(interval) = s.save_interval {
-        require(
-            interval > 0,
-            "save-interval",
-            interval.to_string(),
-            "at least 1",
-        );
+    if !s.device_memory_gib.is_finite() {
+        errors.push(SettingsError::OutOfRange {
+            flag: "device-memory-gib".to_owned(),
+            value: s.device_memory_gib.to_string(),
+            expected: "a finite number".to_owned(),
+        });
     }
-    let samples = s.rollout_batch_size * s.n_samples_per_prompt;
+    let samples = s.rollout_batch_size.saturating_mul(s.n_samples_per_prompt);
     if s.global_batch_size > 0 && !samples.is_multiple_of(s.global_batch_size) {
         errors.push(SettingsError::BatchNotDivisible {
             rollout_batch_size: s.rollout_batch_size,

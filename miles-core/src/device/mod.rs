@@ -9,16 +9,17 @@
 //!
 //! All `unsafe` code of miles lives under this module.
 
+mod cpu;
 mod cpu_gemm;
 mod cuda;
 mod error;
 #[cfg(test)]
 mod faulty;
-mod host;
 mod open;
 pub mod probe;
 mod view;
 
+pub use cpu::CpuDevice;
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::compute::{
     Gemm, GemmOutput, Gpu, GpuElement, GpuSlice, ID_BYTES, KernelProgram, LaunchConfig, NcclComm,
@@ -28,7 +29,6 @@ pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 #[cfg(test)]
 pub(crate) use faulty::FaultyDevice;
-pub use host::HostDevice;
 pub use open::{OpenedDevice, open, open_on, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 

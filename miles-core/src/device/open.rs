@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{CudaDevice, CudaOptions, Device, DeviceError, DeviceKind, HostDevice, probe};
+use super::{CpuDevice, CudaDevice, CudaOptions, Device, DeviceError, DeviceKind, probe};
 use crate::choice::DeviceChoice;
 
 /// A device opened by [`open`], kept with its concrete type for the calls only one kind has
@@ -10,7 +10,7 @@ use crate::choice::DeviceChoice;
 #[derive(Clone, Debug)]
 pub enum OpenedDevice {
     /// The CPU device.
-    Cpu(Arc<HostDevice>),
+    Cpu(Arc<CpuDevice>),
     /// A GPU through the CUDA driver.
     Cuda(Arc<CudaDevice>),
 }
@@ -87,7 +87,7 @@ pub fn open_on(
     cuda: CudaOptions,
 ) -> Result<OpenedDevice, DeviceError> {
     let opened = match resolve(choice) {
-        DeviceKind::Cpu => OpenedDevice::Cpu(Arc::new(HostDevice::new(cpu_capacity))),
+        DeviceKind::Cpu => OpenedDevice::Cpu(Arc::new(CpuDevice::new(cpu_capacity))),
         DeviceKind::Cuda => {
             let ordinal = i32::try_from(ordinal)
                 .map_err(|_| DeviceError::CudaUnavailable(format!("no gpu cuda:{ordinal}")))?;

@@ -203,6 +203,58 @@ impl MemoryManager {
         self.region(tag)?.resume(self.margin_bytes)
     }
 
+    /// Pauses every tag of `tags`, in order, all or nothing: when one fails, the tags paused
+    /// before it are resumed (last first) and its error is returned, so every tag is as it was.
+    /// Returns each tag's report.
+    ///
+    /// # Errors
+    /// As [`pause`](Self::pause), for the first tag that fails; a tag that cannot be resumed
+    /// in the rollback is logged and stays paused with its backup.
+    pub fn pause_all(&self, tags: &[MemoryTag]) -> Result<Vec<OffloadReport>, MemoryError> {
+        self.all_or_nothing(tags, "pause", Self::pause, Self::resume)
+    }
+
+    /// Resumes every tag of `tags`, in order, all or nothing: when one fails, the tags resumed
+    /// before it are paused again (last first) and its error is returned, so every tag is as it
+    /// was (paused, with its backup). Returns each tag's report.
+    ///
+    /// # Errors
+    /// As [`resume`](Self::resume), for the first tag that fails; a tag that cannot be paused
+    /// again in the rollback is logged and stays active.
+    pub fn resume_all(&self, tags: &[MemoryTag]) -> Result<Vec<OffloadReport>, MemoryError> {
+        self.all_or_nothing(tags, "resume", Self::resume, Self::pause)
+    }
+
+    /// Runs `op` over `tags`, undoing the done ones with `undo` when one fails.
+    fn all_or_nothing(
+        &self,
+        tags: &[MemoryTag],
+        what: &'static str,
+        op: fn(&Self, &MemoryTag) -> Result<OffloadReport, MemoryError>,
+        undo: fn(&Self, &MemoryTag) -> Result<OffloadReport, MemoryError>,
+    ) -> Result<Vec<OffloadReport>, MemoryError> {
+        let mut reports = Vec::with_capacity(tags.len());
+        for tag in tags {
+            match op(self, tag) {
+                Ok(report) => reports.push(report),
+                Err(error) => {
+                    for done in reports.iter().rev() {
+                        if let Err(undo_error) = undo(self, &done.tag) {
+                            tracing::error!(
+                                tag = %done.tag,
+                                error = %undo_error,
+                                "cannot undo the {what} of a tag after {} failed",
+                                tag
+                            );
+                        }
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Ok(reports)
+    }
+
     /// Where `tag` stands.
     ///
     /// # Errors

@@ -16,7 +16,8 @@ mod manager;
 mod region;
 mod tag;
 
+pub use crate::choice::BackupPolicy;
 pub use buffer::{Buffer, BufferView, BufferViewMut};
 pub use error::{FreeError, MemoryError};
 pub use manager::{DiskSettings, ManagerSettings, MemoryManager};
-pub use tag::{BackupPolicy, MemoryTag, OffloadReport, RegionState};
+pub use tag::{MemoryTag, OffloadReport, RegionState};

@@ -1,4 +1,4 @@
-//! Tags, backup policies, region states and offload reports.
+//! Tags, region states and offload reports.
 
 use std::fmt;
 
@@ -42,27 +42,6 @@ impl MemoryTag {
 impl fmt::Display for MemoryTag {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-/// Where a region's bytes go while it is paused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BackupPolicy {
-    /// Nowhere: the contents are dropped (gradients, KV cache); resume gives unspecified bytes.
-    None,
-    /// A host buffer from the manager's pool (pinned on CUDA).
-    Host,
-    /// Checksummed chunk files in the manager's disk directory.
-    Disk,
-}
-
-impl fmt::Display for BackupPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            BackupPolicy::None => "none",
-            BackupPolicy::Host => "host",
-            BackupPolicy::Disk => "disk",
-        })
     }
 }
 

@@ -3,12 +3,6 @@
 //! Rewards and advantages are laid out by prompt, then sample: entry `i * n + j` is sample `j`
 //! of prompt `i`.
 
-use std::path::Path;
-
-use crate::backend::{BackendError, OffloadStats};
-use crate::config::OffloadTarget;
-use crate::memory::MemoryTag;
-
 /// Added to the standard deviation of a group so that a group of equal rewards gets zero
 /// advantages rather than a division by zero.
 pub const GRPO_EPS: f32 = 1e-6;
@@ -41,61 +35,6 @@ pub fn mean_std(values: &[f32]) -> (f32, f32) {
         .sum::<f64>()
         / count;
     (mean as f32, var.sqrt() as f32)
-}
-
-/// A learned value function for PPO: one scalar value per prompt.
-///
-/// The loop asks it for the value of each prompt before training, uses `reward - value` as
-/// every sample's advantage (one reward per sequence, so no per-token bootstrapping: GAE with
-/// `gamma = lambda = 1` reduces to this), and then regresses the values on the rewards. It is
-/// trained and offloaded alongside the actor.
-pub trait Critic: Send {
-    /// The critic's name in logs.
-    fn name(&self) -> &'static str;
-
-    /// Device bytes each memory tag of the critic holds now, summed over its ranks (0 for a
-    /// paused tag), as [`TrainBackend::device_memory`](crate::backend::TrainBackend::device_memory).
-    fn device_memory(&self) -> Vec<(MemoryTag, u64)>;
-
-    /// The value of each prompt (token ids, `BOS` first).
-    ///
-    /// # Errors
-    /// [`BackendError::Offloaded`] while offloaded; what the model hit.
-    fn values(&mut self, prompts: &[Vec<u32>]) -> Result<Vec<f32>, BackendError>;
-
-    /// One optimizer step of the squared error between the values of `prompts` and `targets`;
-    /// returns the loss before the step.
-    ///
-    /// # Errors
-    /// As [`values`](Self::values).
-    fn train_values(&mut self, prompts: &[Vec<u32>], targets: &[f32]) -> Result<f32, BackendError>;
-
-    /// Whether the critic's tensors are offloaded.
-    fn is_offloaded(&self) -> bool;
-
-    /// Moves the critic's tensors to `target`, releasing their device memory.
-    ///
-    /// # Errors
-    /// As [`TrainBackend::offload`](crate::backend::TrainBackend::offload).
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError>;
-
-    /// Brings the critic's tensors back.
-    ///
-    /// # Errors
-    /// As [`TrainBackend::onload`](crate::backend::TrainBackend::onload).
-    fn onload(&mut self) -> Result<OffloadStats, BackendError>;
-
-    /// Writes the critic's checkpoint into `dir`.
-    ///
-    /// # Errors
-    /// As [`TrainBackend::save`](crate::backend::TrainBackend::save).
-    fn save(&mut self, dir: &Path) -> Result<(), BackendError>;
-
-    /// Restores the critic from `dir`.
-    ///
-    /// # Errors
-    /// As [`TrainBackend::load`](crate::backend::TrainBackend::load).
-    fn load(&mut self, dir: &Path) -> Result<(), BackendError>;
 }
 
 /// PPO advantages `reward - value` of each sample, with `values` one per prompt, and the value

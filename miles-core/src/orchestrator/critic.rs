@@ -9,11 +9,8 @@
 
 use std::path::Path;
 
-use crate::backend::{BackendError, Batch, OffloadStats, TrainBackend};
-use crate::config::OffloadTarget;
+use crate::backend::{BackendError, Batch, Critic, OffloadStats, TrainBackend};
 use crate::memory::MemoryTag;
-
-use super::advantage::Critic;
 
 /// The byte that asks the critic for a value.
 const QUERY: u32 = b'?' as u32;
@@ -120,8 +117,8 @@ impl Critic for LmCritic {
         self.backend.is_offloaded()
     }
 
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
-        self.backend.offload(target)
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
+        self.backend.offload()
     }
 
     fn onload(&mut self) -> Result<OffloadStats, BackendError> {

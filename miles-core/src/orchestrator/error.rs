@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use crate::backend::BackendError;
 use crate::metrics::MetricsError;
 
-use super::engine::EngineError;
+use crate::backend::EngineError;
 
 /// What went wrong in the RL loop; each names the phase or file involved.
 #[derive(Debug, thiserror::Error)]

@@ -10,10 +10,10 @@ use rand_chacha::ChaCha8Rng;
 
 use super::*;
 use crate::backend::{
-    BackendError, Batch, NamedTensor, OffloadStats, StepStats, TrainBackend, WeightBucket,
-    WeightSink,
+    BackendError, Batch, Critic, EngineError, NamedTensor, OffloadStats, RolloutEngine, Sample,
+    Sampling, StepStats, TrainBackend, WeightBucket, WeightSink,
 };
-use crate::config::{AdvantageEstimator, OffloadTarget, Task};
+use crate::config::{AdvantageEstimator, Task};
 use crate::memory::{MemoryTag, OffloadReport};
 use crate::model::{ByteTokenizer, LlamaConfig, TrainBatch, Trainer, Transformer, init_params};
 use crate::ops::AdamWConfig;
@@ -91,7 +91,7 @@ impl TrainBackend for ModelActor {
         let loss = self.trainer.evaluate(&batch.view(), &mut logprobs)?;
         Ok((logprobs, loss))
     }
-    fn offload(&mut self, _: OffloadTarget) -> Result<OffloadStats, BackendError> {
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
         Err(unsupported("offload"))
     }
     fn onload(&mut self) -> Result<OffloadStats, BackendError> {
@@ -256,7 +256,6 @@ fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfi
         sft_warmup_steps: 24,
         temperature: 1.0,
         offload_train: false,
-        offload_train_target: OffloadTarget::Cpu,
         offload_rollout: false,
         offload_kv: false,
         offload_weights: false,

@@ -20,7 +20,6 @@
 mod advantage;
 mod batch;
 mod critic;
-mod engine;
 mod error;
 #[cfg(test)]
 mod learning_tests;
@@ -30,10 +29,9 @@ mod task;
 #[cfg(test)]
 mod tests;
 
-pub use advantage::{Critic, GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
+pub use advantage::{GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
 pub use batch::{Sequence, build_batch};
 pub use critic::LmCritic;
-pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
 pub use error::OrchestratorError;
 pub use run::{LoopConfig, Orchestrator, RunSummary};
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};

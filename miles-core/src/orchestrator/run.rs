@@ -6,17 +6,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::backend::{TrainBackend, WeightBucket};
-use crate::config::{AdvantageEstimator, OffloadTarget, RolloutOffloadLevel, Settings, Task};
+use crate::config::{AdvantageEstimator, RolloutOffload, Settings, Task};
 use crate::memory::OffloadReport;
 use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, TimelineSample};
 use crate::model::ByteTokenizer;
 
 use super::OrchestratorError;
-use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
+use super::advantage::{grpo_advantages, mean_std, ppo_advantages};
 use super::batch::{Sequence, build_batch};
-use super::engine::{RolloutEngine, Sample, Sampling};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
+use crate::backend::{Critic, RolloutEngine, Sample, Sampling};
 
 mod sync;
 
@@ -39,10 +39,8 @@ pub struct LoopConfig {
     pub sft_warmup_steps: u64,
     /// Sampling temperature.
     pub temperature: f32,
-    /// Training tensors leave the device between steps.
+    /// Training tensors leave the device between steps (where to, the trainer was built with).
     pub offload_train: bool,
-    /// Where they go.
-    pub offload_train_target: OffloadTarget,
     /// Rollout tensors leave the device between rollouts (the engine releases all at start).
     pub offload_rollout: bool,
     /// The KV cache leaves after each rollout.
@@ -73,15 +71,12 @@ pub struct LoopConfig {
 impl LoopConfig {
     /// The loop settings of a run (the settings were checked when resolved).
     pub fn from_settings(s: &Settings) -> Self {
-        if s.offload_rollout
-            && s.offload_rollout_level
-                .contains(&RolloutOffloadLevel::CudaGraph)
-        {
+        let rollout = RolloutOffload::of(s);
+        if rollout.cuda_graph {
             tracing::info!(
                 "offload level cuda_graph: the rollout engine captures no graphs, nothing to move"
             );
         }
-        let level = |l| s.offload_rollout && s.offload_rollout_level.contains(&l);
         Self {
             steps: s.steps,
             rollout_batch_size: s.rollout_batch_size,
@@ -92,10 +87,9 @@ impl LoopConfig {
             sft_warmup_steps: s.sft_warmup_steps,
             temperature: s.rollout_temperature as f32,
             offload_train: s.offload_train,
-            offload_train_target: s.offload_train_target,
             offload_rollout: s.offload_rollout,
-            offload_kv: level(RolloutOffloadLevel::KvCache),
-            offload_weights: level(RolloutOffloadLevel::Weight),
+            offload_kv: rollout.kv_cache,
+            offload_weights: rollout.weights,
             bucket_bytes: usize::try_from(s.update_weight_buffer_size).unwrap_or(usize::MAX),
             export_while_offloaded: false,
             advantage_estimator: s.advantage_estimator,
@@ -665,6 +659,7 @@ fn report_bytes(reports: &[OffloadReport]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::RolloutOffloadLevel;
 
     #[test]
     fn loop_config_follows_the_offload_switches_and_levels() {

@@ -11,11 +11,12 @@ use rand_chacha::ChaCha8Rng;
 
 use super::*;
 use crate::backend::{
-    BackendError, Batch, DeviceWeights, NamedTensor, OffloadStats, RankOffload, StepStats,
-    TrainBackend, WeightBucket, WeightSink,
+    BackendError, Batch, Critic, DeviceWeights, EngineError, NamedTensor, OffloadStats,
+    RankOffload, RolloutEngine, Sample, Sampling, StepStats, TrainBackend, WeightBucket,
+    WeightSink,
 };
 use crate::config::{AdvantageEstimator, OffloadTarget, Task};
-use crate::device::HostDevice;
+use crate::device::CpuDevice;
 use crate::memory::{
     BackupPolicy, Buffer, ManagerSettings, MemoryManager, MemoryTag, OffloadReport,
 };
@@ -35,7 +36,7 @@ const MIB: usize = 1 << 20;
 /// A manager on its own CPU device with one region per `(tag, policy, bytes)`, each filled.
 fn memory(regions: &[(MemoryTag, BackupPolicy, usize)]) -> (Arc<MemoryManager>, Vec<Buffer>) {
     let m = MemoryManager::new(
-        Arc::new(HostDevice::new(256 << 20)),
+        Arc::new(CpuDevice::new(256 << 20)),
         ManagerSettings {
             margin_bytes: 0,
             disk: None,
@@ -60,9 +61,9 @@ fn resume(m: &MemoryManager, tags: &[MemoryTag]) -> Vec<OffloadReport> {
     tags.iter().map(|t| m.resume(t).unwrap()).collect()
 }
 
-fn stats(target: OffloadTarget, reports: Vec<OffloadReport>) -> OffloadStats {
+fn stats(reports: Vec<OffloadReport>) -> OffloadStats {
     OffloadStats {
-        target,
+        target: OffloadTarget::Host,
         ranks: vec![RankOffload::new(0, 0.0, reports)],
         seconds: 0.0,
     }
@@ -76,7 +77,7 @@ struct FakeActor {
     buffers: Vec<Buffer>,
     tensors: Vec<Vec<f32>>,
     step: u64,
-    offloaded: Option<OffloadTarget>,
+    offloaded: bool,
     /// Exports from its backup while offloaded, as a backend with host-pool export would.
     exports_offloaded: bool,
     /// Shows these as its weights on the device while awake, as a GPU backend would.
@@ -100,7 +101,7 @@ impl FakeActor {
                 .map(|t| (0..256).map(|i| (t * 256 + i) as f32 * 1e-3).collect())
                 .collect(),
             step: 0,
-            offloaded: None,
+            offloaded: false,
             exports_offloaded: false,
             device_weights: None,
         }
@@ -122,7 +123,7 @@ impl TrainBackend for FakeActor {
         self.step
     }
     fn is_offloaded(&self) -> bool {
-        self.offloaded.is_some()
+        self.offloaded
     }
     fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
         self.memory.resident_bytes()
@@ -157,18 +158,20 @@ impl TrainBackend for FakeActor {
     fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {
         Ok((vec![-1.0; batch.inputs.len()], 1.0))
     }
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
         note(&self.log, "actor.offload");
         if self.is_offloaded() {
             return Err(BackendError::Offloaded { op: "offload" });
         }
-        self.offloaded = Some(target);
-        Ok(stats(target, pause(&self.memory, &TRAIN_TAGS)))
+        self.offloaded = true;
+        Ok(stats(pause(&self.memory, &TRAIN_TAGS)))
     }
     fn onload(&mut self) -> Result<OffloadStats, BackendError> {
         note(&self.log, "actor.onload");
-        let target = self.offloaded.take().ok_or(BackendError::NotOffloaded)?;
-        Ok(stats(target, resume(&self.memory, &TRAIN_TAGS)))
+        if !std::mem::take(&mut self.offloaded) {
+            return Err(BackendError::NotOffloaded);
+        }
+        Ok(stats(resume(&self.memory, &TRAIN_TAGS)))
     }
     fn export_weights(
         &mut self,
@@ -243,18 +246,15 @@ impl Critic for FakeCritic {
     fn is_offloaded(&self) -> bool {
         self.offloaded
     }
-    fn offload(&mut self, target: OffloadTarget) -> Result<OffloadStats, BackendError> {
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
         note(&self.log, "critic.offload");
         self.offloaded = true;
-        Ok(stats(target, pause(&self.memory, &[MemoryTag::Params])))
+        Ok(stats(pause(&self.memory, &[MemoryTag::Params])))
     }
     fn onload(&mut self) -> Result<OffloadStats, BackendError> {
         note(&self.log, "critic.onload");
         self.offloaded = false;
-        Ok(stats(
-            OffloadTarget::Cpu,
-            resume(&self.memory, &[MemoryTag::Params]),
-        ))
+        Ok(stats(resume(&self.memory, &[MemoryTag::Params])))
     }
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
         note(&self.log, "critic.save");
@@ -423,7 +423,6 @@ fn colocated(steps: u64) -> LoopConfig {
         sft_warmup_steps: 0,
         temperature: 1.0,
         offload_train: true,
-        offload_train_target: OffloadTarget::Cpu,
         offload_rollout: true,
         offload_kv: true,
         offload_weights: true,

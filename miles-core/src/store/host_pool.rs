@@ -85,11 +85,11 @@ impl HostPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::HostDevice;
+    use crate::device::CpuDevice;
 
     #[test]
     fn buffers_are_reused_and_released_only_on_request() {
-        let pool = HostPool::new(Arc::new(HostDevice::new(1 << 30)));
+        let pool = HostPool::new(Arc::new(CpuDevice::new(1 << 30)));
         let a = pool.take(3 << 20).unwrap();
         let size = pool.allocated_bytes();
         assert!(size >= 3 << 20);

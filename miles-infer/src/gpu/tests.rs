@@ -10,15 +10,13 @@ use half::bf16;
 use miles_core::device::{Gpu, OpenedDevice, open_test_device};
 use miles_core::model::{LlamaConfig, ParamLayout, init_params};
 use miles_core::{
-    BackupPolicy, Device, HostDevice, ManagerSettings, MemoryManager, MemoryTag,
-    RolloutOffloadLevel,
+    BackupPolicy, CpuDevice, Device, ManagerSettings, MemoryManager, MemoryTag, RolloutOffloadLevel,
 };
 
 use crate::paged::BlockTables;
 use crate::schedule::Step;
 use crate::{
-    EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor, RolloutEngine,
-    SamplingParams,
+    Engine, EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor, SamplingParams,
 };
 
 /// Logits of the GPU engine against the CPU engine's on the same bf16 weights: the GPU rounds
@@ -62,7 +60,7 @@ fn manager(device: Arc<dyn Device>) -> Arc<MemoryManager> {
     Arc::new(MemoryManager::new(device, settings).unwrap())
 }
 
-fn load(mut engine: RolloutEngine, params: &[f32]) -> RolloutEngine {
+fn load(mut engine: Engine, params: &[f32]) -> Engine {
     let layout = engine.layout().clone();
     let tensors: Vec<(usize, &[f32])> = layout
         .specs()
@@ -74,9 +72,9 @@ fn load(mut engine: RolloutEngine, params: &[f32]) -> RolloutEngine {
     engine
 }
 
-fn cpu_engine(cfg: EngineConfig, params: &[f32]) -> RolloutEngine {
-    let memory = manager(Arc::new(HostDevice::new(256 << 20)));
-    load(RolloutEngine::new(memory, config(), cfg).unwrap(), params)
+fn cpu_engine(cfg: EngineConfig, params: &[f32]) -> Engine {
+    let memory = manager(Arc::new(CpuDevice::new(256 << 20)));
+    load(Engine::new(memory, config(), cfg).unwrap(), params)
 }
 
 /// The GPU of the test run, when `MILES_TEST_DEVICE=cuda`: a memory manager on GPU 0 (capped
@@ -104,9 +102,9 @@ impl TestGpu {
     }
 
     /// A GPU engine with its own memory manager on the test's device.
-    fn engine(&self, cfg: EngineConfig, params: &[f32]) -> RolloutEngine {
+    fn engine(&self, cfg: EngineConfig, params: &[f32]) -> Engine {
         let memory = manager(Arc::clone(&self.memory_device));
-        let engine = RolloutEngine::on_gpu(memory, Arc::clone(&self.gpu), config(), cfg).unwrap();
+        let engine = Engine::on_gpu(memory, Arc::clone(&self.gpu), config(), cfg).unwrap();
         load(engine, params)
     }
 }
@@ -144,7 +142,7 @@ fn greedy(n: usize, max_new_tokens: usize) -> SamplingParams {
 /// position, step `j` after feeding `path[j - 1]`. Every prompt is prefilled in one call and
 /// every path decoded in one batch per step.
 fn forced_logits(
-    engine: &mut RolloutEngine,
+    engine: &mut Engine,
     prompts: &[Vec<u32>],
     paths: &[(usize, Vec<u32>)],
 ) -> Vec<Vec<Vec<f32>>> {
@@ -323,7 +321,11 @@ fn gpu_generation_repeats_after_offload_cycles_and_offload_frees_both_tags() {
         let memory = Arc::clone(engine.memory());
         let layout = engine.layout().clone();
         let levels = [RolloutOffloadLevel::KvCache, RolloutOffloadLevel::Weight];
-        let mut controller = InferenceController::new(engine, &levels, 1 << 20);
+        let mut controller = InferenceController::new(
+            engine,
+            miles_core::RolloutOffload::from_levels(&levels),
+            1 << 20,
+        );
         let first = controller.generate(&prompts(), &sampling).unwrap();
         for cycle in 0..2 {
             controller.offload().unwrap();
@@ -394,9 +396,9 @@ fn engines_refuse_a_memory_manager_on_another_device() {
     };
     let cfg = engine_config(16, BackupPolicy::Host);
     let on_cuda = manager(Arc::clone(&t.memory_device));
-    let err = RolloutEngine::new(on_cuda, config(), cfg.clone()).unwrap_err();
+    let err = Engine::new(on_cuda, config(), cfg.clone()).unwrap_err();
     assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
-    let on_cpu = manager(Arc::new(HostDevice::new(64 << 20)));
-    let err = RolloutEngine::on_gpu(on_cpu, Arc::clone(&t.gpu), config(), cfg).unwrap_err();
+    let on_cpu = manager(Arc::new(CpuDevice::new(64 << 20)));
+    let err = Engine::on_gpu(on_cpu, Arc::clone(&t.gpu), config(), cfg).unwrap_err();
     assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
 }

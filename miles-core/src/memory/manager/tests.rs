@@ -587,3 +587,77 @@ fn buffers_dropped_while_paused_are_freed_on_resume() {
     assert_eq!(memory.region_bytes(&tag).unwrap(), 0);
     assert!(memory.alloc(&tag, 16 * MIB).is_ok());
 }
+
+/// Three tags with seeded random contents, the third of `third`'s policy.
+fn three_tags(memory: &MemoryManager, third: BackupPolicy) -> Vec<(MemoryTag, Buffer, Vec<u8>)> {
+    ["first", "second", "third"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let tag = MemoryTag::Named(format!("all-{name}"));
+            let policy = if i == 2 { third } else { BackupPolicy::Host };
+            memory.create_region(tag.clone(), policy, 8 * MIB).unwrap();
+            let mut buffer = memory.alloc(&tag, 3 * MIB + 5).unwrap();
+            let data = random_bytes(40 + i as u64, 3 * MIB + 5);
+            buffer.write(0, &data).unwrap();
+            (tag, buffer, data)
+        })
+        .collect()
+}
+
+#[test]
+fn pause_all_failing_on_the_third_tag_leaves_the_first_two_as_they_were() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, mut memory) = manager(64 * MIB, Some(dir.path()));
+    memory.inject_disk_write_fault(1);
+    let tags = three_tags(&memory, BackupPolicy::Disk);
+    let names: Vec<MemoryTag> = tags.iter().map(|(tag, _, _)| tag.clone()).collect();
+    let error = memory.pause_all(&names).unwrap_err();
+    assert!(
+        matches!(error, MemoryError::Store { ref tag, .. } if *tag == names[2]),
+        "{error}"
+    );
+    for (tag, buffer, data) in &tags {
+        assert_eq!(memory.state(tag).unwrap(), RegionState::Active, "{tag}");
+        let got = contents(buffer);
+        assert_eq!(first_difference(&got, data), None, "{tag} changed");
+    }
+    let reports = memory.pause_all(&names).unwrap();
+    assert_eq!(
+        reports.iter().map(|r| r.tag.clone()).collect::<Vec<_>>(),
+        names
+    );
+}
+
+#[test]
+fn resume_all_failing_on_the_third_tag_pauses_the_first_two_again_and_can_retry() {
+    let device = Arc::new(crate::device::FaultyDevice::over(
+        open_test_device(64 * MIB as u64).unwrap().shared(),
+        0,
+    ));
+    let settings = ManagerSettings {
+        margin_bytes: 0,
+        disk: None,
+    };
+    let memory = MemoryManager::new(Arc::clone(&device) as Arc<dyn Device>, settings).unwrap();
+    let tags = three_tags(&memory, BackupPolicy::Host);
+    let names: Vec<MemoryTag> = tags.iter().map(|(tag, _, _)| tag.clone()).collect();
+    memory.pause_all(&names).unwrap();
+    device
+        .fail_commit_in
+        .store(3, std::sync::atomic::Ordering::SeqCst);
+    let error = memory.resume_all(&names).unwrap_err();
+    assert!(
+        matches!(error, MemoryError::Device { ref tag, .. } if *tag == names[2]),
+        "{error}"
+    );
+    for tag in &names {
+        assert_eq!(memory.state(tag).unwrap(), RegionState::Paused, "{tag}");
+    }
+    let reports = memory.resume_all(&names).unwrap();
+    assert_eq!(reports.len(), 3);
+    for (tag, buffer, data) in &tags {
+        let got = contents(buffer);
+        assert_eq!(first_difference(&got, data), None, "{tag} lost bytes");
+    }
+}

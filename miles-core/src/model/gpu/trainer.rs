@@ -440,16 +440,7 @@ impl GpuTrainer {
             return Err(ModelError::Offloaded { action: "offload" });
         }
         self.record_fences()?;
-        let mut reports = Vec::with_capacity(TAGS.len());
-        for tag in &TAGS {
-            match self.memory.pause(tag) {
-                Ok(report) => reports.push(report),
-                Err(error) => {
-                    self.undo(&reports, "resume", MemoryManager::resume);
-                    return Err(error.into());
-                }
-            }
-        }
+        let reports = self.memory.pause_all(&TAGS)?;
         self.offloaded = true;
         Ok(reports)
     }
@@ -465,36 +456,12 @@ impl GpuTrainer {
         if !self.offloaded {
             return Err(ModelError::NotOffloaded);
         }
-        let mut reports = Vec::with_capacity(TAGS.len());
-        for tag in &TAGS {
-            match self.memory.resume(tag) {
-                Ok(report) => reports.push(report),
-                Err(error) => {
-                    self.undo(&reports, "pause", MemoryManager::pause);
-                    return Err(error.into());
-                }
-            }
-        }
+        let reports = self.memory.resume_all(&TAGS)?;
         self.offloaded = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
         self.record_fences()?;
         Ok(reports)
-    }
-
-    /// Runs `op` (a pause or a resume) over the tags of `done`, last first, logging failures:
-    /// the rollback of a partial offload or onload.
-    fn undo(
-        &self,
-        done: &[OffloadReport],
-        what: &'static str,
-        op: fn(&MemoryManager, &MemoryTag) -> Result<OffloadReport, MemoryError>,
-    ) {
-        for report in done.iter().rev() {
-            if let Err(error) = op(&self.memory, &report.tag) {
-                tracing::error!(tag = %report.tag, %error, "cannot {what} while rolling back");
-            }
-        }
     }
 
     /// Errors unless the trainer is onloaded and its four regions are active.

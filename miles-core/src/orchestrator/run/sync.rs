@@ -5,9 +5,9 @@ use std::time::Instant;
 
 use super::Orchestrator;
 use crate::backend::BackendError;
+use crate::backend::EngineError;
 use crate::metrics::Phase;
 use crate::orchestrator::OrchestratorError;
-use crate::orchestrator::engine::EngineError;
 
 /// The tail of DESIGN section 8: the trainer sleeps, then the weights cross the host link into
 /// the engine.
@@ -79,15 +79,14 @@ impl Orchestrator {
             self.staged = Some(staged);
             self.export_seconds = started.elapsed().as_secs_f64();
         }
-        let target = self.config.offload_train_target;
         let stats = self
             .actor
-            .offload(target)
+            .offload()
             .map_err(OrchestratorError::train("actor", "offload"))?;
         let mut bytes = stats.bytes();
         if let Some(critic) = &mut self.critic {
             let stats = critic
-                .offload(target)
+                .offload()
                 .map_err(OrchestratorError::train("critic", "offload"))?;
             bytes += stats.bytes();
         }

@@ -446,14 +446,14 @@ mod tests {
 
     use super::super::{DATA_FILE, DiskBackup, DiskStore, PIPELINE_DEPTH};
     use super::*;
-    use crate::device::{FaultyDevice, HostDevice};
+    use crate::device::{CpuDevice, FaultyDevice};
 
     const MIB: usize = 1 << 20;
 
     /// The CPU device with its host views hidden, as on CUDA: loads go through staging buffers.
     fn no_views(capacity: usize) -> Arc<dyn Device> {
         Arc::new(FaultyDevice::over(
-            Arc::new(HostDevice::new(capacity as u64)),
+            Arc::new(CpuDevice::new(capacity as u64)),
             0,
         ))
     }
@@ -585,7 +585,7 @@ mod tests {
 
     #[test]
     fn loads_into_host_addressable_memory_restore_every_byte_and_catch_a_flipped_one() {
-        let saved = small_chunks(Arc::new(HostDevice::new(64 * MIB as u64)));
+        let saved = small_chunks(Arc::new(CpuDevice::new(64 * MIB as u64)));
         round_trip_then_corrupt(&saved, 5 * MIB + 17);
     }
 
@@ -597,7 +597,7 @@ mod tests {
 
     #[test]
     fn chunks_read_in_several_parts_are_checked_whole_in_place_and_staged() {
-        let in_place = chunks_of_several_reads(Arc::new(HostDevice::new(128 * MIB as u64)));
+        let in_place = chunks_of_several_reads(Arc::new(CpuDevice::new(128 * MIB as u64)));
         round_trip_then_corrupt(&in_place, 50 * MIB + 17);
         let staged = chunks_of_several_reads(no_views(128 * MIB));
         round_trip_then_corrupt(&staged, 50 * MIB + 17);

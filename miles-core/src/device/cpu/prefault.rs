@@ -225,7 +225,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::host::GRANULE;
+    use crate::device::cpu::GRANULE;
 
     #[test]
     fn cancelling_a_range_keeps_the_queued_parts_around_it() {

@@ -43,7 +43,7 @@ const COPY_PIECE_BYTES: usize = 4 << 20;
 
 /// The CPU device: reservations are anonymous `mmap` ranges, release drops their pages.
 #[derive(Debug)]
-pub struct HostDevice {
+pub struct CpuDevice {
     capacity: u64,
     shared: Arc<Shared>,
 }
@@ -78,10 +78,10 @@ struct Claim {
     access: ViewAccess,
 }
 
-impl HostDevice {
+impl CpuDevice {
     /// A CPU device that can commit up to `capacity_bytes` at once.
-    pub fn new(capacity_bytes: u64) -> HostDevice {
-        HostDevice {
+    pub fn new(capacity_bytes: u64) -> CpuDevice {
+        CpuDevice {
             capacity: capacity_bytes,
             shared: Arc::new(Shared {
                 state: Mutex::new(HostState::default()),
@@ -209,7 +209,7 @@ impl Drop for ClaimGuard {
     }
 }
 
-impl HostDevice {
+impl CpuDevice {
     /// Claim `range` for the duration of a copy.
     fn claim(&self, range: AddressRange, access: ViewAccess) -> Result<ClaimGuard, DeviceError> {
         let id = self.shared.lock().claim(range, access)?;
@@ -220,7 +220,7 @@ impl HostDevice {
     }
 }
 
-impl Device for HostDevice {
+impl Device for CpuDevice {
     fn kind(&self) -> DeviceKind {
         DeviceKind::Cpu
     }
@@ -622,8 +622,8 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    fn device() -> HostDevice {
-        HostDevice::new(64 * MIB as u64)
+    fn device() -> CpuDevice {
+        CpuDevice::new(64 * MIB as u64)
     }
 
     #[test]
