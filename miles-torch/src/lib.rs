@@ -16,7 +16,7 @@
 //! waits for the GPU to be idle; and no error ends the process: pause and resume return a
 //! status, `tms_last_error` says why, and a resume that lacks memory changes nothing.
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod abi;
 pub mod config;

@@ -38,10 +38,8 @@ pub type Opener = Box<dyn Fn(i32) -> Result<Opened, TorchError> + Send + Sync>;
 /// # Errors
 /// [`TorchError::Open`] when the driver or the GPU is missing.
 pub fn open_cuda(ordinal: i32) -> Result<Opened, TorchError> {
-    let cuda = Arc::new(CudaDevice::open(ordinal).map_err(|source| TorchError::Open {
-        ordinal,
-        source,
-    })?);
+    let cuda =
+        Arc::new(CudaDevice::open(ordinal).map_err(|source| TorchError::Open { ordinal, source })?);
     Ok(Opened {
         device: Arc::clone(&cuda) as Arc<dyn Device>,
         cuda: Some(cuda),

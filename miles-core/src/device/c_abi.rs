@@ -326,7 +326,9 @@ macro_rules! torch_memory_saver_c_abi {
         /// # Safety
         /// `tag` is NULL or a NUL-terminated string.
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn tms_set_current_tag(tag: *const ::std::ffi::c_char) -> ::std::ffi::c_int {
+        pub unsafe extern "C" fn tms_set_current_tag(
+            tag: *const ::std::ffi::c_char,
+        ) -> ::std::ffi::c_int {
             // SAFETY: the caller passes NULL or a live NUL-terminated string.
             let tag = unsafe { __tms_abi::text(tag) };
             __tms_abi::status(<$saver>::set_current_tag(tag.as_deref()))
@@ -355,7 +357,9 @@ macro_rules! torch_memory_saver_c_abi {
         /// # Safety
         /// `backend` is NULL or a NUL-terminated string.
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const ::std::ffi::c_char) -> ::std::ffi::c_int {
+        pub unsafe extern "C" fn tms_set_cpu_backup_backend(
+            backend: *const ::std::ffi::c_char,
+        ) -> ::std::ffi::c_int {
             // SAFETY: the caller passes NULL or a live NUL-terminated string.
             let backend = unsafe { __tms_abi::text(backend) };
             __tms_abi::status(<$saver>::set_cpu_backup_backend(backend.as_deref()))
@@ -384,7 +388,9 @@ macro_rules! torch_memory_saver_c_abi {
         /// # Safety
         /// `dir` is NULL or a NUL-terminated string.
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn tms_set_disk_backup_dir(dir: *const ::std::ffi::c_char) -> ::std::ffi::c_int {
+        pub unsafe extern "C" fn tms_set_disk_backup_dir(
+            dir: *const ::std::ffi::c_char,
+        ) -> ::std::ffi::c_int {
             // SAFETY: the caller passes NULL or a live NUL-terminated string.
             let dir = unsafe { __tms_abi::text(dir) };
             __tms_abi::status(<$saver>::set_disk_backup_dir(dir.as_deref()))

@@ -45,7 +45,13 @@ fn filled(saver: &Saver, config: &RegionConfig, len: usize, seed: u64) -> (u64, 
     let mut data = vec![0u8; len];
     ChaCha8Rng::seed_from_u64(seed).fill_bytes(&mut data);
     device(saver)
-        .write(&data, AddressRange { start: address, len })
+        .write(
+            &data,
+            AddressRange {
+                start: address,
+                len,
+            },
+        )
         .unwrap();
     (address, data)
 }
@@ -53,7 +59,13 @@ fn filled(saver: &Saver, config: &RegionConfig, len: usize, seed: u64) -> (u64, 
 fn read(saver: &Saver, address: u64, len: usize) -> Vec<u8> {
     let mut back = vec![0u8; len];
     device(saver)
-        .read(AddressRange { start: address, len }, &mut back)
+        .read(
+            AddressRange {
+                start: address,
+                len,
+            },
+            &mut back,
+        )
         .unwrap();
     back
 }
@@ -88,9 +100,15 @@ fn cpu_and_disk_backups_resume_bit_exact_at_the_same_addresses_and_none_frees_on
         saver.resume(None).unwrap();
         assert_eq!(free_bytes(&saver), before, "cycle {cycle}");
         let diff = first_difference(&read(&saver, host_at, host_data.len()), &host_data);
-        assert_eq!(diff, None, "cycle {cycle}: first byte of the cpu backup differing");
+        assert_eq!(
+            diff, None,
+            "cycle {cycle}: first byte of the cpu backup differing"
+        );
         let diff = first_difference(&read(&saver, disk_at, disk_data.len()), &disk_data);
-        assert_eq!(diff, None, "cycle {cycle}: first byte of the disk backup differing");
+        assert_eq!(
+            diff, None,
+            "cycle {cycle}: first byte of the disk backup differing"
+        );
     }
     saver.pause(Some("kv_cache")).unwrap();
     saver.resume(Some("kv_cache")).unwrap();
@@ -115,10 +133,17 @@ fn each_tag_and_policy_lives_in_its_own_arena_and_pauses_alone() {
         .collect();
     assert_eq!(arenas.len(), 3, "one region per tag and policy");
     for (at, arena) in [w_at, wd_at, kv_at].iter().zip(&arenas) {
-        assert!(arena.start <= *at && *at < arena.end(), "{at:#x} in {arena:?}");
+        assert!(
+            arena.start <= *at && *at < arena.end(),
+            "{at:#x} in {arena:?}"
+        );
     }
     saver.pause(Some("weights")).unwrap();
-    assert_eq!(read(&saver, kv_at, MIB), kv_data, "another tag is untouched");
+    assert_eq!(
+        read(&saver, kv_at, MIB),
+        kv_data,
+        "another tag is untouched"
+    );
     assert_eq!(
         gpu.memory.state(&gpu.matching(Some("weights"))[1]).unwrap(),
         RegionState::Paused,
@@ -194,7 +219,10 @@ fn a_free_of_a_paused_allocation_takes_effect_at_resume_and_others_stay_intact()
     assert!(!saver.free(gone).unwrap(), "and is not once freed");
     saver.resume(Some("weights")).unwrap();
     assert_eq!(free_bytes(&saver), active + (4 * MIB) as u64);
-    assert_eq!(first_difference(&read(&saver, kept, data.len()), &data), None);
+    assert_eq!(
+        first_difference(&read(&saver, kept, data.len()), &data),
+        None
+    );
     assert!(!saver.free(0xdead_0000).unwrap(), "not a tag's address");
 }
 

@@ -602,7 +602,10 @@ fn a_host_backup_address_exists_only_while_a_host_backed_tag_is_paused() {
     let first = memory.alloc(&host, 3 * MIB).unwrap();
     let second = memory.alloc(&host, MIB).unwrap();
     let other = memory.alloc(&dropped, MIB).unwrap();
-    assert_eq!(memory.host_backup_address(&host, first.range()).unwrap(), None);
+    assert_eq!(
+        memory.host_backup_address(&host, first.range()).unwrap(),
+        None
+    );
     memory.pause(&host).unwrap();
     memory.pause(&dropped).unwrap();
     let at_first = memory.host_backup_address(&host, first.range()).unwrap();
@@ -615,12 +618,18 @@ fn a_host_backup_address_exists_only_while_a_host_backed_tag_is_paused() {
         (second.address() - first.address()) as usize,
         "the backup holds the buffers at their distance on the device"
     );
-    assert_eq!(memory.host_backup_address(&dropped, other.range()).unwrap(), None);
+    assert_eq!(
+        memory.host_backup_address(&dropped, other.range()).unwrap(),
+        None
+    );
     let outside = AddressRange {
         start: memory.arena(&host).unwrap().end() - MIB as u64,
         len: MIB,
     };
     assert_eq!(memory.host_backup_address(&host, outside).unwrap(), None);
     memory.resume(&host).unwrap();
-    assert_eq!(memory.host_backup_address(&host, first.range()).unwrap(), None);
+    assert_eq!(
+        memory.host_backup_address(&host, first.range()).unwrap(),
+        None
+    );
 }
