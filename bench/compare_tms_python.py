@@ -17,6 +17,7 @@ ratios miles / torch_memory_saver.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,12 +92,16 @@ def pinned_copy(torch, tensors) -> dict:
 
 
 def run(package, size, backup, cycles, disk_dir):
+    own_dir = tempfile.mkdtemp(prefix=f"{package}-", dir=disk_dir)
     command = [
         sys.executable, os.path.abspath(__file__), "--child", package,
         "--sizes", str(size), "--backups", backup, "--cycles", str(cycles),
-        "--disk-dir", disk_dir,
+        "--disk-dir", own_dir,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    finally:
+        shutil.rmtree(own_dir, ignore_errors=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stdout + done.stderr)[-2000:]
@@ -121,7 +126,10 @@ def main():
     parser.add_argument("--cycles", type=int, default=3, help="pause/resume cycles per run")
     parser.add_argument("--disk-cycles", type=int, default=1, help="cycles of disk runs")
     parser.add_argument("--packages", default="miles,tms", help="miles, tms")
-    parser.add_argument("--disk-dir", default=None, help="directory of disk backups")
+    parser.add_argument(
+        "--disk-dir", default=None,
+        help="directory of disk backups, on a real disk (default: a new one under $TMPDIR)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="tms-bench-")

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use miles_core::{
-    AddressRange, BackupPolicy, Buffer, CudaDevice, Device, DeviceAddress, DiskSettings,
-    ManagerSettings, MemoryManager, MemoryTag, RegionState,
+    AddressRange, BackupPolicy, Buffer, CudaDevice, CudaOptions, Device, DeviceAddress,
+    DiskSettings, ManagerSettings, MemoryManager, MemoryTag, RegionState,
 };
 
 use crate::TorchError;
@@ -33,13 +33,20 @@ pub struct Opened {
 /// Opens the device of a GPU ordinal.
 pub type Opener = Box<dyn Fn(i32) -> Result<Opened, TorchError> + Send + Sync>;
 
-/// Open GPU `ordinal` through the CUDA driver.
+/// Open GPU `ordinal` through the CUDA driver, with the default options but no scrub
+/// collector: its thread allocates a granule now and then, and a driver allocation from
+/// another thread while PyTorch captures a CUDA graph (capture mode `global`) can invalidate
+/// the capture; PyTorch's own allocations during a capture run in relaxed mode.
 ///
 /// # Errors
 /// [`TorchError::Open`] when the driver or the GPU is missing.
 pub fn open_cuda(ordinal: i32) -> Result<Opened, TorchError> {
-    let cuda =
-        Arc::new(CudaDevice::open(ordinal).map_err(|source| TorchError::Open { ordinal, source })?);
+    let options = CudaOptions {
+        collect_after: None,
+        ..CudaOptions::default()
+    };
+    let opened = CudaDevice::open_with(ordinal, options);
+    let cuda = Arc::new(opened.map_err(|source| TorchError::Open { ordinal, source })?);
     Ok(Opened {
         device: Arc::clone(&cuda) as Arc<dyn Device>,
         cuda: Some(cuda),

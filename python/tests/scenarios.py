@@ -168,7 +168,9 @@ def cuda_graph_replays_after_a_cycle():
             torch.relu(static_in @ w) @ w.T
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with saver.cuda_graph(graph, tag="cuda_graph"):
+    # Capture on the warmed-up stream: its cuBLAS handle and workspace exist already, outside
+    # every tag (a handle made inside the tag would lose its memory to the pause).
+    with saver.cuda_graph(graph, stream=side, tag="cuda_graph"):
         out = torch.relu(static_in @ w) @ w.T
     graph.replay()
     reference = out.clone()
@@ -198,6 +200,8 @@ def rl_weights_and_kv_cache_give_the_same_logits():
     with saver.region(tag="weights", enable_cpu_backup=True):
         model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, 1024, (4, 64), device="cuda")
+    with torch.no_grad():
+        model(ids[:1, :8])  # library handles and workspaces come to exist outside every tag
     with saver.region(tag="kv_cache"):
         kv_pool = torch.empty((64 * MIB,), dtype=torch.uint8, device="cuda")
         with torch.no_grad():
