@@ -27,6 +27,17 @@ def test_the_package_has_torch_memory_saver_s_public_api():
     assert saver.enabled is True
 
 
+def test_the_import_line_is_all_a_torch_memory_saver_program_changes():
+    import miles_memory_saver as torch_memory_saver
+
+    singleton = torch_memory_saver.torch_memory_saver
+    assert isinstance(singleton, torch_memory_saver.TorchMemorySaver)
+    for name in ["region", "cuda_graph", "disable", "pause", "resume", "get_cpu_backup",
+                 "set_disk_backup_dir"]:
+        assert getattr(torch_memory_saver, name) == getattr(singleton, name), name
+    assert callable(torch_memory_saver.configure_subprocess)
+
+
 def test_the_packaged_library_exports_every_entry_point(cdll):
     for name in _library._SIGNATURES:
         assert hasattr(cdll, name), name
