@@ -304,3 +304,25 @@ fn region_names_keep_tags_apart_in_the_characters_regions_allow() {
     let lower = gpu.matching(Some("type1"));
     assert_eq!(gpu.memory.state(&lower[0]).unwrap(), RegionState::Active);
 }
+
+#[test]
+fn a_tag_whose_allocations_were_all_freed_pauses_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let saver = saver(64 << 20, dir.path());
+    for (tag, policy) in [
+        ("weights", BackupPolicy::Host),
+        ("optimizer", BackupPolicy::Disk),
+        ("kv_cache", BackupPolicy::None),
+    ] {
+        let (address, _) = filled(&saver, &region(tag, policy), MIB, 17);
+        assert!(saver.free(address).unwrap());
+    }
+    for cycle in 0..2 {
+        saver
+            .pause(None)
+            .unwrap_or_else(|e| panic!("cycle {cycle}: {e}"));
+        saver
+            .resume(None)
+            .unwrap_or_else(|e| panic!("cycle {cycle}: {e}"));
+    }
+}
