@@ -9,6 +9,7 @@
 //!
 //! All `unsafe` code of miles lives under this module.
 
+pub mod c_abi;
 mod cpu;
 mod cpu_gemm;
 mod cuda;

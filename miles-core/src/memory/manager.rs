@@ -255,6 +255,21 @@ impl MemoryManager {
         Ok(reports)
     }
 
+    /// The host address of the backup of `range` (device addresses of a buffer of `tag`, or
+    /// part of one) while `tag` is paused with a host backup; `None` while it is active or
+    /// backed up elsewhere. The bytes stay at that address until the tag resumes: what
+    /// torch_memory_saver's `get_cpu_backup` reads.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`].
+    pub fn host_backup_address(
+        &self,
+        tag: &MemoryTag,
+        range: AddressRange,
+    ) -> Result<Option<usize>, MemoryError> {
+        Ok(self.region(tag)?.host_backup_address(range))
+    }
+
     /// Where `tag` stands.
     ///
     /// # Errors

@@ -380,6 +380,22 @@ impl Region {
         })
     }
 
+    /// The host address where the host backup of `range` (inside one range the pause backed
+    /// up) begins, while the region is paused with a host backup; `None` otherwise. The bytes
+    /// stay there until the region resumes.
+    pub(crate) fn host_backup_address(&self, range: AddressRange) -> Option<usize> {
+        let core = self.lock();
+        let Backup::Host(buffer) = &core.backup else {
+            return None;
+        };
+        if core.state != RegionState::Paused {
+            return None;
+        }
+        let offset = backup_offset(&core.saved, range).ok()?;
+        let bytes = buffer.as_slice().ok()?;
+        (offset + range.len <= bytes.len()).then(|| bytes.as_ptr() as usize + offset)
+    }
+
     /// Check room for the region (need + margin), commit the memory the pause released at the
     /// same addresses and copy its bytes back; on any failure the region stays paused with its
     /// backup.

@@ -138,6 +138,43 @@ pub(crate) fn mem_get_info() -> Result<(usize, usize), DeviceError> {
     Ok((free, total))
 }
 
+/// `cuCtxSynchronize`: wait until all work queued in the current context is done (every
+/// stream's, including work the caller did not queue, such as PyTorch's kernels).
+pub(crate) fn ctx_synchronize() -> Result<(), DeviceError> {
+    // SAFETY: takes no pointers; waits on the calling thread's current context.
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+}
+
+/// `cuCtxGetDevice`: the device of the calling thread's current context; `None` when no
+/// context is current.
+pub(crate) fn ctx_get_device() -> Result<Option<sys::CUdevice>, DeviceError> {
+    let mut device = 0;
+    // SAFETY: writes one device handle to a live local.
+    let status = unsafe { sys::cuCtxGetDevice(&mut device) };
+    if status == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT {
+        return Ok(None);
+    }
+    check("cuCtxGetDevice", status)?;
+    Ok(Some(device))
+}
+
+/// `cuMemAlloc`: `len` bytes of ordinary device memory in the current context.
+pub(crate) fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr, DeviceError> {
+    let mut start = 0;
+    // SAFETY: writes one address to a live local.
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut start, len) })?;
+    Ok(start)
+}
+
+/// `cuMemFree`: free memory from [`mem_alloc`].
+///
+/// # Safety
+/// `start` came from [`mem_alloc`], is freed once, and no queued work uses it.
+pub(crate) unsafe fn mem_free(start: sys::CUdeviceptr) -> Result<(), DeviceError> {
+    // SAFETY: the caller owns the allocation and frees it once.
+    check("cuMemFree", unsafe { sys::cuMemFree_v2(start) })
+}
+
 /// Properties of pinned device memory on `device`, for [`mem_create`] and the granularity.
 pub(crate) fn device_allocation_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero is the documented

@@ -46,7 +46,8 @@ use self::pinned::PinnedMemory;
 use self::ranges::{Mapping, Reservations};
 use self::scrub::Collector;
 use super::{
-    AddressRange, Device, DeviceError, DeviceKind, Fence, HostBuffer, MemoryInfo, PendingWork,
+    AddressRange, Device, DeviceAddress, DeviceError, DeviceKind, Fence, HostBuffer, MemoryInfo,
+    PendingWork,
 };
 
 /// How a [`CudaDevice`] cuts its work; the defaults are the fastest measured on an H200 (see
@@ -178,6 +179,76 @@ impl CudaDevice {
     /// The options in effect (after rounding).
     pub fn options(&self) -> CudaOptions {
         self.options
+    }
+
+    /// Wait until every stream of the GPU's primary context is idle: the fence for work the
+    /// memory manager cannot see (another library's kernels on memory of a tag, say), which
+    /// a pause or a free of that memory waits for first.
+    ///
+    /// # Errors
+    /// The driver's error, or the error of the work waited for.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        self.context.bind()?;
+        driver::ctx_synchronize()
+    }
+
+    /// Make this GPU's primary context current on the calling thread, as a caller that shares
+    /// the thread with another CUDA library (PyTorch) leaves it after working on another GPU.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn make_current(&self) -> Result<(), DeviceError> {
+        self.context.bind()
+    }
+
+    /// The ordinal of the GPU whose context is current on the calling thread, `None` when no
+    /// context is current.
+    ///
+    /// # Errors
+    /// [`DeviceError::CudaUnavailable`] when the driver library or a symbol of it is missing;
+    /// the driver's error.
+    pub fn current_ordinal() -> Result<Option<i32>, DeviceError> {
+        super::probe::cudarc_driver_ready().map_err(DeviceError::CudaUnavailable)?;
+        let Some(current) = driver::ctx_get_device()? else {
+            return Ok(None);
+        };
+        for ordinal in 0..driver::device_get_count()? {
+            if driver::device_get(ordinal)? == current {
+                return Ok(Some(ordinal));
+            }
+        }
+        Ok(None)
+    }
+
+    /// `len` bytes of ordinary device memory (`cuMemAlloc`), outside every reservation of the
+    /// device: the plain path for memory no tag holds.
+    ///
+    /// # Errors
+    /// [`DeviceError::OutOfMemory`] when the GPU cannot hold it; the driver's error.
+    pub fn plain_alloc(&self, len: usize) -> Result<DeviceAddress, DeviceError> {
+        self.context.bind()?;
+        driver::mem_alloc(len.max(1)).map_err(|error| {
+            if driver::is_out_of_memory(&error) {
+                DeviceError::OutOfMemory {
+                    device: DeviceKind::Cuda,
+                    requested: len as u64,
+                    free: driver::mem_get_info().map_or(0, |(free, _)| free as u64),
+                }
+            } else {
+                error
+            }
+        })
+    }
+
+    /// Free memory from [`plain_alloc`](Self::plain_alloc), once the GPU is idle.
+    ///
+    /// # Errors
+    /// The driver's error (for an address `plain_alloc` did not return, say).
+    pub fn plain_free(&self, address: DeviceAddress) -> Result<(), DeviceError> {
+        self.synchronize()?;
+        // SAFETY: the driver checks that `address` is a live `cuMemAlloc` allocation of this
+        // context and fails otherwise; the GPU is idle, so no queued work uses it.
+        unsafe { driver::mem_free(address) }
     }
 
     /// A fence that completes when the work queued so far on `stream` does: record it after the

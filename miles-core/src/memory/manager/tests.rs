@@ -660,4 +660,49 @@ fn resume_all_failing_on_the_third_tag_pauses_the_first_two_again_and_can_retry(
         let got = contents(buffer);
         assert_eq!(first_difference(&got, data), None, "{tag} lost bytes");
     }
+
+#[test]
+fn a_host_backup_address_exists_only_while_a_host_backed_tag_is_paused() {
+    let (_, memory) = manager(64 * MIB, None);
+    let host = MemoryTag::Named("host-backed".to_string());
+    let dropped = MemoryTag::Named("dropped".to_string());
+    memory
+        .create_region(host.clone(), BackupPolicy::Host, 16 * MIB)
+        .unwrap();
+    memory
+        .create_region(dropped.clone(), BackupPolicy::None, 16 * MIB)
+        .unwrap();
+    let first = memory.alloc(&host, 3 * MIB).unwrap();
+    let second = memory.alloc(&host, MIB).unwrap();
+    let other = memory.alloc(&dropped, MIB).unwrap();
+    assert_eq!(
+        memory.host_backup_address(&host, first.range()).unwrap(),
+        None
+    );
+    memory.pause(&host).unwrap();
+    memory.pause(&dropped).unwrap();
+    let at_first = memory.host_backup_address(&host, first.range()).unwrap();
+    let at_second = memory.host_backup_address(&host, second.range()).unwrap();
+    let (Some(at_first), Some(at_second)) = (at_first, at_second) else {
+        panic!("a paused host-backed tag has a backup address for each buffer");
+    };
+    assert_eq!(
+        at_second - at_first,
+        (second.address() - first.address()) as usize,
+        "the backup holds the buffers at their distance on the device"
+    );
+    assert_eq!(
+        memory.host_backup_address(&dropped, other.range()).unwrap(),
+        None
+    );
+    let outside = AddressRange {
+        start: memory.arena(&host).unwrap().end() - MIB as u64,
+        len: MIB,
+    };
+    assert_eq!(memory.host_backup_address(&host, outside).unwrap(), None);
+    memory.resume(&host).unwrap();
+    assert_eq!(
+        memory.host_backup_address(&host, first.range()).unwrap(),
+        None
+    );
 }
