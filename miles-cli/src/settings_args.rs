@@ -151,6 +151,10 @@ impl SettingsArgs {
         if !built {
             return Err(BackendNotBuilt(settings.train_backend).into());
         }
+        let problems = knowable_problems(&settings);
+        if !problems.is_empty() {
+            return Err(BadSettings(problems.join("\n  ")).into());
+        }
         Ok(settings)
     }
 
@@ -158,6 +162,76 @@ impl SettingsArgs {
     pub fn to_raw(&self) -> RawSettings {
         self.raw.clone()
     }
+}
+
+/// Ranks the CPU device runs as threads of one process, at most: four a core, and no fewer than
+/// 16, so a typo (`--data-parallel-size 1000`) is refused before a thread starts.
+fn cpu_rank_limit() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    (4 * cores).max(16)
+}
+
+/// What the files and the machine tell about the settings before any work: an unknown preset,
+/// more ranks than the CPU device runs, a margin no resume can meet, a `--load` that is not a
+/// checkpoint. Each line names the flag and the fix.
+fn knowable_problems(settings: &Settings) -> Vec<String> {
+    let mut problems = Vec::new();
+    if let Err(error) = LlamaConfig::preset(&settings.preset) {
+        problems.push(format!("--preset {}: {error}", settings.preset));
+    }
+    if device::resolve(settings.device) == DeviceKind::Cpu {
+        let ranks = settings
+            .tensor_model_parallel_size
+            .saturating_mul(settings.data_parallel_size);
+        let limit = cpu_rank_limit();
+        if ranks > limit {
+            problems.push(format!(
+                "--tensor-model-parallel-size {} x --data-parallel-size {} = {ranks} ranks; the cpu device runs at most {limit} here (four a core): lower them",
+                settings.tensor_model_parallel_size, settings.data_parallel_size
+            ));
+        }
+        if settings.train_memory_margin_bytes >= settings.device_memory_bytes() {
+            problems.push(format!(
+                "--train-memory-margin-bytes {} is not below the cpu device's capacity (--device-memory-gib {} = {} bytes), so no resume could ever run: lower the margin or raise the capacity",
+                settings.train_memory_margin_bytes,
+                settings.device_memory_gib,
+                settings.device_memory_bytes()
+            ));
+        }
+    }
+    if let Some(dir) = &settings.load {
+        problems.extend(load_problem(dir, settings.steps));
+    }
+    problems
+}
+
+/// Why `--load DIR` cannot start the run, if it cannot.
+fn load_problem(dir: &std::path::Path, steps: u64) -> Option<String> {
+    let at = |reason: String| Some(format!("--load {}: {reason}", dir.display()));
+    if !dir.is_dir() {
+        return at("no such directory; point --load at a directory written by --save or a Hugging Face checkpoint".into());
+    }
+    let checkpoint = match resolve_checkpoint(dir) {
+        Ok(checkpoint) => checkpoint,
+        Err(error) => return at(error.to_string()),
+    };
+    if checkpoint.join(STATE_FILE).exists() {
+        return match LoopState::read(&checkpoint) {
+            Ok(state) if state.step > steps => at(format!(
+                "its checkpoint is at step {}, beyond --steps {steps}; raise --steps",
+                state.step
+            )),
+            Ok(_) => None,
+            Err(error) => at(error.to_string()),
+        };
+    }
+    if !checkpoint.join(CONFIG_FILE).exists() {
+        return at(format!(
+            "{} holds neither loop state nor a model ({CONFIG_FILE}); point --load at a directory written by --save",
+            checkpoint.display()
+        ));
+    }
+    None
 }
 
 /// `--train-backend` names a backend this binary was built without.

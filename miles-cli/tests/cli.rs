@@ -647,3 +647,56 @@ fn values_outside_their_ranges_exit_2_naming_the_flag() {
         assert!(err.contains(flag), "{flag} {value}: {err}");
     }
 }
+
+#[test]
+fn settings_knowable_before_work_exit_2_within_a_second_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let file_in_place = dir.path().join("disk");
+    std::fs::create_dir_all(&file_in_place).unwrap();
+    std::fs::write(file_in_place.join("offload"), b"a file, not a directory").unwrap();
+    let missing = dir.path().join("no-such-checkpoint");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--preset", "7b"], "--preset 7b"),
+        (
+            vec!["--colocate", "--offload-rollout-level", ""],
+            "--offload-rollout-level",
+        ),
+        (vec!["--data-parallel-size", "1000"], "--data-parallel-size"),
+        (
+            vec![
+                "--device",
+                "cpu",
+                "--device-memory-gib",
+                "1",
+                "--train-memory-margin-bytes",
+                "2147483648",
+            ],
+            "--train-memory-margin-bytes",
+        ),
+        (vec!["--load", missing.to_str().unwrap()], "--load"),
+        (
+            vec![
+                "--offload-train",
+                "--offload-train-target",
+                "disk",
+                "--offload-train-disk-dir",
+                file_in_place.to_str().unwrap(),
+            ],
+            "is not a directory",
+        ),
+    ];
+    for (flags, named) in cases {
+        for command in ["check-config", "train"] {
+            let mut args = vec![command, "--device", "cpu"];
+            args.extend(&flags);
+            let started = std::time::Instant::now();
+            let (_, err) = expect(&args, 2);
+            assert!(err.contains(named), "{args:?}: {err}");
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(5),
+                "{args:?} took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+}

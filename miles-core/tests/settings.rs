@@ -26,6 +26,8 @@ fn label(error: &SettingsError) -> String {
             format!("rule5:{value}->{}", suggestion.unwrap_or("none"))
         }
         SettingsError::FsdpCpuOffloadWithMegatron => "rule7".into(),
+        SettingsError::EmptyRolloutLevel => "rule5:empty".into(),
+        SettingsError::OffloadDirIsAFile { .. } => "rule3:file".into(),
         SettingsError::OutOfRange { flag, .. } => format!("range:{flag}"),
         SettingsError::BatchNotDivisible { .. } => "batch".into(),
     }
@@ -189,6 +191,11 @@ const CASES: &[(&str, &str, Expect)] = &[
         "colocated disk target without directory",
         "colocate = true\noffload_train_target = \"disk\"",
         Expect::Invalid(&["rule3:dir"]),
+    ),
+    (
+        "colocated with an empty rollout offload level",
+        "colocate = true\noffload_rollout_level = [\"\"]",
+        Expect::Invalid(&["rule5:empty"]),
     ),
     (
         "colocated disk target with a zero chunk",

@@ -131,6 +131,22 @@ pub enum SettingsError {
         /// The nearest valid value.
         suggestion: Option<&'static str>,
     },
+    /// Rule 5: rollout offload on with no level named, so nothing would leave the device.
+    #[error(
+        "--offload-rollout-level names no level while rollout offload is on, so nothing would leave the device; give at least one of {} or turn rollout offload off with --no-offload-rollout",
+        super::RolloutOffloadLevel::names().join(", ")
+    )]
+    EmptyRolloutLevel,
+    /// Rule 3: the disk directory holds a file where the offload directory goes.
+    #[error(
+        "--offload-train-disk-dir {}: {} is not a directory; move that file away or choose another directory",
+        dir.display(),
+        dir.join("offload").display()
+    )]
+    OffloadDirIsAFile {
+        /// The disk directory.
+        dir: PathBuf,
+    },
     /// Rule 7: FSDP's native CPU offload asked of the megatron backend.
     #[error(
         "--fsdp-cpu-offload requires --train-backend fsdp (got megatron); drop --fsdp-cpu-offload or use --train-backend fsdp"

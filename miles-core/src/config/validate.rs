@@ -96,6 +96,10 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
             errors.push(error);
         }
     }
+    // Rule 5: an empty list would move nothing.
+    if s.offload_rollout && s.offload_rollout_level.is_empty() {
+        errors.push(SettingsError::EmptyRolloutLevel);
+    }
     // Rule 7.
     if s.fsdp_cpu_offload && s.train_backend == TrainBackendKind::Megatron {
         errors.push(SettingsError::FsdpCpuOffloadWithMegatron);
@@ -113,6 +117,12 @@ fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
             source,
         };
     std::fs::create_dir_all(dir).map_err(|source| unusable("create it", source))?;
+    let offload = dir.join("offload");
+    if offload.exists() && !offload.is_dir() {
+        return Err(SettingsError::OffloadDirIsAFile {
+            dir: dir.to_path_buf(),
+        });
+    }
     let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
     std::fs::File::create(&probe)
         .and_then(|mut file| file.write_all(b"miles"))

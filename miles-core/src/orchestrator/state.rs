@@ -93,10 +93,26 @@ pub fn resolve_checkpoint(dir: &Path) -> Result<PathBuf, OrchestratorError> {
     }
     let name = std::fs::read_to_string(&latest).map_err(|source| OrchestratorError::Io {
         action: "read",
-        path: latest,
+        path: latest.clone(),
         source,
     })?;
-    Ok(dir.join(name.trim()))
+    let name = name.trim();
+    let mut components = Path::new(name).components();
+    let one_child = matches!(
+        (components.next(), components.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    );
+    let checkpoint = dir.join(name);
+    if !one_child || !checkpoint.is_dir() {
+        return Err(OrchestratorError::State {
+            path: latest,
+            reason: format!(
+                "it names `{name}`, which is not a checkpoint directory inside {}",
+                dir.display()
+            ),
+        });
+    }
+    Ok(checkpoint)
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OrchestratorError> {
@@ -119,6 +135,21 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OrchestratorError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_latest_file_naming_a_path_outside_the_directory_is_refused() {
+        let save = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        for name in [
+            outside.path().to_str().unwrap().to_owned(),
+            "../elsewhere".to_owned(),
+            "step-00000009".to_owned(),
+        ] {
+            std::fs::write(save.path().join(LATEST_FILE), &name).unwrap();
+            let err = resolve_checkpoint(save.path()).unwrap_err().to_string();
+            assert!(err.contains("not a checkpoint directory"), "{name}: {err}");
+        }
+    }
 
     #[test]
     fn state_round_trips_and_latest_names_the_newest_checkpoint() {

@@ -660,6 +660,7 @@ fn resume_all_failing_on_the_third_tag_pauses_the_first_two_again_and_can_retry(
         let got = contents(buffer);
         assert_eq!(first_difference(&got, data), None, "{tag} lost bytes");
     }
+}
 
 #[test]
 fn a_host_backup_address_exists_only_while_a_host_backed_tag_is_paused() {
