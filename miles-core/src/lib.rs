@@ -36,4 +36,4 @@ pub use orchestrator::{
     Critic, EngineError, LoopConfig, Orchestrator, OrchestratorError, RolloutEngine, RunSummary,
     Sample, Sampling,
 };
-pub use store::{DiskBackup, DiskStore, HostPool, StoreError};
+pub use store::{DiskBackup, DiskStore, HostPool, RankDir, StoreError};

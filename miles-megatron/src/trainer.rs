@@ -186,9 +186,9 @@ impl MegatronTrainer {
         let mut workers = Vec::with_capacity(tp * dp);
         for (rank, comm) in comms.into_iter().enumerate() {
             let grid = Grid { rank, tp, dp };
-            let disk_for = |sub: &str| {
+            let disk_for = || {
                 options.disk_dir.as_ref().map(|dir| DiskSettings {
-                    dir: dir.join(sub),
+                    dir: dir.clone(),
                     rank,
                     chunk_bytes: options.disk_chunk_bytes,
                 })
@@ -201,12 +201,12 @@ impl MegatronTrainer {
                 margin_bytes: options.margin_bytes,
                 target: options.offload_target,
                 disk: if options.offload_target == OffloadTarget::Disk {
-                    disk_for("offload")
+                    disk_for()
                 } else {
                     None
                 },
                 stream: options.stream_optimizer.and_then(|dtype| {
-                    disk_for("optimizer").map(|disk| StreamSpec {
+                    disk_for().map(|disk| StreamSpec {
                         dtype,
                         bucket_bytes: disk.chunk_bytes,
                         disk,

@@ -129,7 +129,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 });
             }
             (OffloadTarget::Disk, Some(dir)) => Some(DiskSettings {
-                dir: dir.join("offload"),
+                dir: dir.clone(),
                 rank,
                 chunk_bytes: usize::try_from(settings.offload_train_disk_chunk_mb << 20)
                     .unwrap_or(usize::MAX),

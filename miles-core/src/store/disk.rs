@@ -7,20 +7,29 @@
 //! allows). Resume (`disk/load.rs`): reader threads keep reads of the file in flight while the
 //! calling thread verifies what has landed; on a device the host addresses (the CPU device) the
 //! bytes are read straight into device memory, elsewhere through staging buffers.
+//!
+//! The files live in `<dir>/offload/rank-<N>/<tag directory>/` (see [`RankDir`]), each opened
+//! relative to its directory's handle without following links, created `0600`.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::ErrorKind;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{AddressRange, Device, HostBuffer};
+use crate::memory::MemoryTag;
 
 use self::load::Load;
+use super::rank_dir::{
+    DATA_FILE, MANIFEST_FILE, MANIFEST_TMP, RankDir, errno_error, io_error, read_bounded,
+};
 use super::{HostPool, StoreError};
 
 mod load;
@@ -36,22 +45,18 @@ const WRITE_THREADS: usize = 2;
 /// Staging buffers of a pause: one per writer, one being filled, one spare.
 const PIPELINE_DEPTH: usize = WRITE_THREADS + 2;
 
-const DATA_FILE: &str = "data.bin";
-const MANIFEST_FILE: &str = "manifest.json";
-const MANIFEST_TMP: &str = "manifest.json.tmp";
-
 static BUFFERED_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// Where and how a rank's paused regions go to disk.
 #[derive(Debug)]
 pub struct DiskStore {
-    root: PathBuf,
+    rank_dir: Arc<RankDir>,
+    /// Appended to this store's tag directory names (see [`RankDir`]).
+    suffix: String,
     chunk_bytes: usize,
     pool: Arc<HostPool>,
-    /// Backups removed so far (names their trash directories).
-    removed: AtomicUsize,
-    /// Sends moved-away directories to the thread that unlinks them.
-    janitor: Mutex<Option<mpsc::Sender<PathBuf>>>,
+    /// Sends the names of moved-away directories to the thread that unlinks them.
+    janitor: Mutex<Option<mpsc::Sender<String>>>,
     janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fail_write_at: Option<usize>,
     fail_read_at: Option<usize>,
@@ -60,8 +65,16 @@ pub struct DiskStore {
 /// A region saved to disk: its directory and manifest.
 #[derive(Debug)]
 pub struct DiskBackup {
-    dir: PathBuf,
+    /// The tag directory's name in the rank directory.
+    name: String,
+    /// The tag directory's handle, opened when it was saved.
+    dir: OwnedFd,
+    path: PathBuf,
     manifest: Manifest,
+    /// Bytes of the manifest as written: a larger file on disk is not it.
+    manifest_len: u64,
+    /// Whether the last load failed: the files are kept then, for the user to look at.
+    kept: AtomicBool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,7 +96,7 @@ impl DiskBackup {
 
     /// The directory holding the data file and the manifest.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.path
     }
 }
 
@@ -91,12 +104,14 @@ impl DiskBackup {
 type ChunkDone = (HostBuffer, Result<(), StoreError>);
 
 impl DiskStore {
-    /// A store writing under `dir/rank-<rank>/<tag>/` in chunks of `chunk_bytes`, staging
-    /// through buffers of `pool`.
+    /// A store writing under `dir/offload/rank-<rank>/<tag directory>/` in chunks of
+    /// `chunk_bytes`, staging through buffers of `pool`. The rank directory is opened, locked
+    /// and cleaned of an earlier job's leftovers as [`RankDir::open`] says; the stores of one
+    /// process share it, each writing its own tag directories (`params`, `params.1`, ...).
     ///
     /// # Errors
     /// [`StoreError::ChunkSize`] for a chunk size that is zero or not a multiple of 4096;
-    /// [`StoreError::Io`] when the directory cannot be created.
+    /// [`RankDir::open`]'s errors.
     pub fn new(
         dir: &Path,
         rank: usize,
@@ -106,12 +121,13 @@ impl DiskStore {
         if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(DIRECT_ALIGN) {
             return Err(StoreError::ChunkSize { chunk_bytes });
         }
-        let root = dir.join(format!("rank-{rank}"));
-        fs::create_dir_all(&root).map_err(io_error("create", &root))?;
-        let (janitor, trash) = mpsc::channel::<PathBuf>();
+        let rank_dir = RankDir::open(dir, rank)?;
+        let suffix = rank_dir.store_suffix();
+        let (janitor, trash) = mpsc::channel::<String>();
+        let janitor_dir = Arc::clone(&rank_dir);
         let janitor_thread = std::thread::Builder::new()
             .name("miles-offload-janitor".to_string())
-            .spawn(move || trash.iter().for_each(|dir| remove_tree(&dir)));
+            .spawn(move || trash.iter().for_each(|name| remove_tree(&janitor_dir, &name)));
         let (janitor, janitor_thread) = match janitor_thread {
             Ok(handle) => (Some(janitor), Some(handle)),
             Err(error) => {
@@ -120,10 +136,10 @@ impl DiskStore {
             }
         };
         Ok(DiskStore {
-            root,
+            rank_dir,
+            suffix,
             chunk_bytes,
             pool,
-            removed: AtomicUsize::new(0),
             janitor: Mutex::new(janitor),
             janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
@@ -133,7 +149,7 @@ impl DiskStore {
 
     /// The rank's directory.
     pub fn root(&self) -> &Path {
-        &self.root
+        self.rank_dir.path()
     }
 
     /// Save the device ranges `runs` (committed) of region `tag`, verified: every chunk written
@@ -141,49 +157,69 @@ impl DiskStore {
     ///
     /// # Errors
     /// [`StoreError::Io`] naming the file on a failed write (disk full, I/O error); the files of
-    /// the attempt are removed then. [`StoreError::Device`] on a failed device copy.
+    /// the attempt are removed then. [`StoreError::UnsafePath`] for a tag name that is not one
+    /// path component, or a link or foreign file where the tag's files go (nothing is written
+    /// through it). [`StoreError::Device`] on a failed device copy.
     pub fn save(
         &self,
         device: &dyn Device,
-        tag: &str,
+        tag: &MemoryTag,
         runs: &[AddressRange],
     ) -> Result<DiskBackup, StoreError> {
-        let dir = self.root.join(tag);
-        fs::create_dir_all(&dir).map_err(io_error("create", &dir))?;
-        let result = self.save_in(device, &dir, tag, runs);
-        if result.is_err() {
-            for name in [DATA_FILE, MANIFEST_TMP, MANIFEST_FILE] {
-                remove_if_present(&dir.join(name));
+        let base = tag.dir_name();
+        let name = format!("{base}{}", self.suffix);
+        let path = self.root().join(&name);
+        let plain = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-';
+        if base.is_empty() || !base.bytes().all(plain) {
+            return Err(StoreError::UnsafePath {
+                path,
+                reason: "a tag name holds lowercase letters, digits, `_` or `-` only".to_string(),
+                fix: "rename the tag",
+            });
+        }
+        let dir = self.rank_dir.tag_dir(&name)?;
+        match self.save_in(device, &dir, &path, tag, runs) {
+            Ok((manifest, manifest_len)) => Ok(DiskBackup {
+                name,
+                dir,
+                path,
+                manifest,
+                manifest_len,
+                kept: AtomicBool::new(false),
+            }),
+            Err(error) => {
+                for file in [DATA_FILE, MANIFEST_TMP, MANIFEST_FILE] {
+                    remove_if_present(&dir, &path, file);
+                }
+                Err(error)
             }
         }
-        result
     }
 
+    /// Write the data file and the manifest; returns the manifest and its length in bytes.
     fn save_in(
         &self,
         device: &dyn Device,
-        dir: &Path,
-        tag: &str,
+        dir: &OwnedFd,
+        path: &Path,
+        tag: &MemoryTag,
         runs: &[AddressRange],
-    ) -> Result<DiskBackup, StoreError> {
-        let data_path = dir.join(DATA_FILE);
-        let (file, direct) = open_data(&data_path, true)?;
+    ) -> Result<(Manifest, u64), StoreError> {
+        let data_path = path.join(DATA_FILE);
+        let (file, direct) = open_data(dir, &data_path, true)?;
         let total: u64 = runs.iter().map(|r| r.len as u64).sum();
         let chunks = chunk_count(total, self.chunk_bytes);
         let crc32c = self.write_chunks(device, &file, &data_path, direct, runs, total, chunks)?;
         file.sync_all().map_err(io_error("fsync", &data_path))?;
         let manifest = Manifest {
-            tag: tag.to_string(),
+            tag: tag.name().to_string(),
             total_bytes: total,
             chunk_bytes: self.chunk_bytes,
             runs: runs.iter().map(|r| (r.start, r.len)).collect(),
             crc32c,
         };
-        write_manifest(dir, &manifest)?;
-        Ok(DiskBackup {
-            dir: dir.to_path_buf(),
-            manifest,
-        })
+        let manifest_len = write_manifest(dir, path, &manifest)?;
+        Ok((manifest, manifest_len))
     }
 
     /// The pipelined copy-out: this thread fills staging buffers from the device and checksums
@@ -298,17 +334,30 @@ impl DiskStore {
     /// from), verifying every chunk's checksum.
     ///
     /// # Errors
-    /// [`StoreError::Manifest`] when the manifest on disk is missing or does not match;
-    /// [`StoreError::ChecksumMismatch`] naming the file and chunk; [`StoreError::Io`] on a failed
-    /// read. The files are kept in every case; the device ranges hold unspecified bytes then.
+    /// [`StoreError::Manifest`] when the manifest on disk is missing, larger than the one
+    /// written or does not match; [`StoreError::ChecksumMismatch`] naming the file and chunk;
+    /// [`StoreError::Io`] on a failed read; [`StoreError::UnsafePath`] for a link in place of a
+    /// file. The files are kept in every case, and [`remove`](Self::remove) keeps them too,
+    /// until a later load succeeds; the device ranges hold unspecified bytes then.
     pub fn load(
         &self,
         device: &dyn Device,
         backup: &DiskBackup,
         runs: &[AddressRange],
     ) -> Result<(), StoreError> {
-        let manifest_path = backup.dir.join(MANIFEST_FILE);
-        let on_disk = read_manifest(&manifest_path)?;
+        let result = self.load_verified(device, backup, runs);
+        backup.kept.store(result.is_err(), Ordering::Relaxed);
+        result
+    }
+
+    fn load_verified(
+        &self,
+        device: &dyn Device,
+        backup: &DiskBackup,
+        runs: &[AddressRange],
+    ) -> Result<(), StoreError> {
+        let manifest_path = backup.path.join(MANIFEST_FILE);
+        let on_disk = read_manifest(&backup.dir, &manifest_path, backup.manifest_len)?;
         let expected_runs: Vec<(u64, usize)> = runs.iter().map(|r| (r.start, r.len)).collect();
         if on_disk != backup.manifest || on_disk.runs != expected_runs {
             return Err(StoreError::Manifest {
@@ -316,8 +365,8 @@ impl DiskStore {
                 reason: "it does not describe the region being resumed".to_string(),
             });
         }
-        let data_path = backup.dir.join(DATA_FILE);
-        let (file, direct) = open_data(&data_path, false)?;
+        let data_path = backup.path.join(DATA_FILE);
+        let (file, direct) = open_data(&backup.dir, &data_path, false)?;
         let chunk_bytes = on_disk.chunk_bytes;
         let total = on_disk.total_bytes;
         let chunks = on_disk.crc32c.len();
@@ -342,7 +391,9 @@ impl DiskStore {
         .run()
     }
 
-    /// Remove a backup's files and directory (after a verified resume).
+    /// Remove a backup's files and directory (after a verified resume); a backup whose last
+    /// load failed is kept instead, for the user to look at, and the log says where (the next
+    /// job on this offload directory removes it).
     ///
     /// The directory is renamed out of the way at once, so the tag can be saved again right
     /// away; unlinking the data file (a tenth of a second per GiB on ext4) happens on a
@@ -351,16 +402,21 @@ impl DiskStore {
     /// # Errors
     /// [`StoreError::Io`] naming the directory that could not be moved away.
     pub fn remove(&self, backup: DiskBackup) -> Result<(), StoreError> {
-        let serial = self.removed.fetch_add(1, Ordering::Relaxed);
-        let name = backup.dir.file_name().unwrap_or_default().to_string_lossy();
-        let trash = self.root.join(format!(".removing-{serial}-{name}"));
-        fs::rename(&backup.dir, &trash).map_err(io_error("move away", &backup.dir))?;
+        if backup.kept.load(Ordering::Relaxed) {
+            tracing::warn!(
+                dir = %backup.path.display(),
+                tag = %backup.manifest.tag,
+                "keeping the offload files of a failed resume; the next job on this offload directory removes them"
+            );
+            return Ok(());
+        }
+        let trash = self.rank_dir.move_away(&backup.name)?;
         let queued = match &*lock(&self.janitor) {
             Some(janitor) => janitor.send(trash.clone()).is_ok(),
             None => false,
         };
         if !queued {
-            remove_tree(&trash);
+            remove_tree(&self.rank_dir, &trash);
         }
         Ok(())
     }
@@ -408,11 +464,12 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Remove a moved-away backup directory, logging what cannot be removed.
-fn remove_tree(dir: &Path) {
-    if let Err(error) = fs::remove_dir_all(dir) {
-        tracing::error!(%error, dir = %dir.display(), "cannot remove offload files");
+fn remove_tree(rank_dir: &RankDir, name: &str) {
+    if let Err(error) = rank_dir.remove_tag_dir(name) {
+        tracing::error!(%error, "cannot remove offload files");
     }
 }
+
 
 fn chunk_count(total: u64, chunk_bytes: usize) -> usize {
     total.div_ceil(chunk_bytes as u64) as usize
@@ -479,69 +536,121 @@ fn write_chunk(
         .map_err(io_error(&format!("write chunk {index} of"), path))
 }
 
-/// Open the data file with O_DIRECT, or buffered where the filesystem refuses O_DIRECT (tmpfs);
-/// returns the file and whether it is direct.
-fn open_data(path: &Path, create: bool) -> Result<(File, bool), StoreError> {
-    let mut options = OpenOptions::new();
-    if create {
-        options.write(true).create(true).truncate(true);
+/// Open the data file `path` in `dir` with O_DIRECT, or buffered where the filesystem refuses
+/// O_DIRECT (tmpfs), never following a link; returns the file and whether it is direct. A new
+/// file is created `0600` in place of the one a failed save or an older backup left.
+fn open_data(dir: &OwnedFd, path: &Path, create: bool) -> Result<(File, bool), StoreError> {
+    let (flags, action) = if create {
+        (OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL, "create")
     } else {
-        options.read(true);
+        (OFlags::RDONLY, "open")
+    };
+    let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if create {
+        match rustix::fs::statat(dir, DATA_FILE, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) if FileType::from_raw_mode(stat.st_mode).is_file() => {
+                remove_if_present(dir, path, DATA_FILE);
+            }
+            Ok(_) => return Err(open_error(dir, path, DATA_FILE, action, Errno::EXIST)),
+            Err(_) => {}
+        }
     }
-    let action = if create { "create" } else { "open" };
-    match options.clone().custom_flags(libc::O_DIRECT).open(path) {
-        Ok(file) => Ok((file, true)),
-        Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+    let open = |flags: OFlags| {
+        rustix::fs::openat(dir, DATA_FILE, flags, Mode::RUSR | Mode::WUSR)
+            .map_err(|errno| open_error(dir, path, DATA_FILE, action, errno))
+    };
+    match rustix::fs::openat(dir, DATA_FILE, flags | OFlags::DIRECT, Mode::RUSR | Mode::WUSR) {
+        Ok(fd) => Ok((File::from(fd), true)),
+        Err(Errno::INVAL) => {
             if !BUFFERED_WARNED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     path = %path.display(),
                     "the filesystem refuses O_DIRECT; offload files use buffered I/O and fsync"
                 );
             }
-            let file = options.open(path).map_err(io_error(action, path))?;
-            Ok((file, false))
+            Ok((File::from(open(flags)?), false))
         }
-        Err(error) => Err(io_error(action, path)(error)),
+        Err(errno) => Err(open_error(dir, path, DATA_FILE, action, errno)),
     }
 }
 
-fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
-    let tmp = dir.join(MANIFEST_TMP);
+/// The error of a failed open of `name` in `dir` (at `path`): a link or another foreign entry
+/// in its place is [`StoreError::UnsafePath`].
+fn open_error(dir: &OwnedFd, path: &Path, name: &str, action: &str, errno: Errno) -> StoreError {
+    let foreign = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(stat) => {
+            let kind = FileType::from_raw_mode(stat.st_mode);
+            (kind.is_symlink() || !kind.is_file()).then_some(if kind.is_symlink() {
+                "it is a symbolic link"
+            } else {
+                "it is not a regular file"
+            })
+        }
+        Err(_) => None,
+    };
+    match foreign {
+        Some(reason) if matches!(errno, Errno::LOOP | Errno::EXIST | Errno::ISDIR) => {
+            StoreError::UnsafePath {
+                path: path.to_path_buf(),
+                reason: reason.to_string(),
+                fix: "remove it: the offload directory holds only what miles writes there",
+            }
+        }
+        _ => errno_error(action, path)(errno),
+    }
+}
+
+/// Write `manifest` into tag directory `dir` (at `path`) atomically: a temporary file, fsynced,
+/// renamed into place, the directory fsynced. Returns the manifest's length in bytes.
+fn write_manifest(dir: &OwnedFd, path: &Path, manifest: &Manifest) -> Result<u64, StoreError> {
+    let tmp = path.join(MANIFEST_TMP);
     let json = serde_json::to_vec_pretty(manifest).map_err(|error| StoreError::Manifest {
         path: tmp.clone(),
         reason: error.to_string(),
     })?;
-    let file = File::create(&tmp).map_err(io_error("create", &tmp))?;
+    let fd = rustix::fs::openat(
+        dir,
+        MANIFEST_TMP,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::RUSR | Mode::WUSR,
+    )
+    .map_err(|errno| open_error(dir, &tmp, MANIFEST_TMP, "create", errno))?;
+    let file = File::from(fd);
     file.write_all_at(&json, 0)
         .map_err(io_error("write", &tmp))?;
     file.sync_all().map_err(io_error("fsync", &tmp))?;
-    let target = dir.join(MANIFEST_FILE);
-    fs::rename(&tmp, &target).map_err(io_error("rename into place", &target))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_error("fsync", dir))
+    let target = path.join(MANIFEST_FILE);
+    rustix::fs::renameat(dir, MANIFEST_TMP, dir, MANIFEST_FILE)
+        .map_err(errno_error("rename into place", &target))?;
+    rustix::fs::fsync(dir).map_err(errno_error("fsync", path))?;
+    Ok(json.len() as u64)
 }
 
-fn read_manifest(path: &Path) -> Result<Manifest, StoreError> {
-    let bytes = fs::read(path).map_err(io_error("read", path))?;
+/// Read the manifest `path` of tag directory `dir`, refusing one larger than `limit` bytes
+/// (the manifest written) before reading it.
+fn read_manifest(dir: &OwnedFd, path: &Path, limit: u64) -> Result<Manifest, StoreError> {
+    let fd = rustix::fs::openat(
+        dir,
+        MANIFEST_FILE,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|errno| open_error(dir, path, MANIFEST_FILE, "read", errno))?;
+    let bytes = read_bounded(&fd, path, limit)?;
     serde_json::from_slice(&bytes).map_err(|error| StoreError::Manifest {
         path: path.to_path_buf(),
         reason: error.to_string(),
     })
 }
 
-fn remove_if_present(path: &Path) {
-    if let Err(error) = fs::remove_file(path)
-        && error.kind() != ErrorKind::NotFound
+/// Remove regular file `name` of tag directory `dir` (at `path`) when it is there; a link is
+/// unlinked, never followed.
+fn remove_if_present(dir: &OwnedFd, path: &Path, name: &str) {
+    if let Err(errno) = rustix::fs::unlinkat(dir, name, AtFlags::empty())
+        && errno != Errno::NOENT
     {
+        let error = std::io::Error::from(errno);
+        let path = path.join(name);
         tracing::error!(%error, path = %path.display(), "cannot remove a partial offload file");
-    }
-}
-
-fn io_error<'a>(action: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io {
-        action: action.to_string(),
-        path: path.to_path_buf(),
-        source,
     }
 }

@@ -22,7 +22,7 @@ pub enum StoreError {
     },
     /// A chunk read back does not match the checksum written with it.
     #[error(
-        "checksum mismatch in {path} chunk {chunk}: expected crc32c {expected:#010x}, found {found:#010x}; the tag stays paused and its files are kept"
+        "checksum mismatch in {path} chunk {chunk}: expected crc32c {expected:#010x}, found {found:#010x}; the tag stays paused and its files are kept there (the next job on this offload directory removes them)"
     )]
     ChecksumMismatch {
         /// The data file.
@@ -53,4 +53,39 @@ pub enum StoreError {
     /// The device failed a copy or a host allocation.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// A path under the offload directory that the store will not write through or remove: a
+    /// symbolic link, something other than what the store writes, a directory of another user
+    /// or one every user may write to. Nothing was written through it and nothing was removed.
+    #[error("refusing offload path {path}: {reason}; {fix}")]
+    UnsafePath {
+        /// The path.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+        /// What the user should do.
+        fix: &'static str,
+    },
+    /// Another job holds the lock of the rank directory.
+    #[error(
+        "offload directory {dir} is in use by another job (pid {}); give each job its own --offload-train-disk-dir, or wait for that job to end",
+        pid.map_or_else(|| "unknown".to_string(), |pid| pid.to_string())
+    )]
+    Locked {
+        /// The rank directory.
+        dir: PathBuf,
+        /// The process holding the lock, as it wrote in the lock file.
+        pid: Option<u32>,
+    },
+}
+
+impl StoreError {
+    /// Whether the error comes from the settings or the files a user gave (an offload directory
+    /// that is unsafe or in use), not from a failure while running: such a job exits with
+    /// status 2 before any work.
+    pub fn is_bad_settings(&self) -> bool {
+        matches!(
+            self,
+            StoreError::UnsafePath { .. } | StoreError::Locked { .. }
+        )
+    }
 }
