@@ -165,7 +165,11 @@ mod tests {
             assert_eq!(named.name(), builtin.name());
             assert_ne!(named.dir_name(), builtin.dir_name(), "{builtin}");
             for other in BUILT_IN {
-                assert_ne!(named.dir_name(), other.dir_name(), "{named:?} and {other:?}");
+                assert_ne!(
+                    named.dir_name(),
+                    other.dir_name(),
+                    "{named:?} and {other:?}"
+                );
             }
         }
     }

@@ -157,7 +157,8 @@ impl RankDir {
             rustix::fs::unlinkat(&dir, entry_name.as_str(), AtFlags::empty())
                 .map_err(errno_error("remove", &path.join(&entry_name)))?;
         }
-        rustix::fs::unlinkat(&self.dir, name, AtFlags::REMOVEDIR).map_err(errno_error("remove", &path))
+        rustix::fs::unlinkat(&self.dir, name, AtFlags::REMOVEDIR)
+            .map_err(errno_error("remove", &path))
     }
 
     /// Checks that every entry but the lock is a tag directory holding only files a store
@@ -243,7 +244,10 @@ fn check_owner(fd: &OwnedFd, path: &Path) -> Result<(), StoreError> {
     if stat.st_uid != me {
         return Err(StoreError::UnsafePath {
             path: path.to_path_buf(),
-            reason: format!("it belongs to uid {}, not to this user (uid {me})", stat.st_uid),
+            reason: format!(
+                "it belongs to uid {}, not to this user (uid {me})",
+                stat.st_uid
+            ),
             fix: "give an --offload-train-disk-dir of your own",
         });
     }
@@ -268,16 +272,12 @@ fn private_dir(parent: &OwnedFd, path: &Path, name: &str) -> Result<OwnedFd, Sto
 
 /// Opens directory `name` of `parent` (at `path`) without following a link.
 fn open_dir_at(parent: &OwnedFd, path: &Path, name: &str) -> Result<OwnedFd, StoreError> {
-    rustix::fs::openat(
-        parent,
-        name,
-        dir_flags() | OFlags::NOFOLLOW,
-        Mode::empty(),
+    rustix::fs::openat(parent, name, dir_flags() | OFlags::NOFOLLOW, Mode::empty()).map_err(
+        |errno| match errno {
+            Errno::LOOP | Errno::NOTDIR => not_a_directory(parent, path, name),
+            errno => errno_error("open", path)(errno),
+        },
     )
-    .map_err(|errno| match errno {
-        Errno::LOOP | Errno::NOTDIR => not_a_directory(parent, path, name),
-        errno => errno_error("open", path)(errno),
-    })
 }
 
 /// The error for `name` of `parent` that is not a directory: a link or something else.
@@ -378,11 +378,7 @@ fn take_lock(dir: &OwnedFd, path: &Path) -> Result<OwnedFd, StoreError> {
 /// # Errors
 /// [`StoreError::Manifest`] naming the file when it is not a regular file or is larger than
 /// `limit`; [`StoreError::Io`].
-pub(super) fn read_bounded(
-    fd: &impl AsFd,
-    path: &Path,
-    limit: u64,
-) -> Result<Vec<u8>, StoreError> {
+pub(super) fn read_bounded(fd: &impl AsFd, path: &Path, limit: u64) -> Result<Vec<u8>, StoreError> {
     let stat = rustix::fs::fstat(fd).map_err(errno_error("stat", path))?;
     let refuse = |reason: String| StoreError::Manifest {
         path: path.to_path_buf(),
@@ -397,13 +393,19 @@ pub(super) fn read_bounded(
             "it holds {size} bytes, more than the {limit} it can hold"
         )));
     }
-    let file = File::from(fd.as_fd().try_clone_to_owned().map_err(io_error("read", path))?);
+    let file = File::from(
+        fd.as_fd()
+            .try_clone_to_owned()
+            .map_err(io_error("read", path))?,
+    );
     let mut bytes = Vec::new();
     file.take(limit + 1)
         .read_to_end(&mut bytes)
         .map_err(io_error("read", path))?;
     if bytes.len() as u64 > limit {
-        return Err(refuse(format!("it grew past {limit} bytes while being read")));
+        return Err(refuse(format!(
+            "it grew past {limit} bytes while being read"
+        )));
     }
     Ok(bytes)
 }
@@ -426,4 +428,191 @@ pub(super) fn errno_error<'a>(
     path: &'a Path,
 ) -> impl FnOnce(Errno) -> StoreError + 'a {
     move |errno| io_error(action, path)(std::io::Error::from(errno))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    use super::*;
+
+    /// A directory of another user: the victim a planted link points at.
+    fn victim() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("precious");
+        std::fs::write(&file, b"keep me").unwrap();
+        (dir, file)
+    }
+
+    fn assert_untouched(victim: &Path) {
+        assert_eq!(
+            std::fs::read(victim).unwrap(),
+            b"keep me",
+            "the link's target changed"
+        );
+        let entries = std::fs::read_dir(victim.parent().unwrap()).unwrap().count();
+        assert_eq!(entries, 1, "something was written beside the link's target");
+    }
+
+    fn assert_refused(result: Result<Arc<RankDir>, StoreError>, path: &Path) {
+        match result {
+            Err(error @ StoreError::UnsafePath { .. }) => {
+                assert!(error.is_bad_settings());
+                let message = error.to_string();
+                assert!(
+                    message.contains(&path.display().to_string()),
+                    "the message names {}: {message}",
+                    path.display()
+                );
+            }
+            other => panic!("expected a refusal naming {}: {other:?}", path.display()),
+        }
+    }
+
+    #[test]
+    fn a_symlink_at_the_offload_or_rank_directory_is_refused_and_its_target_untouched() {
+        let (victim_dir, victim_file) = victim();
+        let base = tempfile::tempdir().unwrap();
+        let offload = base.path().join(OFFLOAD_DIR);
+        std::os::unix::fs::symlink(victim_dir.path(), &offload).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), &offload);
+        assert_untouched(&victim_file);
+        std::fs::remove_file(&offload).unwrap();
+        std::fs::create_dir(&offload).unwrap();
+        let rank = offload.join("rank-0");
+        std::os::unix::fs::symlink(victim_dir.path(), &rank).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), &rank);
+        assert_untouched(&victim_file);
+    }
+
+    #[test]
+    fn a_symlink_planted_in_a_tag_directory_before_the_job_is_refused_and_nothing_is_removed() {
+        let (victim_dir, victim_file) = victim();
+        let base = tempfile::tempdir().unwrap();
+        let rank = base.path().join("offload/rank-0");
+        std::fs::create_dir_all(rank.join("params")).unwrap();
+        std::fs::write(rank.join("params").join(MANIFEST_FILE), b"{}").unwrap();
+        let link = rank.join("params").join(DATA_FILE);
+        std::os::unix::fs::symlink(&victim_file, &link).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), &link);
+        assert_untouched(&victim_file);
+        assert!(
+            rank.join("params").join(MANIFEST_FILE).exists(),
+            "nothing is removed"
+        );
+        std::fs::remove_dir_all(rank.join("params")).unwrap();
+        let tag_link = rank.join("grads");
+        std::os::unix::fs::symlink(victim_dir.path(), &tag_link).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), &tag_link);
+        assert_untouched(&victim_file);
+    }
+
+    #[test]
+    fn directories_are_made_0700_and_the_lock_file_0600() {
+        let base = tempfile::tempdir().unwrap();
+        let offload = base.path().join(OFFLOAD_DIR);
+        std::fs::create_dir(&offload).unwrap();
+        std::fs::set_permissions(&offload, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let rank_dir = RankDir::open(base.path(), 3).unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o777;
+        assert_eq!(
+            mode(&offload),
+            0o700,
+            "an existing offload directory is made private"
+        );
+        assert_eq!(mode(rank_dir.path()), 0o700);
+        assert_eq!(mode(&rank_dir.path().join(LOCK_FILE)), 0o600);
+        assert_eq!(rank_dir.path(), offload.join("rank-3"));
+    }
+
+    #[test]
+    fn an_offload_directory_every_user_may_write_to_is_refused() {
+        let base = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), base.path());
+        assert!(
+            !base.path().join(OFFLOAD_DIR).exists(),
+            "nothing is created in it"
+        );
+    }
+
+    #[test]
+    fn an_offload_directory_of_another_user_is_refused() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: giving a directory to another user needs root");
+            return;
+        }
+        let nobody = rustix::process::Uid::from_raw(65534);
+        let base = tempfile::tempdir().unwrap();
+        rustix::fs::chown(base.path(), Some(nobody), None).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), base.path());
+        rustix::fs::chown(base.path(), Some(rustix::process::geteuid()), None).unwrap();
+        let offload = base.path().join(OFFLOAD_DIR);
+        std::fs::create_dir(&offload).unwrap();
+        rustix::fs::chown(&offload, Some(nobody), None).unwrap();
+        assert_refused(RankDir::open(base.path(), 0), &offload);
+    }
+
+    #[test]
+    fn a_second_job_on_a_rank_directory_is_refused_naming_the_first_jobs_pid() {
+        let base = tempfile::tempdir().unwrap();
+        let rank = base.path().join("offload/rank-0");
+        std::fs::create_dir_all(&rank).unwrap();
+        // The other job: its own open file description of the lock, locked, with its pid.
+        let other = File::create(rank.join(LOCK_FILE)).unwrap();
+        rustix::fs::flock(&other, FlockOperation::NonBlockingLockExclusive).unwrap();
+        other.write_all_at(b"4242\n", 0).unwrap();
+        let error = RankDir::open(base.path(), 0).unwrap_err();
+        assert!(
+            matches!(&error, StoreError::Locked { dir, pid: Some(4242) } if *dir == rank),
+            "{error:?}"
+        );
+        assert!(error.is_bad_settings());
+        let message = error.to_string();
+        assert!(message.contains("pid 4242"), "{message}");
+        assert!(message.contains(&rank.display().to_string()), "{message}");
+        drop(other);
+        let rank_dir = RankDir::open(base.path(), 0).unwrap();
+        let pid = std::fs::read_to_string(rank_dir.path().join(LOCK_FILE)).unwrap();
+        assert_eq!(pid.trim(), std::process::id().to_string());
+        let again = RankDir::open(base.path(), 0).unwrap();
+        assert!(
+            Arc::ptr_eq(&rank_dir, &again),
+            "one process shares one handle and lock"
+        );
+    }
+
+    #[test]
+    fn leftovers_of_a_killed_job_are_removed_when_the_next_job_takes_the_lock() {
+        let base = tempfile::tempdir().unwrap();
+        let rank = base.path().join("offload/rank-0");
+        let removing = rank.join(format!("{TRASH_PREFIX}0-params"));
+        let paused = rank.join("optimizer");
+        let partial = rank.join("named-bench");
+        for dir in [&removing, &paused, &partial] {
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(dir.join(DATA_FILE), vec![7u8; 8192]).unwrap();
+        }
+        let manifest = r#"{"tag": "optimizer", "total_bytes": 8192}"#;
+        std::fs::write(paused.join(MANIFEST_FILE), manifest).unwrap();
+        std::fs::write(rank.join(LOCK_FILE), b"999999\n").unwrap();
+        let rank_dir = RankDir::open(base.path(), 0).unwrap();
+        let left: Vec<_> = std::fs::read_dir(rank_dir.path())
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name())
+            .collect();
+        assert_eq!(left, [LOCK_FILE], "a stale lock's leftovers are removed");
+    }
+
+    #[test]
+    fn a_leftover_the_store_did_not_write_is_refused_and_nothing_is_removed() {
+        let base = tempfile::tempdir().unwrap();
+        let rank = base.path().join("offload/rank-0");
+        std::fs::create_dir_all(rank.join("params")).unwrap();
+        std::fs::write(rank.join("params").join(DATA_FILE), b"x").unwrap();
+        let stranger = rank.join("notes.txt");
+        std::fs::write(&stranger, b"mine").unwrap();
+        assert_refused(RankDir::open(base.path(), 0), &stranger);
+        assert!(rank.join("params").join(DATA_FILE).exists());
+    }
 }

@@ -492,7 +492,9 @@ mod tests {
                 device.write(&bytes, run).unwrap();
                 expected.push(bytes);
             }
-            let backup = store.save(device.as_ref(), "weights", &runs).unwrap();
+            let backup = store
+                .save(device.as_ref(), &crate::memory::MemoryTag::Weights, &runs)
+                .unwrap();
             Saved {
                 device,
                 pool,
