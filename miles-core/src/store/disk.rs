@@ -28,7 +28,7 @@ use crate::memory::MemoryTag;
 
 use self::load::Load;
 use super::rank_dir::{
-    DATA_FILE, MANIFEST_FILE, MANIFEST_TMP, RankDir, errno_error, io_error, read_bounded,
+    DATA_FILE, MANIFEST_FILE, MANIFEST_TMP, RankDir, errno_error, io_error, read_bounded, refused,
 };
 use super::{HostPool, StoreError};
 
@@ -585,24 +585,17 @@ fn open_data(dir: &OwnedFd, path: &Path, create: bool) -> Result<(File, bool), S
 /// The error of a failed open of `name` in `dir` (at `path`): a link or another foreign entry
 /// in its place is [`StoreError::UnsafePath`].
 fn open_error(dir: &OwnedFd, path: &Path, name: &str, action: &str, errno: Errno) -> StoreError {
-    let foreign = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-        Ok(stat) => {
-            let kind = FileType::from_raw_mode(stat.st_mode);
-            (kind.is_symlink() || !kind.is_file()).then_some(if kind.is_symlink() {
-                "it is a symbolic link"
-            } else {
-                "it is not a regular file"
-            })
-        }
-        Err(_) => None,
-    };
+    let foreign = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)
+        .ok()
+        .map(|stat| FileType::from_raw_mode(stat.st_mode))
+        .and_then(|kind| match kind {
+            kind if kind.is_symlink() => Some("it is a symbolic link"),
+            kind if !kind.is_file() => Some("it is not a regular file"),
+            _ => None,
+        });
     match foreign {
         Some(reason) if matches!(errno, Errno::LOOP | Errno::EXIST | Errno::ISDIR) => {
-            StoreError::UnsafePath {
-                path: path.to_path_buf(),
-                reason: reason.to_string(),
-                fix: "remove it: the offload directory holds only what miles writes there",
-            }
+            refused(path.to_path_buf(), reason)
         }
         _ => errno_error(action, path)(errno),
     }

@@ -189,12 +189,14 @@ impl RankDir {
         let mut has_manifest = false;
         for entry in entries(&dir, &path)? {
             let entry_path = path.join(&entry);
-            if ![DATA_FILE, MANIFEST_FILE, MANIFEST_TMP].contains(&entry.as_str()) {
-                return Err(unknown_entry(entry_path));
-            }
             let stat = rustix::fs::statat(&dir, entry.as_str(), AtFlags::SYMLINK_NOFOLLOW)
                 .map_err(errno_error("stat", &entry_path))?;
-            if !FileType::from_raw_mode(stat.st_mode).is_file() {
+            let kind = FileType::from_raw_mode(stat.st_mode);
+            if kind.is_symlink() {
+                return Err(refused(entry_path, "it is a symbolic link"));
+            }
+            if !kind.is_file() || ![DATA_FILE, MANIFEST_FILE, MANIFEST_TMP].contains(&entry.as_str())
+            {
                 return Err(unknown_entry(entry_path));
             }
             has_manifest |= entry == MANIFEST_FILE;
@@ -284,22 +286,24 @@ fn open_dir_at(parent: &OwnedFd, path: &Path, name: &str) -> Result<OwnedFd, Sto
 fn not_a_directory(parent: &OwnedFd, path: &Path, name: &str) -> StoreError {
     let link = rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)
         .is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode).is_symlink());
-    StoreError::UnsafePath {
-        path: path.to_path_buf(),
-        reason: if link {
-            "it is a symbolic link".to_string()
-        } else {
-            "it is not a directory".to_string()
-        },
-        fix: "remove it: the offload directory holds only what miles writes there",
-    }
+    let reason = if link {
+        "it is a symbolic link"
+    } else {
+        "it is not a directory"
+    };
+    refused(path.to_path_buf(), reason)
 }
 
-/// The error for an entry of a tag directory that a store does not write.
+/// The error for an entry of the offload directory that a store does not write.
 fn unknown_entry(path: PathBuf) -> StoreError {
+    refused(path, "it is not a file that miles writes")
+}
+
+/// [`StoreError::UnsafePath`] for something in the offload directory that should not be there.
+pub(super) fn refused(path: PathBuf, reason: &str) -> StoreError {
     StoreError::UnsafePath {
         path,
-        reason: "it is not a file that miles writes".to_string(),
+        reason: reason.to_string(),
         fix: "remove it: the offload directory holds only what miles writes there",
     }
 }
@@ -341,11 +345,7 @@ fn take_lock(dir: &OwnedFd, path: &Path) -> Result<OwnedFd, StoreError> {
         Mode::RUSR | Mode::WUSR,
     )
     .map_err(|errno| match errno {
-        Errno::LOOP => StoreError::UnsafePath {
-            path: lock_path.clone(),
-            reason: "it is a symbolic link".to_string(),
-            fix: "remove it: the offload directory holds only what miles writes there",
-        },
+        Errno::LOOP => refused(lock_path.clone(), "it is a symbolic link"),
         errno => errno_error("open", &lock_path)(errno),
     })?;
     let stat = rustix::fs::fstat(&fd).map_err(errno_error("stat", &lock_path))?;
