@@ -261,7 +261,11 @@ fn remove_killed_benches(dir: &Path) {
         return;
     };
     for entry in entries.flatten() {
-        if !entry.file_name().to_string_lossy().starts_with(BENCH_DIR_PREFIX) {
+        if !entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(BENCH_DIR_PREFIX)
+        {
             continue;
         }
         let path = entry.path();
@@ -270,12 +274,18 @@ fn remove_killed_benches(dir: &Path) {
                 let removed = std::fs::remove_dir_all(&path);
                 drop(held);
                 match removed {
-                    Ok(()) => tracing::warn!(dir = %path.display(), "removed the directory of a killed disk bench"),
-                    Err(error) => tracing::warn!(dir = %path.display(), %error, "cannot remove the directory of a killed disk bench"),
+                    Ok(()) => {
+                        tracing::warn!(dir = %path.display(), "removed the directory of a killed disk bench")
+                    }
+                    Err(error) => {
+                        tracing::warn!(dir = %path.display(), %error, "cannot remove the directory of a killed disk bench")
+                    }
                 }
             }
             Err(StoreError::Locked { .. }) => {}
-            Err(error) => tracing::warn!(%error, "cannot check the directory of an earlier disk bench"),
+            Err(error) => {
+                tracing::warn!(%error, "cannot check the directory of an earlier disk bench")
+            }
         }
     }
 }

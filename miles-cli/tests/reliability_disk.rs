@@ -50,7 +50,10 @@ fn assert_status(output: &Output, code: i32) {
 fn wait_for(what: &str, ready: impl Fn() -> bool) {
     let start = Instant::now();
     while !ready() {
-        assert!(start.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "timed out waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -86,11 +89,17 @@ fn a_symlink_planted_anywhere_under_the_offload_directory_exits_2_leaving_its_ta
         let output = train(scratch.path(), &base, 1).output().unwrap();
         assert_status(&output, 2);
         let err = stderr(&output);
-        assert!(err.contains(&link.display().to_string()), "names {at}: {err}");
+        assert!(
+            err.contains(&link.display().to_string()),
+            "names {at}: {err}"
+        );
         assert!(err.contains("symbolic link"), "{err}");
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep me", "{at}");
         let beside = std::fs::read_dir(victim_dir.path()).unwrap().count();
-        assert_eq!(beside, 1, "{at}: something was written beside the link's target");
+        assert_eq!(
+            beside, 1,
+            "{at}: something was written beside the link's target"
+        );
     }
 }
 
@@ -115,8 +124,14 @@ fn a_second_job_on_one_offload_directory_exits_2_naming_the_first_and_the_first_
     );
     assert_status(&second, 2);
     let err = stderr(&second);
-    assert!(err.contains(&format!("pid {pid}")), "names the first job's pid: {err}");
-    assert!(err.contains(&base.join("offload/rank-0").display().to_string()), "{err}");
+    assert!(
+        err.contains(&format!("pid {pid}")),
+        "names the first job's pid: {err}"
+    );
+    assert!(
+        err.contains(&base.join("offload/rank-0").display().to_string()),
+        "{err}"
+    );
     let first = first.wait_with_output().unwrap();
     assert_status(&first, 0);
 }
@@ -144,7 +159,10 @@ fn leftovers_of_a_job_killed_mid_run_are_removed_by_the_next_job_saying_so() {
     let output = train(scratch.path(), &base, 2).output().unwrap();
     assert_status(&output, 0);
     let err = stderr(&output);
-    assert!(err.contains("removed") && err.contains(".removing-0-params"), "{err}");
+    assert!(
+        err.contains("removed") && err.contains(".removing-0-params"),
+        "{err}"
+    );
     assert_eq!(contents(&rank_dir), Vec::<String>::new(), "{err}");
 }
 
@@ -158,7 +176,9 @@ fn a_killed_disk_bench_leaves_a_directory_the_next_bench_removes() {
     std::fs::write(tag_dir.join("data.bin"), vec![3u8; 1 << 16]).unwrap();
     let output = Command::new(env!("CARGO_BIN_EXE_miles"))
         .env("RUST_LOG", "warn")
-        .args(["bench", "offload", "--device", "cpu", "--size", "4MiB", "--cycles", "1"])
+        .args([
+            "bench", "offload", "--device", "cpu", "--size", "4MiB", "--cycles", "1",
+        ])
         .args(["--target", "disk", "--disk-dir"])
         .arg(dir)
         .output()

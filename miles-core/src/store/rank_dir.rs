@@ -195,7 +195,8 @@ impl RankDir {
             if kind.is_symlink() {
                 return Err(refused(entry_path, "it is a symbolic link"));
             }
-            if !kind.is_file() || ![DATA_FILE, MANIFEST_FILE, MANIFEST_TMP].contains(&entry.as_str())
+            if !kind.is_file()
+                || ![DATA_FILE, MANIFEST_FILE, MANIFEST_TMP].contains(&entry.as_str())
             {
                 return Err(unknown_entry(entry_path));
             }
