@@ -27,6 +27,7 @@ use crate::device::{AddressRange, Device, HostBuffer};
 use crate::memory::MemoryTag;
 
 use self::load::Load;
+use super::error::Unsafe;
 use super::rank_dir::{
     DATA_FILE, MANIFEST_FILE, MANIFEST_TMP, RankDir, errno_error, io_error, read_bounded, refused,
 };
@@ -175,11 +176,7 @@ impl DiskStore {
         let path = self.root().join(&name);
         let plain = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-';
         if base.is_empty() || !base.bytes().all(plain) {
-            return Err(StoreError::UnsafePath {
-                path,
-                reason: "a tag name holds lowercase letters, digits, `_` or `-` only".to_string(),
-                fix: "rename the tag",
-            });
+            return Err(refused(path, Unsafe::TagName));
         }
         let dir = self.rank_dir.tag_dir(&name)?;
         match self.save_in(device, &dir, &path, tag, runs) {
@@ -589,8 +586,8 @@ fn open_error(dir: &OwnedFd, path: &Path, name: &str, action: &str, errno: Errno
         .ok()
         .map(|stat| FileType::from_raw_mode(stat.st_mode))
         .and_then(|kind| match kind {
-            kind if kind.is_symlink() => Some("it is a symbolic link"),
-            kind if !kind.is_file() => Some("it is not a regular file"),
+            kind if kind.is_symlink() => Some(Unsafe::Symlink),
+            kind if !kind.is_file() => Some(Unsafe::Foreign),
             _ => None,
         });
     match foreign {

@@ -56,14 +56,12 @@ pub enum StoreError {
     /// A path under the offload directory that the store will not write through or remove: a
     /// symbolic link, something other than what the store writes, a directory of another user
     /// or one every user may write to. Nothing was written through it and nothing was removed.
-    #[error("refusing offload path {path}: {reason}; {fix}")]
+    #[error("refusing offload path {path}: {reason}")]
     UnsafePath {
         /// The path.
         path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
-        /// What the user should do.
-        fix: &'static str,
+        /// What is wrong with it, and the fix.
+        reason: Unsafe,
     },
     /// Another job holds the lock of the rank directory.
     #[error(
@@ -77,6 +75,41 @@ pub enum StoreError {
         pid: Option<u32>,
     },
 }
+
+/// Why the store refuses a path under the offload directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unsafe {
+    /// A symbolic link where the store writes a file or a directory.
+    #[error("it is a symbolic link; {REMOVE_IT}")]
+    Symlink,
+    /// Something else than a directory where the store keeps one.
+    #[error("it is not a directory; {REMOVE_IT}")]
+    NotADirectory,
+    /// An entry the store does not write (a device, a pipe, an unknown name).
+    #[error("it is not a file that miles writes; {REMOVE_IT}")]
+    Foreign,
+    /// A directory of another user.
+    #[error(
+        "it belongs to uid {owner}, not to this user (uid {me}); give an --offload-train-disk-dir of your own"
+    )]
+    OtherOwner {
+        /// The directory's owner.
+        owner: u32,
+        /// This process's effective user.
+        me: u32,
+    },
+    /// A directory every user may write to (and so plant links in).
+    #[error(
+        "every user may write to it; give an --offload-train-disk-dir of your own (or chmod o-w it)"
+    )]
+    WorldWritable,
+    /// A tag name that is not a plain path component.
+    #[error("a tag name holds lowercase letters, digits, `_` or `-` only; rename the tag")]
+    TagName,
+}
+
+/// The fix for what should not be in the offload directory.
+const REMOVE_IT: &str = "remove it: the offload directory holds only what miles writes there";
 
 impl StoreError {
     /// Whether the error comes from the settings or the files a user gave (an offload directory

@@ -7,6 +7,6 @@ mod host_pool;
 mod rank_dir;
 
 pub use disk::{DiskBackup, DiskStore};
-pub use error::StoreError;
+pub use error::{StoreError, Unsafe};
 pub use host_pool::HostPool;
 pub use rank_dir::RankDir;

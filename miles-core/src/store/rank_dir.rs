@@ -28,6 +28,7 @@ use rustix::fs::{AtFlags, FileType, FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
 use super::StoreError;
+use super::error::Unsafe;
 
 /// The offload directory's subdirectory that holds the rank directories.
 pub(super) const OFFLOAD_DIR: &str = "offload";
@@ -47,9 +48,11 @@ pub(super) const TRASH_PREFIX: &str = ".removing-";
 /// leftovers of an earlier job): 64 MiB holds the checksums of 5 TiB in 1 MiB chunks.
 pub(super) const MANIFEST_MAX_BYTES: u64 = 64 << 20;
 
-/// The rank directories this process holds, by device and inode, so that the stores of one
-/// rank share one lock.
-static HELD: Mutex<Vec<((u64, u64), Weak<RankDir>)>> = Mutex::new(Vec::new());
+/// A directory's device and inode numbers.
+type DirId = (u64, u64);
+
+/// The rank directories this process holds, so that the stores of one rank share one lock.
+static HELD: Mutex<Vec<(DirId, Weak<RankDir>)>> = Mutex::new(Vec::new());
 
 /// A rank's offload directory, opened, checked and locked for this process.
 #[derive(Debug)]
@@ -193,7 +196,7 @@ impl RankDir {
                 .map_err(errno_error("stat", &entry_path))?;
             let kind = FileType::from_raw_mode(stat.st_mode);
             if kind.is_symlink() {
-                return Err(refused(entry_path, "it is a symbolic link"));
+                return Err(refused(entry_path, Unsafe::Symlink));
             }
             if !kind.is_file()
                 || ![DATA_FILE, MANIFEST_FILE, MANIFEST_TMP].contains(&entry.as_str())
@@ -231,11 +234,7 @@ fn check_base(fd: &OwnedFd, path: &Path) -> Result<(), StoreError> {
     check_owner(fd, path)?;
     let stat = rustix::fs::fstat(fd).map_err(errno_error("stat", path))?;
     if stat.st_mode & 0o002 != 0 {
-        return Err(StoreError::UnsafePath {
-            path: path.to_path_buf(),
-            reason: "every user may write to it".to_string(),
-            fix: "give an --offload-train-disk-dir of your own (or chmod o-w it)",
-        });
+        return Err(refused(path.to_path_buf(), Unsafe::WorldWritable));
     }
     Ok(())
 }
@@ -245,14 +244,13 @@ fn check_owner(fd: &OwnedFd, path: &Path) -> Result<(), StoreError> {
     let stat = rustix::fs::fstat(fd).map_err(errno_error("stat", path))?;
     let me = rustix::process::geteuid().as_raw();
     if stat.st_uid != me {
-        return Err(StoreError::UnsafePath {
-            path: path.to_path_buf(),
-            reason: format!(
-                "it belongs to uid {}, not to this user (uid {me})",
-                stat.st_uid
-            ),
-            fix: "give an --offload-train-disk-dir of your own",
-        });
+        return Err(refused(
+            path.to_path_buf(),
+            Unsafe::OtherOwner {
+                owner: stat.st_uid,
+                me,
+            },
+        ));
     }
     Ok(())
 }
@@ -288,25 +286,21 @@ fn not_a_directory(parent: &OwnedFd, path: &Path, name: &str) -> StoreError {
     let link = rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW)
         .is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode).is_symlink());
     let reason = if link {
-        "it is a symbolic link"
+        Unsafe::Symlink
     } else {
-        "it is not a directory"
+        Unsafe::NotADirectory
     };
     refused(path.to_path_buf(), reason)
 }
 
 /// The error for an entry of the offload directory that a store does not write.
 fn unknown_entry(path: PathBuf) -> StoreError {
-    refused(path, "it is not a file that miles writes")
+    refused(path, Unsafe::Foreign)
 }
 
 /// [`StoreError::UnsafePath`] for something in the offload directory that should not be there.
-pub(super) fn refused(path: PathBuf, reason: &str) -> StoreError {
-    StoreError::UnsafePath {
-        path,
-        reason: reason.to_string(),
-        fix: "remove it: the offload directory holds only what miles writes there",
-    }
+pub(super) fn refused(path: PathBuf, reason: Unsafe) -> StoreError {
+    StoreError::UnsafePath { path, reason }
 }
 
 /// The names in directory `dir` (at `path`), without `.` and `..`.
@@ -346,7 +340,7 @@ fn take_lock(dir: &OwnedFd, path: &Path) -> Result<OwnedFd, StoreError> {
         Mode::RUSR | Mode::WUSR,
     )
     .map_err(|errno| match errno {
-        Errno::LOOP => refused(lock_path.clone(), "it is a symbolic link"),
+        Errno::LOOP => refused(lock_path.clone(), Unsafe::Symlink),
         errno => errno_error("open", &lock_path)(errno),
     })?;
     let stat = rustix::fs::fstat(&fd).map_err(errno_error("stat", &lock_path))?;
