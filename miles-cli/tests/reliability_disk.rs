@@ -108,7 +108,7 @@ fn a_second_job_on_one_offload_directory_exits_2_naming_the_first_and_the_first_
     let scratch = tempfile::tempdir().unwrap();
     let base = scratch.path().join("disk");
     let lock = base.join("offload/rank-0/lock");
-    let mut first = train(scratch.path(), &base, 3)
+    let mut first = train(scratch.path(), &base, 4)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -187,4 +187,32 @@ fn a_killed_disk_bench_leaves_a_directory_the_next_bench_removes() {
     assert!(!stale.exists(), "{}", stderr(&output));
     let left: Vec<_> = std::fs::read_dir(dir).unwrap().collect();
     assert!(left.is_empty(), "the bench leaves nothing behind: {left:?}");
+}
+
+#[test]
+fn ppo_on_the_disk_target_keeps_the_actor_and_critic_backups_apart() {
+    let scratch = tempfile::tempdir().unwrap();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .join("examples/colocate-megatron-ppo.toml");
+    let output = Command::new(env!("CARGO_BIN_EXE_miles"))
+        .current_dir(scratch.path())
+        .env("RUST_LOG", "warn")
+        .arg("train")
+        .arg("--config")
+        .arg(config)
+        .args([
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--offload-train-target",
+            "disk",
+        ])
+        .arg("--offload-train-disk-dir")
+        .arg(scratch.path().join("disk"))
+        .output()
+        .unwrap();
+    assert_status(&output, 0);
 }

@@ -66,10 +66,10 @@ pub struct DiskStore {
 /// A region saved to disk: its directory and manifest.
 #[derive(Debug)]
 pub struct DiskBackup {
-    /// The tag directory's name in the rank directory.
+    /// The tag directory's name in the rank directory (opened again at each load, relative to
+    /// the rank directory's handle: holding a handle per backup would take a descriptor per
+    /// streamed optimizer bucket).
     name: String,
-    /// The tag directory's handle, opened when it was saved.
-    dir: OwnedFd,
     path: PathBuf,
     manifest: Manifest,
     /// Bytes of the manifest as written: a larger file on disk is not it.
@@ -182,7 +182,6 @@ impl DiskStore {
         match self.save_in(device, &dir, &path, tag, runs) {
             Ok((manifest, manifest_len)) => Ok(DiskBackup {
                 name,
-                dir,
                 path,
                 manifest,
                 manifest_len,
@@ -358,7 +357,8 @@ impl DiskStore {
         runs: &[AddressRange],
     ) -> Result<(), StoreError> {
         let manifest_path = backup.path.join(MANIFEST_FILE);
-        let on_disk = read_manifest(&backup.dir, &manifest_path, backup.manifest_len)?;
+        let dir = self.rank_dir.existing_tag_dir(&backup.name)?;
+        let on_disk = read_manifest(&dir, &manifest_path, backup.manifest_len)?;
         let expected_runs: Vec<(u64, usize)> = runs.iter().map(|r| (r.start, r.len)).collect();
         if on_disk != backup.manifest || on_disk.runs != expected_runs {
             return Err(StoreError::Manifest {
@@ -367,7 +367,7 @@ impl DiskStore {
             });
         }
         let data_path = backup.path.join(DATA_FILE);
-        let (file, direct) = open_data(&backup.dir, &data_path, false)?;
+        let (file, direct) = open_data(&dir, &data_path, false)?;
         let chunk_bytes = on_disk.chunk_bytes;
         let total = on_disk.total_bytes;
         let chunks = on_disk.crc32c.len();

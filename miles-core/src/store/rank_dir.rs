@@ -137,6 +137,15 @@ impl RankDir {
         private_dir(&self.dir, &self.path.join(name), name)
     }
 
+    /// Opens tag directory `name`, which must be there.
+    ///
+    /// # Errors
+    /// [`StoreError::UnsafePath`] for a symbolic link or anything but a directory;
+    /// [`StoreError::Io`] when it is missing.
+    pub(super) fn existing_tag_dir(&self, name: &str) -> Result<OwnedFd, StoreError> {
+        open_dir_at(&self.dir, &self.path.join(name), name)
+    }
+
     /// Moves tag directory `name` out of the way; returns the name it has now.
     ///
     /// # Errors
