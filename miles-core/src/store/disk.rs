@@ -11,6 +11,7 @@
 //! The files live in `<dir>/offload/rank-<N>/<tag directory>/` (see [`RankDir`]), each opened
 //! relative to its directory's handle without following links, created `0600`.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
@@ -56,6 +57,9 @@ pub struct DiskStore {
     suffix: String,
     chunk_bytes: usize,
     pool: Arc<HostPool>,
+    /// The tag directories holding this store's backups, each with whether its last load
+    /// failed (its files are kept then); the store removes the others when it drops.
+    backups: Mutex<HashMap<String, bool>>,
     /// Sends the names of moved-away directories to the thread that unlinks them.
     janitor: Mutex<Option<mpsc::Sender<String>>>,
     janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -74,8 +78,6 @@ pub struct DiskBackup {
     manifest: Manifest,
     /// Bytes of the manifest as written: a larger file on disk is not it.
     manifest_len: u64,
-    /// Whether the last load failed: the files are kept then, for the user to look at.
-    kept: AtomicBool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,6 +111,8 @@ impl DiskStore {
     /// `chunk_bytes`, staging through buffers of `pool`. The rank directory is opened, locked
     /// and cleaned of an earlier job's leftovers as [`RankDir::open`] says; the stores of one
     /// process share it, each writing its own tag directories (`params`, `params.1`, ...).
+    /// When the store drops, it removes the backups it wrote that are still there, but those
+    /// whose last load failed.
     ///
     /// # Errors
     /// [`StoreError::ChunkSize`] for a chunk size that is zero or not a multiple of 4096;
@@ -145,6 +149,7 @@ impl DiskStore {
             suffix,
             chunk_bytes,
             pool,
+            backups: Mutex::new(HashMap::new()),
             janitor: Mutex::new(janitor),
             janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
@@ -180,13 +185,15 @@ impl DiskStore {
         }
         let dir = self.rank_dir.tag_dir(&name)?;
         match self.save_in(device, &dir, &path, tag, runs) {
-            Ok((manifest, manifest_len)) => Ok(DiskBackup {
-                name,
-                path,
-                manifest,
-                manifest_len,
-                kept: AtomicBool::new(false),
-            }),
+            Ok((manifest, manifest_len)) => {
+                lock(&self.backups).insert(name.clone(), false);
+                Ok(DiskBackup {
+                    name,
+                    path,
+                    manifest,
+                    manifest_len,
+                })
+            }
             Err(error) => {
                 for file in [DATA_FILE, MANIFEST_TMP, MANIFEST_FILE] {
                     remove_if_present(&dir, &path, file);
@@ -346,7 +353,7 @@ impl DiskStore {
         runs: &[AddressRange],
     ) -> Result<(), StoreError> {
         let result = self.load_verified(device, backup, runs);
-        backup.kept.store(result.is_err(), Ordering::Relaxed);
+        lock(&self.backups).insert(backup.name.clone(), result.is_err());
         result
     }
 
@@ -403,7 +410,7 @@ impl DiskStore {
     /// # Errors
     /// [`StoreError::Io`] naming the directory that could not be moved away.
     pub fn remove(&self, backup: DiskBackup) -> Result<(), StoreError> {
-        if backup.kept.load(Ordering::Relaxed) {
+        if lock(&self.backups).remove(&backup.name) == Some(true) {
             tracing::warn!(
                 dir = %backup.path.display(),
                 tag = %backup.manifest.tag,
@@ -456,6 +463,16 @@ impl Drop for DiskStore {
             && handle.join().is_err()
         {
             tracing::error!("the offload janitor thread panicked");
+        }
+        for (name, kept) in lock(&self.backups).drain() {
+            if kept {
+                tracing::warn!(
+                    dir = %self.root().join(&name).display(),
+                    "keeping the offload files of a failed resume; the next job on this offload directory removes them"
+                );
+            } else {
+                remove_tree(&self.rank_dir, &name);
+            }
         }
     }
 }
@@ -856,14 +873,25 @@ mod tests {
     }
 
     #[test]
+    fn a_store_removes_the_backups_it_still_holds_when_it_drops() {
+        let bench = Bench::new();
+        let store = bench.store();
+        let backup = bench.save(&store, &MemoryTag::Named("bucket-3".to_string()), 0);
+        let dir = backup.dir().to_path_buf();
+        drop(backup);
+        assert!(dir.join(DATA_FILE).exists());
+        drop(store);
+        assert!(!dir.exists(), "a dropped store leaves no backup behind");
+    }
+
+    #[test]
     fn a_removal_a_kill_interrupted_does_not_stop_the_next_job_removing_its_backups() {
         let bench = Bench::new();
-        let killed = bench.store();
-        drop(bench.save(&killed, &MemoryTag::Params, 0));
-        drop(killed);
         // As a kill between moving a backup away and unlinking it leaves it.
         let trash = bench.rank_dir().join(".removing-0-params");
-        std::fs::rename(bench.rank_dir().join("params"), &trash).unwrap();
+        std::fs::create_dir_all(&trash).unwrap();
+        std::fs::write(trash.join(DATA_FILE), vec![9u8; 8192]).unwrap();
+        std::fs::write(trash.join(MANIFEST_FILE), b"{}").unwrap();
         let next = bench.store();
         assert!(!trash.exists(), "the interrupted removal is cleaned");
         for _ in 0..2 {
