@@ -10,7 +10,7 @@ use anyhow::Context;
 use miles_core::device::{self, OpenedDevice};
 use miles_core::{
     BackupPolicy, Buffer, CudaOptions, DeviceChoice, DiskSettings, ManagerSettings, MemoryManager,
-    MemoryTag, OffloadReport,
+    MemoryTag, OffloadReport, RankDir, StoreError,
 };
 use serde_json::{Value, json};
 
@@ -207,8 +207,11 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     }
     let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let bench_dir = dir.join(format!("miles-bench-offload-{}", std::process::id()));
+    let bench_dir = dir.join(format!("{BENCH_DIR_PREFIX}{}", std::process::id()));
     let policy = args.target;
+    if policy == BackupPolicy::Disk {
+        remove_killed_benches(&dir);
+    }
     let settings = ManagerSettings {
         margin_bytes: 0,
         disk: (policy == BackupPolicy::Disk).then(|| DiskSettings {
@@ -223,6 +226,46 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot remove {}", bench_dir.display()))?;
     }
     outcome
+}
+
+/// How the per-process directory of a disk bench begins (the pid follows).
+const BENCH_DIR_PREFIX: &str = "miles-bench-offload-";
+
+/// Removes the per-process directories that killed disk benches left in `dir`: those whose rank
+/// directory no live process has locked (a bench still running holds its lock and keeps its
+/// directory).
+fn remove_killed_benches(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if !entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(BENCH_DIR_PREFIX)
+        {
+            continue;
+        }
+        let path = entry.path();
+        match RankDir::open(&path, 0) {
+            Ok(held) => {
+                let removed = std::fs::remove_dir_all(&path);
+                drop(held);
+                match removed {
+                    Ok(()) => {
+                        tracing::warn!(dir = %path.display(), "removed the directory of a killed disk bench")
+                    }
+                    Err(error) => {
+                        tracing::warn!(dir = %path.display(), %error, "cannot remove the directory of a killed disk bench")
+                    }
+                }
+            }
+            Err(StoreError::Locked { .. }) => {}
+            Err(error) => {
+                tracing::warn!(%error, "cannot check the directory of an earlier disk bench")
+            }
+        }
+    }
 }
 
 fn bench(

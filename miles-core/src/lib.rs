@@ -39,4 +39,4 @@ pub use memory::{
 };
 pub use metrics::{MemoryTimeline, MetricsError, MetricsWriter, Phase, StepMetrics};
 pub use orchestrator::{LoopConfig, Orchestrator, OrchestratorError, RunSummary};
-pub use store::{DiskBackup, DiskStore, HostPool, StoreError};
+pub use store::{DiskBackup, DiskStore, HostPool, RankDir, StoreError};

@@ -282,7 +282,8 @@ fn save(
     bucket: usize,
     range: miles_core::AddressRange,
 ) -> Result<DiskBackup, BackendError> {
-    Ok(store.save(device, &format!("optimizer-bucket-{bucket:05}"), &[range])?)
+    let tag = MemoryTag::Named(format!("optimizer-bucket-{bucket:05}"));
+    Ok(store.save(device, &tag, &[range])?)
 }
 
 fn load(

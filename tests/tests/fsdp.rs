@@ -214,14 +214,15 @@ fn offload_cycles_to_disk_between_steps_leave_the_trajectory_bit_exact() {
     offload_trajectory(OffloadTarget::Disk, Some(dir.path()));
 }
 
-/// Regular files under `dir`, leaving out the backups the store is still unlinking in the
-/// background (renamed `.removing-*` once consumed) unless `all`.
+/// Regular files under `dir` but the rank directories' lock files, leaving out the backups the
+/// store is still unlinking in the background (renamed `.removing-*` once consumed) unless `all`.
 fn files_in(dir: &Path, all: bool) -> usize {
     std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .flatten()
                 .filter(|e| all || !e.file_name().to_string_lossy().starts_with(".removing-"))
+                .filter(|e| e.file_name() != "lock")
                 .map(|e| {
                     if e.path().is_dir() {
                         files_in(&e.path(), all)

@@ -317,7 +317,7 @@ fn a_corrupted_optimizer_bucket_on_disk_fails_the_step_naming_the_checksum() {
     t.train_step(&batch(0, 2, 8)).unwrap();
     let data = dir
         .path()
-        .join("optimizer/rank-1/optimizer-bucket-00001/data.bin");
+        .join("offload/rank-1/named-optimizer-bucket-00001/data.bin");
     let mut bytes = std::fs::read(&data).unwrap();
     bytes[100] ^= 0x40;
     std::fs::write(&data, bytes).unwrap();

@@ -61,7 +61,7 @@ impl TrainOffload {
         match self {
             TrainOffload::Host => None,
             TrainOffload::Disk { dir, chunk_bytes } => {
-                Some(rank_disk(dir, "offload", rank, *chunk_bytes))
+                Some(rank_disk(dir, rank, *chunk_bytes))
             }
         }
     }
@@ -97,7 +97,7 @@ impl OptimizerStream {
 
     /// The disk store of rank `rank`'s streamed optimizer state.
     pub fn disk(&self, rank: usize) -> DiskSettings {
-        rank_disk(&self.dir, "optimizer", rank, self.bucket_bytes)
+        rank_disk(&self.dir, rank, self.bucket_bytes)
     }
 }
 
@@ -191,7 +191,7 @@ mod tests {
         assert_eq!(plan.policy(), BackupPolicy::Disk);
         assert_eq!(plan.target(), OffloadTarget::Disk);
         let disk = plan.disk(3).unwrap();
-        assert_eq!(disk.dir, PathBuf::from("/tmp/x/offload"));
+        assert_eq!(disk.dir, PathBuf::from("/tmp/x"));
         assert_eq!((disk.rank, disk.chunk_bytes), (3, 8 << 20));
         let host = TrainOffload::of(&Settings::default()).unwrap();
         assert_eq!((host.policy(), host.disk(0)), (BackupPolicy::Host, None));

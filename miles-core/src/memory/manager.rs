@@ -14,7 +14,8 @@ use super::{BackupPolicy, Buffer, MemoryError, MemoryTag, OffloadReport, RegionS
 /// Where disk-policy regions go.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskSettings {
-    /// The offload directory (`--offload-train-disk-dir`); the store writes under `rank-<rank>/`.
+    /// The offload directory (`--offload-train-disk-dir`); the store writes under
+    /// `offload/rank-<rank>/` (see [`RankDir`](crate::store::RankDir)).
     pub dir: PathBuf,
     /// This process's rank.
     pub rank: usize,

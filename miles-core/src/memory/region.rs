@@ -359,7 +359,7 @@ impl Region {
             BackupPolicy::Disk => {
                 let disk = self.disk()?;
                 let backup = disk
-                    .save(self.device.as_ref(), self.tag.name(), runs)
+                    .save(self.device.as_ref(), &self.tag, runs)
                     .map_err(self.store_error())?;
                 Backup::Disk(backup)
             }

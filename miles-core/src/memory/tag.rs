@@ -1,5 +1,6 @@
 //! Tags, region states and offload reports.
 
+use std::borrow::Cow;
 use std::fmt;
 
 /// What a region holds; each tag owns its own address arena.
@@ -35,6 +36,16 @@ impl MemoryTag {
             MemoryTag::Optimizer => "optimizer",
             MemoryTag::Activations => "activations",
             MemoryTag::Named(name) => name,
+        }
+    }
+
+    /// The tag's directory name in a disk store: a built-in tag's name (`params`), a named
+    /// tag's name after `named-` (`named-params`). No built-in name begins with `named-`, so a
+    /// named tag never shares a built-in tag's directory, whatever its name.
+    pub fn dir_name(&self) -> Cow<'_, str> {
+        match self {
+            MemoryTag::Named(name) => Cow::Owned(format!("named-{name}")),
+            builtin => Cow::Borrowed(builtin.name()),
         }
     }
 }
@@ -108,6 +119,37 @@ impl OffloadReport {
             gbps,
             free_before,
             free_after,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BUILT_IN: [MemoryTag; 7] = [
+        MemoryTag::Weights,
+        MemoryTag::KvCache,
+        MemoryTag::CudaGraph,
+        MemoryTag::Params,
+        MemoryTag::Grads,
+        MemoryTag::Optimizer,
+        MemoryTag::Activations,
+    ];
+
+    #[test]
+    fn a_named_tag_spelling_a_built_in_name_gets_its_own_directory() {
+        for builtin in BUILT_IN {
+            let named = MemoryTag::Named(builtin.name().to_string());
+            assert_eq!(named.name(), builtin.name());
+            assert_ne!(named.dir_name(), builtin.dir_name(), "{builtin}");
+            for other in BUILT_IN {
+                assert_ne!(
+                    named.dir_name(),
+                    other.dir_name(),
+                    "{named:?} and {other:?}"
+                );
+            }
         }
     }
 }

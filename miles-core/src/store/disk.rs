@@ -7,20 +7,31 @@
 //! allows). Resume (`disk/load.rs`): reader threads keep reads of the file in flight while the
 //! calling thread verifies what has landed; on a device the host addresses (the CPU device) the
 //! bytes are read straight into device memory, elsewhere through staging buffers.
+//!
+//! The files live in `<dir>/offload/rank-<N>/<tag directory>/` (see [`RankDir`]), each opened
+//! relative to its directory's handle without following links, created `0600`.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::ErrorKind;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{AddressRange, Device, HostBuffer};
+use crate::memory::MemoryTag;
 
 use self::load::Load;
+use super::error::Unsafe;
+use super::rank_dir::{
+    DATA_FILE, MANIFEST_FILE, MANIFEST_TMP, RankDir, errno_error, io_error, read_bounded, refused,
+};
 use super::{HostPool, StoreError};
 
 mod load;
@@ -36,22 +47,21 @@ const WRITE_THREADS: usize = 2;
 /// Staging buffers of a pause: one per writer, one being filled, one spare.
 const PIPELINE_DEPTH: usize = WRITE_THREADS + 2;
 
-const DATA_FILE: &str = "data.bin";
-const MANIFEST_FILE: &str = "manifest.json";
-const MANIFEST_TMP: &str = "manifest.json.tmp";
-
 static BUFFERED_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// Where and how a rank's paused regions go to disk.
 #[derive(Debug)]
 pub struct DiskStore {
-    root: PathBuf,
+    rank_dir: Arc<RankDir>,
+    /// Appended to this store's tag directory names (see [`RankDir`]).
+    suffix: String,
     chunk_bytes: usize,
     pool: Arc<HostPool>,
-    /// Backups removed so far (names their trash directories).
-    removed: AtomicUsize,
-    /// Sends moved-away directories to the thread that unlinks them.
-    janitor: Mutex<Option<mpsc::Sender<PathBuf>>>,
+    /// The tag directories holding this store's backups, each with whether its last load
+    /// failed (its files are kept then); the store removes the others when it drops.
+    backups: Mutex<HashMap<String, bool>>,
+    /// Sends the names of moved-away directories to the thread that unlinks them.
+    janitor: Mutex<Option<mpsc::Sender<String>>>,
     janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fail_write_at: Option<usize>,
     fail_read_at: Option<usize>,
@@ -60,8 +70,14 @@ pub struct DiskStore {
 /// A region saved to disk: its directory and manifest.
 #[derive(Debug)]
 pub struct DiskBackup {
-    dir: PathBuf,
+    /// The tag directory's name in the rank directory (opened again at each load, relative to
+    /// the rank directory's handle: holding a handle per backup would take a descriptor per
+    /// streamed optimizer bucket).
+    name: String,
+    path: PathBuf,
     manifest: Manifest,
+    /// Bytes of the manifest as written: a larger file on disk is not it.
+    manifest_len: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,7 +99,7 @@ impl DiskBackup {
 
     /// The directory holding the data file and the manifest.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.path
     }
 }
 
@@ -91,12 +107,16 @@ impl DiskBackup {
 type ChunkDone = (HostBuffer, Result<(), StoreError>);
 
 impl DiskStore {
-    /// A store writing under `dir/rank-<rank>/<tag>/` in chunks of `chunk_bytes`, staging
-    /// through buffers of `pool`.
+    /// A store writing under `dir/offload/rank-<rank>/<tag directory>/` in chunks of
+    /// `chunk_bytes`, staging through buffers of `pool`. The rank directory is opened, locked
+    /// and cleaned of an earlier job's leftovers as [`RankDir::open`] says; the stores of one
+    /// process share it, each writing its own tag directories (`params`, `params.1`, ...).
+    /// When the store drops, it removes the backups it wrote that are still there, but those
+    /// whose last load failed.
     ///
     /// # Errors
     /// [`StoreError::ChunkSize`] for a chunk size that is zero or not a multiple of 4096;
-    /// [`StoreError::Io`] when the directory cannot be created.
+    /// [`RankDir::open`]'s errors.
     pub fn new(
         dir: &Path,
         rank: usize,
@@ -106,12 +126,17 @@ impl DiskStore {
         if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(DIRECT_ALIGN) {
             return Err(StoreError::ChunkSize { chunk_bytes });
         }
-        let root = dir.join(format!("rank-{rank}"));
-        fs::create_dir_all(&root).map_err(io_error("create", &root))?;
-        let (janitor, trash) = mpsc::channel::<PathBuf>();
+        let rank_dir = RankDir::open(dir, rank)?;
+        let suffix = rank_dir.store_suffix();
+        let (janitor, trash) = mpsc::channel::<String>();
+        let janitor_dir = Arc::clone(&rank_dir);
         let janitor_thread = std::thread::Builder::new()
             .name("miles-offload-janitor".to_string())
-            .spawn(move || trash.iter().for_each(|dir| remove_tree(&dir)));
+            .spawn(move || {
+                trash
+                    .iter()
+                    .for_each(|name| remove_tree(&janitor_dir, &name))
+            });
         let (janitor, janitor_thread) = match janitor_thread {
             Ok(handle) => (Some(janitor), Some(handle)),
             Err(error) => {
@@ -120,10 +145,11 @@ impl DiskStore {
             }
         };
         Ok(DiskStore {
-            root,
+            rank_dir,
+            suffix,
             chunk_bytes,
             pool,
-            removed: AtomicUsize::new(0),
+            backups: Mutex::new(HashMap::new()),
             janitor: Mutex::new(janitor),
             janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
@@ -133,7 +159,7 @@ impl DiskStore {
 
     /// The rank's directory.
     pub fn root(&self) -> &Path {
-        &self.root
+        self.rank_dir.path()
     }
 
     /// Save the device ranges `runs` (committed) of region `tag`, verified: every chunk written
@@ -141,49 +167,66 @@ impl DiskStore {
     ///
     /// # Errors
     /// [`StoreError::Io`] naming the file on a failed write (disk full, I/O error); the files of
-    /// the attempt are removed then. [`StoreError::Device`] on a failed device copy.
+    /// the attempt are removed then. [`StoreError::UnsafePath`] for a tag name that is not one
+    /// path component, or a link or foreign file where the tag's files go (nothing is written
+    /// through it). [`StoreError::Device`] on a failed device copy.
     pub fn save(
         &self,
         device: &dyn Device,
-        tag: &str,
+        tag: &MemoryTag,
         runs: &[AddressRange],
     ) -> Result<DiskBackup, StoreError> {
-        let dir = self.root.join(tag);
-        fs::create_dir_all(&dir).map_err(io_error("create", &dir))?;
-        let result = self.save_in(device, &dir, tag, runs);
-        if result.is_err() {
-            for name in [DATA_FILE, MANIFEST_TMP, MANIFEST_FILE] {
-                remove_if_present(&dir.join(name));
+        let base = tag.dir_name();
+        let name = format!("{base}{}", self.suffix);
+        let path = self.root().join(&name);
+        let plain = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-';
+        if base.is_empty() || !base.bytes().all(plain) {
+            return Err(refused(path, Unsafe::TagName));
+        }
+        let dir = self.rank_dir.tag_dir(&name)?;
+        match self.save_in(device, &dir, &path, tag, runs) {
+            Ok((manifest, manifest_len)) => {
+                lock(&self.backups).insert(name.clone(), false);
+                Ok(DiskBackup {
+                    name,
+                    path,
+                    manifest,
+                    manifest_len,
+                })
+            }
+            Err(error) => {
+                for file in [DATA_FILE, MANIFEST_TMP, MANIFEST_FILE] {
+                    remove_if_present(&dir, &path, file);
+                }
+                Err(error)
             }
         }
-        result
     }
 
+    /// Write the data file and the manifest; returns the manifest and its length in bytes.
     fn save_in(
         &self,
         device: &dyn Device,
-        dir: &Path,
-        tag: &str,
+        dir: &OwnedFd,
+        path: &Path,
+        tag: &MemoryTag,
         runs: &[AddressRange],
-    ) -> Result<DiskBackup, StoreError> {
-        let data_path = dir.join(DATA_FILE);
-        let (file, direct) = open_data(&data_path, true)?;
+    ) -> Result<(Manifest, u64), StoreError> {
+        let data_path = path.join(DATA_FILE);
+        let (file, direct) = open_data(dir, &data_path, true)?;
         let total: u64 = runs.iter().map(|r| r.len as u64).sum();
         let chunks = chunk_count(total, self.chunk_bytes);
         let crc32c = self.write_chunks(device, &file, &data_path, direct, runs, total, chunks)?;
         file.sync_all().map_err(io_error("fsync", &data_path))?;
         let manifest = Manifest {
-            tag: tag.to_string(),
+            tag: tag.name().to_string(),
             total_bytes: total,
             chunk_bytes: self.chunk_bytes,
             runs: runs.iter().map(|r| (r.start, r.len)).collect(),
             crc32c,
         };
-        write_manifest(dir, &manifest)?;
-        Ok(DiskBackup {
-            dir: dir.to_path_buf(),
-            manifest,
-        })
+        let manifest_len = write_manifest(dir, path, &manifest)?;
+        Ok((manifest, manifest_len))
     }
 
     /// The pipelined copy-out: this thread fills staging buffers from the device and checksums
@@ -298,17 +341,31 @@ impl DiskStore {
     /// from), verifying every chunk's checksum.
     ///
     /// # Errors
-    /// [`StoreError::Manifest`] when the manifest on disk is missing or does not match;
-    /// [`StoreError::ChecksumMismatch`] naming the file and chunk; [`StoreError::Io`] on a failed
-    /// read. The files are kept in every case; the device ranges hold unspecified bytes then.
+    /// [`StoreError::Manifest`] when the manifest on disk is missing, larger than the one
+    /// written or does not match; [`StoreError::ChecksumMismatch`] naming the file and chunk;
+    /// [`StoreError::Io`] on a failed read; [`StoreError::UnsafePath`] for a link in place of a
+    /// file. The files are kept in every case, and [`remove`](Self::remove) keeps them too,
+    /// until a later load succeeds; the device ranges hold unspecified bytes then.
     pub fn load(
         &self,
         device: &dyn Device,
         backup: &DiskBackup,
         runs: &[AddressRange],
     ) -> Result<(), StoreError> {
-        let manifest_path = backup.dir.join(MANIFEST_FILE);
-        let on_disk = read_manifest(&manifest_path)?;
+        let result = self.load_verified(device, backup, runs);
+        lock(&self.backups).insert(backup.name.clone(), result.is_err());
+        result
+    }
+
+    fn load_verified(
+        &self,
+        device: &dyn Device,
+        backup: &DiskBackup,
+        runs: &[AddressRange],
+    ) -> Result<(), StoreError> {
+        let manifest_path = backup.path.join(MANIFEST_FILE);
+        let dir = self.rank_dir.existing_tag_dir(&backup.name)?;
+        let on_disk = read_manifest(&dir, &manifest_path, backup.manifest_len)?;
         let expected_runs: Vec<(u64, usize)> = runs.iter().map(|r| (r.start, r.len)).collect();
         if on_disk != backup.manifest || on_disk.runs != expected_runs {
             return Err(StoreError::Manifest {
@@ -316,8 +373,8 @@ impl DiskStore {
                 reason: "it does not describe the region being resumed".to_string(),
             });
         }
-        let data_path = backup.dir.join(DATA_FILE);
-        let (file, direct) = open_data(&data_path, false)?;
+        let data_path = backup.path.join(DATA_FILE);
+        let (file, direct) = open_data(&dir, &data_path, false)?;
         let chunk_bytes = on_disk.chunk_bytes;
         let total = on_disk.total_bytes;
         let chunks = on_disk.crc32c.len();
@@ -342,7 +399,9 @@ impl DiskStore {
         .run()
     }
 
-    /// Remove a backup's files and directory (after a verified resume).
+    /// Remove a backup's files and directory (after a verified resume); a backup whose last
+    /// load failed is kept instead, for the user to look at, and the log says where (the next
+    /// job on this offload directory removes it).
     ///
     /// The directory is renamed out of the way at once, so the tag can be saved again right
     /// away; unlinking the data file (a tenth of a second per GiB on ext4) happens on a
@@ -351,16 +410,21 @@ impl DiskStore {
     /// # Errors
     /// [`StoreError::Io`] naming the directory that could not be moved away.
     pub fn remove(&self, backup: DiskBackup) -> Result<(), StoreError> {
-        let serial = self.removed.fetch_add(1, Ordering::Relaxed);
-        let name = backup.dir.file_name().unwrap_or_default().to_string_lossy();
-        let trash = self.root.join(format!(".removing-{serial}-{name}"));
-        fs::rename(&backup.dir, &trash).map_err(io_error("move away", &backup.dir))?;
+        if lock(&self.backups).remove(&backup.name) == Some(true) {
+            tracing::warn!(
+                dir = %backup.path.display(),
+                tag = %backup.manifest.tag,
+                "keeping the offload files of a failed resume; the next job on this offload directory removes them"
+            );
+            return Ok(());
+        }
+        let trash = self.rank_dir.move_away(&backup.name)?;
         let queued = match &*lock(&self.janitor) {
             Some(janitor) => janitor.send(trash.clone()).is_ok(),
             None => false,
         };
         if !queued {
-            remove_tree(&trash);
+            remove_tree(&self.rank_dir, &trash);
         }
         Ok(())
     }
@@ -400,6 +464,16 @@ impl Drop for DiskStore {
         {
             tracing::error!("the offload janitor thread panicked");
         }
+        for (name, kept) in lock(&self.backups).drain() {
+            if kept {
+                tracing::warn!(
+                    dir = %self.root().join(&name).display(),
+                    "keeping the offload files of a failed resume; the next job on this offload directory removes them"
+                );
+            } else {
+                remove_tree(&self.rank_dir, &name);
+            }
+        }
     }
 }
 
@@ -408,9 +482,9 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Remove a moved-away backup directory, logging what cannot be removed.
-fn remove_tree(dir: &Path) {
-    if let Err(error) = fs::remove_dir_all(dir) {
-        tracing::error!(%error, dir = %dir.display(), "cannot remove offload files");
+fn remove_tree(rank_dir: &RankDir, name: &str) {
+    if let Err(error) = rank_dir.remove_tag_dir(name) {
+        tracing::error!(%error, "cannot remove offload files");
     }
 }
 
@@ -479,69 +553,351 @@ fn write_chunk(
         .map_err(io_error(&format!("write chunk {index} of"), path))
 }
 
-/// Open the data file with O_DIRECT, or buffered where the filesystem refuses O_DIRECT (tmpfs);
-/// returns the file and whether it is direct.
-fn open_data(path: &Path, create: bool) -> Result<(File, bool), StoreError> {
-    let mut options = OpenOptions::new();
-    if create {
-        options.write(true).create(true).truncate(true);
+/// Open the data file `path` in `dir` with O_DIRECT, or buffered where the filesystem refuses
+/// O_DIRECT (tmpfs), never following a link; returns the file and whether it is direct. A new
+/// file is created `0600` in place of the one a failed save or an older backup left.
+fn open_data(dir: &OwnedFd, path: &Path, create: bool) -> Result<(File, bool), StoreError> {
+    let (flags, action) = if create {
+        (OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL, "create")
     } else {
-        options.read(true);
+        (OFlags::RDONLY, "open")
+    };
+    let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if create {
+        match rustix::fs::statat(dir, DATA_FILE, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(stat) if FileType::from_raw_mode(stat.st_mode).is_file() => {
+                remove_if_present(dir, path, DATA_FILE);
+            }
+            Ok(_) => return Err(open_error(dir, path, DATA_FILE, action, Errno::EXIST)),
+            Err(_) => {}
+        }
     }
-    let action = if create { "create" } else { "open" };
-    match options.clone().custom_flags(libc::O_DIRECT).open(path) {
-        Ok(file) => Ok((file, true)),
-        Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
+    let open = |flags: OFlags| {
+        rustix::fs::openat(dir, DATA_FILE, flags, Mode::RUSR | Mode::WUSR)
+            .map_err(|errno| open_error(dir, path, DATA_FILE, action, errno))
+    };
+    match rustix::fs::openat(
+        dir,
+        DATA_FILE,
+        flags | OFlags::DIRECT,
+        Mode::RUSR | Mode::WUSR,
+    ) {
+        Ok(fd) => Ok((File::from(fd), true)),
+        Err(Errno::INVAL) => {
             if !BUFFERED_WARNED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     path = %path.display(),
                     "the filesystem refuses O_DIRECT; offload files use buffered I/O and fsync"
                 );
             }
-            let file = options.open(path).map_err(io_error(action, path))?;
-            Ok((file, false))
+            Ok((File::from(open(flags)?), false))
         }
-        Err(error) => Err(io_error(action, path)(error)),
+        Err(errno) => Err(open_error(dir, path, DATA_FILE, action, errno)),
     }
 }
 
-fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
-    let tmp = dir.join(MANIFEST_TMP);
+/// The error of a failed open of `name` in `dir` (at `path`): a link or another foreign entry
+/// in its place is [`StoreError::UnsafePath`].
+fn open_error(dir: &OwnedFd, path: &Path, name: &str, action: &str, errno: Errno) -> StoreError {
+    let foreign = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)
+        .ok()
+        .map(|stat| FileType::from_raw_mode(stat.st_mode))
+        .and_then(|kind| match kind {
+            kind if kind.is_symlink() => Some(Unsafe::Symlink),
+            kind if !kind.is_file() => Some(Unsafe::Foreign),
+            _ => None,
+        });
+    match foreign {
+        Some(reason) if matches!(errno, Errno::LOOP | Errno::EXIST | Errno::ISDIR) => {
+            refused(path.to_path_buf(), reason)
+        }
+        _ => errno_error(action, path)(errno),
+    }
+}
+
+/// Write `manifest` into tag directory `dir` (at `path`) atomically: a temporary file, fsynced,
+/// renamed into place, the directory fsynced. Returns the manifest's length in bytes.
+fn write_manifest(dir: &OwnedFd, path: &Path, manifest: &Manifest) -> Result<u64, StoreError> {
+    let tmp = path.join(MANIFEST_TMP);
     let json = serde_json::to_vec_pretty(manifest).map_err(|error| StoreError::Manifest {
         path: tmp.clone(),
         reason: error.to_string(),
     })?;
-    let file = File::create(&tmp).map_err(io_error("create", &tmp))?;
+    let fd = rustix::fs::openat(
+        dir,
+        MANIFEST_TMP,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::RUSR | Mode::WUSR,
+    )
+    .map_err(|errno| open_error(dir, &tmp, MANIFEST_TMP, "create", errno))?;
+    let file = File::from(fd);
     file.write_all_at(&json, 0)
         .map_err(io_error("write", &tmp))?;
     file.sync_all().map_err(io_error("fsync", &tmp))?;
-    let target = dir.join(MANIFEST_FILE);
-    fs::rename(&tmp, &target).map_err(io_error("rename into place", &target))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_error("fsync", dir))
+    let target = path.join(MANIFEST_FILE);
+    rustix::fs::renameat(dir, MANIFEST_TMP, dir, MANIFEST_FILE)
+        .map_err(errno_error("rename into place", &target))?;
+    rustix::fs::fsync(dir).map_err(errno_error("fsync", path))?;
+    Ok(json.len() as u64)
 }
 
-fn read_manifest(path: &Path) -> Result<Manifest, StoreError> {
-    let bytes = fs::read(path).map_err(io_error("read", path))?;
+/// Read the manifest `path` of tag directory `dir`, refusing one larger than `limit` bytes
+/// (the manifest written) before reading it.
+fn read_manifest(dir: &OwnedFd, path: &Path, limit: u64) -> Result<Manifest, StoreError> {
+    let fd = rustix::fs::openat(
+        dir,
+        MANIFEST_FILE,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|errno| open_error(dir, path, MANIFEST_FILE, "read", errno))?;
+    let bytes = read_bounded(&fd, path, limit)?;
     serde_json::from_slice(&bytes).map_err(|error| StoreError::Manifest {
         path: path.to_path_buf(),
         reason: error.to_string(),
     })
 }
 
-fn remove_if_present(path: &Path) {
-    if let Err(error) = fs::remove_file(path)
-        && error.kind() != ErrorKind::NotFound
+/// Remove regular file `name` of tag directory `dir` (at `path`) when it is there; a link is
+/// unlinked, never followed.
+fn remove_if_present(dir: &OwnedFd, path: &Path, name: &str) {
+    if let Err(errno) = rustix::fs::unlinkat(dir, name, AtFlags::empty())
+        && errno != Errno::NOENT
     {
+        let error = std::io::Error::from(errno);
+        let path = path.join(name);
         tracing::error!(%error, path = %path.display(), "cannot remove a partial offload file");
     }
 }
 
-fn io_error<'a>(action: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
-    move |source| StoreError::Io {
-        action: action.to_string(),
-        path: path.to_path_buf(),
-        source,
+#[cfg(test)]
+mod tests {
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::device::CpuDevice;
+
+    const MIB: usize = 1 << 20;
+
+    /// A CPU device with two seeded random runs of 2 MiB, one per backup of a test.
+    struct Bench {
+        device: Arc<dyn Device>,
+        runs: [AddressRange; 2],
+        expected: Vec<Vec<u8>>,
+        dir: tempfile::TempDir,
+    }
+
+    impl Bench {
+        fn new() -> Bench {
+            let device: Arc<dyn Device> = Arc::new(CpuDevice::new(32 * MIB as u64));
+            let arena = device.reserve(8 * MIB).unwrap();
+            let runs = [
+                arena.slice(0, 2 * MIB).unwrap(),
+                arena.slice(4 * MIB, 2 * MIB).unwrap(),
+            ];
+            let mut rng = ChaCha8Rng::seed_from_u64(23);
+            let mut expected = Vec::new();
+            for run in runs {
+                device.commit(run).unwrap();
+                let bytes: Vec<u8> = (0..run.len).map(|_| rng.random()).collect();
+                device.write(&bytes, run).unwrap();
+                expected.push(bytes);
+            }
+            Bench {
+                device,
+                runs,
+                expected,
+                dir: tempfile::tempdir().unwrap(),
+            }
+        }
+
+        fn store(&self) -> DiskStore {
+            let pool = Arc::new(HostPool::new(Arc::clone(&self.device)));
+            DiskStore::new(self.dir.path(), 0, MIB, pool).unwrap()
+        }
+
+        fn save(&self, store: &DiskStore, tag: &MemoryTag, run: usize) -> DiskBackup {
+            store
+                .save(self.device.as_ref(), tag, &self.runs[run..=run])
+                .unwrap()
+        }
+
+        /// Scrambles run `run` on the device, loads `backup` into it and checks every byte.
+        fn load_and_check(&self, store: &DiskStore, backup: &DiskBackup, run: usize) {
+            let range = self.runs[run];
+            self.device.write(&vec![0xa5; range.len], range).unwrap();
+            store.load(self.device.as_ref(), backup, &[range]).unwrap();
+            let mut back = vec![0u8; range.len];
+            self.device.read(range, &mut back).unwrap();
+            assert!(
+                back == self.expected[run],
+                "run {run} differs after the load"
+            );
+        }
+
+        fn rank_dir(&self) -> PathBuf {
+            self.dir.path().join("offload/rank-0")
+        }
+    }
+
+    #[test]
+    fn a_named_tag_spelling_a_built_in_name_keeps_its_own_backup() {
+        let bench = Bench::new();
+        let store = bench.store();
+        let builtin = bench.save(&store, &MemoryTag::Params, 0);
+        let named = bench.save(&store, &MemoryTag::Named("params".to_string()), 1);
+        assert_ne!(builtin.dir(), named.dir());
+        bench.load_and_check(&store, &builtin, 0);
+        bench.load_and_check(&store, &named, 1);
+    }
+
+    #[test]
+    fn two_stores_of_one_process_on_one_rank_keep_their_backups_apart() {
+        let bench = Bench::new();
+        let (actor, critic) = (bench.store(), bench.store());
+        let first = bench.save(&actor, &MemoryTag::Params, 0);
+        let second = bench.save(&critic, &MemoryTag::Params, 1);
+        assert_eq!(first.dir(), bench.rank_dir().join("params"));
+        assert_eq!(second.dir(), bench.rank_dir().join("params.1"));
+        bench.load_and_check(&actor, &first, 0);
+        bench.load_and_check(&critic, &second, 1);
+    }
+
+    #[test]
+    fn files_written_are_0600_and_tag_directories_0700() {
+        use std::os::unix::fs::MetadataExt;
+        let bench = Bench::new();
+        let store = bench.store();
+        let backup = bench.save(&store, &MemoryTag::Weights, 0);
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o777;
+        assert_eq!(mode(backup.dir()), 0o700);
+        assert_eq!(mode(&backup.dir().join(DATA_FILE)), 0o600);
+        assert_eq!(mode(&backup.dir().join(MANIFEST_FILE)), 0o600);
+    }
+
+    #[test]
+    fn a_symlink_planted_while_the_job_runs_is_refused_and_its_target_untouched() {
+        let bench = Bench::new();
+        let store = bench.store();
+        let victim_dir = tempfile::tempdir().unwrap();
+        let victim = victim_dir.path().join("precious");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let tag_link = bench.rank_dir().join("params");
+        std::os::unix::fs::symlink(victim_dir.path(), &tag_link).unwrap();
+        let error = store
+            .save(bench.device.as_ref(), &MemoryTag::Params, &bench.runs[..1])
+            .unwrap_err();
+        assert!(
+            matches!(&error, StoreError::UnsafePath { path, .. } if *path == tag_link),
+            "{error}"
+        );
+        let grads = bench.rank_dir().join("grads");
+        std::fs::create_dir(&grads).unwrap();
+        let file_link = grads.join(DATA_FILE);
+        std::os::unix::fs::symlink(&victim, &file_link).unwrap();
+        let error = store
+            .save(bench.device.as_ref(), &MemoryTag::Grads, &bench.runs[..1])
+            .unwrap_err();
+        assert!(
+            matches!(&error, StoreError::UnsafePath { path, .. } if *path == file_link),
+            "{error}"
+        );
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        assert_eq!(std::fs::read_dir(victim_dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_manifest_larger_than_the_one_written_is_refused_before_it_is_read() {
+        let bench = Bench::new();
+        let store = bench.store();
+        let backup = bench.save(&store, &MemoryTag::Optimizer, 0);
+        let manifest = backup.dir().join(MANIFEST_FILE);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&manifest)
+            .unwrap();
+        file.set_len(8 << 30).unwrap();
+        drop(file);
+        let error = store
+            .load(bench.device.as_ref(), &backup, &bench.runs[..1])
+            .unwrap_err();
+        assert!(
+            matches!(&error, StoreError::Manifest { path, reason } if *path == manifest && reason.contains("8589934592 bytes")),
+            "{error}"
+        );
+        std::fs::remove_file(&manifest).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &manifest).unwrap();
+        let error = store
+            .load(bench.device.as_ref(), &backup, &bench.runs[..1])
+            .unwrap_err();
+        assert!(
+            matches!(&error, StoreError::UnsafePath { path, .. } if *path == manifest),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_backup_whose_load_failed_is_kept_and_removed_by_the_next_job() {
+        let bench = Bench::new();
+        let store = bench.store();
+        let backup = bench.save(&store, &MemoryTag::Weights, 0);
+        let data = backup.dir().join(DATA_FILE);
+        let mut bytes = std::fs::read(&data).unwrap();
+        bytes[MIB + 5] ^= 1;
+        std::fs::write(&data, &bytes).unwrap();
+        let error = store
+            .load(bench.device.as_ref(), &backup, &bench.runs[..1])
+            .unwrap_err();
+        assert!(
+            matches!(error, StoreError::ChecksumMismatch { chunk: 1, .. }),
+            "{error}"
+        );
+        let dir = backup.dir().to_path_buf();
+        store.remove(backup).unwrap();
+        drop(store);
+        assert!(
+            dir.join(DATA_FILE).exists(),
+            "the files of a failed load are kept"
+        );
+        assert!(dir.join(MANIFEST_FILE).exists());
+        let next = bench.store();
+        assert!(!dir.exists(), "the next job removes them");
+        // The failed load left unspecified bytes on the device.
+        bench
+            .device
+            .write(&bench.expected[0], bench.runs[0])
+            .unwrap();
+        let again = bench.save(&next, &MemoryTag::Weights, 0);
+        bench.load_and_check(&next, &again, 0);
+    }
+
+    #[test]
+    fn a_store_removes_the_backups_it_still_holds_when_it_drops() {
+        let bench = Bench::new();
+        let store = bench.store();
+        let backup = bench.save(&store, &MemoryTag::Named("bucket-3".to_string()), 0);
+        let dir = backup.dir().to_path_buf();
+        drop(backup);
+        assert!(dir.join(DATA_FILE).exists());
+        drop(store);
+        assert!(!dir.exists(), "a dropped store leaves no backup behind");
+    }
+
+    #[test]
+    fn a_removal_a_kill_interrupted_does_not_stop_the_next_job_removing_its_backups() {
+        let bench = Bench::new();
+        // As a kill between moving a backup away and unlinking it leaves it.
+        let trash = bench.rank_dir().join(".removing-0-params");
+        std::fs::create_dir_all(&trash).unwrap();
+        std::fs::write(trash.join(DATA_FILE), vec![9u8; 8192]).unwrap();
+        std::fs::write(trash.join(MANIFEST_FILE), b"{}").unwrap();
+        let next = bench.store();
+        assert!(!trash.exists(), "the interrupted removal is cleaned");
+        for _ in 0..2 {
+            let backup = bench.save(&next, &MemoryTag::Params, 0);
+            bench.load_and_check(&next, &backup, 0);
+            next.remove(backup).unwrap();
+        }
     }
 }

@@ -1,10 +1,12 @@
 //! Backup stores for paused regions: a pool of reusable host buffers and a chunked, checksummed
-//! disk store.
+//! disk store in one directory per rank.
 
 mod disk;
 mod error;
 mod host_pool;
+mod rank_dir;
 
 pub use disk::{DiskBackup, DiskStore};
-pub use error::StoreError;
+pub use error::{StoreError, Unsafe};
 pub use host_pool::HostPool;
+pub use rank_dir::RankDir;

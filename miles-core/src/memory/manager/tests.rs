@@ -99,10 +99,15 @@ fn round_trips_are_bit_exact_at_the_same_addresses_for_every_policy() {
         }
     }
     drop(memory);
-    let left = std::fs::read_dir(dir.path().join("rank-0"))
+    let left: Vec<_> = std::fs::read_dir(dir.path().join("offload/rank-0"))
         .unwrap()
-        .count();
-    assert_eq!(left, 0, "files left after verified resumes");
+        .map(|entry| entry.unwrap().file_name())
+        .filter(|name| name != "lock")
+        .collect();
+    assert!(
+        left.is_empty(),
+        "files left after verified resumes: {left:?}"
+    );
 }
 
 #[test]
@@ -487,7 +492,7 @@ fn an_injected_write_fault_keeps_the_tag_active_and_removes_partial_files() {
     );
     assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
     assert_eq!(first_difference(&contents(&buffer), &data), None);
-    let tag_dir = dir.path().join("rank-0").join("optimizer");
+    let tag_dir = dir.path().join("offload/rank-0").join("optimizer");
     assert_eq!(
         std::fs::read_dir(tag_dir).unwrap().count(),
         0,
@@ -499,7 +504,7 @@ fn an_injected_write_fault_keeps_the_tag_active_and_removes_partial_files() {
 fn a_full_disk_keeps_the_tag_active_and_intact() {
     let dir = tempfile::tempdir().unwrap();
     let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .args(["-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs"])
         .arg(dir.path())
         .status()
         .is_ok_and(|status| status.success());
@@ -525,7 +530,7 @@ fn a_full_disk_keeps_the_tag_active_and_intact() {
         );
         assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
         assert_eq!(first_difference(&contents(&buffer), &data), None);
-        let tag_dir = dir.path().join("rank-0").join("params");
+        let tag_dir = dir.path().join("offload/rank-0").join("params");
         assert_eq!(
             std::fs::read_dir(tag_dir).unwrap().count(),
             0,
@@ -552,7 +557,11 @@ fn a_flipped_byte_fails_resume_naming_file_and_chunk_and_keeps_the_files() {
     let data = random_bytes(19, 3 * MIB);
     buffer.write(0, &data).unwrap();
     memory.pause(&tag).unwrap();
-    let file = dir.path().join("rank-0").join("weights").join("data.bin");
+    let file = dir
+        .path()
+        .join("offload/rank-0")
+        .join("weights")
+        .join("data.bin");
     let mut bytes = std::fs::read(&file).unwrap();
     let at = MIB + 12345;
     bytes[at] ^= 0x10;
@@ -569,6 +578,39 @@ fn a_flipped_byte_fails_resume_naming_file_and_chunk_and_keeps_the_files() {
     memory.resume(&tag).unwrap();
     assert_eq!(first_difference(&contents(&buffer), &data), None);
     assert!(!file.exists(), "files must go after a verified resume");
+}
+
+#[test]
+fn a_failed_disk_resume_keeps_its_files_after_the_manager_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, memory) = manager(64 * MIB, Some(dir.path()));
+    let tag = MemoryTag::Params;
+    memory
+        .create_region(tag.clone(), BackupPolicy::Disk, 4 * MIB)
+        .unwrap();
+    let mut buffer = memory.alloc(&tag, 2 * MIB).unwrap();
+    buffer.write(0, &random_bytes(29, 2 * MIB)).unwrap();
+    memory.pause(&tag).unwrap();
+    let tag_dir = dir.path().join("offload/rank-0/params");
+    let file = tag_dir.join("data.bin");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[7] ^= 0x01;
+    std::fs::write(&file, &bytes).unwrap();
+    let error = memory.resume(&tag).unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("files are kept"), "{message}");
+    drop(buffer);
+    drop(memory);
+    assert!(
+        file.exists(),
+        "the files of a failed resume are kept at exit"
+    );
+    assert!(tag_dir.join("manifest.json").exists());
+    drop(manager(64 * MIB, Some(dir.path())));
+    assert!(
+        !tag_dir.exists(),
+        "the next manager on the directory removes them"
+    );
 }
 
 #[test]

@@ -23,7 +23,8 @@ use std::sync::mpsc;
 
 use crate::device::{AddressRange, Device, HostBuffer, HostView, ViewAccess};
 
-use super::{DIRECT_ALIGN, chunk_span, io_error, pieces};
+use super::{DIRECT_ALIGN, chunk_span, pieces};
+use crate::store::rank_dir::io_error;
 use crate::store::{HostPool, StoreError};
 
 /// Threads reading at once. With two, a reader that stalls (faulting in pages the prefault has
@@ -491,7 +492,9 @@ mod tests {
                 device.write(&bytes, run).unwrap();
                 expected.push(bytes);
             }
-            let backup = store.save(device.as_ref(), "weights", &runs).unwrap();
+            let backup = store
+                .save(device.as_ref(), &crate::memory::MemoryTag::Weights, &runs)
+                .unwrap();
             Saved {
                 device,
                 pool,
