@@ -8,6 +8,9 @@ use std::path::PathBuf;
 use clap::{Arg, ArgAction, ArgMatches, Command};
 use miles_core::TrainBackendKind;
 use miles_core::config::{ConfigError, FIELDS, Field, FieldKind, RawSettings, Settings};
+use miles_core::device::{self, DeviceKind};
+use miles_core::model::{CONFIG_FILE, LlamaConfig};
+use miles_core::orchestrator::{LoopState, STATE_FILE, resolve_checkpoint};
 
 /// `--config FILE` and every setting's flag. A flag left out leaves the value to the
 /// `--config` file, then to the default.

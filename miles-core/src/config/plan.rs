@@ -133,16 +133,12 @@ impl RolloutOffload {
     }
 }
 
-/// The one per-rank disk layout of every backend: `<dir>/<use>/rank-<rank>/<tag>/`, the rank
-/// directory made by the store.
-fn rank_disk(
-    dir: &std::path::Path,
-    purpose: &str,
-    rank: usize,
-    chunk_bytes: usize,
-) -> DiskSettings {
+/// Rank `rank`'s disk store under the job's directory `dir`: the store keeps every backend's
+/// files in the one per-rank layout, `<dir>/offload/rank-<rank>/<tag>/`
+/// ([`RankDir`](crate::store::RankDir)).
+fn rank_disk(dir: &std::path::Path, rank: usize, chunk_bytes: usize) -> DiskSettings {
     DiskSettings {
-        dir: dir.join(purpose),
+        dir: dir.to_path_buf(),
         rank,
         chunk_bytes,
     }
