@@ -516,6 +516,7 @@ fn nproc_per_node_under_a_launcher_exits_2_naming_the_flag() {
         .env("LOCAL_RANK", "1")
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", "1")
+        .env("MILES_JOB_SECRET", "a-secret-of-this-test-job")
         .output()
         .unwrap();
     let err = stderr(&output);
