@@ -388,3 +388,72 @@ fn hostile_peers_at_the_rendezvous_do_not_stop_a_two_rank_cpu_job() {
     );
     drop((silent, huge, impostor));
 }
+
+/// The processes whose parent is `parent`, read from /proc.
+fn children_of(parent: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let after = &stat[stat.rfind(')')? + 1..];
+                    after.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
+}
+
+#[test]
+fn the_launcher_passes_sigint_on_to_its_ranks_and_exits_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut launcher = miles()
+        .args([
+            "bench",
+            "offload",
+            "--device",
+            "cpu",
+            "--size",
+            "16MiB",
+            "--target",
+            "host",
+            "--cycles",
+            "100000",
+            "--nproc-per-node",
+            "2",
+        ])
+        .env("TMPDIR", dir.path())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let ranks = loop {
+        let ranks = children_of(launcher.id());
+        let listening = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .any(|job| job.path().join("port").exists());
+        if ranks.len() == 2 && listening {
+            break ranks;
+        }
+        assert!(launcher.try_wait().unwrap().is_none(), "the launcher ended");
+        assert!(started.elapsed() < Duration::from_secs(60), "no ranks");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    signal(&launcher, Signal::INT);
+    let status = wait_for(&mut launcher, Duration::from_secs(30));
+    assert_eq!(status.code(), Some(130));
+    for rank in ranks {
+        assert!(
+            !Path::new(&format!("/proc/{rank}")).exists(),
+            "rank {rank} outlived the launcher"
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the job directory is left"
+    );
+}

@@ -97,15 +97,20 @@ pub struct HostGroup {
 }
 
 impl HostGroup {
-    /// Joins `env`'s job: rank 0 listens and returns once every other rank has connected;
-    /// the others connect, retrying until rank 0 listens. Bounded by `timeout`. A world of one
-    /// connects nothing.
+    /// Joins `env`'s job: rank 0 listens (publishing its port in `env.port_file` when set) and
+    /// returns once every other rank has connected with the job's secret; the others connect,
+    /// retrying until rank 0 listens. Bounded by `timeout`. A world of one connects nothing.
+    ///
+    /// Rank 0 reads each handshake on its own thread within [`HANDSHAKE_TIMEOUT`]; a
+    /// connection that sends nothing, garbage or another secret is logged and dropped (one
+    /// with another secret is told so) and the others keep joining.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when rank 0 cannot listen, a peer's handshake carries another
-    /// world size, a rank outside the world or a rank that already connected (both sides
-    /// fail), or the connection breaks; [`CommError::RendezvousTimeout`] when the peers or
-    /// rank 0 do not show up in time.
+    /// [`CommError::Rendezvous`] when rank 0 cannot listen or publish its port, a handshake
+    /// with the job's secret carries another world size, a rank outside the world or a rank
+    /// that already connected (both sides fail), rank 0 refuses this rank's secret, or the
+    /// connection breaks; [`CommError::RendezvousTimeout`] when the peers, rank 0 or its port
+    /// do not show up in time.
     pub fn connect(env: &LaunchEnv, timeout: Duration) -> Result<HostGroup, CommError> {
         let deadline = Instant::now() + timeout;
         let links = match env.rank {
@@ -550,7 +555,19 @@ fn accept_ranks(
     Ok(joined.into_iter().skip(1).flatten().collect())
 }
 
-/// A rank above 0: connect to rank 0 (retrying until `deadline`) and introduce itself.
+/// What rank 0 answered a handshake.
+enum Reply {
+    /// The rank joined.
+    Accepted,
+    /// Rank 0 refused it, for this reason.
+    Refused(String),
+    /// The connection ended before an answer (rank 0 had too many handshakes to read): worth
+    /// another attempt.
+    Lost(String),
+}
+
+/// A rank above 0: connect to rank 0 and introduce itself, retrying until `deadline` while
+/// rank 0 does not listen or drops the connection unanswered.
 fn join_rank_0(
     env: &LaunchEnv,
     deadline: Instant,
@@ -562,8 +579,9 @@ fn join_rank_0(
         endpoint: env.endpoint(),
         problem,
     };
+    let hello = hello_of(env)?;
     let mut last_error = String::from("no attempt");
-    let mut stream = loop {
+    loop {
         let now = Instant::now();
         if now >= deadline {
             return Err(CommError::RendezvousTimeout {
@@ -576,21 +594,29 @@ fn join_rank_0(
         let attempt = resolve(env).and_then(|address| {
             TcpStream::connect_timeout(&address, deadline - now).map_err(|e| e.to_string())
         });
-        match attempt {
-            Ok(stream) => break stream,
+        let mut stream = match attempt {
+            Ok(stream) => stream,
             Err(error) => {
+                last_error = error;
+                std::thread::sleep(RETRY_PAUSE);
+                continue;
+            }
+        };
+        match introduce(&mut stream, &hello, deadline).map_err(rendezvous)? {
+            Reply::Accepted => return Ok(stream),
+            Reply::Refused(reason) => {
+                return Err(rendezvous(format!("rank 0 refused this rank: {reason}")));
+            }
+            Reply::Lost(error) => {
                 last_error = error;
                 std::thread::sleep(RETRY_PAUSE);
             }
         }
-    };
-    let io = |error: std::io::Error| rendezvous(format!("talking to rank 0: {error}"));
-    stream.set_nodelay(true).map_err(io)?;
-    let remaining = deadline
-        .saturating_duration_since(Instant::now())
-        .max(RETRY_PAUSE);
-    stream.set_read_timeout(Some(remaining)).map_err(io)?;
-    stream.set_write_timeout(Some(remaining)).map_err(io)?;
+    }
+}
+
+/// The handshake of `env`'s rank: magic, world size, rank, the secret's length and the secret.
+fn hello_of(env: &LaunchEnv) -> Result<Vec<u8>, CommError> {
     let secret = env.secret.as_bytes();
     let secret_len = u16::try_from(secret.len())
         .ok()
@@ -607,30 +633,58 @@ fn join_rank_0(
     hello.extend_from_slice(&to_u32(env.rank)?.to_le_bytes());
     hello.extend_from_slice(&secret_len.to_le_bytes());
     hello.extend_from_slice(secret);
-    stream.write_all(&hello).map_err(io)?;
+    Ok(hello)
+}
+
+/// Sends `hello` on `stream` and reads rank 0's answer; `Err` for a listener that is not a
+/// miles rank 0.
+fn introduce(stream: &mut TcpStream, hello: &[u8], deadline: Instant) -> Result<Reply, String> {
+    let remaining = deadline
+        .saturating_duration_since(Instant::now())
+        .max(RETRY_PAUSE);
+    let prepared = stream
+        .set_nodelay(true)
+        .and_then(|()| stream.set_read_timeout(Some(remaining)))
+        .and_then(|()| stream.set_write_timeout(Some(remaining)));
+    if let Err(error) = prepared {
+        return Ok(Reply::Lost(format!(
+            "cannot set up the connection: {error}"
+        )));
+    }
     let mut head = [0u8; 5];
-    stream.read_exact(&mut head).map_err(io)?;
+    let answered = stream
+        .write_all(hello)
+        .and_then(|()| stream.read_exact(&mut head));
+    if let Err(error) = answered {
+        return Ok(Reply::Lost(format!(
+            "rank 0 dropped the connection: {error}"
+        )));
+    }
     if head[..4] != MAGIC {
-        return Err(rendezvous(
+        return Err(
             "the listener is not a miles rank 0 of this version; check MASTER_ADDR and MASTER_PORT, and run the same miles on every rank".into(),
-        ));
+        );
     }
     match head[4] {
-        ACCEPTED => Ok(stream),
+        ACCEPTED => Ok(Reply::Accepted),
         REFUSED => {
             let mut len = [0u8; 4];
-            stream.read_exact(&mut len).map_err(io)?;
-            let len = (u32::from_le_bytes(len) as usize).min(MAX_REASON);
-            let mut reason = vec![0u8; len];
-            stream.read_exact(&mut reason).map_err(io)?;
-            Err(rendezvous(format!(
-                "rank 0 refused this rank: {}",
-                String::from_utf8_lossy(&reason)
-            )))
+            let mut reason = Vec::new();
+            let read = stream.read_exact(&mut len).and_then(|()| {
+                let len = (u32::from_le_bytes(len) as usize).min(MAX_REASON);
+                reason.resize(len, 0);
+                stream.read_exact(&mut reason)
+            });
+            match read {
+                Ok(()) => Ok(Reply::Refused(
+                    String::from_utf8_lossy(&reason).into_owned(),
+                )),
+                Err(error) => Ok(Reply::Refused(format!("(its reason was cut off: {error})"))),
+            }
         }
-        other => Err(rendezvous(format!(
+        other => Err(format!(
             "rank 0 replied with unknown status {other}; run the same miles version on every rank"
-        ))),
+        )),
     }
 }
 
@@ -884,6 +938,27 @@ mod tests {
             "{:?}",
             results[1]
         );
+    }
+
+    #[test]
+    fn a_connection_rank_0_drops_unanswered_is_tried_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake_rank_0 = std::thread::spawn(move || {
+            drop(listener.accept().unwrap());
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut head = [0u8; HELLO_HEAD];
+            stream.read_exact(&mut head).unwrap();
+            let mut secret = vec![0u8; usize::from(u16::from_le_bytes([head[12], head[13]]))];
+            stream.read_exact(&mut secret).unwrap();
+            stream
+                .write_all(&[b'M', b'L', b'I', b'3', ACCEPTED])
+                .unwrap();
+            secret
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        join_rank_0(&local(1, 2, port), deadline, Duration::from_secs(20)).unwrap();
+        assert_eq!(fake_rank_0.join().unwrap(), SECRET.as_bytes());
     }
 
     #[test]
