@@ -195,7 +195,7 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
         return crate::bench_ranks::run(args, &env, size);
     }
     if args.nproc_per_node > 1 {
-        return crate::launch::run_local(args.nproc_per_node);
+        return crate::launch::run_local(args.nproc_per_node, args.device);
     }
     let opened = device::open_with(
         args.device,

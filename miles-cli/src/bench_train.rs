@@ -15,6 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use miles_core::Batch;
+use miles_core::config::DeviceChoice;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Trainer, Transformer, init_params};
 use miles_core::ops::{AdamWConfig, MatmulProfile};
 
@@ -110,7 +111,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
             return crate::bench_train_gpu::run_ranks(&args, &env);
         }
         if args.nproc_per_node > 1 {
-            return crate::launch::run_local(args.nproc_per_node);
+            return crate::launch::run_local(args.nproc_per_node, DeviceChoice::Cuda);
         }
         if args.tensor_parallel {
             return Err(BadSettings(

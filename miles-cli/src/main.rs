@@ -21,6 +21,7 @@ mod gpu;
 mod launch;
 mod model_cmd;
 mod settings_args;
+mod signals;
 mod train;
 
 use std::io::{IsTerminal, Write};
@@ -112,6 +113,11 @@ fn init_logging() {
 
 /// Prints the error (every broken rule on its own line) and picks the exit status.
 fn report(error: &anyhow::Error) -> ExitCode {
+    if let Some(status) = signals::exit_status(error) {
+        // Printing can only fail when stderr is gone; the exit status still tells what happened.
+        let _ = writeln!(std::io::stderr(), "{error}");
+        return status;
+    }
     let bad_settings = settings_args::is_bad_settings(error);
     let mut stderr = std::io::stderr().lock();
     // Printing can only fail when stderr is gone; the exit status still tells what happened.

@@ -1,6 +1,9 @@
 //! `miles train`: the colocated RL loop (DESIGN section 8) on the backend named by
 //! `--train-backend` and the rollout engine, with a progress bar on a terminal and log lines
-//! otherwise; Ctrl-C stops it after the phase in progress.
+//! otherwise. Every output location (`--save`, `--metrics`, `--memory-timeline`) is checked
+//! before any work. Ctrl-C (SIGINT) or SIGTERM stops it after the phase in progress: the last
+//! step's metrics are written, a checkpoint is saved with `--save`, and the exit status is 130
+//! (143 for SIGTERM); a second one stops it at once.
 //!
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
@@ -8,8 +11,6 @@
 //! whose gradients NCCL averages over the ranks. Rank 0 reports, writes metrics and saves.
 
 use std::io::{IsTerminal, Write};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use clap::Args;
@@ -22,6 +23,7 @@ use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
 
 use crate::settings_args::{BadSettings, SettingsArgs};
+use crate::signals::StopSignal;
 
 /// `miles train`.
 #[derive(Args, Debug)]
@@ -39,19 +41,33 @@ pub struct TrainArgs {
 /// Runs the loop and prints where its metrics went.
 ///
 /// # Errors
-/// Bad settings (exit status 2), or what the loop hit.
+/// Bad settings or an output location that cannot be written (exit status 2);
+/// [`Interrupted`](crate::signals::Interrupted) when a signal stopped the run (after it saved
+/// and wrote its metrics); what the loop hit otherwise.
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if args.nproc_per_node == 0 {
         return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
     }
     let env = crate::launch::rank_env(args.nproc_per_node)?;
-    if env.is_none() && args.nproc_per_node > 1 {
-        return crate::launch::run_local(args.nproc_per_node);
-    }
     let settings = args.settings.load()?;
+    if env.is_none() && args.nproc_per_node > 1 {
+        return crate::launch::run_local(args.nproc_per_node, settings.device);
+    }
     if let Some(env) = &env {
         check_ranks(&settings, env)?;
     }
+    let rank = env.as_ref().map_or(0, |env| env.rank);
+    let mut loop_config = LoopConfig::from_settings(&settings);
+    loop_config.seed += rank as u64;
+    if rank > 0 {
+        loop_config.save = None;
+        loop_config.metrics = None;
+        loop_config.memory_timeline = None;
+    }
+    loop_config
+        .check_outputs()
+        .map_err(|error| BadSettings(error.to_string()))?;
+    let signal = StopSignal::install()?;
     let model = LlamaConfig::preset(&settings.preset)
         .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
     let tokenizer = ByteTokenizer::from_config(&model)?;
@@ -71,23 +87,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let (mut group, comm) = job.map_or((None, None), |(group, comm)| (Some(group), Some(comm)));
     let actor = build_actor(&settings, comm)?;
     let critic = build_critic(&settings, tokenizer.pad)?;
-    let rank = env.as_ref().map_or(0, |env| env.rank);
-    let mut loop_config = LoopConfig::from_settings(&settings);
-    loop_config.seed += rank as u64;
-    if rank > 0 {
-        loop_config.save = None;
-        loop_config.metrics = None;
-        loop_config.memory_timeline = None;
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let handler_flag = Arc::clone(&stop);
-    ctrlc::set_handler(move || {
-        handler_flag.store(true, Ordering::SeqCst);
-        tracing::warn!("ctrl-c: stopping after the phase in progress");
-    })
-    .context("cannot install the ctrl-c handler")?;
     let mut orchestrator =
-        Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(stop);
+        Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(signal.flag());
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
     }
@@ -103,7 +104,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         group.barrier()?;
     }
     if rank > 0 {
-        return Ok(());
+        return signal
+            .received()
+            .map_or(Ok(()), |stopped| Err(stopped.into()));
     }
     let mut out = std::io::stdout().lock();
     let (first, last) = (
@@ -127,7 +130,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &settings.memory_timeline {
         writeln!(out, "memory timeline: {}", path.display())?;
     }
-    Ok(())
+    signal
+        .received()
+        .map_or(Ok(()), |stopped| Err(stopped.into()))
 }
 
 /// The rollout engine of `model` on the device `settings` name, behind its controller.
@@ -266,6 +271,8 @@ mod tests {
             local_rank: 1,
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
+            secret: miles_core::comm::JobSecret::new("a-test-secret-of-the-rendezvous"),
+            port_file: None,
         }
     }
 

@@ -516,6 +516,7 @@ fn nproc_per_node_under_a_launcher_exits_2_naming_the_flag() {
         .env("LOCAL_RANK", "1")
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", "1")
+        .env("MILES_JOB_SECRET", "a-secret-of-this-test-job")
         .output()
         .unwrap();
     let err = stderr(&output);
@@ -664,8 +665,6 @@ fn settings_knowable_before_work_exit_2_within_a_second_naming_the_flag() {
         (vec!["--data-parallel-size", "1000"], "--data-parallel-size"),
         (
             vec![
-                "--device",
-                "cpu",
                 "--device-memory-gib",
                 "1",
                 "--train-memory-margin-bytes",

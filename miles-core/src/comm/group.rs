@@ -2,19 +2,27 @@
 //! communicator does not carry: handing out its id, lining the ranks up (a barrier), and
 //! gathering small reports on rank 0.
 //!
-//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`; every other rank connects, says who it is in a
-//! small framed handshake (magic, world size, rank) and stays connected: a star around rank 0.
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT` (or on a free port it publishes in the port
+//! file); every other rank connects, says who it is in a small framed handshake (magic, world
+//! size, rank, the job's secret) and stays connected: a star around rank 0. Rank 0 reads each
+//! handshake on its own thread within [`HANDSHAKE_TIMEOUT`], so a connection that says nothing,
+//! or garbage, or carries another secret, is logged and dropped while the ranks keep joining.
 //! Every message after the handshake is a frame: its kind (one byte), its length (u32, little
-//! endian) and its bytes.
+//! endian, at most what its kind carries) and its bytes.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::Path;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::{CommError, LaunchEnv};
+use super::{CommError, JobSecret, LaunchEnv, MAX_SECRET_LEN};
 
 /// Opens every handshake frame and reply: `MLI` and the protocol version.
-const MAGIC: [u8; 4] = *b"MLI2";
+const MAGIC: [u8; 4] = *b"MLI3";
+
+/// Bytes of a handshake before the secret: magic, world size, rank, secret length (u16).
+const HELLO_HEAD: usize = 14;
 
 /// Reply status: the rank is accepted.
 const ACCEPTED: u8 = 0;
@@ -23,6 +31,18 @@ const REFUSED: u8 = 1;
 
 /// The longest refusal reason read back, in bytes.
 const MAX_REASON: usize = 4096;
+
+/// How long rank 0 waits for one connection's handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Handshakes rank 0 reads at once; connections beyond them are dropped unread.
+const MAX_HANDSHAKES: usize = 64;
+
+/// The largest part of a gather, in bytes (a rank's report).
+pub const MAX_PART: usize = 1 << 20;
+
+/// The largest broadcast, in bytes (a communicator id is 128).
+pub const MAX_BROADCAST: usize = 4 << 10;
 
 /// How long a rank waits between attempts to reach rank 0.
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -51,6 +71,15 @@ impl Kind {
             Kind::Broadcast => "broadcast",
         }
     }
+
+    /// The largest frame of this kind, in bytes.
+    fn max_len(self) -> usize {
+        match self {
+            Kind::Arrived | Kind::Go => 0,
+            Kind::Part => MAX_PART,
+            Kind::Broadcast => MAX_BROADCAST,
+        }
+    }
 }
 
 /// The ranks of one job, connected to rank 0 over TCP.
@@ -68,15 +97,20 @@ pub struct HostGroup {
 }
 
 impl HostGroup {
-    /// Joins `env`'s job: rank 0 listens and returns once every other rank has connected;
-    /// the others connect, retrying until rank 0 listens. Bounded by `timeout`. A world of one
-    /// connects nothing.
+    /// Joins `env`'s job: rank 0 listens (publishing its port in `env.port_file` when set) and
+    /// returns once every other rank has connected with the job's secret; the others connect,
+    /// retrying until rank 0 listens. Bounded by `timeout`. A world of one connects nothing.
+    ///
+    /// Rank 0 reads each handshake on its own thread within [`HANDSHAKE_TIMEOUT`]; a
+    /// connection that sends nothing, garbage or another secret is logged and dropped (one
+    /// with another secret is told so) and the others keep joining.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when rank 0 cannot listen, a peer's handshake carries another
-    /// world size, a rank outside the world or a rank that already connected (both sides
-    /// fail), or the connection breaks; [`CommError::RendezvousTimeout`] when the peers or
-    /// rank 0 do not show up in time.
+    /// [`CommError::Rendezvous`] when rank 0 cannot listen or publish its port, a handshake
+    /// with the job's secret carries another world size, a rank outside the world or a rank
+    /// that already connected (both sides fail), rank 0 refuses this rank's secret, or the
+    /// connection breaks; [`CommError::RendezvousTimeout`] when the peers, rank 0 or its port
+    /// do not show up in time.
     pub fn connect(env: &LaunchEnv, timeout: Duration) -> Result<HostGroup, CommError> {
         let deadline = Instant::now() + timeout;
         let links = match env.rank {
@@ -141,7 +175,8 @@ impl HostGroup {
     /// Every rank's `part`, in rank order, on rank 0 (`None` on the others).
     ///
     /// # Errors
-    /// As [`barrier`](Self::barrier); [`CommError::BadLength`] for a part over 4 GiB.
+    /// As [`barrier`](Self::barrier); [`CommError::BadLength`] for a part over [`MAX_PART`]
+    /// bytes, sent or received.
     pub fn gather(&mut self, part: &[u8]) -> Result<Option<Vec<Vec<u8>>>, CommError> {
         if self.rank != 0 {
             self.send(0, Kind::Part, part)?;
@@ -158,7 +193,8 @@ impl HostGroup {
     /// Rank 0's `bytes` on every rank: rank 0 sends its own, the others' are replaced.
     ///
     /// # Errors
-    /// As [`gather`](Self::gather).
+    /// As [`barrier`](Self::barrier); [`CommError::BadLength`] for bytes over
+    /// [`MAX_BROADCAST`], sent or received.
     pub fn broadcast(&mut self, bytes: &mut Vec<u8>) -> Result<(), CommError> {
         if self.rank == 0 {
             for peer in 1..self.world {
@@ -178,11 +214,19 @@ impl HostGroup {
 
     fn send(&mut self, peer: usize, kind: Kind, bytes: &[u8]) -> Result<(), CommError> {
         let (rank, len) = (self.rank, bytes.len());
-        let len32 = u32::try_from(len).map_err(|_| CommError::BadLength {
+        let too_long = || CommError::BadLength {
             op: kind.name(),
             rank,
-            what: format!("{len} bytes do not fit a frame of at most 4 GiB"),
-        })?;
+            what: format!(
+                "{len} bytes do not fit a {} frame of at most {} bytes; send less",
+                kind.name(),
+                kind.max_len()
+            ),
+        };
+        if len > kind.max_len() {
+            return Err(too_long());
+        }
+        let len32 = u32::try_from(len).map_err(|_| too_long())?;
         let mut frame = Vec::with_capacity(5 + len);
         frame.push(kind as u8);
         frame.extend_from_slice(&len32.to_le_bytes());
@@ -210,6 +254,17 @@ impl HostGroup {
                 other_len: len,
             });
         }
+        if len > want.max_len() {
+            return Err(CommError::BadLength {
+                op: want.name(),
+                rank: self.rank,
+                what: format!(
+                    "rank {peer} sent a frame of {len} bytes, above the {} a {} frame carries; run the same miles on every rank",
+                    want.max_len(),
+                    want.name()
+                ),
+            });
+        }
         let mut bytes = vec![0u8; len];
         let read = self.link(peer).read_exact(&mut bytes);
         read.map_err(|error| self.failure(want, peer, &error))?;
@@ -234,12 +289,68 @@ impl HostGroup {
     }
 }
 
-/// Rank 0: accept every other rank once; their connections by rank.
-fn accept_ranks(
-    env: &LaunchEnv,
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<Vec<TcpStream>, CommError> {
+/// What a connection's handshake said.
+enum Handshake {
+    /// A rank of this job (its secret matched): world size and rank it claims.
+    Rank { world: usize, rank: usize },
+    /// A miles rank with another secret: told so, then dropped.
+    WrongSecret,
+    /// Not a miles rank (silent, garbage, too long): dropped unanswered, for this reason.
+    Rejected(String),
+}
+
+/// Reads one connection's handshake, waiting at most `limit`.
+fn read_hello(stream: &mut TcpStream, limit: Duration, secret: &JobSecret) -> Handshake {
+    let prepared = stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_nodelay(true))
+        .and_then(|()| stream.set_read_timeout(Some(limit.max(RETRY_PAUSE))))
+        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)));
+    if let Err(error) = prepared {
+        return Handshake::Rejected(format!("cannot set up the connection: {error}"));
+    }
+    let mut head = [0u8; HELLO_HEAD];
+    if let Err(error) = stream.read_exact(&mut head) {
+        return Handshake::Rejected(format!("sent no whole handshake ({error})"));
+    }
+    if head[..4] != MAGIC {
+        return Handshake::Rejected("is not a miles rank of this version".into());
+    }
+    let word = |at: usize| u32::from_le_bytes([head[at], head[at + 1], head[at + 2], head[at + 3]]);
+    let secret_len = usize::from(u16::from_le_bytes([head[12], head[13]]));
+    if secret_len > MAX_SECRET_LEN {
+        return Handshake::Rejected(format!(
+            "announced a secret of {secret_len} bytes, above {MAX_SECRET_LEN}"
+        ));
+    }
+    let mut presented = vec![0u8; secret_len];
+    if let Err(error) = stream.read_exact(&mut presented) {
+        return Handshake::Rejected(format!("sent no whole secret ({error})"));
+    }
+    if !secret.matches(&presented) {
+        return Handshake::WrongSecret;
+    }
+    Handshake::Rank {
+        world: word(4) as usize,
+        rank: word(8) as usize,
+    }
+}
+
+/// Sends a refusal with its reason; a peer that is gone is only logged.
+fn refuse(stream: &mut TcpStream, peer: SocketAddr, reason: &str) {
+    let mut reply = Vec::with_capacity(9 + reason.len());
+    reply.extend_from_slice(&MAGIC);
+    reply.push(REFUSED);
+    reply.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+    reply.extend_from_slice(reason.as_bytes());
+    if let Err(error) = stream.write_all(&reply) {
+        tracing::warn!(%peer, %error, "could not tell a refused rank why");
+    }
+}
+
+/// Rank 0's listener: on `MASTER_ADDR:MASTER_PORT`, or on a free port of `MASTER_ADDR` that it
+/// publishes in the port file; and `env` with the port it bound.
+fn listen(env: &LaunchEnv) -> Result<(TcpListener, LaunchEnv), CommError> {
     let rendezvous = |problem: String| CommError::Rendezvous {
         rank: 0,
         endpoint: env.endpoint(),
@@ -251,51 +362,162 @@ fn accept_ranks(
             "cannot listen ({error}); pick a free MASTER_PORT (under torchrun the agent's store may hold it)"
         ))
     })?;
+    let port = listener
+        .local_addr()
+        .map_err(|error| rendezvous(format!("cannot read the port bound: {error}")))?
+        .port();
+    if let Some(file) = &env.port_file {
+        publish_port(file, port).map_err(|error| {
+            rendezvous(format!(
+                "cannot publish port {port} in {}: {error}; check that its directory is writable",
+                file.display()
+            ))
+        })?;
+    }
     listener
         .set_nonblocking(true)
         .map_err(|error| rendezvous(format!("cannot poll the listener: {error}")))?;
+    let bound = LaunchEnv {
+        master_port: port,
+        ..env.clone()
+    };
+    Ok((listener, bound))
+}
+
+/// Writes `port` into `file` whole (write beside it, then rename), so readers never see a part.
+fn publish_port(file: &Path, port: u16) -> std::io::Result<()> {
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, format!("{port}\n"))?;
+    std::fs::rename(&tmp, file)
+}
+
+/// A rank above 0: `env` with the port rank 0 published in the port file (waiting until
+/// `deadline`), or `env` itself without one.
+fn published(
+    env: &LaunchEnv,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<LaunchEnv, CommError> {
+    let Some(file) = &env.port_file else {
+        return Ok(env.clone());
+    };
+    loop {
+        let port = std::fs::read_to_string(file)
+            .ok()
+            .and_then(|text| text.trim().parse::<u16>().ok())
+            .filter(|&port| port > 0);
+        if let Some(port) = port {
+            return Ok(LaunchEnv {
+                master_port: port,
+                ..env.clone()
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(CommError::RendezvousTimeout {
+                rank: env.rank,
+                endpoint: env.endpoint(),
+                seconds: timeout.as_secs_f64(),
+                waiting_for: format!("rank 0 to publish its port in {}", file.display()),
+            });
+        }
+        std::thread::sleep(RETRY_PAUSE);
+    }
+}
+
+/// A connection whose handshake was read, with what it said.
+type Heard = (TcpStream, SocketAddr, Handshake);
+
+/// Accepts every connection waiting on `listener` and reads each handshake on its own thread
+/// (at most [`MAX_HANDSHAKES`] at once), sending what it said to `heard`.
+fn accept_waiting(
+    listener: &TcpListener,
+    heard: &mpsc::Sender<Heard>,
+    reading: &mut usize,
+    deadline: Instant,
+    secret: &JobSecret,
+) {
+    loop {
+        let (mut stream, peer) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(error) => {
+                tracing::warn!(%error, "rank 0 could not accept a connection");
+                return;
+            }
+        };
+        if *reading >= MAX_HANDSHAKES {
+            tracing::warn!(%peer, "dropped a connection: {MAX_HANDSHAKES} handshakes are being read already");
+            continue;
+        }
+        let limit = HANDSHAKE_TIMEOUT.min(deadline.saturating_duration_since(Instant::now()));
+        let (heard, secret) = (heard.clone(), secret.clone());
+        let spawned = std::thread::Builder::new()
+            .name("miles-handshake".into())
+            .spawn(move || {
+                let said = read_hello(&mut stream, limit, &secret);
+                // The receiver is gone once every rank joined: the connection is then dropped.
+                let _ = heard.send((stream, peer, said));
+            });
+        match spawned {
+            Ok(_) => *reading += 1,
+            Err(error) => {
+                tracing::warn!(%peer, %error, "dropped a connection: cannot start its handshake")
+            }
+        }
+    }
+}
+
+/// Rank 0: accept every other rank once; their connections by rank. Connections that are not
+/// ranks of this job are logged and dropped.
+fn accept_ranks(
+    env: &LaunchEnv,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<TcpStream>, CommError> {
+    let (listener, env) = listen(env)?;
+    let rendezvous = |problem: String| CommError::Rendezvous {
+        rank: 0,
+        endpoint: env.endpoint(),
+        problem,
+    };
+    let (tell, heard) = mpsc::channel::<Heard>();
+    let mut reading = 0;
     let mut joined: Vec<Option<TcpStream>> = (0..env.world_size).map(|_| None).collect();
     let mut missing = env.world_size - 1;
     while missing > 0 {
-        let (mut stream, peer) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let waiting: Vec<String> = (1..env.world_size)
-                        .filter(|&r| joined[r].is_none())
-                        .map(|r| r.to_string())
-                        .collect();
-                    return Err(CommError::RendezvousTimeout {
-                        rank: 0,
-                        endpoint: env.endpoint(),
-                        seconds: timeout.as_secs_f64(),
-                        waiting_for: format!("ranks {}", waiting.join(", ")),
-                    });
-                }
-                std::thread::sleep(RETRY_PAUSE);
+        if Instant::now() >= deadline {
+            let waiting: Vec<String> = (1..env.world_size)
+                .filter(|&r| joined[r].is_none())
+                .map(|r| r.to_string())
+                .collect();
+            return Err(CommError::RendezvousTimeout {
+                rank: 0,
+                endpoint: env.endpoint(),
+                seconds: timeout.as_secs_f64(),
+                waiting_for: format!("ranks {}", waiting.join(", ")),
+            });
+        }
+        accept_waiting(&listener, &tell, &mut reading, deadline, &env.secret);
+        let Ok((mut stream, peer, said)) = heard.recv_timeout(RETRY_PAUSE) else {
+            continue;
+        };
+        reading -= 1;
+        let (world, rank) = match said {
+            Handshake::Rank { world, rank } => (world, rank),
+            Handshake::WrongSecret => {
+                tracing::warn!(%peer, "rejected a connection with another job secret");
+                refuse(
+                    &mut stream,
+                    peer,
+                    "this rank's job secret differs from rank 0's; set the same MILES_JOB_SECRET on every rank",
+                );
                 continue;
             }
-            Err(error) => return Err(rendezvous(format!("accept failed: {error}"))),
+            Handshake::Rejected(reason) => {
+                tracing::warn!(%peer, "rejected a connection that {reason}");
+                continue;
+            }
         };
-        let io = |error: std::io::Error| rendezvous(format!("connection from {peer}: {error}"));
-        stream.set_nonblocking(false).map_err(io)?;
-        stream.set_nodelay(true).map_err(io)?;
-        let remaining = deadline
-            .saturating_duration_since(Instant::now())
-            .max(RETRY_PAUSE);
-        stream.set_read_timeout(Some(remaining)).map_err(io)?;
-        stream.set_write_timeout(Some(remaining)).map_err(io)?;
-        let mut hello = [0u8; 12];
-        if let Err(error) = stream.read_exact(&mut hello) {
-            tracing::warn!(%peer, %error, "ignored a connection that sent no handshake");
-            continue;
-        }
-        if hello[..4] != MAGIC {
-            tracing::warn!(%peer, "ignored a connection that is not a miles rank");
-            continue;
-        }
-        let world = u32::from_le_bytes([hello[4], hello[5], hello[6], hello[7]]) as usize;
-        let rank = u32::from_le_bytes([hello[8], hello[9], hello[10], hello[11]]) as usize;
         let refusal = if world != env.world_size {
             Some(format!(
                 "rank {rank} at {peer} says the world has {world} ranks, rank 0 says {}; launch every rank with the same world size",
@@ -314,16 +536,15 @@ fn accept_ranks(
             None
         };
         if let Some(reason) = refusal {
-            let mut reply = Vec::with_capacity(9 + reason.len());
-            reply.extend_from_slice(&MAGIC);
-            reply.push(REFUSED);
-            reply.extend_from_slice(&(reason.len() as u32).to_le_bytes());
-            reply.extend_from_slice(reason.as_bytes());
-            if let Err(error) = stream.write_all(&reply) {
-                tracing::warn!(%peer, %error, "could not tell a refused rank why");
-            }
+            refuse(&mut stream, peer, &reason);
             return Err(rendezvous(reason));
         }
+        let io = |error: std::io::Error| rendezvous(format!("connection from {peer}: {error}"));
+        let remaining = deadline
+            .saturating_duration_since(Instant::now())
+            .max(RETRY_PAUSE);
+        stream.set_read_timeout(Some(remaining)).map_err(io)?;
+        stream.set_write_timeout(Some(remaining)).map_err(io)?;
         let mut reply = MAGIC.to_vec();
         reply.push(ACCEPTED);
         stream.write_all(&reply).map_err(io)?;
@@ -334,19 +555,33 @@ fn accept_ranks(
     Ok(joined.into_iter().skip(1).flatten().collect())
 }
 
-/// A rank above 0: connect to rank 0 (retrying until `deadline`) and introduce itself.
+/// What rank 0 answered a handshake.
+enum Reply {
+    /// The rank joined.
+    Accepted,
+    /// Rank 0 refused it, for this reason.
+    Refused(String),
+    /// The connection ended before an answer (rank 0 had too many handshakes to read): worth
+    /// another attempt.
+    Lost(String),
+}
+
+/// A rank above 0: connect to rank 0 and introduce itself, retrying until `deadline` while
+/// rank 0 does not listen or drops the connection unanswered.
 fn join_rank_0(
     env: &LaunchEnv,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<TcpStream, CommError> {
+    let env = &published(env, deadline, timeout)?;
     let rendezvous = |problem: String| CommError::Rendezvous {
         rank: env.rank,
         endpoint: env.endpoint(),
         problem,
     };
+    let hello = hello_of(env)?;
     let mut last_error = String::from("no attempt");
-    let mut stream = loop {
+    loop {
         let now = Instant::now();
         if now >= deadline {
             return Err(CommError::RendezvousTimeout {
@@ -359,49 +594,97 @@ fn join_rank_0(
         let attempt = resolve(env).and_then(|address| {
             TcpStream::connect_timeout(&address, deadline - now).map_err(|e| e.to_string())
         });
-        match attempt {
-            Ok(stream) => break stream,
+        let mut stream = match attempt {
+            Ok(stream) => stream,
             Err(error) => {
+                last_error = error;
+                std::thread::sleep(RETRY_PAUSE);
+                continue;
+            }
+        };
+        match introduce(&mut stream, &hello, deadline).map_err(rendezvous)? {
+            Reply::Accepted => return Ok(stream),
+            Reply::Refused(reason) => {
+                return Err(rendezvous(format!("rank 0 refused this rank: {reason}")));
+            }
+            Reply::Lost(error) => {
                 last_error = error;
                 std::thread::sleep(RETRY_PAUSE);
             }
         }
-    };
-    let io = |error: std::io::Error| rendezvous(format!("talking to rank 0: {error}"));
-    stream.set_nodelay(true).map_err(io)?;
-    let remaining = deadline
-        .saturating_duration_since(Instant::now())
-        .max(RETRY_PAUSE);
-    stream.set_read_timeout(Some(remaining)).map_err(io)?;
-    stream.set_write_timeout(Some(remaining)).map_err(io)?;
-    let mut hello = Vec::with_capacity(12);
+    }
+}
+
+/// The handshake of `env`'s rank: magic, world size, rank, the secret's length and the secret.
+fn hello_of(env: &LaunchEnv) -> Result<Vec<u8>, CommError> {
+    let secret = env.secret.as_bytes();
+    let secret_len = u16::try_from(secret.len())
+        .ok()
+        .filter(|&len| usize::from(len) <= MAX_SECRET_LEN)
+        .ok_or_else(|| {
+            CommError::Setup(format!(
+                "the job secret has {} bytes, above {MAX_SECRET_LEN}; use a shorter one",
+                secret.len()
+            ))
+        })?;
+    let mut hello = Vec::with_capacity(HELLO_HEAD + secret.len());
     hello.extend_from_slice(&MAGIC);
     hello.extend_from_slice(&to_u32(env.world_size)?.to_le_bytes());
     hello.extend_from_slice(&to_u32(env.rank)?.to_le_bytes());
-    stream.write_all(&hello).map_err(io)?;
+    hello.extend_from_slice(&secret_len.to_le_bytes());
+    hello.extend_from_slice(secret);
+    Ok(hello)
+}
+
+/// Sends `hello` on `stream` and reads rank 0's answer; `Err` for a listener that is not a
+/// miles rank 0.
+fn introduce(stream: &mut TcpStream, hello: &[u8], deadline: Instant) -> Result<Reply, String> {
+    let remaining = deadline
+        .saturating_duration_since(Instant::now())
+        .max(RETRY_PAUSE);
+    let prepared = stream
+        .set_nodelay(true)
+        .and_then(|()| stream.set_read_timeout(Some(remaining)))
+        .and_then(|()| stream.set_write_timeout(Some(remaining)));
+    if let Err(error) = prepared {
+        return Ok(Reply::Lost(format!(
+            "cannot set up the connection: {error}"
+        )));
+    }
     let mut head = [0u8; 5];
-    stream.read_exact(&mut head).map_err(io)?;
+    let answered = stream
+        .write_all(hello)
+        .and_then(|()| stream.read_exact(&mut head));
+    if let Err(error) = answered {
+        return Ok(Reply::Lost(format!(
+            "rank 0 dropped the connection: {error}"
+        )));
+    }
     if head[..4] != MAGIC {
-        return Err(rendezvous(
+        return Err(
             "the listener is not a miles rank 0 of this version; check MASTER_ADDR and MASTER_PORT, and run the same miles on every rank".into(),
-        ));
+        );
     }
     match head[4] {
-        ACCEPTED => Ok(stream),
+        ACCEPTED => Ok(Reply::Accepted),
         REFUSED => {
             let mut len = [0u8; 4];
-            stream.read_exact(&mut len).map_err(io)?;
-            let len = (u32::from_le_bytes(len) as usize).min(MAX_REASON);
-            let mut reason = vec![0u8; len];
-            stream.read_exact(&mut reason).map_err(io)?;
-            Err(rendezvous(format!(
-                "rank 0 refused this rank: {}",
-                String::from_utf8_lossy(&reason)
-            )))
+            let mut reason = Vec::new();
+            let read = stream.read_exact(&mut len).and_then(|()| {
+                let len = (u32::from_le_bytes(len) as usize).min(MAX_REASON);
+                reason.resize(len, 0);
+                stream.read_exact(&mut reason)
+            });
+            match read {
+                Ok(()) => Ok(Reply::Refused(
+                    String::from_utf8_lossy(&reason).into_owned(),
+                )),
+                Err(error) => Ok(Reply::Refused(format!("(its reason was cut off: {error})"))),
+            }
         }
-        other => Err(rendezvous(format!(
+        other => Err(format!(
             "rank 0 replied with unknown status {other}; run the same miles version on every rank"
-        ))),
+        )),
     }
 }
 
@@ -427,7 +710,51 @@ fn to_u32(value: usize) -> Result<u32, CommError> {
 #[allow(clippy::panic)]
 mod tests {
     use super::*;
-    use crate::comm::testing::{free_port, local};
+    use crate::comm::testing::{SECRET, free_port, local};
+
+    /// A raw connection to rank 0 on `port`, retrying while it does not listen yet.
+    fn raw(port: u16) -> TcpStream {
+        let started = Instant::now();
+        loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(stream) => return stream,
+                Err(_) if started.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(error) => panic!("rank 0 never listened: {error}"),
+            }
+        }
+    }
+
+    /// A handshake as rank `rank` of a world of `world` presenting `secret`.
+    fn hello(world: u32, rank: u32, secret: &[u8]) -> Vec<u8> {
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&world.to_le_bytes());
+        bytes.extend_from_slice(&rank.to_le_bytes());
+        bytes.extend_from_slice(&(secret.len() as u16).to_le_bytes());
+        bytes.extend_from_slice(secret);
+        bytes
+    }
+
+    /// A job of two on a fresh port: rank 0 starts, `intruder` runs against its port, then
+    /// rank 1 joins and both pass a barrier. What the intruder returned (kept alive until the
+    /// job formed) and how long the job took to form.
+    fn pair_after<T>(intruder: impl FnOnce(u16) -> T) -> (T, Duration) {
+        let port = free_port();
+        let started = Instant::now();
+        let zero = std::thread::spawn(move || {
+            let mut group = HostGroup::connect(&local(0, 2, port), Duration::from_secs(20))?;
+            group.barrier()
+        });
+        let kept = intruder(port);
+        let one = std::thread::spawn(move || {
+            let mut group = HostGroup::connect(&local(1, 2, port), Duration::from_secs(20))?;
+            group.barrier()
+        });
+        one.join().unwrap().unwrap();
+        zero.join().unwrap().unwrap();
+        (kept, started.elapsed())
+    }
 
     /// Runs `body` on `world` threads, each with its rank's group; their results by rank.
     fn on_ranks<T: Send + 'static>(
@@ -516,6 +843,122 @@ mod tests {
             "{:?}",
             results[0]
         );
+    }
+
+    #[test]
+    fn a_silent_connection_does_not_hold_up_the_ranks() {
+        let (silent, took) = pair_after(raw);
+        assert!(
+            took < HANDSHAKE_TIMEOUT,
+            "the job took {took:?} to form beside a silent connection"
+        );
+        drop(silent);
+    }
+
+    #[test]
+    fn a_gibibyte_frame_header_is_dropped_unread_and_the_ranks_still_join() {
+        let (sent, took) = pair_after(|port| {
+            let mut stream = raw(port);
+            // An old-style handshake claiming rank 1, then a gather frame of 1 GiB.
+            let mut bytes = MAGIC.to_vec();
+            bytes.extend_from_slice(&2u32.to_le_bytes());
+            bytes.extend_from_slice(&1u32.to_le_bytes());
+            bytes.push(Kind::Part as u8);
+            bytes.extend_from_slice(&(1u32 << 30).to_le_bytes());
+            stream.write_all(&bytes).unwrap();
+            stream
+        });
+        assert!(took < HANDSHAKE_TIMEOUT, "{took:?}");
+        drop(sent);
+    }
+
+    #[test]
+    fn an_impostor_without_the_secret_is_refused_and_cannot_claim_a_rank() {
+        let (reply, _) = pair_after(|port| {
+            let mut stream = raw(port);
+            stream
+                .write_all(&hello(2, 1, b"not-the-secret-of-this-job"))
+                .unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let mut reply = Vec::new();
+            stream.read_to_end(&mut reply).unwrap();
+            reply
+        });
+        assert_eq!(&reply[..5], &[b'M', b'L', b'I', b'3', REFUSED]);
+        let reason = String::from_utf8_lossy(&reply[9..]);
+        assert!(reason.contains("MILES_JOB_SECRET"), "{reason}");
+    }
+
+    #[test]
+    fn a_handshake_announcing_an_oversized_secret_is_dropped() {
+        let (sent, took) = pair_after(|port| {
+            let mut stream = raw(port);
+            let mut bytes = hello(2, 1, b"");
+            bytes[12..14].copy_from_slice(&u16::MAX.to_le_bytes());
+            stream.write_all(&bytes).unwrap();
+            stream
+        });
+        assert!(took < HANDSHAKE_TIMEOUT, "{took:?}");
+        drop(sent);
+    }
+
+    #[test]
+    fn a_frame_above_what_its_kind_carries_is_refused_before_it_is_read() {
+        let port = free_port();
+        let zero = std::thread::spawn(move || {
+            let mut group = HostGroup::connect(&local(0, 2, port), Duration::from_secs(20))?;
+            group.set_timeout(Duration::from_secs(10))?;
+            group.gather(b"rank 0")
+        });
+        let mut rank_1 = raw(port);
+        rank_1.write_all(&hello(2, 1, SECRET.as_bytes())).unwrap();
+        let mut reply = [0u8; 5];
+        rank_1.read_exact(&mut reply).unwrap();
+        assert_eq!(reply[4], ACCEPTED);
+        let mut frame = vec![Kind::Part as u8];
+        frame.extend_from_slice(&(1u32 << 30).to_le_bytes());
+        rank_1.write_all(&frame).unwrap();
+        match zero.join().unwrap() {
+            Err(CommError::BadLength { what, .. }) => {
+                assert!(what.contains("1073741824 bytes"), "{what}");
+            }
+            other => panic!("rank 0 gave {other:?}, want a bad length"),
+        }
+        let results = on_ranks(2, |group| {
+            if group.rank() == 1 {
+                group.gather(&vec![0u8; MAX_PART + 1]).map(|_| ())
+            } else {
+                Ok(())
+            }
+        });
+        assert!(
+            matches!(&results[1], Err(CommError::BadLength { op: "gather", .. })),
+            "{:?}",
+            results[1]
+        );
+    }
+
+    #[test]
+    fn a_connection_rank_0_drops_unanswered_is_tried_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake_rank_0 = std::thread::spawn(move || {
+            drop(listener.accept().unwrap());
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut head = [0u8; HELLO_HEAD];
+            stream.read_exact(&mut head).unwrap();
+            let mut secret = vec![0u8; usize::from(u16::from_le_bytes([head[12], head[13]]))];
+            stream.read_exact(&mut secret).unwrap();
+            stream
+                .write_all(&[b'M', b'L', b'I', b'3', ACCEPTED])
+                .unwrap();
+            secret
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        join_rank_0(&local(1, 2, port), deadline, Duration::from_secs(20)).unwrap();
+        assert_eq!(fake_rank_0.join().unwrap(), SECRET.as_bytes());
     }
 
     #[test]

@@ -3,7 +3,14 @@
 //! communicator's 128-byte id from rank 0 to every other rank over the job's [`HostGroup`].
 //!
 //! One process drives one GPU; the id then opens the NCCL communicator on every rank.
+//!
+//! A job of several processes carries a secret ([`SECRET_VAR`]): every rank presents it to rank 0
+//! when it joins, so that a process that can reach rank 0's port but was not given the secret
+//! cannot claim a rank. `miles ... --nproc-per-node N` generates one per job; under torchrun,
+//! srun or mpirun the user sets the same value on every rank.
 
+use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{CommError, HostGroup};
@@ -12,6 +19,57 @@ pub use crate::device::ID_BYTES;
 
 /// The port rank 0 listens on when `MASTER_PORT` is unset (torchrun's default).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// The variable that holds the job's secret: the same value, at least [`MIN_SECRET_LEN`]
+/// characters, on every rank of a job of several processes.
+pub const SECRET_VAR: &str = "MILES_JOB_SECRET";
+
+/// The variable naming a file through which rank 0 publishes the port it bound (any free one);
+/// set by `--nproc-per-node`, which then sets no `MASTER_PORT`.
+pub const PORT_FILE_VAR: &str = "MILES_PORT_FILE";
+
+/// The shortest secret accepted, in characters.
+pub const MIN_SECRET_LEN: usize = 16;
+
+/// The longest secret accepted, in bytes (it travels in the handshake).
+pub const MAX_SECRET_LEN: usize = 256;
+
+/// A job's secret; never printed.
+#[derive(Clone, Default)]
+pub struct JobSecret(String);
+
+impl JobSecret {
+    /// A secret from its text.
+    pub fn new(text: impl Into<String>) -> JobSecret {
+        JobSecret(text.into())
+    }
+
+    /// Its bytes, as the handshake carries them.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    /// Whether `bytes` are this secret, compared in time independent of where they differ.
+    pub fn matches(&self, bytes: &[u8]) -> bool {
+        let own = self.0.as_bytes();
+        own.len() == bytes.len()
+            && own.iter().zip(bytes).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+impl PartialEq for JobSecret {
+    fn eq(&self, other: &JobSecret) -> bool {
+        self.matches(other.as_bytes())
+    }
+}
+
+impl Eq for JobSecret {}
+
+impl fmt::Debug for JobSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("JobSecret(..)")
+    }
+}
 
 /// The variables of one launcher, in the order they are tried.
 struct Launcher {
@@ -53,8 +111,13 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     /// The host rank 0 listens on.
     pub master_addr: String,
-    /// The port rank 0 listens on.
+    /// The port rank 0 listens on (0 with [`port_file`](Self::port_file): any free one).
     pub master_port: u16,
+    /// The job's secret ([`SECRET_VAR`]); empty in a world of one.
+    pub secret: JobSecret,
+    /// Where rank 0 publishes the port it bound and the other ranks read it ([`PORT_FILE_VAR`]),
+    /// instead of a fixed `MASTER_PORT`.
+    pub port_file: Option<PathBuf>,
 }
 
 impl LaunchEnv {
@@ -70,14 +133,17 @@ impl LaunchEnv {
     /// world size from torchrun's `RANK` / `WORLD_SIZE`, else Slurm's `SLURM_PROCID` /
     /// `SLURM_NTASKS`, else Open MPI's `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE`; the
     /// local rank from the same launcher's variable, else another launcher's; `MASTER_ADDR`
-    /// and `MASTER_PORT` (default [`DEFAULT_MASTER_PORT`]). `None` when no launcher variable
-    /// is set: a single process. A world of one needs no `MASTER_ADDR` (it defaults to
-    /// `127.0.0.1`).
+    /// and `MASTER_PORT` (default [`DEFAULT_MASTER_PORT`], or the port rank 0 publishes in
+    /// [`PORT_FILE_VAR`]'s file when that is set); the job's secret from [`SECRET_VAR`]. `None`
+    /// when no launcher variable is set: a single process. A world of one needs no
+    /// `MASTER_ADDR` (it defaults to `127.0.0.1`) and no secret.
     ///
     /// # Errors
     /// [`CommError::Launch`] naming the variable for a value that does not parse, a rank
     /// without a world size (or the reverse), a world size of 0, a rank or local rank not
-    /// below the world size, a port of 0, or a missing `MASTER_ADDR` in a world above one.
+    /// below the world size, a port of 0, a missing `MASTER_ADDR` in a world above one, or a
+    /// secret missing, shorter than [`MIN_SECRET_LEN`] or longer than [`MAX_SECRET_LEN`] in a
+    /// world above one.
     pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>, CommError> {
         let set = |name: &str| var(name).filter(|value| !value.trim().is_empty());
         let Some(launcher) = LAUNCHERS
@@ -156,7 +222,9 @@ impl LaunchEnv {
                 });
             }
         };
+        let port_file = set(PORT_FILE_VAR).map(PathBuf::from);
         let master_port = match set("MASTER_PORT") {
+            _ if port_file.is_some() => 0,
             Some(port) => match port.trim().parse::<u16>() {
                 Ok(port) if port > 0 => port,
                 _ => {
@@ -170,19 +238,50 @@ impl LaunchEnv {
             },
             None => DEFAULT_MASTER_PORT,
         };
+        let secret = match var(SECRET_VAR) {
+            _ if world_size == 1 => JobSecret::default(),
+            Some(text) => check_secret(text)?,
+            None => {
+                return Err(CommError::Launch {
+                    variable: SECRET_VAR,
+                    problem: format!(
+                        "is unset in a world of {world_size}; set it to the same random value on every rank (for example `export {SECRET_VAR}=$(openssl rand -hex 32)` before the launcher)"
+                    ),
+                });
+            }
+        };
         Ok(Some(LaunchEnv {
             rank,
             world_size,
             local_rank,
             master_addr,
             master_port,
+            secret,
+            port_file,
         }))
     }
 
     /// `MASTER_ADDR:MASTER_PORT`, for messages.
     pub(super) fn endpoint(&self) -> String {
-        format!("{}:{}", self.master_addr, self.master_port)
+        match (&self.port_file, self.master_port) {
+            (Some(file), 0) => format!("{}:(port in {})", self.master_addr, file.display()),
+            _ => format!("{}:{}", self.master_addr, self.master_port),
+        }
     }
+}
+
+/// The secret of [`SECRET_VAR`], if long enough and short enough.
+fn check_secret(text: String) -> Result<JobSecret, CommError> {
+    let chars = text.chars().count();
+    if chars < MIN_SECRET_LEN || text.len() > MAX_SECRET_LEN {
+        return Err(CommError::Launch {
+            variable: SECRET_VAR,
+            problem: format!(
+                "holds {chars} characters; use {MIN_SECRET_LEN} to {MAX_SECRET_LEN} random ones, the same on every rank (for example `openssl rand -hex 32`)"
+            ),
+        });
+    }
+    Ok(JobSecret::new(text))
 }
 
 /// A non-negative integer launch variable.
@@ -242,7 +341,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::comm::testing::{free_port, local};
+    use crate::comm::testing::{SECRET, free_port, local};
 
     fn read(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, CommError> {
         let map: HashMap<String, String> = vars
@@ -277,6 +376,7 @@ mod tests {
             ("LOCAL_RANK", "3"),
             ("MASTER_ADDR", "node0"),
             ("MASTER_PORT", "29611"),
+            (SECRET_VAR, SECRET),
         ])
         .unwrap()
         .unwrap();
@@ -288,8 +388,86 @@ mod tests {
                 local_rank: 3,
                 master_addr: "node0".into(),
                 master_port: 29611,
+                secret: JobSecret::new(SECRET),
+                port_file: None,
             }
         );
+    }
+
+    #[test]
+    fn a_world_above_one_needs_a_long_enough_secret() {
+        let layout = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "head"),
+        ];
+        let (variable, problem) = launch_error(&layout);
+        assert_eq!(variable, SECRET_VAR);
+        assert!(problem.contains("same random value"), "{problem}");
+        let mut short = layout.to_vec();
+        short.push((SECRET_VAR, "0123456789"));
+        let (variable, problem) = launch_error(&short);
+        assert_eq!(variable, SECRET_VAR);
+        assert!(problem.contains("10 characters"), "{problem}");
+        assert_eq!(
+            read(&[("RANK", "0"), ("WORLD_SIZE", "1")])
+                .unwrap()
+                .unwrap()
+                .secret,
+            JobSecret::default(),
+            "a world of one needs none"
+        );
+    }
+
+    #[test]
+    fn a_secret_never_shows_in_debug_output() {
+        let env = local(1, 2, 29500);
+        let shown = format!("{env:?}");
+        assert!(!shown.contains(SECRET), "{shown}");
+        assert!(env.secret.matches(SECRET.as_bytes()));
+        assert!(!env.secret.matches(b"a-test-secret-of-the-rendezvouS"));
+    }
+
+    #[test]
+    fn a_port_file_replaces_master_port_and_every_rank_meets_through_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("port");
+        let world = 3;
+        let id = seeded_id(21);
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let env = LaunchEnv {
+                    master_port: 0,
+                    port_file: Some(file.clone()),
+                    ..local(rank, world, 0)
+                };
+                std::thread::spawn(move || {
+                    exchange_id(&env, (rank == 0).then_some(id), Duration::from_secs(20))
+                })
+            })
+            .collect();
+        for handle in handles {
+            assert_eq!(handle.join().unwrap().unwrap(), id);
+        }
+        let published: u16 = std::fs::read_to_string(&file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(published > 0);
+        let env = read(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29611"),
+            (SECRET_VAR, SECRET),
+            (PORT_FILE_VAR, "/run/port"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(env.master_port, 0, "the port file wins over MASTER_PORT");
     }
 
     #[test]
@@ -299,6 +477,7 @@ mod tests {
             ("SLURM_NTASKS", "16"),
             ("SLURM_LOCALID", "1"),
             ("MASTER_ADDR", "head"),
+            (SECRET_VAR, SECRET),
         ])
         .unwrap()
         .unwrap();
@@ -309,6 +488,7 @@ mod tests {
             ("OMPI_COMM_WORLD_SIZE", "4"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
             ("MASTER_ADDR", "head"),
+            (SECRET_VAR, SECRET),
         ])
         .unwrap()
         .unwrap();
@@ -324,6 +504,7 @@ mod tests {
             ("SLURM_NTASKS", "9"),
             ("SLURM_LOCALID", "1"),
             ("MASTER_ADDR", "head"),
+            (SECRET_VAR, SECRET),
         ])
         .unwrap()
         .unwrap();
@@ -341,7 +522,11 @@ mod tests {
 
     #[test]
     fn bad_values_name_their_variable_and_the_fix() {
-        let base = [("MASTER_ADDR", "head"), ("LOCAL_RANK", "0")];
+        let base = [
+            ("MASTER_ADDR", "head"),
+            ("LOCAL_RANK", "0"),
+            (SECRET_VAR, SECRET),
+        ];
         let with = |extra: &[(&'static str, &'static str)]| {
             let mut vars = base.to_vec();
             vars.extend_from_slice(extra);

@@ -16,7 +16,10 @@ mod testing;
 
 pub use error::CommError;
 pub use group::HostGroup;
-pub use launch::{DEFAULT_MASTER_PORT, ID_BYTES, LaunchEnv, exchange_id};
+pub use launch::{
+    DEFAULT_MASTER_PORT, ID_BYTES, JobSecret, LaunchEnv, MAX_SECRET_LEN, MIN_SECRET_LEN,
+    PORT_FILE_VAR, SECRET_VAR, exchange_id,
+};
 pub use local::LocalComm;
 
 /// One rank's handle on a group of ranks.

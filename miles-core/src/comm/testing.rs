@@ -1,6 +1,9 @@
 //! Helpers of the rendezvous tests: ranks of a job on this machine.
 
-use super::LaunchEnv;
+use super::{JobSecret, LaunchEnv};
+
+/// The secret of every test job.
+pub(super) const SECRET: &str = "a-test-secret-of-the-rendezvous";
 
 /// A port that was free a moment ago.
 pub(super) fn free_port() -> u16 {
@@ -16,5 +19,7 @@ pub(super) fn local(rank: usize, world_size: usize, port: u16) -> LaunchEnv {
         local_rank: rank,
         master_addr: "127.0.0.1".into(),
         master_port: port,
+        secret: JobSecret::new(SECRET),
+        port_file: None,
     }
 }

@@ -7,7 +7,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
-use super::{ConfigError, InvalidSettings, OffloadTarget, RawSettings, Settings};
+use super::{
+    ConfigError, InvalidSettings, OffloadTarget, RawSettings, Settings, SettingsError,
+};
 
 /// Where a resolved value came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -149,6 +151,10 @@ impl Settings {
                 .collect(),
         );
         let (offload_rollout_level, mut violations) = parse_rollout_levels(&level_names);
+        // Rule 5: a list naming nothing (`""`) would move nothing.
+        if offload_rollout && offload_rollout_level.is_empty() && violations.is_empty() {
+            violations.push(SettingsError::EmptyRolloutLevel);
+        }
         settings.offload_train = offload_train;
         settings.offload_rollout = offload_rollout;
         settings.offload_rollout_level = offload_rollout_level;

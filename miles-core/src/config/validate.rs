@@ -96,10 +96,6 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
             errors.push(error);
         }
     }
-    // Rule 5: an empty list would move nothing.
-    if s.offload_rollout && s.offload_rollout_level.is_empty() {
-        errors.push(SettingsError::EmptyRolloutLevel);
-    }
     // Rule 7.
     if s.fsdp_cpu_offload && s.train_backend == TrainBackendKind::Megatron {
         errors.push(SettingsError::FsdpCpuOffloadWithMegatron);

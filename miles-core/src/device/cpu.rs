@@ -459,7 +459,12 @@ fn os_error(call: &'static str) -> DeviceError {
 /// Map `len` bytes of address space (no memory behind it until touched) at a granule-aligned
 /// address, advised for transparent huge pages.
 fn map_aligned(len: usize) -> Result<u64, DeviceError> {
-    let padded = len + GRANULE;
+    let padded = len
+        .checked_add(GRANULE)
+        .ok_or_else(|| DeviceError::HostOutOfMemory {
+            requested: len,
+            reason: "a reservation this large and its alignment overflow the address space".into(),
+        })?;
     // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
     // existing memory.
     let base = unsafe {
@@ -672,6 +677,26 @@ mod tests {
         assert!(device.commit(range.slice(4096, GRANULE).unwrap()).is_err());
         device.commit(range).unwrap();
         assert!(device.commit(range).is_err(), "double commit must fail");
+    }
+
+    #[test]
+    fn a_range_whose_end_overflows_is_refused_not_wrapped() {
+        let device = device();
+        let range = device.reserve(4 * MIB).unwrap();
+        device.commit(range).unwrap();
+        let huge = AddressRange {
+            start: range.start,
+            len: usize::MAX,
+        };
+        assert!(matches!(
+            device.host_view(huge, ViewAccess::Read),
+            Err(DeviceError::BadRange { .. })
+        ));
+        assert!(device.release(huge).is_err());
+        assert!(matches!(
+            device.reserve(usize::MAX - GRANULE + 1),
+            Err(DeviceError::HostOutOfMemory { .. })
+        ));
     }
 
     #[test]

@@ -50,9 +50,10 @@ pub struct AddressRange {
 }
 
 impl AddressRange {
-    /// The range one past the end of this one would start at.
+    /// The range one past the end of this one would start at; `u64::MAX` for a range whose
+    /// end does not fit (so that it lies inside no reservation and every check refuses it).
     pub fn end(&self) -> DeviceAddress {
-        self.start + self.len as u64
+        self.start.saturating_add(self.len as u64)
     }
 
     /// The sub-range `[offset, offset + len)` of this range.

@@ -141,6 +141,13 @@ impl HostView {
                 granularity: align,
             });
         }
+        if self.range.len > isize::MAX as usize {
+            return Err(DeviceError::OutOfRange {
+                offset: 0,
+                len: self.range.len,
+                range_len: isize::MAX as usize,
+            });
+        }
         if !self.range.len.is_multiple_of(size) {
             return Err(DeviceError::Unaligned {
                 what: "view length",

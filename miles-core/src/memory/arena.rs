@@ -36,9 +36,9 @@ impl Arena {
         self.len
     }
 
-    /// Size of the block that holds `len` bytes.
-    pub(crate) fn block_size(len: usize) -> usize {
-        len.max(1).next_multiple_of(BLOCK_ALIGN)
+    /// Size of the block that holds `len` bytes; `None` when it does not fit a `usize`.
+    pub(crate) fn block_size(len: usize) -> Option<usize> {
+        len.max(1).checked_next_multiple_of(BLOCK_ALIGN)
     }
 
     /// Take a block of `size` bytes (a multiple of [`BLOCK_ALIGN`]); returns its offset.

@@ -4,6 +4,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::thread::ThreadId;
 
 use crate::device::{AddressRange, DeviceAddress, Fence, HostView, Pod, ViewAccess};
 
@@ -41,15 +42,16 @@ pub struct BufferViewMut<'a, T: Pod> {
     _elements: PhantomData<&'a mut [T]>,
 }
 
-/// Counts a use of the region for as long as it lives; declared after the device view in the
-/// view types so the device claim ends first.
+/// Counts a use of the region by the thread that made it for as long as it lives; declared
+/// after the device view in the view types so the device claim ends first.
 struct ViewGuard<'a> {
     region: &'a Region,
+    thread: ThreadId,
 }
 
 impl Drop for ViewGuard<'_> {
     fn drop(&mut self) {
-        self.region.exit_view();
+        self.region.exit_view(self.thread);
     }
 }
 
@@ -93,9 +95,10 @@ impl Buffer {
     }
 
     fn guard(&self) -> Result<ViewGuard<'_>, MemoryError> {
-        self.region.enter_view()?;
+        let thread = self.region.enter_view()?;
         Ok(ViewGuard {
             region: &self.region,
+            thread,
         })
     }
 

@@ -40,6 +40,29 @@ pub enum MemoryError {
         /// What it is doing.
         state: RegionState,
     },
+    /// Pause of a tag by a thread that holds a view of it: the view could never drop while
+    /// the pause waits for it.
+    #[error(
+        "cannot pause {tag}: this thread holds {views} view(s) of it; drop them before pausing"
+    )]
+    ViewHeld {
+        /// The tag.
+        tag: MemoryTag,
+        /// Views the calling thread holds.
+        views: usize,
+    },
+    /// A size whose arithmetic overflows (a length near `usize::MAX`); nothing was allocated.
+    #[error(
+        "{what} of tag {tag} is {value} bytes, which overflows the size arithmetic; ask for less"
+    )]
+    SizeOverflow {
+        /// The tag.
+        tag: MemoryTag,
+        /// Which size (`buffer length`, `arena size`).
+        what: &'static str,
+        /// The size asked for.
+        value: u64,
+    },
     /// Pause of a tag that is paused.
     #[error("tag {tag} is paused already")]
     AlreadyPaused {

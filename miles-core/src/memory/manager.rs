@@ -126,7 +126,8 @@ impl MemoryManager {
     ///
     /// # Errors
     /// [`MemoryError::RegionExists`], [`MemoryError::InvalidTagName`],
-    /// [`MemoryError::NoDiskStore`] for a disk policy without a disk directory, or the device's
+    /// [`MemoryError::NoDiskStore`] for a disk policy without a disk directory,
+    /// [`MemoryError::SizeOverflow`] for a size that overflows when rounded up, or the device's
     /// error when the range cannot be reserved.
     pub fn create_region(
         &self,
@@ -153,7 +154,12 @@ impl MemoryManager {
         }
         let len = arena_bytes
             .max(1)
-            .next_multiple_of(self.device.granularity());
+            .checked_next_multiple_of(self.device.granularity())
+            .ok_or_else(|| MemoryError::SizeOverflow {
+                tag: tag.clone(),
+                what: "arena size",
+                value: arena_bytes as u64,
+            })?;
         let range = self
             .device
             .reserve(len)
@@ -175,7 +181,8 @@ impl MemoryManager {
     /// Allocate a buffer of `len` bytes in the region of `tag` (aligned to 256 bytes).
     ///
     /// # Errors
-    /// [`MemoryError::UnknownTag`], [`MemoryError::TagPaused`], [`MemoryError::ArenaFull`], or
+    /// [`MemoryError::UnknownTag`], [`MemoryError::TagPaused`], [`MemoryError::ArenaFull`],
+    /// [`MemoryError::SizeOverflow`] for a length that overflows when rounded up, or
     /// [`MemoryError::Device`] with the device's out-of-memory.
     pub fn alloc(&self, tag: &MemoryTag, len: usize) -> Result<Buffer, MemoryError> {
         let region = self.region(tag)?;
@@ -187,7 +194,9 @@ impl MemoryManager {
     /// the backup, then release the memory. Addresses stay reserved.
     ///
     /// # Errors
-    /// [`MemoryError::AlreadyPaused`], [`MemoryError::TagBusy`]; [`MemoryError::Store`] or
+    /// [`MemoryError::AlreadyPaused`], [`MemoryError::TagBusy`]; [`MemoryError::ViewHeld`] at
+    /// once when the calling thread holds a view of the tag (views of other threads are waited
+    /// for); [`MemoryError::Store`] or
     /// [`MemoryError::Device`] when the backup fails, and the tag is then active and intact.
     pub fn pause(&self, tag: &MemoryTag) -> Result<OffloadReport, MemoryError> {
         self.region(tag)?.pause()

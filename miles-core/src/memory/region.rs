@@ -3,6 +3,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::ThreadId;
 use std::time::Instant;
 
 use crate::device::{AddressRange, Device, DeviceError, Fence, HostBuffer};
@@ -53,7 +54,8 @@ pub(crate) struct Region {
 #[derive(Debug)]
 struct Core {
     state: RegionState,
-    views: usize,
+    /// Live views by the thread that made them, with their count.
+    views: Vec<(ThreadId, usize)>,
     /// Device work in flight on the region's buffers (kernels, copies), recorded by its users.
     fences: Vec<Fence>,
     arena: Arena,
@@ -93,7 +95,7 @@ impl Region {
             stores,
             core: Mutex::new(Core {
                 state: RegionState::Active,
-                views: 0,
+                views: Vec::new(),
                 fences: Vec::new(),
                 arena,
                 backup: Backup::Nothing,
@@ -166,7 +168,11 @@ impl Region {
     pub(crate) fn alloc(&self, len: usize) -> Result<(usize, usize), MemoryError> {
         let mut core = self.lock();
         self.usable(core.state)?;
-        let size = Arena::block_size(len);
+        let size = Arena::block_size(len).ok_or_else(|| MemoryError::SizeOverflow {
+            tag: self.tag.clone(),
+            what: "buffer length",
+            value: len as u64,
+        })?;
         let offset = core.arena.alloc(size).ok_or(MemoryError::ArenaFull {
             tag: self.tag.clone(),
             requested: len,
@@ -220,12 +226,16 @@ impl Region {
         }
     }
 
-    /// Count a view of the region; it must be active.
-    pub(crate) fn enter_view(&self) -> Result<(), MemoryError> {
+    /// Count a view of the region made by the calling thread; it must be active.
+    pub(crate) fn enter_view(&self) -> Result<ThreadId, MemoryError> {
         let mut core = self.lock();
         self.usable(core.state)?;
-        core.views += 1;
-        Ok(())
+        let thread = std::thread::current().id();
+        match core.views.iter_mut().find(|(t, _)| *t == thread) {
+            Some((_, count)) => *count += 1,
+            None => core.views.push((thread, 1)),
+        }
+        Ok(thread)
     }
 
     /// Record device work in flight on the region; a pause waits for it before copying.
@@ -235,11 +245,16 @@ impl Region {
         core.fences.push(fence);
     }
 
-    /// A view ended.
-    pub(crate) fn exit_view(&self) {
+    /// A view that `thread` made ended.
+    pub(crate) fn exit_view(&self, thread: ThreadId) {
         let mut core = self.lock();
-        core.views -= 1;
-        if core.views == 0 {
+        if let Some(at) = core.views.iter().position(|(t, _)| *t == thread) {
+            core.views[at].1 -= 1;
+            if core.views[at].1 == 0 {
+                core.views.swap_remove(at);
+            }
+        }
+        if core.views.is_empty() {
             self.idle.notify_all();
         }
     }
@@ -255,7 +270,8 @@ impl Region {
         }
     }
 
-    /// Wait for every view to drop, back the committed memory up per the policy, then release
+    /// Wait for every view to drop (a view the calling thread holds is an error: it could never
+    /// drop while this thread waits), back the committed memory up per the policy, then release
     /// it. A host backup releases each part of the memory as soon as its own copy is done, so
     /// that the driver's scrub of the freed memory overlaps the rest of the copy instead of the
     /// next resume; while another region of the manager resumes, whose copy in the scrub would
@@ -282,8 +298,15 @@ impl Region {
                     });
                 }
             }
+            let thread = std::thread::current().id();
+            if let Some(&(_, views)) = core.views.iter().find(|(t, _)| *t == thread) {
+                return Err(MemoryError::ViewHeld {
+                    tag: self.tag.clone(),
+                    views,
+                });
+            }
             core.state = RegionState::Pausing;
-            while core.views > 0 {
+            while !core.views.is_empty() {
                 core = self.idle.wait(core).unwrap_or_else(PoisonError::into_inner);
             }
             (

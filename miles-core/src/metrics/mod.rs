@@ -1,10 +1,15 @@
 //! What the RL loop measures: seconds and bytes moved per phase, device memory at every phase
 //! boundary, one JSON line per step, and a memory timeline drawn as SVG.
+//!
+//! A metrics file is JSON lines: each run starts with a header line, `{"header": {"run_id":
+//! ..., "version": ...}}`, then writes one line per step. A resumed run appends its own header
+//! and steps to the same file; a file that does not start with a header is not a metrics file
+//! and is refused.
 
 mod timeline;
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
@@ -79,6 +84,8 @@ pub struct StepMetrics {
     pub reward_std: f32,
     /// Mean training loss of the step's optimizer steps.
     pub loss: f32,
+    /// Whether a stop signal ended the step after training, before its last phases.
+    pub interrupted: bool,
     /// Wall seconds of each phase, indexed like [`Phase::ALL`] (0 for a phase that did not run).
     pub phase_seconds: [f64; 9],
     /// Bytes each phase moved (offloaded, onloaded or synchronised), indexed like [`Phase::ALL`].
@@ -127,7 +134,7 @@ impl StepMetrics {
     }
 
     /// The step as one JSON object with the keys `step`, `reward_mean`, `reward_std`, `loss`,
-    /// `phase_seconds`, `bytes_moved`, `switch_seconds`, `device_memory_bytes`,
+    /// `interrupted`, `phase_seconds`, `bytes_moved`, `switch_seconds`, `device_memory_bytes`,
     /// `peak_device_memory_bytes`.
     pub fn to_json(&self) -> Value {
         let by_phase = |value: &dyn Fn(Phase) -> Value| -> Map<String, Value> {
@@ -146,6 +153,7 @@ impl StepMetrics {
             "reward_mean": self.reward_mean,
             "reward_std": self.reward_std,
             "loss": self.loss,
+            "interrupted": self.interrupted,
             "phase_seconds": by_phase(&|p| json!(self.seconds(p))),
             "bytes_moved": by_phase(&|p| json!(self.bytes(p))),
             "switch_seconds": self.switch_seconds(),
@@ -166,6 +174,16 @@ pub enum MetricsError {
         /// The operating system's error.
         #[source]
         source: std::io::Error,
+    },
+    /// An existing file that this version did not write as metrics; nothing was appended.
+    #[error(
+        "{path} is not a miles metrics file ({reason}); point --metrics at a new file or at one a run wrote"
+    )]
+    NotMetrics {
+        /// The file.
+        path: PathBuf,
+        /// What it holds instead.
+        reason: String,
     },
     /// The timeline could not be drawn.
     #[error("cannot draw the memory timeline {path}: {reason}")]
@@ -190,8 +208,95 @@ fn create_parent(path: &Path) -> Result<(), MetricsError> {
     }
 }
 
-/// Appends one JSON line per step to a file, flushed after each line so that a stopped run
-/// keeps every finished step.
+/// The first line of each run in a metrics file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunHeader {
+    /// Names this run among the runs of the file (random, 16 hex digits).
+    pub run_id: String,
+    /// The version of miles that wrote it.
+    pub version: String,
+}
+
+impl RunHeader {
+    /// The header of a new run.
+    pub fn new() -> RunHeader {
+        RunHeader {
+            run_id: format!("{:016x}", rand::random::<u64>()),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+
+    /// The header as its JSON line's object.
+    pub fn to_json(&self) -> Value {
+        json!({"header": {"run_id": self.run_id, "version": self.version}})
+    }
+}
+
+impl Default for RunHeader {
+    fn default() -> RunHeader {
+        RunHeader::new()
+    }
+}
+
+/// The longest first line read to recognise a metrics file, in bytes.
+const MAX_HEADER_LINE: u64 = 64 << 10;
+
+/// Checks that `path`, if it exists, is a metrics file (empty, or starting with a header line)
+/// that can be appended to, and that its directory can be created; changes nothing else.
+///
+/// # Errors
+/// [`MetricsError::NotMetrics`] for another file or a directory, [`MetricsError::Write`] when
+/// it cannot be opened or its directory cannot be created.
+pub fn check_metrics_file(path: &Path) -> Result<(), MetricsError> {
+    let write_error = |source| MetricsError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let not_metrics = |reason: &str| MetricsError::NotMetrics {
+        path: path.to_path_buf(),
+        reason: reason.to_owned(),
+    };
+    match std::fs::metadata(path) {
+        Ok(meta) if !meta.is_file() => return Err(not_metrics("not a regular file")),
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            create_parent(path)?;
+            return probe_dir(path);
+        }
+        Err(error) => return Err(write_error(error)),
+    }
+    let file = File::options()
+        .read(true)
+        .append(true)
+        .open(path)
+        .map_err(write_error)?;
+    let mut first = String::new();
+    BufReader::new(file.take(MAX_HEADER_LINE))
+        .read_line(&mut first)
+        .map_err(|_| not_metrics("its first line is not text"))?;
+    if first.is_empty() {
+        return Ok(());
+    }
+    let header = serde_json::from_str::<Value>(&first).ok();
+    if header.as_ref().and_then(|v| v.get("header")).is_none() {
+        return Err(not_metrics("its first line is not a run header"));
+    }
+    Ok(())
+}
+
+/// Creates and removes a probe file beside `path`: its directory takes new files.
+fn probe_dir(path: &Path) -> Result<(), MetricsError> {
+    let probe = path.with_file_name(format!(".miles-write-probe-{}", std::process::id()));
+    File::create(&probe)
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|source| MetricsError::Write {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Appends one JSON line per step to a metrics file, after the run's header line, flushed
+/// after each line so that a stopped run keeps every finished step.
 #[derive(Debug)]
 pub struct MetricsWriter {
     path: PathBuf,
@@ -199,24 +304,39 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
-    /// Opens `path` for appending (a resumed run continues the same file).
+    /// Opens `path` for appending (a resumed run continues the same file) and writes `header`;
+    /// a last line cut short (a run killed mid-write) is ended first.
     ///
     /// # Errors
-    /// [`MetricsError::Write`] when the file cannot be opened.
-    pub fn append(path: &Path) -> Result<Self, MetricsError> {
-        create_parent(path)?;
-        let file = File::options()
+    /// As [`check_metrics_file`]; [`MetricsError::Write`] when the header cannot be written.
+    pub fn append(path: &Path, header: &RunHeader) -> Result<Self, MetricsError> {
+        check_metrics_file(path)?;
+        let wrap = |source| MetricsError::Write {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut file = File::options()
             .create(true)
+            .read(true)
             .append(true)
             .open(path)
-            .map_err(|source| MetricsError::Write {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        Ok(Self {
+            .map_err(wrap)?;
+        let len = file.metadata().map_err(wrap)?.len();
+        let mut last = [b'\n'];
+        if len > 0 {
+            file.seek(SeekFrom::Start(len - 1))
+                .and_then(|_| file.read_exact(&mut last))
+                .map_err(wrap)?;
+        }
+        let mut writer = Self {
             path: path.to_path_buf(),
             out: BufWriter::new(file),
-        })
+        };
+        if last[0] != b'\n' {
+            writeln!(writer.out).map_err(wrap)?;
+        }
+        writer.line(&header.to_json())?;
+        Ok(writer)
     }
 
     /// Writes `metrics` as one line.
@@ -224,11 +344,15 @@ impl MetricsWriter {
     /// # Errors
     /// [`MetricsError::Write`].
     pub fn write(&mut self, metrics: &StepMetrics) -> Result<(), MetricsError> {
+        self.line(&metrics.to_json())
+    }
+
+    fn line(&mut self, value: &Value) -> Result<(), MetricsError> {
         let wrap = |source| MetricsError::Write {
             path: self.path.clone(),
             source,
         };
-        writeln!(self.out, "{}", metrics.to_json()).map_err(wrap)?;
+        writeln!(self.out, "{value}").map_err(wrap)?;
         self.out.flush().map_err(wrap)
     }
 }
@@ -259,6 +383,7 @@ mod tests {
             [
                 "bytes_moved",
                 "device_memory_bytes",
+                "interrupted",
                 "loss",
                 "peak_device_memory_bytes",
                 "phase_seconds",
@@ -281,11 +406,12 @@ mod tests {
     }
 
     #[test]
-    fn writer_appends_one_parseable_line_per_step() {
+    fn each_run_appends_its_header_then_one_parseable_line_per_step() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("new").join("m.jsonl");
-        for step in 1..=2 {
-            let mut w = MetricsWriter::append(&path).unwrap();
+        let headers = [RunHeader::new(), RunHeader::new()];
+        for (step, header) in (1..=2).zip(&headers) {
+            let mut w = MetricsWriter::append(&path, header).unwrap();
             w.write(&StepMetrics {
                 step,
                 ..StepMetrics::default()
@@ -293,14 +419,41 @@ mod tests {
             .unwrap();
         }
         let text = std::fs::read_to_string(&path).unwrap();
-        let steps: Vec<u64> = text
+        let lines: Vec<Value> = text
             .lines()
-            .map(|l| {
-                serde_json::from_str::<Value>(l).unwrap()["step"]
-                    .as_u64()
-                    .unwrap()
-            })
+            .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        assert_eq!(steps, [1, 2]);
+        assert_eq!(lines.len(), 4, "{text}");
+        assert_ne!(headers[0].run_id, headers[1].run_id);
+        for (at, header) in [(0, &headers[0]), (2, &headers[1])] {
+            assert_eq!(lines[at]["header"]["run_id"], header.run_id.as_str());
+            assert_eq!(lines[at]["header"]["version"], env!("CARGO_PKG_VERSION"));
+        }
+        assert_eq!(lines[1]["step"], 1);
+        assert_eq!(lines[3]["step"], 2);
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_metrics_file_is_refused_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notes.txt");
+        std::fs::write(&path, "my notes\n").unwrap();
+        let error = MetricsWriter::append(&path, &RunHeader::new()).unwrap_err();
+        assert!(matches!(error, MetricsError::NotMetrics { .. }), "{error}");
+        assert!(error.to_string().contains("notes.txt"), "{error}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "my notes\n");
+        let error = check_metrics_file(dir.path()).unwrap_err();
+        assert!(matches!(error, MetricsError::NotMetrics { .. }), "{error}");
+    }
+
+    #[test]
+    fn a_line_cut_short_is_ended_before_the_next_run_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        std::fs::write(&path, "{\"header\": {}}\n{\"step\": 1, \"lo").unwrap();
+        MetricsWriter::append(&path, &RunHeader::new()).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let last: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+        assert!(last.get("header").is_some(), "{text}");
     }
 }

@@ -49,6 +49,30 @@ pub enum OrchestratorError {
         #[source]
         source: std::io::Error,
     },
+    /// Output locations that cannot be written, found before the loop does any work; one line
+    /// per location.
+    #[error("{}", problems.join("\n"))]
+    Outputs {
+        /// What is wrong with each location, naming its flag and the fix.
+        problems: Vec<String>,
+    },
+    /// A step's loss or gradient norm is not a finite number: the weights are broken, and the
+    /// loop stops before the step is saved.
+    #[error(
+        "{role} {what} of {phase} {step} is {value}; stopped before saving it (checkpoints on disk are from earlier steps): check the weights --load read and the learning rate"
+    )]
+    NonFinite {
+        /// `actor` or `critic`.
+        role: &'static str,
+        /// `loss` or `gradient norm`.
+        what: &'static str,
+        /// `step` or `warm-up step`.
+        phase: &'static str,
+        /// The step (1 for the first).
+        step: u64,
+        /// The value.
+        value: f32,
+    },
     /// The loop's state file is not one this version wrote.
     #[error("bad loop state {path}: {reason}; point --load at a directory written by --save")]
     State {

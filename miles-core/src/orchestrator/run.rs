@@ -8,7 +8,10 @@ use std::time::Instant;
 use crate::backend::{TrainBackend, WeightBucket};
 use crate::config::{AdvantageEstimator, RolloutOffload, Settings, Task};
 use crate::memory::OffloadReport;
-use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, TimelineSample};
+use crate::metrics::{
+    MemoryTimeline, MetricsWriter, Phase, RunHeader, StepMetrics, TimelineSample,
+    check_metrics_file,
+};
 use crate::model::ByteTokenizer;
 
 use super::OrchestratorError;
@@ -100,6 +103,59 @@ impl LoopConfig {
             memory_timeline: s.memory_timeline.clone(),
         }
     }
+
+    /// Checks every output location before any work: `save` can be created and written,
+    /// `metrics` is a metrics file (or new) in a writable directory, `memory_timeline` is not
+    /// a directory and its directory takes new files. Creates the directories, nothing else.
+    ///
+    /// # Errors
+    /// [`OrchestratorError::Outputs`] with one line per location at fault.
+    pub fn check_outputs(&self) -> Result<(), OrchestratorError> {
+        let mut problems = Vec::new();
+        if let Some(dir) = &self.save
+            && let Err(error) = check_writable_dir(dir)
+        {
+            problems.push(format!(
+                "--save {} is not usable: {error}; choose a directory you can write to",
+                dir.display()
+            ));
+        }
+        if let Some(path) = &self.metrics
+            && let Err(error) = check_metrics_file(path)
+        {
+            problems.push(format!("--metrics: {error}"));
+        }
+        if let Some(path) = &self.memory_timeline {
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+            let checked = if path.is_dir() {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::IsADirectory,
+                    "it is a directory",
+                ))
+            } else {
+                check_writable_dir(dir.unwrap_or(Path::new(".")))
+            };
+            if let Err(error) = checked {
+                problems.push(format!(
+                    "--memory-timeline {} is not usable: {error}; choose a file in a directory you can write to",
+                    path.display()
+                ));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(OrchestratorError::Outputs { problems })
+        }
+    }
+}
+
+/// Creates `dir` when missing and writes and removes a probe file in it.
+fn check_writable_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"miles")?;
+    std::fs::remove_file(&probe)
 }
 
 /// How a run ended.
@@ -157,6 +213,8 @@ pub struct Orchestrator {
     export_seconds: f64,
     /// The tail in progress syncs on the device ([`DEVICE_TAIL`]).
     device_sync: bool,
+    /// The step of the newest checkpoint in `config.save`, once one is there.
+    saved_step: Option<u64>,
 }
 
 impl Orchestrator {
@@ -194,6 +252,7 @@ impl Orchestrator {
             weights_offloaded: false,
             export_seconds: 0.0,
             device_sync: false,
+            saved_step: None,
         }
     }
 
@@ -227,9 +286,15 @@ impl Orchestrator {
     /// Runs the start sequence, then RL steps until `config.steps`; calls `on_step` after each
     /// step with its metrics. Writes the memory timeline at the end, also when stopped.
     ///
+    /// When the stop flag ends the run, the phase in progress finishes; a step whose training
+    /// finished still gets its metrics line (marked `interrupted`), and with `config.save` the
+    /// newest state is saved unless it is saved already.
+    ///
     /// # Errors
-    /// [`OrchestratorError`] naming the phase that failed; the metrics of finished steps are
-    /// already written.
+    /// [`OrchestratorError::Outputs`] before any work for an output location that cannot be
+    /// written; [`OrchestratorError::NonFinite`] for a loss or gradient norm that is not finite
+    /// (nothing of that step is saved); [`OrchestratorError`] naming the phase that failed
+    /// otherwise. The metrics of finished steps are already written.
     pub fn run(
         &mut self,
         on_step: &mut dyn FnMut(&StepMetrics),
@@ -239,28 +304,35 @@ impl Orchestrator {
                 "--advantage-estimator ppo needs a critic; build one or use grpo".into(),
             ));
         }
+        self.config.check_outputs()?;
         self.started = Instant::now();
-        if let Some(dir) = self.config.load.clone() {
-            self.load(&dir)?;
-        }
+        let header = RunHeader::new();
         let mut writer = self
             .config
             .metrics
             .as_deref()
-            .map(MetricsWriter::append)
+            .map(|path| MetricsWriter::append(path, &header))
             .transpose()?;
+        if let Some(dir) = self.config.load.clone() {
+            self.load(&dir)?;
+        }
         let mut interrupted = matches!(self.start()?, Next::Stop);
         while !interrupted && self.state.step < self.config.steps {
             let step = self.state.step + 1;
-            match self.step(step)? {
-                Some(metrics) => {
-                    if let Some(w) = writer.as_mut() {
-                        w.write(&metrics)?;
-                    }
-                    on_step(&metrics);
+            let (mut metrics, next) = self.step(step)?;
+            interrupted = matches!(next, Next::Stop);
+            // A step stopped before its training finished left nothing to report.
+            if self.state.step == step {
+                metrics.interrupted = interrupted;
+                if let Some(w) = writer.as_mut() {
+                    w.write(&metrics)?;
                 }
-                None => interrupted = true,
+                on_step(&metrics);
             }
+        }
+        if interrupted && self.config.save.is_some() && self.saved_step != Some(self.state.step) {
+            self.onload_train()?;
+            self.save()?;
         }
         if let Some(path) = &self.config.memory_timeline {
             self.timeline.write_svg(path)?;
@@ -322,8 +394,9 @@ impl Orchestrator {
         Ok(self.stopped())
     }
 
-    /// One RL step; `None` when the stop flag ended it after a phase.
-    fn step(&mut self, step: u64) -> Result<Option<StepMetrics>, OrchestratorError> {
+    /// One RL step and its metrics; [`Next::Stop`] when the stop flag ended it after a phase
+    /// (the metrics then hold the phases that ran).
+    fn step(&mut self, step: u64) -> Result<(StepMetrics, Next), OrchestratorError> {
         let mut metrics = StepMetrics {
             step,
             ..StepMetrics::default()
@@ -333,15 +406,15 @@ impl Orchestrator {
         let mut rollout = None;
         for phase in HEAD {
             if let Next::Stop = self.step_phase(phase, &mut metrics, &mut rollout)? {
-                return Ok(None);
+                return Ok((metrics, Next::Stop));
             }
         }
         for phase in self.tail()? {
             if let Next::Stop = self.step_phase(phase, &mut metrics, &mut rollout)? {
-                return Ok(None);
+                return Ok((metrics, Next::Stop));
             }
         }
-        Ok(Some(metrics))
+        Ok((metrics, Next::Continue))
     }
 
     /// Runs one phase of step `metrics.step`, timed, and samples the memory after it.
@@ -397,7 +470,7 @@ impl Orchestrator {
             Phase::OnloadTrain => self.onload_train()?,
             Phase::Train => {
                 if let Some(rollout) = rollout {
-                    metrics.loss = self.train(rollout)?;
+                    metrics.loss = self.train(rollout, metrics.step)?;
                     self.state.step = metrics.step;
                     self.state.reward_means.push(metrics.reward_mean);
                 }
@@ -479,7 +552,11 @@ impl Orchestrator {
 
     /// Advantages, then the actor's optimizer steps over the rollout in global batches (and the
     /// critic's value regression under PPO); returns the actor's mean loss.
-    fn train(&mut self, rollout: &Rollout) -> Result<f32, OrchestratorError> {
+    ///
+    /// # Errors
+    /// [`OrchestratorError::NonFinite`] for a loss or gradient norm of RL step `step` that is
+    /// not finite.
+    fn train(&mut self, rollout: &Rollout, step: u64) -> Result<f32, OrchestratorError> {
         let n = self.config.n_samples_per_prompt;
         let advantages = match (&mut self.critic, self.config.advantage_estimator) {
             (Some(critic), AdvantageEstimator::Ppo) => {
@@ -509,6 +586,7 @@ impl Orchestrator {
                 .actor
                 .train_step(&batch)
                 .map_err(OrchestratorError::train("actor", "train"))?;
+            check_finite("actor", "step", step, &stats)?;
             losses.push(stats.loss);
         }
         if let Some(critic) = &mut self.critic {
@@ -520,6 +598,15 @@ impl Orchestrator {
             let loss = critic
                 .train_values(&prompts, &rollout.rewards)
                 .map_err(OrchestratorError::train("critic", "train"))?;
+            if !loss.is_finite() {
+                return Err(OrchestratorError::NonFinite {
+                    role: "critic",
+                    what: "loss",
+                    phase: "step",
+                    step,
+                    value: loss,
+                });
+            }
             tracing::debug!(loss, "critic value regression");
         }
         tracing::debug!(problems = rollout.problems.len(), "trained on the rollout");
@@ -548,6 +635,7 @@ impl Orchestrator {
             .actor
             .train_step(&build_batch(&sequences, self.tokenizer.pad))
             .map_err(OrchestratorError::train("actor", "run a warm-up step"))?;
+        check_finite("actor", "warm-up step", index, &stats)?;
         self.state.warmup_steps = index;
         tracing::info!(step = index, loss = stats.loss, "supervised warm-up");
         Ok(())
@@ -562,31 +650,50 @@ impl Orchestrator {
                     .is_some_and(|every| step.is_multiple_of(every)))
     }
 
-    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest.
+    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest. The
+    /// checkpoint is written into `save/.step-<N>.partial/` and renamed into place whole, so a
+    /// run killed mid-save leaves the previous checkpoint in use and only that hidden
+    /// directory, which the next save removes.
     fn save(&mut self) -> Result<(), OrchestratorError> {
         let Some(save) = self.config.save.clone() else {
             return Ok(());
         };
-        let dir = step_dir(&save, self.state.step);
-        let create = |path: &Path| {
-            std::fs::create_dir_all(path).map_err(|source| OrchestratorError::Io {
-                action: "create",
-                path: path.to_path_buf(),
+        let io = |action: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| OrchestratorError::Io {
+                action,
+                path,
                 source,
-            })
+            }
         };
-        create(&dir.join("actor"))?;
+        let dir = step_dir(&save, self.state.step);
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        remove_partial_saves(&save)?;
+        let partial = save.join(format!(".{name}{PARTIAL}"));
+        std::fs::create_dir_all(partial.join("actor")).map_err(io("create", &partial))?;
         self.actor
-            .save(&dir.join("actor"))
+            .save(&partial.join("actor"))
             .map_err(OrchestratorError::train("actor", "save"))?;
         if let Some(critic) = &mut self.critic {
-            create(&dir.join("critic"))?;
+            std::fs::create_dir_all(partial.join("critic")).map_err(io("create", &partial))?;
             critic
-                .save(&dir.join("critic"))
+                .save(&partial.join("critic"))
                 .map_err(OrchestratorError::train("critic", "save"))?;
         }
-        self.state.write(&dir)?;
+        self.state.write(&partial)?;
+        if dir.exists() {
+            let old = save.join(format!(".{name}.old{PARTIAL}"));
+            std::fs::rename(&dir, &old).map_err(io("move aside", &dir))?;
+            std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
+            std::fs::remove_dir_all(&old).map_err(io("remove", &old))?;
+        } else {
+            std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
+        }
         mark_latest(&save, &dir)?;
+        self.saved_step = Some(self.state.step);
         tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
         Ok(())
     }
@@ -623,6 +730,10 @@ impl Orchestrator {
             task: Some(self.config.task),
             ..state
         };
+        // Resumed from a checkpoint of the save directory: that step is saved already.
+        if self.config.save.is_some() && dir.parent() == self.config.save.as_deref() {
+            self.saved_step = Some(self.state.step);
+        }
         tracing::info!(dir = %dir.display(), step = self.state.step, "resumed");
         Ok(())
     }
@@ -650,6 +761,57 @@ impl Orchestrator {
         self.timeline.record(sample);
         total
     }
+}
+
+/// How the directories of a save in progress end: `.step-<N>.partial`.
+const PARTIAL: &str = ".partial";
+
+/// Removes what saves killed before their rename left in `save`.
+fn remove_partial_saves(save: &Path) -> Result<(), OrchestratorError> {
+    let entries = match std::fs::read_dir(save) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(OrchestratorError::Io {
+                action: "list",
+                path: save.to_path_buf(),
+                source,
+            });
+        }
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".step-") && name.ends_with(PARTIAL) {
+            tracing::info!(dir = %entry.path().display(), "removing what a killed save left");
+            std::fs::remove_dir_all(entry.path()).map_err(|source| OrchestratorError::Io {
+                action: "remove",
+                path: entry.path(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// The error for a step whose loss or gradient norm is not finite.
+fn check_finite(
+    role: &'static str,
+    phase: &'static str,
+    step: u64,
+    stats: &crate::backend::StepStats,
+) -> Result<(), OrchestratorError> {
+    for (what, value) in [("loss", stats.loss), ("gradient norm", stats.grad_norm)] {
+        if !value.is_finite() {
+            return Err(OrchestratorError::NonFinite {
+                role,
+                what,
+                phase,
+                step,
+                value,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn report_bytes(reports: &[OffloadReport]) -> u64 {

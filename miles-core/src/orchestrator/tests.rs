@@ -82,6 +82,10 @@ struct FakeActor {
     exports_offloaded: bool,
     /// Shows these as its weights on the device while awake, as a GPU backend would.
     device_weights: Option<DeviceWeights>,
+    /// Raised during every optimizer step, as Ctrl-C would.
+    stop_during_train: Option<Arc<AtomicBool>>,
+    /// The optimizer step from which the loss is NaN, as broken weights give.
+    nan_from_step: Option<u64>,
 }
 
 const TRAIN_TAGS: [MemoryTag; 2] = [MemoryTag::Params, MemoryTag::Grads];
@@ -104,6 +108,8 @@ impl FakeActor {
             offloaded: false,
             exports_offloaded: false,
             device_weights: None,
+            stop_during_train: None,
+            nan_from_step: None,
         }
     }
 
@@ -147,9 +153,17 @@ impl TrainBackend for FakeActor {
             }
         }
         self.step += 1;
+        if let Some(flag) = &self.stop_during_train {
+            flag.store(true, Ordering::SeqCst);
+        }
+        let broken = self.nan_from_step.is_some_and(|from| self.step >= from);
         Ok(StepStats {
             step: self.step,
-            loss: signal + self.checksum() * 1e-3,
+            loss: if broken {
+                f32::NAN
+            } else {
+                signal + self.checksum() * 1e-3
+            },
             grad_norm: signal.abs(),
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
@@ -616,8 +630,9 @@ fn metrics_file_has_a_line_per_step_and_the_timeline_is_drawn() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 3);
-    for (line, m) in lines.iter().zip(&steps) {
+    assert_eq!(lines.len(), 4, "a header and three steps");
+    assert!(lines[0]["header"]["run_id"].is_string(), "{}", lines[0]);
+    for (line, m) in lines[1..].iter().zip(&steps) {
         assert_eq!(line["step"], m.step);
         assert_eq!(line["reward_mean"].as_f64().unwrap() as f32, m.reward_mean);
         assert!(
@@ -678,6 +693,141 @@ fn stop_flag_ends_the_loop_after_the_phase_in_progress() {
     assert_eq!((seen, summary.steps), (0, 0));
     let calls = calls(&log);
     assert_eq!(calls[START.len()..], ["engine.generate"]);
+}
+
+/// The lines of a metrics file.
+fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The step of `save`'s latest checkpoint, checking that no save in progress is left.
+fn latest_step(save: &Path) -> u64 {
+    for entry in std::fs::read_dir(save).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        assert!(name == "latest" || name.starts_with("step-"), "{name} left");
+    }
+    let dir = super::state::resolve_checkpoint(save).unwrap();
+    LoopState::read(&dir).unwrap().step
+}
+
+#[test]
+fn a_stop_after_training_writes_that_step_s_metrics_and_saves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Log::default();
+    let flag = Arc::new(AtomicBool::new(false));
+    let mut actor = FakeActor::new(&log);
+    actor.stop_during_train = Some(Arc::clone(&flag));
+    let config = LoopConfig {
+        save: Some(dir.path().join("ckpt")),
+        metrics: Some(dir.path().join("m.jsonl")),
+        ..colocated(5)
+    };
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    )
+    .with_stop_flag(flag);
+    let (summary, steps) = run(&mut o);
+    assert!(summary.interrupted);
+    assert_eq!((summary.steps, steps.len()), (1, 1));
+    let lines = metrics_lines(&dir.path().join("m.jsonl"));
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(
+        (lines[1]["step"].as_u64(), lines[1]["interrupted"].as_bool()),
+        (Some(1), Some(true))
+    );
+    assert_eq!(latest_step(&dir.path().join("ckpt")), 1);
+}
+
+#[test]
+fn a_stop_while_the_trainer_sleeps_wakes_it_to_save_the_last_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Log::default();
+    let flag = Arc::new(AtomicBool::new(false));
+    let mut engine = FakeEngine::new(&log);
+    engine.stop_during_generate = Some(Arc::clone(&flag));
+    let config = LoopConfig {
+        save: Some(dir.path().join("ckpt")),
+        ..colocated(5)
+    };
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(FakeActor::new(&log)),
+        Box::new(engine),
+        tokenizer(),
+    )
+    .with_stop_flag(flag);
+    let (summary, steps) = run(&mut o);
+    assert!(summary.interrupted && steps.is_empty());
+    assert_eq!(latest_step(&dir.path().join("ckpt")), 0);
+    let calls = calls(&log);
+    assert_eq!(
+        calls[START.len()..],
+        ["engine.generate", "actor.onload", "actor.save"]
+    );
+}
+
+#[test]
+fn a_non_finite_loss_stops_the_run_naming_the_step_and_saves_nothing_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Log::default();
+    let mut actor = FakeActor::new(&log);
+    actor.nan_from_step = Some(3);
+    let config = LoopConfig {
+        save: Some(dir.path().join("ckpt")),
+        save_interval: Some(1),
+        metrics: Some(dir.path().join("m.jsonl")),
+        ..colocated(5)
+    };
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    let error = o.run(&mut |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            OrchestratorError::NonFinite {
+                step: 3,
+                what: "loss",
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.to_string().contains("step 3 is NaN"), "{error}");
+    assert_eq!(latest_step(&dir.path().join("ckpt")), 2);
+    let lines = metrics_lines(&dir.path().join("m.jsonl"));
+    assert_eq!(lines.len(), 3, "a header and the two finite steps");
+}
+
+#[test]
+fn output_locations_that_cannot_be_written_are_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    std::fs::write(dir.path().join("notes"), "my notes\n").unwrap();
+    let log = Log::default();
+    let config = LoopConfig {
+        save: Some(file.join("ckpt")),
+        metrics: Some(dir.path().join("notes")),
+        memory_timeline: Some(dir.path().to_path_buf()),
+        ..colocated(2)
+    };
+    let error = orchestrator(config, &log).run(&mut |_| {}).unwrap_err();
+    match &error {
+        OrchestratorError::Outputs { problems } => assert_eq!(problems.len(), 3, "{error}"),
+        other => panic!("want outputs, got {other}"),
+    }
+    assert!(calls(&log).is_empty(), "work ran: {:?}", calls(&log));
 }
 
 #[test]

@@ -245,6 +245,17 @@ mod tests {
     }
 
     #[test]
+    fn a_range_whose_end_overflows_lies_in_no_reservation() {
+        let mut book = book();
+        let base = 0x1000_0000;
+        map(&mut book, base, 2 * MIB, 1);
+        let huge = range(base, usize::MAX);
+        assert!(!book.is_committed(huge));
+        assert!(book.check_uncommitted(huge).is_err());
+        assert!(book.overlapping(huge).is_empty());
+    }
+
+    #[test]
     fn a_reservation_with_mappings_cannot_be_removed() {
         let mut book = book();
         let base = 0x1000_0000;

@@ -749,3 +749,71 @@ fn a_host_backup_address_exists_only_while_a_host_backed_tag_is_paused() {
         None
     );
 }
+
+#[test]
+fn pausing_a_tag_while_this_thread_holds_a_view_is_an_error_naming_it() {
+    if !has_host_views("pausing_a_tag_while_this_thread_holds_a_view_is_an_error_naming_it") {
+        return;
+    }
+    let (_, memory) = manager(64 * MIB, None);
+    let tag = MemoryTag::Named("viewed".to_string());
+    memory
+        .create_region(tag.clone(), BackupPolicy::Host, 8 * MIB)
+        .unwrap();
+    let mut buffer = memory.alloc(&tag, 4096).unwrap();
+    buffer.write(0, &random_bytes(61, 4096)).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let view = buffer.view::<u8>().unwrap();
+            let result = memory.pause(&tag);
+            drop(view);
+            done.send(result).unwrap();
+        });
+        let result = finished
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("pause blocked on the calling thread's own view");
+        match result {
+            Err(error @ MemoryError::ViewHeld { views: 1, .. }) => {
+                assert!(error.to_string().contains("viewed"), "{error}");
+            }
+            other => panic!("want ViewHeld, got {other:?}"),
+        }
+    });
+    assert_eq!(memory.state(&tag).unwrap(), RegionState::Active);
+    memory.pause(&tag).unwrap();
+    memory.resume(&tag).unwrap();
+}
+
+#[test]
+fn sizes_that_overflow_are_errors_naming_the_value() {
+    let (_, memory) = manager(64 * MIB, None);
+    let error = memory
+        .create_region(
+            MemoryTag::Named("huge".into()),
+            BackupPolicy::None,
+            usize::MAX,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(error, MemoryError::SizeOverflow { value, .. } if value == usize::MAX as u64),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains(&usize::MAX.to_string()),
+        "{error}"
+    );
+    let tag = MemoryTag::Named("small".into());
+    memory
+        .create_region(tag.clone(), BackupPolicy::None, 4 * MIB)
+        .unwrap();
+    for len in [usize::MAX, usize::MAX - 100] {
+        let error = memory.alloc(&tag, len).unwrap_err();
+        assert!(
+            matches!(error, MemoryError::SizeOverflow { .. }),
+            "alloc of {len}: {error}"
+        );
+    }
+    let error = memory.alloc(&tag, usize::MAX / 2).unwrap_err();
+    assert!(matches!(error, MemoryError::ArenaFull { .. }), "{error}");
+}
