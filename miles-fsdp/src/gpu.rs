@@ -13,6 +13,7 @@ use miles_core::{BackendError, Settings};
 
 use crate::backend::NAME;
 use crate::checkpoint::{OptimizerState, load_optimizer, save_optimizer};
+use crate::gpu_group::DataParallelGroup;
 
 /// This crate's optimizer files, for [`GpuBackend`].
 #[derive(Debug)]
@@ -49,7 +50,8 @@ impl OptimizerFiles for FsdpFiles {
 pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
-/// with `group`, this process's rank of a data-parallel job over one GPU a process.
+/// with `group`, this process's rank of a data-parallel job over one GPU a process (a
+/// [`DataParallelGroup`]).
 ///
 /// # Errors
 /// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
@@ -66,7 +68,7 @@ pub fn gpu_trainer(
     let rank = group.as_ref().map_or(0, NcclComm::rank);
     let mut trainer = GpuBackend::from_settings(gpu, settings, rank)?;
     if let Some(comm) = group {
-        trainer.join_data_parallel(comm)?;
+        trainer.join_data_parallel(Box::new(DataParallelGroup::new(comm)))?;
     }
     Ok(trainer)
 }

@@ -5,7 +5,7 @@
 //! (data parallel size 1) run the same step; what differs is the backend's own checkpoint files,
 //! which [`OptimizerFiles`] supplies, and the flags each backend accepts, which its constructor
 //! checks before building this. Over several GPUs, one process each, a backend joins a
-//! data-parallel group ([`GpuBackend::join_data_parallel`]).
+//! data-parallel group that it implements ([`GpuBackend::join_data_parallel`]).
 
 use std::marker::PhantomData;
 use std::path::Path;
@@ -17,10 +17,11 @@ use super::{
     WeightSink, export_full_weights, load_checkpoint_of,
 };
 use crate::config::{OffloadTarget, Settings, TrainOffload};
-use crate::device::{Device, Gpu, NcclComm};
+use crate::device::{Device, Gpu};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
-    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, init_params, save_checkpoint,
+    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, TrainerGroup, init_params,
+    save_checkpoint,
 };
 use crate::ops::AdamWConfig;
 
@@ -161,18 +162,19 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         })
     }
 
-    /// Makes this backend one rank of `comm`'s data-parallel group, as PyTorch's DDP does:
-    /// every rank trains on its own batches (normalised by their own normaliser), the gradients
-    /// are averaged over the ranks, and every rank takes the same step, so the replicas stay
-    /// equal. A step's loss is the ranks' summed negative log-probs over this rank's normaliser
-    /// times the ranks: their mean loss when the ranks' batches weigh alike.
+    /// Makes this backend one rank of a data-parallel `group` (a backend's implementation of
+    /// data parallelism, such as fsdp's, which sums the gradients and the loss over the
+    /// ranks), as PyTorch's DDP does: every rank trains on its own batches (normalised by their
+    /// own normaliser), the gradients are averaged over the ranks, and every rank takes the
+    /// same step, so the replicas stay equal. A step's loss is the ranks' summed negative
+    /// log-probs over this rank's normaliser times the ranks: their mean loss when the ranks'
+    /// batches weigh alike.
     ///
     /// # Errors
-    /// [`BackendError::Model`] for a communicator on another GPU or a trainer in a group
-    /// already.
-    pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), BackendError> {
-        let ranks = comm.world_size();
-        self.trainer.join_data_parallel(comm)?;
+    /// [`BackendError::Model`] for a group on another GPU or a trainer in a group already.
+    pub fn join_data_parallel(&mut self, group: Box<dyn TrainerGroup>) -> Result<(), BackendError> {
+        let ranks = group.world_size();
+        self.trainer.join(group)?;
         self.ranks = ranks;
         Ok(())
     }
