@@ -39,10 +39,9 @@ mod shard;
 mod stream;
 mod trainer;
 
-pub use checkpoint::OPTIMIZER_DIR;
 pub use gpu::{MegatronFiles, MegatronGpu, gpu_trainer};
 pub use gpu_parallel::{TensorParallelGroup, shard_weights, tensor_parallel_gpu_trainer};
-pub use miles_core::backend::TrainBackend;
+pub use miles_core::backend::{OPTIMIZER_DIR, TrainBackend};
 pub use miles_core::config::{MomentDtype, OffloadTarget, OptimizerStream, Settings, TrainOffload};
 pub use miles_core::model::LlamaConfig;
 pub use miles_core::ops::AdamWConfig;
