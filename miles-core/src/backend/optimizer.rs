@@ -159,17 +159,27 @@ struct Expected {
     slice: usize,
 }
 
-/// Reads rank `rank`'s file: its metadata alone without `expect`; with it, also its slices,
-/// after checking that the metadata matches and that the slices are float32 of the length.
-fn read_rank(dir: &Path, rank: usize, expect: Option<&Expected>) -> Result<RankFile, BackendError> {
+/// The bytes of rank `rank`'s file, and its path.
+fn read_bytes(dir: &Path, rank: usize) -> Result<(Vec<u8>, PathBuf), BackendError> {
     let path = optimizer_file(dir, rank);
     let bytes = std::fs::read(&path).map_err(io("read", &path))?;
-    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(&path, e.to_string()))?;
+    Ok((bytes, path))
+}
+
+/// Parses a rank file's `bytes` (read from `path`): its metadata alone without `expect`; with
+/// it, also its slices, after checking that the metadata matches and that the slices are
+/// float32 of the length.
+fn parse_rank(
+    path: &Path,
+    bytes: &[u8],
+    expect: Option<&Expected>,
+) -> Result<RankFile, BackendError> {
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| bad(path, e.to_string()))?;
     let meta = header.metadata().clone().unwrap_or_default();
     let number = |key: &str| -> Result<u64, BackendError> {
         meta.get(key)
             .and_then(|v| v.parse().ok())
-            .ok_or_else(|| bad(&path, format!("metadata lacks a numeric `{key}`")))
+            .ok_or_else(|| bad(path, format!("metadata lacks a numeric `{key}`")))
     };
     let (tp, dp, step) = (
         number("tensor_model_parallel_size")?,
@@ -188,20 +198,18 @@ fn read_rank(dir: &Path, rank: usize, expect: Option<&Expected>) -> Result<RankF
     let (etp, edp, estep, slice) = (expect.tp, expect.dp, expect.step, expect.slice);
     if (tp, dp, step) != (etp as u64, edp as u64, estep) {
         return Err(bad(
-            &path,
+            path,
             format!(
                 "says tensor parallel {tp} x data parallel {dp} at step {step}, rank 0 says {etp} x {edp} at step {estep}; the rank files are of different checkpoints"
             ),
         ));
     }
-    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| bad(&path, e.to_string()))?;
+    let tensors = SafeTensors::deserialize(bytes).map_err(|e| bad(path, e.to_string()))?;
     let read = |name: &str| -> Result<Vec<f32>, BackendError> {
-        let t = tensors
-            .tensor(name)
-            .map_err(|e| bad(&path, e.to_string()))?;
+        let t = tensors.tensor(name).map_err(|e| bad(path, e.to_string()))?;
         if t.dtype() != Dtype::F32 || t.shape() != [slice] {
             return Err(bad(
-                &path,
+                path,
                 format!(
                     "`{name}` is {:?} {:?}, this model needs F32 [{slice}] per rank of {tp} x {dp}; the checkpoint is of another model",
                     t.dtype(),
@@ -239,8 +247,8 @@ pub fn read_optimizer_shards(
     if !dir.join(OPTIMIZER_DIR).is_dir() {
         return Ok(None);
     }
-    let first_path = optimizer_file(dir, 0);
-    let first = read_rank(dir, 0, None)?;
+    let (first_bytes, first_path) = read_bytes(dir, 0)?;
+    let first = parse_rank(&first_path, &first_bytes, None)?;
     let (Ok(tp), Ok(dp)) = (usize::try_from(first.tp), usize::try_from(first.dp)) else {
         return Err(bad(&first_path, "parallel sizes do not fit this machine"));
     };
@@ -258,8 +266,14 @@ pub fn read_optimizer_shards(
     };
     let mut m = vec![Vec::with_capacity(slice * dp); tp];
     let mut v = vec![Vec::with_capacity(slice * dp); tp];
+    let mut first_bytes = Some(first_bytes);
     for rank in 0..tp * dp {
-        let saved = read_rank(dir, rank, Some(&expect))?;
+        // Rank 0's file is read once: it can hold the whole model's moments.
+        let (bytes, path) = match first_bytes.take() {
+            Some(bytes) => (bytes, optimizer_file(dir, 0)),
+            None => read_bytes(dir, rank)?,
+        };
+        let saved = parse_rank(&path, &bytes, Some(&expect))?;
         m[rank % tp].extend_from_slice(&saved.m);
         v[rank % tp].extend_from_slice(&saved.v);
     }
