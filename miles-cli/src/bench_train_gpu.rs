@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{
-    ByteTokenizer, GpuTrainer, LlamaConfig, ParamLayout, TrainBatch, init_params, scatter,
-    shard_config,
+    ByteTokenizer, LlamaConfig, ModelError, ParamLayout, StepReport, TrainBatch, init_params,
+    standalone_gpu_trainer,
 };
 use miles_core::{Batch, DeviceChoice, LaunchEnv};
 use serde_json::Value;
@@ -46,21 +47,20 @@ impl Workload {
     }
 }
 
-/// The warmup then the timed steps of `args` on `batch`: every step's loss, and the timed
-/// steps' seconds.
+/// The warmup then the timed steps of `args`, each a call of `train_step` with the step's
+/// number: every step's loss, and the timed steps' seconds.
 fn train_steps(
-    trainer: &mut GpuTrainer,
-    batch: &TrainBatch<'_>,
+    mut train_step: impl FnMut(u64) -> Result<StepReport, ModelError>,
     args: &BenchTrainArgs,
 ) -> anyhow::Result<(Vec<f32>, f64)> {
     let mut losses = Vec::with_capacity(args.warmup + args.steps);
     for step in 1..=args.warmup as u64 {
-        losses.push(trainer.train_step(batch, step).context("warmup step")?.loss);
+        losses.push(train_step(step).context("warmup step")?.loss);
     }
     let start = Instant::now();
     for step in 1..=args.steps as u64 {
         let step = args.warmup as u64 + step;
-        losses.push(trainer.train_step(batch, step)?.loss);
+        losses.push(train_step(step)?.loss);
     }
     Ok((losses, start.elapsed().as_secs_f64()))
 }
@@ -81,9 +81,9 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     } = Workload::of(args)?;
     let (b, t) = (args.batch, args.seq);
     let batch = owned.view();
-    let mut trainer = crate::gpu::standalone_trainer(gpu, config.clone(), &params, b * t)?;
+    let mut trainer = standalone_gpu_trainer(gpu, config.clone(), &params, b * t)?;
     drop(params);
-    let (losses, seconds) = train_steps(&mut trainer, &batch, args)?;
+    let (losses, seconds) = train_steps(|step| trainer.train_step(&batch, step), args)?;
     let loss = losses.last().copied().unwrap_or(f32::NAN);
     let ours = (args.steps * b * t) as f64 / seconds;
     let mut out = std::io::stdout().lock();
@@ -153,31 +153,15 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     let (b, t) = (args.batch, args.seq);
     let batch = owned.view();
     let parallel = if args.tensor_parallel {
-        let local_config = shard_config(&config, env.world_size)
-            .map_err(|error| BadSettings(format!("--tensor-parallel: {error}")))?;
-        let local_layout = ParamLayout::new(&local_config);
-        let mut local = vec![0.0; local_layout.len()];
-        scatter(&layout, &local_layout, &params, &mut local, env.rank);
-        let mut trainer =
-            crate::gpu::standalone_trainer(Arc::clone(&gpu), local_config, &local, b * t)?;
-        trainer.join_tensor_parallel(comm)?;
-        train_steps(&mut trainer, &batch, args)?
+        tensor_parallel_rank(Arc::clone(&gpu), &config, &params, comm, &batch, args)?
     } else {
-        let part = batch.shard(env.rank, env.world_size)?;
-        let mut trainer = crate::gpu::standalone_trainer(
-            Arc::clone(&gpu),
-            config.clone(),
-            &params,
-            part.batch * t,
-        )?;
-        trainer.join_data_parallel(comm)?;
-        train_steps(&mut trainer, &part, args)?
+        data_parallel_rank(Arc::clone(&gpu), &config, &params, comm, &batch, env, args)?
     };
     let gathered = group.gather(&serde_json::to_vec(&parallel)?)?;
     let alone = match env.rank {
         0 => {
-            let mut trainer = crate::gpu::standalone_trainer(gpu, config, &params, b * t)?;
-            Some(train_steps(&mut trainer, &batch, args)?)
+            let mut trainer = standalone_gpu_trainer(gpu, config, &params, b * t)?;
+            Some(train_steps(|step| trainer.train_step(&batch, step), args)?)
         }
         _ => None,
     };
@@ -234,6 +218,81 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         "  largest relative loss difference against one gpu: {worst:.2e}; every rank reports the same losses: {same}"
     )?;
     Ok(())
+}
+
+/// This rank's steps of Megatron's tensor-parallel GPU trainer over the job's GPUs, its shard
+/// of the full weights `params`, on the whole `batch`.
+///
+/// # Errors
+/// A world size that does not divide the model (bad settings, naming `--tensor-parallel`); a
+/// failure of the trainer.
+#[cfg(feature = "megatron")]
+fn tensor_parallel_rank(
+    gpu: Arc<Gpu>,
+    config: &LlamaConfig,
+    params: &[f32],
+    comm: NcclComm,
+    batch: &TrainBatch<'_>,
+    args: &BenchTrainArgs,
+) -> anyhow::Result<(Vec<f32>, f64)> {
+    let tokens = batch.batch * batch.seq;
+    let mut trainer = miles_megatron::tensor_parallel_gpu_trainer(
+        gpu, config, params, comm, tokens,
+    )
+    .map_err(|error| match error {
+        error @ miles_core::BackendError::Settings { .. } => {
+            anyhow::Error::new(BadSettings(format!("--tensor-parallel: {error}")))
+        }
+        error => error.into(),
+    })?;
+    train_steps(|step| trainer.train_step(batch, step), args)
+}
+
+#[cfg(not(feature = "megatron"))]
+fn tensor_parallel_rank(
+    _: Arc<Gpu>,
+    _: &LlamaConfig,
+    _: &[f32],
+    _: NcclComm,
+    _: &TrainBatch<'_>,
+    _: &BenchTrainArgs,
+) -> anyhow::Result<(Vec<f32>, f64)> {
+    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
+}
+
+/// This rank's steps of fsdp's data-parallel GPU replica over the job's GPUs, on its share of
+/// `batch`'s sequences.
+///
+/// # Errors
+/// A batch of fewer sequences than ranks; a failure of the trainer.
+#[cfg(feature = "fsdp")]
+fn data_parallel_rank(
+    gpu: Arc<Gpu>,
+    config: &LlamaConfig,
+    params: &[f32],
+    comm: NcclComm,
+    batch: &TrainBatch<'_>,
+    env: &LaunchEnv,
+    args: &BenchTrainArgs,
+) -> anyhow::Result<(Vec<f32>, f64)> {
+    let part = batch.shard(env.rank, env.world_size)?;
+    let tokens = part.batch * part.seq;
+    let mut trainer =
+        miles_fsdp::data_parallel_gpu_trainer(gpu, config.clone(), params, comm, tokens)?;
+    train_steps(|step| trainer.train_step(&part, step), args)
+}
+
+#[cfg(not(feature = "fsdp"))]
+fn data_parallel_rank(
+    _: Arc<Gpu>,
+    _: &LlamaConfig,
+    _: &[f32],
+    _: NcclComm,
+    _: &TrainBatch<'_>,
+    _: &LaunchEnv,
+    _: &BenchTrainArgs,
+) -> anyhow::Result<(Vec<f32>, f64)> {
+    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }
 
 /// Runs the PyTorch script on the same shapes and returns its JSON figures.

@@ -7,12 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use miles_core::comm::ID_BYTES;
 use miles_core::device::{self, CudaDevice, DeviceError, Gpu, NcclComm};
-use miles_core::model::{GpuTrainer, GpuTrainerSpec, LlamaConfig};
-use miles_core::ops::AdamWConfig;
-use miles_core::{
-    BackupPolicy, Device, DeviceChoice, DeviceKind, HostGroup, LaunchEnv, ManagerSettings,
-    MemoryManager,
-};
+use miles_core::{DeviceChoice, DeviceKind, HostGroup, LaunchEnv};
 
 use crate::settings_args::BadSettings;
 
@@ -75,32 +70,4 @@ pub fn gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>> {
     );
     *shared = Some(Arc::clone(&gpu));
     Ok(Some(gpu))
-}
-
-/// A trainer of `config` on `gpu` from the full weights `params` for one-off work (scoring, a
-/// benchmark): its own memory manager, no backup, activations for `max_batch_tokens` tokens.
-///
-/// # Errors
-/// What the trainer hit allocating or uploading.
-pub fn standalone_trainer(
-    gpu: Arc<Gpu>,
-    config: LlamaConfig,
-    params: &[f32],
-    max_batch_tokens: usize,
-) -> anyhow::Result<GpuTrainer> {
-    let device: Arc<dyn Device> = gpu.device().clone();
-    let memory = Arc::new(MemoryManager::new(
-        device,
-        ManagerSettings {
-            margin_bytes: 0,
-            disk: None,
-        },
-    )?);
-    let spec = GpuTrainerSpec {
-        config,
-        adamw: AdamWConfig::default(),
-        backup: BackupPolicy::None,
-        max_batch_tokens,
-    };
-    Ok(GpuTrainer::new(gpu, memory, spec, params)?)
 }

@@ -15,10 +15,11 @@ use miles_core::{
     OffloadStats, RankOffload, StepStats,
 };
 
-use crate::checkpoint::{OptimizerState, load_optimizer, save_optimizer};
 use crate::rank::{Rank, RankSetup};
 use crate::shards::StatePart;
 use crate::units::UnitPlan;
+use miles_core::backend::SavedOptimizer;
+use miles_core::backend::optimizer::{read_optimizer, write_optimizer};
 
 pub(crate) const NAME: &str = "fsdp";
 
@@ -342,13 +343,13 @@ impl TrainBackend for FsdpBackend {
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
         self.check_onloaded("save")?;
         let params = self.gather_full(StatePart::Params)?;
-        let state = OptimizerState {
-            exp_avg: self.gather_full(StatePart::ExpAvg)?,
-            exp_avg_sq: self.gather_full(StatePart::ExpAvgSq)?,
+        let state = SavedOptimizer {
             step: self.step,
+            m: self.gather_full(StatePart::ExpAvg)?,
+            v: self.gather_full(StatePart::ExpAvgSq)?,
         };
         save_checkpoint(dir, self.model.config(), self.model.layout(), &params)?;
-        save_optimizer(dir, &state, self.ranks.len())?;
+        write_optimizer(dir, &state, self.ranks.len())?;
         tracing::info!(dir = %dir.display(), step = self.step, "fsdp checkpoint saved");
         Ok(())
     }
@@ -358,11 +359,11 @@ impl TrainBackend for FsdpBackend {
         let layout: ParamLayout = self.model.layout().clone();
         let mut params = vec![0.0; layout.len()];
         load_params(dir, &layout, &mut params)?;
-        let state = load_optimizer(dir, layout.len())?;
+        let state = read_optimizer(dir, layout.len())?;
         self.scatter_full(StatePart::Params, &params)?;
         let zeros;
         let (m, v, step) = match &state {
-            Some(s) => (&s.exp_avg, &s.exp_avg_sq, s.step),
+            Some(s) => (&s.m, &s.v, s.step),
             None => {
                 zeros = vec![0.0; layout.len()];
                 (&zeros, &zeros, 0)

@@ -1,55 +1,32 @@
 //! FSDP on GPUs: one process a GPU, each holding the whole model (nothing is sharded on the GPU
-//! yet: each rank is a data-parallel replica), computed by core's GPU trainer, saved in this
-//! crate's optimizer files (so a GPU checkpoint loads on the CPU at any data-parallel size, and
+//! yet: each rank is a data-parallel replica), computed by core's GPU trainer, saved in core's
+//! optimizer files (so a GPU checkpoint loads on the CPU at any data-parallel size, and
 //! back).
 
-use std::path::Path;
 use std::sync::Arc;
 
-use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
+use miles_core::backend::{GpuBackend, OptimizerFiles};
 use miles_core::device::{Gpu, NcclComm};
-use miles_core::model::{LlamaConfig, ParamLayout};
 use miles_core::{BackendError, Settings};
 
 use crate::backend::NAME;
-use crate::checkpoint::{OptimizerState, load_optimizer, save_optimizer};
+use crate::gpu_group::DataParallelGroup;
 
-/// This crate's optimizer files, for [`GpuBackend`].
+/// This backend's name and its reading of the shared optimizer files (tensor parallel 1), for
+/// [`GpuBackend`].
 #[derive(Debug)]
 pub struct FsdpFiles;
 
 impl OptimizerFiles for FsdpFiles {
     const NAME: &'static str = NAME;
-
-    fn write(dir: &Path, step: u64, m: &[f32], v: &[f32]) -> Result<(), BackendError> {
-        let state = OptimizerState {
-            exp_avg: m.to_vec(),
-            exp_avg_sq: v.to_vec(),
-            step,
-        };
-        save_optimizer(dir, &state, 1)
-    }
-
-    fn read(
-        dir: &Path,
-        _config: &LlamaConfig,
-        layout: &ParamLayout,
-    ) -> Result<Option<SavedOptimizer>, BackendError> {
-        Ok(
-            load_optimizer(dir, layout.len())?.map(|state| SavedOptimizer {
-                step: state.step,
-                m: state.exp_avg,
-                v: state.exp_avg_sq,
-            }),
-        )
-    }
 }
 
 /// The FSDP trainer on one GPU (one data-parallel rank of several).
 pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
-/// with `group`, this process's rank of a data-parallel job over one GPU a process.
+/// with `group`, this process's rank of a data-parallel job over one GPU a process (a
+/// [`DataParallelGroup`]).
 ///
 /// # Errors
 /// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
@@ -66,7 +43,7 @@ pub fn gpu_trainer(
     let rank = group.as_ref().map_or(0, NcclComm::rank);
     let mut trainer = GpuBackend::from_settings(gpu, settings, rank)?;
     if let Some(comm) = group {
-        trainer.join_data_parallel(comm)?;
+        trainer.join_data_parallel(Box::new(DataParallelGroup::new(comm)))?;
     }
     Ok(trainer)
 }

@@ -5,7 +5,7 @@
 //! head) is all-gathered into a transient buffer right before its forward or backward pass and
 //! its gradient reduce-scattered right after, so a rank's device holds its shards plus one
 //! gathered unit; AdamW updates each rank's shard alone. Checkpoints are Hugging Face
-//! safetensors plus the megatron backend's optimizer files ([`checkpoint`]), so either backend
+//! safetensors plus core's optimizer files ([`miles_core::backend::optimizer`]), so either backend
 //! resumes the other's.
 //!
 //! A user can depend on this crate alone: it re-exports what a training loop needs of the core.
@@ -38,14 +38,15 @@
 #![deny(unsafe_code)]
 
 mod backend;
-pub mod checkpoint;
 mod gpu;
+mod gpu_group;
 mod rank;
 mod shards;
 mod units;
 
 pub use backend::FsdpBackend;
 pub use gpu::{FsdpFiles, FsdpGpu, gpu_trainer};
+pub use gpu_group::{DataParallelGroup, data_parallel_gpu_trainer};
 pub use miles_core::backend::TrainBackend;
 pub use miles_core::config::{OffloadTarget, Settings};
 pub use miles_core::model::LlamaConfig;

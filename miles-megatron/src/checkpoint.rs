@@ -1,137 +1,16 @@
-//! The optimizer part of a Megatron checkpoint: one safetensors file per rank under
-//! `<dir>/megatron/`, holding the Adam moments of the rank's owned slice (`exp_avg`,
-//! `exp_avg_sq`) and, in its metadata, the step and the parallel layout it was written with.
-//!
-//! Rank `d * tp + t` owns slice `d` of tensor-parallel shard `t`, laid out by that shard's
-//! [`ParamLayout`] and padded with zeros to a multiple of the data-parallel size. Reading joins
-//! every rank's slice into the full moments (laid out as the full model's parameters), so a
-//! checkpoint loads at any tensor- and data-parallel size: each rank then cuts its own slice with
-//! [`own_slice`]. Adam's moments are per element, so re-slicing them changes no value.
+//! The Megatron backend's side of the shared optimizer checkpoint format
+//! ([`miles_core::backend::optimizer`]): re-joining the tensor-parallel shards of saved moments
+//! into the full moments, and cutting a rank's own slice of them, so that a checkpoint loads
+//! at any tensor- and data-parallel size.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use miles_core::BackendError;
+use miles_core::backend::SavedOptimizer;
+use miles_core::backend::optimizer::{optimizer_file, read_optimizer_shards};
 use miles_core::model::{LlamaConfig, ParamLayout};
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
 
 use crate::shard::{gather_tensor, scatter, shard_config};
-
-/// The subdirectory of a checkpoint that holds the optimizer files.
-pub const OPTIMIZER_DIR: &str = "megatron";
-
-fn file_of(dir: &Path, rank: usize) -> PathBuf {
-    dir.join(OPTIMIZER_DIR)
-        .join(format!("optimizer-rank-{rank:05}.safetensors"))
-}
-
-fn bad(path: &Path, reason: impl Into<String>) -> BackendError {
-    BackendError::Checkpoint {
-        path: path.to_path_buf(),
-        reason: reason.into(),
-    }
-}
-
-/// Writes rank `rank`'s moments and the step.
-pub(crate) fn write_optimizer(
-    dir: &Path,
-    rank: usize,
-    tp: usize,
-    dp: usize,
-    step: u64,
-    m: &[f32],
-    v: &[f32],
-) -> Result<(), BackendError> {
-    let path = file_of(dir, rank);
-    let parent = dir.join(OPTIMIZER_DIR);
-    std::fs::create_dir_all(&parent).map_err(|source| BackendError::Io {
-        action: "create",
-        path: parent,
-        source,
-    })?;
-    let bytes = |x: &[f32]| -> Vec<u8> { x.iter().flat_map(|f| f.to_le_bytes()).collect() };
-    let (mb, vb) = (bytes(m), bytes(v));
-    let st_err = |e: safetensors::SafeTensorError| bad(&path, e.to_string());
-    let tensors = vec![
-        (
-            "exp_avg",
-            TensorView::new(Dtype::F32, vec![m.len()], &mb).map_err(st_err)?,
-        ),
-        (
-            "exp_avg_sq",
-            TensorView::new(Dtype::F32, vec![v.len()], &vb).map_err(st_err)?,
-        ),
-    ];
-    let metadata = HashMap::from([
-        ("step".to_string(), step.to_string()),
-        ("tensor_model_parallel_size".to_string(), tp.to_string()),
-        ("data_parallel_size".to_string(), dp.to_string()),
-    ]);
-    safetensors::serialize_to_file(tensors, Some(metadata), &path)
-        .map_err(|e| bad(&path, e.to_string()))
-}
-
-/// The full optimizer state of a checkpoint, whatever layout wrote it.
-#[derive(Debug)]
-pub(crate) struct FullOptimizer {
-    /// Steps taken.
-    pub step: u64,
-    /// First moments, laid out as the full model's parameters.
-    pub m: Vec<f32>,
-    /// Second moments, laid out as the full model's parameters.
-    pub v: Vec<f32>,
-}
-
-/// One rank file's metadata and moments.
-struct RankFile {
-    tp: u64,
-    dp: u64,
-    step: u64,
-    m: Vec<f32>,
-    v: Vec<f32>,
-}
-
-fn read_rank(dir: &Path, rank: usize) -> Result<RankFile, BackendError> {
-    let path = file_of(dir, rank);
-    let bytes = std::fs::read(&path).map_err(|source| BackendError::Io {
-        action: "read",
-        path: path.clone(),
-        source,
-    })?;
-    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(&path, e.to_string()))?;
-    let meta = header.metadata().clone().unwrap_or_default();
-    let number = |key: &str| -> Result<u64, BackendError> {
-        meta.get(key)
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| bad(&path, format!("metadata lacks a numeric `{key}`")))
-    };
-    let (tp, dp, step) = (
-        number("tensor_model_parallel_size")?,
-        number("data_parallel_size")?,
-        number("step")?,
-    );
-    let tensors = SafeTensors::deserialize(&bytes).map_err(|e| bad(&path, e.to_string()))?;
-    let read = |name: &str| -> Result<Vec<f32>, BackendError> {
-        let t = tensors
-            .tensor(name)
-            .map_err(|e| bad(&path, e.to_string()))?;
-        if t.dtype() != Dtype::F32 {
-            return Err(bad(&path, format!("`{name}` is not float32")));
-        }
-        Ok(t.data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
-    };
-    Ok(RankFile {
-        tp,
-        dp,
-        step,
-        m: read("exp_avg")?,
-        v: read("exp_avg_sq")?,
-    })
-}
 
 /// Reads every rank file of checkpoint `dir` and joins them into the full moments of the model
 /// `config` (whose full layout is `full_layout`); `None` when the checkpoint has no optimizer
@@ -145,66 +24,31 @@ pub(crate) fn read_full_optimizer(
     dir: &Path,
     config: &LlamaConfig,
     full_layout: &ParamLayout,
-) -> Result<Option<FullOptimizer>, BackendError> {
-    if !dir.join(OPTIMIZER_DIR).is_dir() {
+) -> Result<Option<SavedOptimizer>, BackendError> {
+    let mut saved_layout = None;
+    let shards = read_optimizer_shards(dir, |tp| {
+        let layout = ParamLayout::new(&shard_config(config, tp).map_err(|_| BackendError::Checkpoint {
+            path: optimizer_file(dir, 0),
+            reason: format!("written with tensor parallel {tp}, which does not divide this model's heads and MLP width; the checkpoint is of another model"),
+        })?);
+        let len = layout.len();
+        saved_layout = Some(layout);
+        Ok(len)
+    })?;
+    let (Some(shards), Some(saved_layout)) = (shards, saved_layout) else {
         return Ok(None);
-    }
-    let first = read_rank(dir, 0)?;
-    let (tp, dp, step) = (first.tp, first.dp, first.step);
-    let first_path = file_of(dir, 0);
-    let (Ok(tp), Ok(dp)) = (usize::try_from(tp), usize::try_from(dp)) else {
-        return Err(bad(&first_path, "parallel sizes do not fit this machine"));
     };
-    if tp == 0 || dp == 0 {
-        return Err(bad(&first_path, "says a parallel size of zero"));
-    }
-    let saved_layout = ParamLayout::new(&shard_config(config, tp).map_err(|_| {
-        bad(
-            &first_path,
-            format!("written with tensor parallel {tp}, which does not divide this model's heads and MLP width; the checkpoint is of another model"),
-        )
-    })?);
-    let local_len = saved_layout.len();
-    let slice = local_len.div_ceil(dp);
-    // Shard `t` of the saved tensor-parallel group, joined over its data-parallel slices.
-    let mut shards_m = vec![Vec::with_capacity(slice * dp); tp];
-    let mut shards_v = vec![Vec::with_capacity(slice * dp); tp];
-    let mut file = Some(first);
-    for rank in 0..tp * dp {
-        let saved = match file.take() {
-            Some(saved) => saved,
-            None => read_rank(dir, rank)?,
-        };
-        let path = file_of(dir, rank);
-        if (saved.tp, saved.dp, saved.step) != (tp as u64, dp as u64, step) {
-            return Err(bad(
-                &path,
-                format!(
-                    "says tensor parallel {} x data parallel {} at step {}, rank 0 says {tp} x {dp} at step {step}; the rank files are of different checkpoints",
-                    saved.tp, saved.dp, saved.step
-                ),
-            ));
-        }
-        if saved.m.len() != slice || saved.v.len() != slice {
-            return Err(bad(
-                &path,
-                format!(
-                    "holds {} and {} optimizer elements, this model needs {slice} per rank of {tp} x {dp}; the checkpoint is of another model",
-                    saved.m.len(),
-                    saved.v.len()
-                ),
-            ));
-        }
-        shards_m[rank % tp].extend_from_slice(&saved.m);
-        shards_v[rank % tp].extend_from_slice(&saved.v);
-    }
     let mut m = vec![0.0; full_layout.len()];
     let mut v = vec![0.0; full_layout.len()];
     for (f, l) in full_layout.specs().iter().zip(saved_layout.specs()) {
-        gather_tensor(f, l, &shards_m, &mut m[f.range()]);
-        gather_tensor(f, l, &shards_v, &mut v[f.range()]);
+        gather_tensor(f, l, &shards.m, &mut m[f.range()]);
+        gather_tensor(f, l, &shards.v, &mut v[f.range()]);
     }
-    Ok(Some(FullOptimizer { step, m, v }))
+    Ok(Some(SavedOptimizer {
+        step: shards.step,
+        m,
+        v,
+    }))
 }
 
 /// The slice of `full` (laid out by `full_layout`) that data-parallel rank `dp_rank` of
@@ -229,6 +73,8 @@ pub(crate) fn own_slice(
 
 #[cfg(test)]
 mod tests {
+    use miles_core::backend::optimizer::write_optimizer_rank;
+
     use super::*;
 
     /// Distinct, non-zero moments for every parameter of `layout`.
@@ -246,7 +92,7 @@ mod tests {
         for rank in 0..tp * dp {
             let (t, d) = (rank % tp, rank / tp);
             let cut = |x: &[f32]| own_slice(&full_layout, &local_layout, x, t, d, shard_len);
-            write_optimizer(dir, rank, tp, dp, 7, &cut(m), &cut(v)).unwrap();
+            write_optimizer_rank(dir, rank, tp, dp, 7, &cut(m), &cut(v)).unwrap();
         }
     }
 
@@ -287,7 +133,11 @@ mod tests {
         write_as(dir.path(), &config, 1, 3, &m, &v);
         let stray = tempfile::tempdir().unwrap();
         write_as(stray.path(), &config, 1, 2, &m, &v);
-        std::fs::copy(file_of(stray.path(), 1), file_of(dir.path(), 1)).unwrap();
+        std::fs::copy(
+            optimizer_file(stray.path(), 1),
+            optimizer_file(dir.path(), 1),
+        )
+        .unwrap();
         let err = read_full_optimizer(dir.path(), &config, &layout)
             .unwrap_err()
             .to_string();
@@ -295,9 +145,13 @@ mod tests {
             err.contains("optimizer-rank-00001") && err.contains("different checkpoints"),
             "{err}"
         );
-        std::fs::remove_file(file_of(dir.path(), 2)).unwrap();
+        std::fs::remove_file(optimizer_file(dir.path(), 2)).unwrap();
         write_as(stray.path(), &config, 1, 3, &m, &v);
-        std::fs::copy(file_of(stray.path(), 1), file_of(dir.path(), 1)).unwrap();
+        std::fs::copy(
+            optimizer_file(stray.path(), 1),
+            optimizer_file(dir.path(), 1),
+        )
+        .unwrap();
         let err = read_full_optimizer(dir.path(), &config, &layout)
             .unwrap_err()
             .to_string();

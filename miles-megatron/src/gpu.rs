@@ -1,5 +1,5 @@
 //! Megatron on one GPU: tensor and data parallel size 1, computed by core's GPU trainer, saved
-//! in this crate's optimizer files (so a GPU checkpoint loads on the CPU at any parallel size,
+//! in core's optimizer files (so a GPU checkpoint loads on the CPU at any parallel size,
 //! and back).
 
 use std::path::Path;
@@ -10,31 +10,22 @@ use miles_core::device::Gpu;
 use miles_core::model::{LlamaConfig, ParamLayout};
 use miles_core::{BackendError, Settings};
 
-use crate::checkpoint::{read_full_optimizer, write_optimizer};
+use crate::checkpoint::read_full_optimizer;
 
-/// This crate's optimizer files, for [`GpuBackend`].
+/// This backend's reading of the shared optimizer files (re-joining tensor-parallel shards),
+/// for [`GpuBackend`].
 #[derive(Debug)]
 pub struct MegatronFiles;
 
 impl OptimizerFiles for MegatronFiles {
     const NAME: &'static str = "megatron";
 
-    fn write(dir: &Path, step: u64, m: &[f32], v: &[f32]) -> Result<(), BackendError> {
-        write_optimizer(dir, 0, 1, 1, step, m, v)
-    }
-
     fn read(
         dir: &Path,
         config: &LlamaConfig,
         layout: &ParamLayout,
     ) -> Result<Option<SavedOptimizer>, BackendError> {
-        Ok(
-            read_full_optimizer(dir, config, layout)?.map(|full| SavedOptimizer {
-                step: full.step,
-                m: full.m,
-                v: full.v,
-            }),
-        )
+        read_full_optimizer(dir, config, layout)
     }
 }
 

@@ -33,19 +33,20 @@
 mod checkpoint;
 mod error;
 mod gpu;
+mod gpu_parallel;
 mod rank;
 mod shard;
 mod stream;
 mod trainer;
 
-pub use checkpoint::OPTIMIZER_DIR;
 pub use gpu::{MegatronFiles, MegatronGpu, gpu_trainer};
-pub use miles_core::backend::TrainBackend;
+pub use gpu_parallel::{TensorParallelGroup, shard_weights, tensor_parallel_gpu_trainer};
+pub use miles_core::backend::{OPTIMIZER_DIR, TrainBackend};
 pub use miles_core::config::{MomentDtype, OffloadTarget, OptimizerStream, Settings, TrainOffload};
 pub use miles_core::model::LlamaConfig;
 pub use miles_core::ops::AdamWConfig;
 pub use miles_core::{
     BackendError, Batch, NamedTensor, OffloadStats, RankOffload, StepStats, WeightBucket,
 };
-pub use shard::shard_config;
+pub use shard::{Split, gather_tensor, scatter, shard_config, split_of};
 pub use trainer::{MegatronOptions, MegatronTrainer, init_weights};

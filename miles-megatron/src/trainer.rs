@@ -16,10 +16,11 @@ use miles_core::{
     OffloadStats, RankOffload, StepStats, WeightSink,
 };
 
-use crate::checkpoint::{own_slice, read_full_optimizer, write_optimizer};
+use crate::checkpoint::{own_slice, read_full_optimizer};
 use crate::error::invalid;
 use crate::rank::{Comms, Grid, Rank, RankSpec, StreamSpec};
 use crate::shard::{gather_tensor, scatter, shard_config};
+use miles_core::backend::optimizer::write_optimizer_rank;
 
 /// A job a rank runs; collective jobs make a failing rank leave its groups.
 type Job = Box<dyn FnOnce(&mut Rank) -> Result<Reply, BackendError> + Send>;
@@ -633,7 +634,7 @@ impl TrainBackend for MegatronTrainer {
             let dir = Arc::clone(&dir);
             Box::new(move |rank| {
                 let (m, v) = rank.moments()?;
-                write_optimizer(&dir, rank.grid.rank, tp, dp, step, &m, &v)?;
+                write_optimizer_rank(&dir, rank.grid.rank, tp, dp, step, &m, &v)?;
                 Ok(Reply::Done)
             })
         })?;

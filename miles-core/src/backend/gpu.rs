@@ -2,60 +2,50 @@
 //! computed by the GPU transformer ([`GpuTrainer`]).
 //!
 //! On one GPU a Megatron-style trainer (tensor and data parallel size 1) and an FSDP trainer
-//! (data parallel size 1) run the same step; what differs is the backend's own checkpoint files,
-//! which [`OptimizerFiles`] supplies, and the flags each backend accepts, which its constructor
+//! (data parallel size 1) run the same step; what differs is the backend's name and its reading
+//! of the shared optimizer files, which [`OptimizerFiles`] supplies, and the flags each backend accepts, which its constructor
 //! checks before building this. Over several GPUs, one process each, a backend joins a
-//! data-parallel group ([`GpuBackend::join_data_parallel`]).
+//! data-parallel group that it implements ([`GpuBackend::join_data_parallel`]).
 
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::optimizer::{SavedOptimizer, read_optimizer, write_optimizer};
 use super::{
     BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
     WeightSink, export_full_weights, load_checkpoint_of,
 };
 use crate::config::{OffloadTarget, Settings, TrainOffload};
-use crate::device::{Device, Gpu, NcclComm};
+use crate::device::{Device, Gpu};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
-    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, init_params, save_checkpoint,
+    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, TrainerGroup, init_params,
+    save_checkpoint,
 };
 use crate::ops::AdamWConfig;
 
-/// A backend's optimizer checkpoint files, written and read beside the Hugging Face weights.
+/// What one backend's [`GpuBackend`] adds to the shared trainer: its name, and how it reads
+/// the optimizer state of a checkpoint (every backend writes the one format of
+/// [`optimizer`](super::optimizer); the Megatron backend also re-joins tensor-parallel shards).
 pub trait OptimizerFiles: Send {
     /// The backend's name (`megatron`, `fsdp`).
     const NAME: &'static str;
 
-    /// Writes the full AdamW moments and the step into the checkpoint `dir`.
-    ///
-    /// # Errors
-    /// [`BackendError::Io`] or [`BackendError::Checkpoint`].
-    fn write(dir: &Path, step: u64, m: &[f32], v: &[f32]) -> Result<(), BackendError>;
-
-    /// The full moments and step saved in `dir` for a model of `layout`, or `None` when the
-    /// checkpoint holds weights only.
+    /// The full moments and step saved in `dir` for a model of `config` laid out by `layout`,
+    /// or `None` when the checkpoint holds weights only. By default, a checkpoint written at
+    /// tensor parallel 1 ([`read_optimizer`]).
     ///
     /// # Errors
     /// [`BackendError::Io`] or [`BackendError::Checkpoint`] for files that do not fit.
     fn read(
         dir: &Path,
-        config: &LlamaConfig,
+        _config: &LlamaConfig,
         layout: &ParamLayout,
-    ) -> Result<Option<SavedOptimizer>, BackendError>;
-}
-
-/// Full AdamW moments and the step they were saved at.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SavedOptimizer {
-    /// Optimizer steps taken.
-    pub step: u64,
-    /// First moment, [`ParamLayout`] order.
-    pub m: Vec<f32>,
-    /// Second moment, [`ParamLayout`] order.
-    pub v: Vec<f32>,
+    ) -> Result<Option<SavedOptimizer>, BackendError> {
+        read_optimizer(dir, layout.len())
+    }
 }
 
 /// One GPU's trainer behind [`TrainBackend`], named and checkpointed by `F`.
@@ -161,18 +151,19 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         })
     }
 
-    /// Makes this backend one rank of `comm`'s data-parallel group, as PyTorch's DDP does:
-    /// every rank trains on its own batches (normalised by their own normaliser), the gradients
-    /// are averaged over the ranks, and every rank takes the same step, so the replicas stay
-    /// equal. A step's loss is the ranks' summed negative log-probs over this rank's normaliser
-    /// times the ranks: their mean loss when the ranks' batches weigh alike.
+    /// Makes this backend one rank of a data-parallel `group` (a backend's implementation of
+    /// data parallelism, such as fsdp's, which sums the gradients and the loss over the
+    /// ranks), as PyTorch's DDP does: every rank trains on its own batches (normalised by their
+    /// own normaliser), the gradients are averaged over the ranks, and every rank takes the
+    /// same step, so the replicas stay equal. A step's loss is the ranks' summed negative
+    /// log-probs over this rank's normaliser times the ranks: their mean loss when the ranks'
+    /// batches weigh alike.
     ///
     /// # Errors
-    /// [`BackendError::Model`] for a communicator on another GPU or a trainer in a group
-    /// already.
-    pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), BackendError> {
-        let ranks = comm.world_size();
-        self.trainer.join_data_parallel(comm)?;
+    /// [`BackendError::Model`] for a group on another GPU or a trainer in a group already.
+    pub fn join_data_parallel(&mut self, group: Box<dyn TrainerGroup>) -> Result<(), BackendError> {
+        let ranks = group.world_size();
+        self.trainer.join(group)?;
         self.ranks = ranks;
         Ok(())
     }
@@ -281,7 +272,12 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
         let full = self.trainer.master_params()?;
         save_checkpoint(dir, self.trainer.config(), &self.layout, &full)?;
         let (m, v) = self.trainer.moments()?;
-        F::write(dir, self.step, &m, &v)
+        let saved = SavedOptimizer {
+            step: self.step,
+            m,
+            v,
+        };
+        write_optimizer(dir, &saved, 1)
     }
 
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {

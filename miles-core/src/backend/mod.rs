@@ -13,6 +13,7 @@
 
 mod critic;
 mod gpu;
+pub mod optimizer;
 mod rollout;
 
 use std::path::Path;
@@ -28,7 +29,8 @@ use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::StoreError;
 
 pub use critic::Critic;
-pub use gpu::{GpuBackend, OptimizerFiles, SavedOptimizer};
+pub use gpu::{GpuBackend, OptimizerFiles};
+pub use optimizer::{OPTIMIZER_DIR, OptimizerShards, SavedOptimizer};
 pub use rollout::{EngineError, RolloutEngine, Sample, Sampling};
 
 /// A global training batch of `B` sequences of `T` positions, owned, for policy-gradient or

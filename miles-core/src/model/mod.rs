@@ -9,7 +9,6 @@ mod gpu;
 mod init;
 mod layout;
 mod passes;
-mod tensor_parallel;
 #[cfg(test)]
 mod tests;
 mod tokenizer;
@@ -22,12 +21,14 @@ pub use checkpoint::{
 pub use config::LlamaConfig;
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
 pub use error::ModelError;
+#[cfg(any(test, feature = "testing"))]
+pub use gpu::testing as gpu_testing;
 pub use gpu::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTrainer, GpuTrainerSpec, GpuTransformer,
+    TrainerGroup, standalone_gpu_trainer,
 };
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
-pub use tensor_parallel::{Split, gather_tensor, scatter, shard_config, split_of};
 pub use tokenizer::ByteTokenizer;
 pub use train::{
     ModelBuffers, StepBuffers, StepReport, Trainer, score_tokens, scoring_batch, train_step,

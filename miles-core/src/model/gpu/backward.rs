@@ -5,17 +5,18 @@
 use half::bf16;
 
 use super::GpuTransformer;
+use super::TrainerGroup;
 use super::forward::{AttentionScratch, sum_over_shards};
 use super::layout::{GpuActivations, LayerActs};
 use super::weights::{LayerTensors, tensor};
-use crate::device::{Gemm, Gpu, GpuSlice, NcclComm, Transpose};
+use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{ModelError, ParamKind};
 
 /// The backward pass's per-batch scratch (the gradients flowing through one layer), and the
 /// tensor-parallel group they are summed over, if any.
 struct Flow<'a> {
-    tp: Option<&'a NcclComm>,
+    group: Option<&'a dyn TrainerGroup>,
     d_res: GpuSlice<bf16>,     // (B, T, C): gradient of the residual stream
     d_ln: GpuSlice<bf16>,      // (B, T, C)
     d_att_out: GpuSlice<bf16>, // (B, T, H*D)
@@ -28,10 +29,13 @@ struct Flow<'a> {
 }
 
 impl<'a> Flow<'a> {
-    fn of(acts: &GpuActivations, tp: Option<&'a NcclComm>) -> Result<Flow<'a>, ModelError> {
+    fn of(
+        acts: &GpuActivations,
+        group: Option<&'a dyn TrainerGroup>,
+    ) -> Result<Flow<'a>, ModelError> {
         let a = acts.layout();
         Ok(Flow {
-            tp,
+            group,
             d_res: acts.bf(&a.d_residual)?,
             d_ln: acts.bf(&a.d_ln)?,
             d_att_out: acts.bf(&a.d_att_out)?,
@@ -58,8 +62,9 @@ fn weight_grad(out: usize, inp: usize, n: usize) -> Gemm {
 impl GpuTransformer {
     /// Queues the backward pass of the last [`forward`](Self::forward) on `acts` (run in
     /// [`ForwardMode::Train`](super::ForwardMode::Train)), accumulating into `grads` (`+=`:
-    /// zero them first for a fresh step). With `tp` (as in [`forward`](Self::forward)), the
-    /// gradients entering each layer's two norms are summed over the group.
+    /// zero them first for a fresh step). With `group` (as in [`forward`](Self::forward)), the
+    /// gradients entering each layer's two norms go through
+    /// [`TrainerGroup::sum_row_parallel`].
     ///
     /// # Errors
     /// [`ModelError::Gpu`] for buffers of the wrong length or a failed launch.
@@ -69,7 +74,7 @@ impl GpuTransformer {
         params: GpuSlice<bf16>,
         grads: GpuSlice<f32>,
         acts: &GpuActivations,
-        tp: Option<&NcclComm>,
+        group: Option<&dyn TrainerGroup>,
     ) -> Result<(), ModelError> {
         let lay = self.layout();
         params.expect_len("gpu params (bf16)", lay.len())?;
@@ -77,7 +82,7 @@ impl GpuTransformer {
         let c = self.config();
         let a = acts.layout();
         let (n, h, v, layers) = (a.batch * a.seq, c.hidden_size, c.vocab_size, c.num_layers);
-        let flow = Flow::of(acts, tp)?;
+        let flow = Flow::of(acts, group)?;
         let (d_logits, lnf) = (acts.bf(&a.d_logits)?, acts.bf(&a.lnf)?);
         let head = tensor(lay, params, ParamKind::LmHead, 0)?;
         let d_head = tensor(lay, grads, ParamKind::LmHead, 0)?;
@@ -130,7 +135,7 @@ impl GpuTransformer {
         gpu.gemm(input_grad(n, h, f).accumulate(), flow.d_ln, flow.d_up, w.up)?;
         gpu.gemm(weight_grad(f, h, n), dw.gate, flow.d_gate, la.ln2)?;
         gpu.gemm(weight_grad(f, h, n), dw.up, flow.d_up, la.ln2)?;
-        sum_over_shards(flow.tp, flow.d_ln)?;
+        sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
             dw.post_norm,
@@ -149,7 +154,7 @@ impl GpuTransformer {
         gpu.gemm(weight_grad(qd, h, n), dw.q, flow.d_q, la.ln1)?;
         gpu.gemm(weight_grad(kvd, h, n), dw.k, flow.d_k, la.ln1)?;
         gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, la.ln1)?;
-        sum_over_shards(flow.tp, flow.d_ln)?;
+        sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
             dw.input_norm,

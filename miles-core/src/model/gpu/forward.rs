@@ -3,9 +3,10 @@
 
 use half::bf16;
 
+use super::TrainerGroup;
 use super::layout::{GpuActivationLayout, GpuActivations, LayerActs};
 use super::weights::{LayerTensors, tensor};
-use crate::device::{Gemm, Gpu, GpuSlice, NcclComm, Transpose};
+use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
 use crate::ops::gpu::HeadShape;
@@ -73,9 +74,9 @@ impl GpuTransformer {
 
     /// Uploads `batch`'s inputs and queues the forward pass: the per-token log-probs are then
     /// in `acts` ([`logprobs`](Self::logprobs) reads them), with the logits' gradient as well
-    /// for [`ForwardMode::Train`]. With `tp`, this model is one tensor-parallel rank's shard
-    /// (see [`GpuTrainer::join_tensor_parallel`](super::GpuTrainer::join_tensor_parallel)) and
-    /// the o and down products are summed over the group.
+    /// for [`ForwardMode::Train`]. With `group`, the o and down products go through
+    /// [`TrainerGroup::sum_row_parallel`] (a tensor-parallel rank's shard sums them over the
+    /// group).
     ///
     /// # Errors
     /// [`ModelError::Batch`] or [`ModelError::TokenOutOfRange`] before any GPU work;
@@ -87,7 +88,7 @@ impl GpuTransformer {
         acts: &GpuActivations,
         batch: &TrainBatch<'_>,
         mode: ForwardMode,
-        tp: Option<&NcclComm>,
+        group: Option<&dyn TrainerGroup>,
     ) -> Result<(), ModelError> {
         self.check_batch(batch)?;
         acts.check_shape(batch)?;
@@ -100,7 +101,7 @@ impl GpuTransformer {
         gpu.embedding_forward(res0, acts.u(&a.inputs)?, embedding, c.hidden_size)?;
         for l in 0..layers {
             let w = LayerTensors::of(self.layout(), params, l)?;
-            self.layer_forward(gpu, &w, &acts.layer(l, layers)?, acts, tp)?;
+            self.layer_forward(gpu, &w, &acts.layer(l, layers)?, acts, group)?;
         }
         self.head_forward(gpu, params, acts, batch.normaliser, mode)
     }
@@ -159,7 +160,7 @@ impl GpuTransformer {
         w: &LayerTensors<bf16>,
         la: &LayerActs,
         acts: &GpuActivations,
-        tp: Option<&NcclComm>,
+        group: Option<&dyn TrainerGroup>,
     ) -> Result<(), ModelError> {
         let c = self.config();
         let a = acts.layout();
@@ -180,14 +181,14 @@ impl GpuTransformer {
         gpu.rope_forward(la.k, pos, cos, sin, c.num_kv_heads, c.head_dim)?;
         self.attention_forward(gpu, la, acts)?; // (B, T, H*D), probs (B, H, T, T)
         gpu.gemm(linear(h, qd), la.res_mid, la.att_out, w.o)?; // (B, T, C)
-        sum_over_shards(tp, la.res_mid)?;
+        sum_over_shards(group, la.res_mid)?;
         gpu.residual_add(la.res_mid, la.res_in)?;
         gpu.rmsnorm_forward(la.ln2, Some(la.rstd2), la.res_mid, w.post_norm, eps)?;
         gpu.gemm(linear(f, h), la.gate, la.ln2, w.gate)?; // (B, T, F)
         gpu.gemm(linear(f, h), la.up, la.ln2, w.up)?; // (B, T, F)
         gpu.swiglu_forward(la.sw, la.gate, la.up)?;
         gpu.gemm(linear(h, f), la.res_out, la.sw, w.down)?; // (B, T, C)
-        sum_over_shards(tp, la.res_out)?;
+        sum_over_shards(group, la.res_out)?;
         gpu.residual_add(la.res_out, la.res_mid)?;
         Ok(())
     }
@@ -269,13 +270,16 @@ impl GpuTransformer {
     }
 }
 
-/// With `tp`: sums `x` over the tensor-parallel group, in place: a row-parallel product's
-/// partial output, or the partial gradient of a column-parallel product's input.
-pub(super) fn sum_over_shards(tp: Option<&NcclComm>, x: GpuSlice<bf16>) -> Result<(), ModelError> {
-    if let Some(comm) = tp {
-        comm.all_reduce_sum_bf16(x)?;
+/// With `group`: [`TrainerGroup::sum_row_parallel`] on `x`, in place: a row-parallel
+/// product's partial output, or the partial gradient of a column-parallel product's input.
+pub(super) fn sum_over_shards(
+    group: Option<&dyn TrainerGroup>,
+    x: GpuSlice<bf16>,
+) -> Result<(), ModelError> {
+    match group {
+        Some(group) => group.sum_row_parallel(x),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// `-sum(weights * logprobs)`, in f64 as the CPU's cross-entropy sums it.

@@ -1,22 +1,17 @@
 //! GPU model tests: the GPU transformer and trainer against the CPU model run on the same
 //! bf16-rounded parameters. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core
-//! model::gpu -- --test-threads=1`; elsewhere they skip.
+//! model::gpu -- --test-threads=1`; elsewhere they skip. The two-GPU tests of the parallel groups
+//! live with the groups, in `miles-megatron` and `miles-fsdp`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use half::bf16;
-use rand::{RngExt, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
+use super::testing::{B, Batch, T, bf16_params, manager, spec, tiny};
 use super::*;
-use crate::device::{CudaDevice, Device, Gpu, NcclComm};
-use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag, RegionState};
+use crate::memory::{BackupPolicy, MemoryTag, RegionState};
 use crate::model::{
-    LlamaConfig, ModelError, ParamKind, ParamLayout, Split, TrainBatch, Trainer, Transformer,
-    init_params, scatter, shard_config, split_of,
+    LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Trainer, Transformer,
 };
-use crate::ops::AdamWConfig;
 use crate::ops::gpu::testing::TestGpu;
 
 /// Loss: bf16 weights, activations and probabilities against fp32 throughout, 2% of it.
@@ -29,13 +24,6 @@ const GRAD_NORM_TOLERANCE: f64 = 0.05;
 /// Loss after each of ten AdamW steps, relative to the CPU's.
 const TRAJECTORY_TOLERANCE: f32 = 0.05;
 
-const B: usize = 3;
-const T: usize = 17;
-
-fn tiny() -> LlamaConfig {
-    LlamaConfig::preset("tiny").unwrap()
-}
-
 /// Grouped-query attention with one key/value head for all four query heads, and an LM head of
 /// its own (the tiny preset ties it and has two kv heads).
 fn tiny_one_kv_head_untied() -> LlamaConfig {
@@ -44,49 +32,6 @@ fn tiny_one_kv_head_untied() -> LlamaConfig {
     v["num_key_value_heads"] = 1.into();
     v["tie_word_embeddings"] = false.into();
     LlamaConfig::from_json_str(&v.to_string()).unwrap()
-}
-
-/// Hugging Face initialisation from `seed`, rounded to bf16 so both devices start equal.
-fn bf16_params(config: &LlamaConfig, seed: u64) -> Vec<f32> {
-    let layout = ParamLayout::new(config);
-    let mut params = vec![0.0; layout.len()];
-    init_params(&layout, config, seed, &mut params).unwrap();
-    params.iter().map(|&p| bf16::from_f32(p).to_f32()).collect()
-}
-
-/// Random inputs, targets and weights (some negative, as advantages are) for `B x T` tokens.
-struct Batch {
-    inputs: Vec<u32>,
-    targets: Vec<u32>,
-    weights: Vec<f32>,
-}
-
-impl Batch {
-    fn random(seed: u64, vocab: usize) -> Batch {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut ids =
-            |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
-        let (inputs, targets) = (ids(B * T), ids(B * T));
-        let weights = (0..B * T)
-            .map(|_| rng.random::<f32>() * 2.0 - 0.5)
-            .collect();
-        Batch {
-            inputs,
-            targets,
-            weights,
-        }
-    }
-
-    fn view(&self) -> TrainBatch<'_> {
-        TrainBatch {
-            batch: B,
-            seq: T,
-            inputs: &self.inputs,
-            targets: &self.targets,
-            weights: &self.weights,
-            normaliser: (B * T) as f32,
-        }
-    }
 }
 
 /// The worst absolute difference of two equally long slices, printed; NaN never passes.
@@ -208,28 +153,6 @@ fn gpu_forward_and_backward_match_the_cpu_with_one_kv_head_and_an_untied_head() 
         "gpu_forward_and_backward_match_the_cpu_with_one_kv_head_and_an_untied_head",
         tiny_one_kv_head_untied(),
     );
-}
-
-/// A manager over the gpu's own device.
-fn manager(gpu: &Gpu) -> Arc<MemoryManager> {
-    let device: Arc<dyn Device> = Arc::clone(gpu.device()) as Arc<dyn Device>;
-    let settings = ManagerSettings {
-        margin_bytes: 0,
-        disk: None,
-    };
-    Arc::new(MemoryManager::new(device, settings).unwrap())
-}
-
-fn spec(config: LlamaConfig, backup: BackupPolicy, max_batch_tokens: usize) -> GpuTrainerSpec {
-    GpuTrainerSpec {
-        config,
-        adamw: AdamWConfig {
-            lr: 1e-2,
-            ..AdamWConfig::default()
-        },
-        backup,
-        max_batch_tokens,
-    }
 }
 
 #[test]
@@ -428,196 +351,4 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
         whole.train_step(&batch, 0),
         Err(ModelError::InvalidStep { step: 0 })
     ));
-}
-
-/// Losses of a parallel pair against one GPU, relative: the same fp32 gradients summed in
-/// another order (data parallel) or bf16 partial sums (tensor parallel), then bf16 weights. At
-/// the trajectory test's learning rate (1e-2) the tiny model on random targets amplifies last
-/// bits to 4% by step 5 (call 18 of `bench/RESULTS.md`, round 14), so these tests step at 1e-3.
-const PARALLEL_TOLERANCE: f32 = 1e-2;
-const PARALLEL_STEPS: u64 = 5;
-
-/// GPUs 0 (with the test's lock) and 1, or `None` with a skip note on a machine with fewer.
-fn two_gpus(test: &str) -> Option<[Arc<Gpu>; 2]> {
-    let t = TestGpu::open(test, 1)?;
-    match CudaDevice::open(1) {
-        Ok(second) => Some([
-            Arc::new(t.gpu),
-            Arc::new(crate::ops::gpu::open_gpu(Arc::new(second)).unwrap()),
-        ]),
-        Err(error) => {
-            eprintln!("skipping {test}: it needs two gpus ({error})");
-            None
-        }
-    }
-}
-
-/// AdamW at lr 1e-3, no backup, activations for 64 tokens.
-fn gentle(config: LlamaConfig) -> GpuTrainerSpec {
-    GpuTrainerSpec {
-        adamw: AdamWConfig {
-            lr: 1e-3,
-            ..AdamWConfig::default()
-        },
-        ..spec(config, BackupPolicy::None, 64)
-    }
-}
-
-/// The losses of [`PARALLEL_STEPS`] steps of `trainer` on `batch`.
-fn losses(trainer: &mut GpuTrainer, batch: &TrainBatch<'_>) -> Vec<f32> {
-    (1..=PARALLEL_STEPS)
-        .map(|step| trainer.train_step(batch, step).unwrap().loss)
-        .collect()
-}
-
-/// The losses of one trainer on `gpu` from `params` on the whole batch.
-fn losses_alone(gpu: &Arc<Gpu>, config: &LlamaConfig, params: &[f32], data: &Batch) -> Vec<f32> {
-    let spec = gentle(config.clone());
-    let mut trainer = GpuTrainer::new(Arc::clone(gpu), manager(gpu), spec, params).unwrap();
-    losses(&mut trainer, &data.view())
-}
-
-/// Both ranks reported the same losses, and those follow one GPU's step by step.
-fn assert_pair_follows(what: &str, ranks: &[Vec<f32>], alone: &[f32]) {
-    assert_eq!(ranks[0], ranks[1], "the two ranks report different losses");
-    for (step, (got, want)) in ranks[0].iter().zip(alone).enumerate() {
-        let rel = (got - want).abs() / want.abs();
-        eprintln!(
-            "step {}: loss over two {what} gpus {got} vs one gpu {want} (relative {rel:.3e})",
-            step + 1
-        );
-        assert!(
-            rel < PARALLEL_TOLERANCE,
-            "step {}: {got} vs {want}",
-            step + 1
-        );
-    }
-}
-
-#[test]
-fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
-    let Some(gpus) = two_gpus("gpu_data_parallel_pair_follows_one_gpu") else {
-        return;
-    };
-    let config = tiny();
-    let params = Arc::new(bf16_params(&config, 51));
-    let data = Arc::new(Batch::random(52, config.vocab_size));
-    let alone = losses_alone(&gpus[0], &config, &params, &data);
-    let id = NcclComm::unique_id().unwrap();
-    let ranks: Vec<_> = gpus
-        .iter()
-        .enumerate()
-        .map(|(rank, gpu)| {
-            let (gpu, config) = (Arc::clone(gpu), config.clone());
-            let (params, data) = (Arc::clone(&params), Arc::clone(&data));
-            std::thread::spawn(move || {
-                let mut trainer =
-                    GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params)
-                        .unwrap();
-                let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
-                trainer.join_data_parallel(comm).unwrap();
-                let batch = data.view();
-                let part = batch.shard(rank, 2).unwrap();
-                (
-                    losses(&mut trainer, &part),
-                    trainer.master_params().unwrap(),
-                )
-            })
-        })
-        .collect();
-    let (losses, masters): (Vec<_>, Vec<_>) = ranks.into_iter().map(|r| r.join().unwrap()).unzip();
-    assert!(
-        masters[0] == masters[1],
-        "the replicas' master weights drifted apart"
-    );
-    let first = (losses[0][0] - alone[0]).abs() / alone[0].abs();
-    assert!(
-        first < 1e-5,
-        "step 1 starts from the same weights on the same tokens: {} vs {}",
-        losses[0][0],
-        alone[0]
-    );
-    assert_pair_follows("data-parallel", &losses, &alone);
-}
-
-#[test]
-fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() {
-    let Some(gpus) = two_gpus("gpu_tensor_parallel_pair_follows_one_gpu") else {
-        return;
-    };
-    let config = tiny();
-    let params = Arc::new(bf16_params(&config, 61));
-    let data = Arc::new(Batch::random(62, config.vocab_size));
-    let alone = losses_alone(&gpus[0], &config, &params, &data);
-    let local_config = shard_config(&config, 2).unwrap();
-    let id = NcclComm::unique_id().unwrap();
-    let ranks: Vec<_> = gpus
-        .iter()
-        .enumerate()
-        .map(|(rank, gpu)| {
-            let (gpu, config, local_config) =
-                (Arc::clone(gpu), config.clone(), local_config.clone());
-            let (params, data) = (Arc::clone(&params), Arc::clone(&data));
-            std::thread::spawn(move || {
-                let (full_layout, layout) =
-                    (ParamLayout::new(&config), ParamLayout::new(&local_config));
-                let mut local = vec![0.0; layout.len()];
-                scatter(&full_layout, &layout, &params, &mut local, rank);
-                let mut trainer = GpuTrainer::new(
-                    Arc::clone(&gpu),
-                    manager(&gpu),
-                    gentle(local_config),
-                    &local,
-                )
-                .unwrap();
-                let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
-                trainer.join_tensor_parallel(comm).unwrap();
-                let steps = losses(&mut trainer, &data.view());
-                let master = trainer.master_params().unwrap();
-                let whole: Vec<f32> = layout
-                    .specs()
-                    .iter()
-                    .filter(|spec| split_of(spec.kind) == Split::Replicated)
-                    .flat_map(|spec| master[spec.range()].to_vec())
-                    .collect();
-                (steps, whole)
-            })
-        })
-        .collect();
-    let (losses, whole): (Vec<_>, Vec<_>) = ranks.into_iter().map(|r| r.join().unwrap()).unzip();
-    assert!(
-        whole[0] == whole[1],
-        "the ranks' embedding, norms or head drifted apart"
-    );
-    assert_pair_follows("tensor-parallel", &losses, &alone);
-}
-
-#[test]
-fn gpu_trainer_joins_one_group_and_only_on_its_own_gpu() {
-    let test = "gpu_trainer_joins_one_group_and_only_on_its_own_gpu";
-    let Some(t) = TestGpu::open(test, 1) else {
-        return;
-    };
-    let gpu = Arc::new(t.gpu);
-    let config = tiny();
-    let params = bf16_params(&config, 71);
-    let data = Batch::random(72, config.vocab_size);
-    let mut trainer =
-        GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params).unwrap();
-    let alone = |gpu: &Arc<Gpu>| {
-        NcclComm::new(Arc::clone(gpu), NcclComm::unique_id().unwrap(), 0, 1).unwrap()
-    };
-    // Another compute handle on the same device is not the trainer's stream.
-    let other = Arc::new(crate::ops::gpu::open_gpu(Arc::clone(gpu.device())).unwrap());
-    assert!(matches!(
-        trainer.join_data_parallel(alone(&other)),
-        Err(ModelError::DeviceMismatch)
-    ));
-    trainer.join_data_parallel(alone(&gpu)).unwrap();
-    assert!(matches!(
-        trainer.join_tensor_parallel(alone(&gpu)),
-        Err(ModelError::Config(_))
-    ));
-    let loss = trainer.train_step(&data.view(), 1).unwrap().loss;
-    assert!(loss.is_finite(), "a group of one still trains: loss {loss}");
 }

@@ -1,19 +1,19 @@
 //! The GPU trainer: bf16 parameters, fp32 master weights, AdamW moments and gradients, and the
 //! activations, each in its memory-manager region, so that an offload is four pauses.
 
-use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use half::bf16;
 
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
-use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer};
-use crate::device::{DeviceError, Fence, Gpu, GpuElement, GpuSlice, NcclComm};
+use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, TrainerGroup};
+use crate::device::{Device, DeviceError, Fence, Gpu, GpuElement, GpuSlice};
 use crate::memory::{
-    BackupPolicy, Buffer, MemoryError, MemoryManager, MemoryTag, OffloadReport, RegionState,
+    BackupPolicy, Buffer, ManagerSettings, MemoryError, MemoryManager, MemoryTag, OffloadReport,
+    RegionState,
 };
-use crate::model::{LlamaConfig, ModelError, Split, StepReport, TrainBatch, split_of};
+use crate::model::{LlamaConfig, ModelError, ParamLayout, StepReport, TrainBatch};
 use crate::ops::gpu::AdamWStep;
 use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
 
@@ -75,36 +75,7 @@ pub struct GpuTrainer {
     acts: Option<ActivationBuffers>,
     offloaded: bool,
     /// The parallel group this trainer is one rank of, if any.
-    group: Option<Group>,
-}
-
-/// A trainer's parallel group: its communicator, and what the ranks split.
-struct Group {
-    comm: Mutex<NcclComm>,
-    split: Parallel,
-}
-
-enum Parallel {
-    /// Each rank holds every weight and trains on its part of each batch.
-    Data,
-    /// Each rank holds its shard of the model and sees the whole batch; `replicated` are the
-    /// parameter ranges every rank holds whole.
-    Tensor { replicated: Vec<Range<usize>> },
-}
-
-impl Parallel {
-    fn name(&self) -> &'static str {
-        match self {
-            Parallel::Data => "data",
-            Parallel::Tensor { .. } => "tensor",
-        }
-    }
-}
-
-impl Group {
-    fn comm(&self) -> MutexGuard<'_, NcclComm> {
-        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
-    }
+    group: Option<Box<dyn TrainerGroup>>,
 }
 
 impl std::fmt::Debug for GpuTrainer {
@@ -113,7 +84,7 @@ impl std::fmt::Debug for GpuTrainer {
             .field("params", &self.model.layout().len())
             .field("max_batch_tokens", &self.max_batch_tokens)
             .field("offloaded", &self.offloaded)
-            .field("group", &self.group.as_ref().map(|g| g.split.name()))
+            .field("group", &self.group.as_ref().map(|g| g.name()))
             .finish_non_exhaustive()
     }
 }
@@ -190,6 +161,11 @@ impl GpuTrainer {
         self.model.config()
     }
 
+    /// The model's parameter table (of this rank's shard, in a tensor-parallel group).
+    pub fn layout(&self) -> &ParamLayout {
+        self.model.layout()
+    }
+
     /// The memory manager holding the trainer's regions.
     pub fn memory(&self) -> &Arc<MemoryManager> {
         &self.memory
@@ -220,47 +196,18 @@ impl GpuTrainer {
         Ok(StepReport { loss, optimizer })
     }
 
-    /// Makes this trainer one replica of a data-parallel group: from now on each
-    /// [`compute_grads`](Self::compute_grads) sums the gradients and the loss over the group
-    /// (NCCL on the compute stream), so every rank takes the same optimizer step and the
-    /// replicas stay equal. Each rank then trains on its part of every batch
-    /// ([`TrainBatch::shard`]), all parts with the whole batch's normaliser, and every rank
-    /// must start from the same weights.
+    /// Makes this trainer one rank of `group`: from now on the trainer calls it at the points
+    /// [`TrainerGroup`] names. The backends that name a parallel layout build their groups
+    /// (Megatron's tensor-parallel group, the data-parallel group of fsdp); the trainer must
+    /// have been built for its place in the group (its shard of the model, the same weights as
+    /// the other replicas).
     ///
     /// # Errors
-    /// [`ModelError::DeviceMismatch`] for a communicator on another GPU; [`ModelError::Config`]
-    /// when the trainer is in a group already.
-    pub fn join_data_parallel(&mut self, comm: NcclComm) -> Result<(), ModelError> {
-        self.join(comm, Parallel::Data)
-    }
-
-    /// Makes this trainer one rank of a tensor-parallel group, Megatron's way: the trainer was
-    /// built with its rank's shard of the model ([`shard_config`](crate::model::shard_config)
-    /// and [`scatter`](crate::model::scatter) of the full weights), q, k, v, gate and up hold
-    /// their rows, o and down their columns, and the embedding, norms and head are whole on
-    /// every rank. Every rank sees the whole batch. The forward pass sums the o and down
-    /// products over the group, the backward pass the gradients entering the two norms of each
-    /// layer (bf16, NCCL); the whole tensors' gradients are then rank 0's on every rank (the
-    /// kernels' atomics may differ in the last bit), so those tensors stay equal, and the
-    /// gradient norm counts them once.
-    ///
-    /// # Errors
-    /// [`ModelError::DeviceMismatch`] for a communicator on another GPU; [`ModelError::Config`]
-    /// when the trainer is in a group already.
-    pub fn join_tensor_parallel(&mut self, comm: NcclComm) -> Result<(), ModelError> {
-        let replicated = self
-            .model
-            .layout()
-            .specs()
-            .iter()
-            .filter(|spec| split_of(spec.kind) == Split::Replicated)
-            .map(|spec| spec.range())
-            .collect();
-        self.join(comm, Parallel::Tensor { replicated })
-    }
-
-    fn join(&mut self, comm: NcclComm, split: Parallel) -> Result<(), ModelError> {
-        if !Arc::ptr_eq(comm.gpu(), &self.gpu) {
+    /// [`ModelError::DeviceMismatch`] for a group on another GPU (another compute handle on
+    /// the same device included: it is not the trainer's stream); [`ModelError::Config`] when
+    /// the trainer is in a group already.
+    pub fn join(&mut self, group: Box<dyn TrainerGroup>) -> Result<(), ModelError> {
+        if !Arc::ptr_eq(group.gpu(), &self.gpu) {
             return Err(ModelError::DeviceMismatch);
         }
         if self.group.is_some() {
@@ -269,22 +216,19 @@ impl GpuTrainer {
             ));
         }
         tracing::info!(
-            rank = comm.rank(),
-            world = comm.world_size(),
+            rank = group.rank(),
+            world = group.world_size(),
             "gpu trainer joined a {}-parallel group",
-            split.name()
+            group.name()
         );
-        self.group = Some(Group {
-            comm: Mutex::new(comm),
-            split,
-        });
+        self.group = Some(group);
         Ok(())
     }
 
     /// Zeroes the gradients and fills them with those of `batch` (micro-batch by micro-batch
-    /// when it holds more than `max_batch_tokens` tokens); returns the loss. In a
-    /// data-parallel group (see [`join_data_parallel`](Self::join_data_parallel)) both are
-    /// the sums over the group's parts of the batch.
+    /// when it holds more than `max_batch_tokens` tokens); returns the loss. In a group (see
+    /// [`join`](Self::join)) both are what [`TrainerGroup::after_backward`] makes of them (a
+    /// data-parallel group: the sums over the group's parts of the batch).
     ///
     /// # Errors
     /// [`ModelError::Offloaded`] (or [`ModelError::Memory`] for a region paused by someone
@@ -302,32 +246,14 @@ impl GpuTrainer {
         Ok((nll / f64::from(batch.normaliser)) as f32)
     }
 
-    /// In a data-parallel group: sums the gradients and `nll` over the ranks. In a
-    /// tensor-parallel group: makes the whole tensors' gradients rank 0's (`nll` is the same on
-    /// every rank). Alone: `nll`.
+    /// In a group: what [`TrainerGroup::after_backward`] makes of the gradients and `nll`.
+    /// Alone: `nll`.
     fn sum_over_group(&self, nll: f64) -> Result<f64, ModelError> {
         let Some(group) = &self.group else {
             return Ok(nll);
         };
-        let comm = group.comm();
-        let grads = slice::<f32>(&self.grads)?;
-        match &group.split {
-            Parallel::Data => {
-                let scalar = slice::<f32>(&self.scalar)?.sub(0, 1)?;
-                comm.all_reduce_sum(grads)?;
-                self.gpu.upload(scalar, &[nll as f32])?;
-                comm.all_reduce_sum(scalar)?;
-                let mut sum = [0.0f32];
-                self.gpu.download(&mut sum, scalar)?;
-                Ok(f64::from(sum[0]))
-            }
-            Parallel::Tensor { replicated } => {
-                for range in replicated {
-                    comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
-                }
-                Ok(nll)
-            }
-        }
+        let scalar = slice::<f32>(&self.scalar)?.sub(0, 1)?;
+        group.after_backward(&self.gpu, slice(&self.grads)?, scalar, nll)
     }
 
     /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
@@ -507,11 +433,11 @@ impl GpuTrainer {
         let mut nll = 0.0;
         for micro in micro_batches(batch, self.max_batch_tokens) {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            let tp = self.tensor_parallel();
-            let tp = tp.as_deref();
+            let group = self.group.as_deref();
             self.model
-                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train, tp)?;
-            self.model.backward(&self.gpu, params, grads, &acts, tp)?;
+                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train, group)?;
+            self.model
+                .backward(&self.gpu, params, grads, &acts, group)?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         Ok(nll)
@@ -525,14 +451,13 @@ impl GpuTrainer {
         let mut nll = 0.0;
         for micro in micro_batches(batch, self.max_batch_tokens) {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            let tp = self.tensor_parallel();
             self.model.forward(
                 &self.gpu,
                 params,
                 &acts,
                 &micro,
                 ForwardMode::Score,
-                tp.as_deref(),
+                self.group.as_deref(),
             )?;
             let lp = self.model.logprobs(&self.gpu, &acts)?;
             nll += nll_sum(&lp, micro.weights);
@@ -546,49 +471,16 @@ impl GpuTrainer {
     fn adamw_step(&self, step: u64) -> Result<AdamWStepStats, ModelError> {
         let grads = slice::<f32>(&self.grads)?;
         let sums = slice::<f32>(&self.scalar)?;
-        let (first, second) = (sums.sub(0, 1)?, sums.sub(1, 1)?);
+        let first = sums.sub(0, 1)?;
         self.gpu.zero(sums)?;
-        let mut sum = [0.0f32; 2];
         let norm_sq = match &self.group {
             None => {
+                let mut sum = [0.0f32; 2];
                 self.gpu.sum_of_squares(first, grads)?;
                 self.gpu.download(&mut sum, sums)?;
                 sum[0]
             }
-            Some(group) => match &group.split {
-                Parallel::Data => {
-                    // The sum's atomics add in any order, so replicas of the same gradients
-                    // can differ in the last bit; rank 0's sum clips every rank alike, keeping
-                    // the replicas equal.
-                    self.gpu.sum_of_squares(first, grads)?;
-                    group.comm().broadcast(first, 0)?;
-                    self.gpu.download(&mut sum, sums)?;
-                    sum[0]
-                }
-                Parallel::Tensor { replicated } => {
-                    // Shards in the first sum, whole tensors (the same on every rank) in the
-                    // second: summed over the group, the second counts them `world` times.
-                    let mut start = 0;
-                    for range in replicated
-                        .iter()
-                        .chain(std::iter::once(&(grads.len()..grads.len())))
-                    {
-                        if range.start > start {
-                            self.gpu
-                                .sum_of_squares(first, grads.sub(start, range.start - start)?)?;
-                        }
-                        if !range.is_empty() {
-                            self.gpu
-                                .sum_of_squares(second, grads.sub(range.start, range.len())?)?;
-                        }
-                        start = range.end;
-                    }
-                    let comm = group.comm();
-                    comm.all_reduce_sum(sums)?;
-                    self.gpu.download(&mut sum, sums)?;
-                    sum[0] + sum[1] / comm.world_size() as f32
-                }
-            },
+            Some(group) => group.grad_norm_sq(&self.gpu, grads, sums)?,
         };
         let grad_norm = norm_sq.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
@@ -605,14 +497,6 @@ impl GpuTrainer {
             grad_norm,
             clip_scale: clip,
         })
-    }
-
-    /// The tensor-parallel group's communicator, when the trainer is one rank of one.
-    fn tensor_parallel(&self) -> Option<MutexGuard<'_, NcclComm>> {
-        self.group
-            .as_ref()
-            .filter(|group| matches!(group.split, Parallel::Tensor { .. }))
-            .map(Group::comm)
     }
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
@@ -686,6 +570,35 @@ impl GpuTrainer {
         }
         Ok(())
     }
+}
+
+/// A trainer of `config` on `gpu` from the full weights `params` for one-off work (scoring,
+/// a benchmark, one rank of a parallel benchmark): its own memory manager keeping no
+/// margin, no backup, AdamW's defaults, activations for `max_batch_tokens` tokens.
+///
+/// # Errors
+/// As [`GpuTrainer::new`].
+pub fn standalone_gpu_trainer(
+    gpu: Arc<Gpu>,
+    config: LlamaConfig,
+    params: &[f32],
+    max_batch_tokens: usize,
+) -> Result<GpuTrainer, ModelError> {
+    let device: Arc<dyn Device> = gpu.device().clone();
+    let memory = Arc::new(MemoryManager::new(
+        device,
+        ManagerSettings {
+            margin_bytes: 0,
+            disk: None,
+        },
+    )?);
+    let spec = GpuTrainerSpec {
+        config,
+        adamw: AdamWConfig::default(),
+        backup: BackupPolicy::None,
+        max_batch_tokens,
+    };
+    GpuTrainer::new(gpu, memory, spec, params)
 }
 
 impl Drop for GpuTrainer {

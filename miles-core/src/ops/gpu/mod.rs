@@ -10,8 +10,10 @@ mod paged;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod paged_tests;
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 #[allow(clippy::panic, clippy::print_stderr)]
+// With the `testing` feature alone, `model::gpu::testing` uses only the GPU and its lock.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod testing;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]

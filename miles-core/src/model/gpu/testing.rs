@@ -1,0 +1,176 @@
+//! GPU test support shared by core's GPU model tests and the backends' parallel-group tests
+//! (`miles-megatron`'s tensor-parallel pair, `miles-fsdp`'s data-parallel pair): seeded weights
+//! and batches, a memory manager over a GPU, trainer specs, two GPUs when the machine has them,
+//! and the comparison of a parallel pair's losses against one GPU's. Built for this crate's
+//! tests and behind the `testing` feature (a dev-dependency of the backend crates); it panics
+//! on failure, as tests do.
+
+use std::sync::Arc;
+
+use half::bf16;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{GpuTrainer, GpuTrainerSpec};
+use crate::device::{CudaDevice, Device, Gpu};
+use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager};
+use crate::model::{LlamaConfig, ParamLayout, TrainBatch, init_params};
+use crate::ops::AdamWConfig;
+use crate::ops::gpu::testing::TestGpu;
+
+/// Sequences in a [`Batch`].
+pub const B: usize = 3;
+/// Positions of each sequence in a [`Batch`].
+pub const T: usize = 17;
+
+/// The tiny preset.
+pub fn tiny() -> LlamaConfig {
+    LlamaConfig::preset("tiny").unwrap()
+}
+
+/// Hugging Face initialisation from `seed`, rounded to bf16 so both devices start equal.
+pub fn bf16_params(config: &LlamaConfig, seed: u64) -> Vec<f32> {
+    let layout = ParamLayout::new(config);
+    let mut params = vec![0.0; layout.len()];
+    init_params(&layout, config, seed, &mut params).unwrap();
+    params.iter().map(|&p| bf16::from_f32(p).to_f32()).collect()
+}
+
+/// Random inputs, targets and weights (some negative, as advantages are) for `B x T` tokens.
+#[derive(Debug)]
+pub struct Batch {
+    /// Input tokens, `(B, T)`.
+    pub inputs: Vec<u32>,
+    /// Target tokens, `(B, T)`.
+    pub targets: Vec<u32>,
+    /// Per-token weights, `(B, T)`.
+    pub weights: Vec<f32>,
+}
+
+impl Batch {
+    /// Tokens below `vocab` and weights, drawn from `seed`.
+    pub fn random(seed: u64, vocab: usize) -> Batch {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut ids =
+            |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
+        let (inputs, targets) = (ids(B * T), ids(B * T));
+        let weights = (0..B * T)
+            .map(|_| rng.random::<f32>() * 2.0 - 0.5)
+            .collect();
+        Batch {
+            inputs,
+            targets,
+            weights,
+        }
+    }
+
+    /// The batch, normalised by its token count.
+    pub fn view(&self) -> TrainBatch<'_> {
+        TrainBatch {
+            batch: B,
+            seq: T,
+            inputs: &self.inputs,
+            targets: &self.targets,
+            weights: &self.weights,
+            normaliser: (B * T) as f32,
+        }
+    }
+}
+
+/// A manager over the gpu's own device.
+pub fn manager(gpu: &Gpu) -> Arc<MemoryManager> {
+    let device: Arc<dyn Device> = Arc::clone(gpu.device()) as Arc<dyn Device>;
+    let settings = ManagerSettings {
+        margin_bytes: 0,
+        disk: None,
+    };
+    Arc::new(MemoryManager::new(device, settings).unwrap())
+}
+
+/// AdamW at lr 1e-2 with `backup`, activations for `max_batch_tokens` tokens.
+pub fn spec(config: LlamaConfig, backup: BackupPolicy, max_batch_tokens: usize) -> GpuTrainerSpec {
+    GpuTrainerSpec {
+        config,
+        adamw: AdamWConfig {
+            lr: 1e-2,
+            ..AdamWConfig::default()
+        },
+        backup,
+        max_batch_tokens,
+    }
+}
+
+/// Losses of a parallel pair against one GPU, relative: the same fp32 gradients summed in
+/// another order (data parallel) or bf16 partial sums (tensor parallel), then bf16 weights. At
+/// the trajectory test's learning rate (1e-2) the tiny model on random targets amplifies last
+/// bits to 4% by step 5 (call 18 of `bench/RESULTS.md`, round 14), so these tests step at 1e-3.
+pub const PARALLEL_TOLERANCE: f32 = 1e-2;
+/// Steps of a parallel pair's comparison.
+pub const PARALLEL_STEPS: u64 = 5;
+
+/// GPU 0, or `None` with a skip note unless `MILES_TEST_DEVICE=cuda`.
+pub fn one_gpu(test: &str) -> Option<Arc<Gpu>> {
+    TestGpu::open(test, 1).map(|t| Arc::new(t.gpu))
+}
+
+/// GPUs 0 (with the test's lock) and 1, or `None` with a skip note on a machine with fewer.
+pub fn two_gpus(test: &str) -> Option<[Arc<Gpu>; 2]> {
+    let t = TestGpu::open(test, 1)?;
+    match CudaDevice::open(1) {
+        Ok(second) => Some([
+            Arc::new(t.gpu),
+            Arc::new(crate::ops::gpu::open_gpu(Arc::new(second)).unwrap()),
+        ]),
+        Err(error) => {
+            eprintln!("skipping {test}: it needs two gpus ({error})");
+            None
+        }
+    }
+}
+
+/// AdamW at lr 1e-3, no backup, activations for 64 tokens.
+pub fn gentle(config: LlamaConfig) -> GpuTrainerSpec {
+    GpuTrainerSpec {
+        adamw: AdamWConfig {
+            lr: 1e-3,
+            ..AdamWConfig::default()
+        },
+        ..spec(config, BackupPolicy::None, 64)
+    }
+}
+
+/// The losses of [`PARALLEL_STEPS`] steps of `trainer` on `batch`.
+pub fn losses(trainer: &mut GpuTrainer, batch: &TrainBatch<'_>) -> Vec<f32> {
+    (1..=PARALLEL_STEPS)
+        .map(|step| trainer.train_step(batch, step).unwrap().loss)
+        .collect()
+}
+
+/// The losses of one trainer on `gpu` from `params` on the whole batch.
+pub fn losses_alone(
+    gpu: &Arc<Gpu>,
+    config: &LlamaConfig,
+    params: &[f32],
+    data: &Batch,
+) -> Vec<f32> {
+    let spec = gentle(config.clone());
+    let mut trainer = GpuTrainer::new(Arc::clone(gpu), manager(gpu), spec, params).unwrap();
+    losses(&mut trainer, &data.view())
+}
+
+/// Both ranks reported the same losses, and those follow one GPU's step by step.
+pub fn assert_pair_follows(what: &str, ranks: &[Vec<f32>], alone: &[f32]) {
+    assert_eq!(ranks[0], ranks[1], "the two ranks report different losses");
+    for (step, (got, want)) in ranks[0].iter().zip(alone).enumerate() {
+        let rel = (got - want).abs() / want.abs();
+        eprintln!(
+            "step {}: loss over two {what} gpus {got} vs one gpu {want} (relative {rel:.3e})",
+            step + 1
+        );
+        assert!(
+            rel < PARALLEL_TOLERANCE,
+            "step {}: {got} vs {want}",
+            step + 1
+        );
+    }
+}

@@ -1,0 +1,216 @@
+//! Data parallelism on GPUs, as PyTorch's DDP runs it: [`DataParallelGroup`], the
+//! [`TrainerGroup`] that makes core's GPU trainer one replica of a data-parallel group, and
+//! [`data_parallel_gpu_trainer`], which builds that replica. This backend's GPU trainer
+//! ([`gpu_trainer`](crate::gpu_trainer)) and `miles bench train` both use it.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use half::bf16;
+use miles_core::BackendError;
+use miles_core::device::{Gpu, GpuSlice, NcclComm};
+use miles_core::model::{
+    GpuTrainer, LlamaConfig, ModelError, TrainerGroup, standalone_gpu_trainer,
+};
+
+/// One replica of a data-parallel group: every rank holds every weight and trains on its part
+/// of each batch ([`TrainBatch::shard`](miles_core::model::TrainBatch::shard)), all parts with
+/// the whole batch's normaliser, and every rank starts from the same weights. After the
+/// backward pass the gradients and the loss are summed over the group (NCCL on the compute
+/// stream), so every rank takes the same optimizer step and the replicas stay equal.
+pub struct DataParallelGroup {
+    gpu: Arc<Gpu>,
+    comm: Mutex<NcclComm>,
+}
+
+impl std::fmt::Debug for DataParallelGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallelGroup").finish_non_exhaustive()
+    }
+}
+
+impl DataParallelGroup {
+    /// The group of `comm`'s ranks.
+    pub fn new(comm: NcclComm) -> DataParallelGroup {
+        DataParallelGroup {
+            gpu: Arc::clone(comm.gpu()),
+            comm: Mutex::new(comm),
+        }
+    }
+
+    fn comm(&self) -> MutexGuard<'_, NcclComm> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl TrainerGroup for DataParallelGroup {
+    fn name(&self) -> &'static str {
+        "data"
+    }
+
+    fn rank(&self) -> usize {
+        self.comm().rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm().world_size()
+    }
+
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn sum_row_parallel(&self, _x: GpuSlice<bf16>) -> Result<(), ModelError> {
+        // Each replica holds whole weights: its products are whole already.
+        Ok(())
+    }
+
+    fn after_backward(
+        &self,
+        gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        scalar: GpuSlice<f32>,
+        nll: f64,
+    ) -> Result<f64, ModelError> {
+        let comm = self.comm();
+        comm.all_reduce_sum(grads)?;
+        gpu.upload(scalar, &[nll as f32])?;
+        comm.all_reduce_sum(scalar)?;
+        let mut sum = [0.0f32];
+        gpu.download(&mut sum, scalar)?;
+        Ok(f64::from(sum[0]))
+    }
+
+    fn grad_norm_sq(
+        &self,
+        gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        sums: GpuSlice<f32>,
+    ) -> Result<f32, ModelError> {
+        // The sum's atomics add in any order, so replicas of the same gradients can differ in
+        // the last bit; rank 0's sum clips every rank alike, keeping the replicas equal.
+        let first = sums.sub(0, 1)?;
+        gpu.sum_of_squares(first, grads)?;
+        self.comm().broadcast(first, 0)?;
+        let mut sum = [0.0f32; 2];
+        gpu.download(&mut sum, sums)?;
+        Ok(sum[0])
+    }
+}
+
+/// A data-parallel replica on `gpu`, rank `comm.rank()` of `comm`'s group, from the full
+/// weights `params` of `config` (the same on every rank), for one-off work (a benchmark): a
+/// [`standalone_gpu_trainer`] trainer with activations for `max_batch_tokens` tokens (this
+/// rank's part of a batch), joined to a [`DataParallelGroup`].
+///
+/// # Errors
+/// [`BackendError::Model`] when the trainer cannot be built or `comm` is on another GPU.
+pub fn data_parallel_gpu_trainer(
+    gpu: Arc<Gpu>,
+    config: LlamaConfig,
+    params: &[f32],
+    comm: NcclComm,
+    max_batch_tokens: usize,
+) -> Result<GpuTrainer, BackendError> {
+    let mut trainer = standalone_gpu_trainer(gpu, config, params, max_batch_tokens)?;
+    trainer.join(Box::new(DataParallelGroup::new(comm)))?;
+    Ok(trainer)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
+mod tests {
+    //! Two-GPU tests of the data-parallel group. On a GPU machine: `MILES_TEST_DEVICE=cuda
+    //! cargo test -p miles-fsdp gpu_ -- --test-threads=1`; elsewhere (or with one GPU) they
+    //! skip.
+
+    use std::sync::Arc;
+
+    use miles_core::device::{Gpu, NcclComm};
+    use miles_core::model::gpu_testing::{
+        Batch, assert_pair_follows, bf16_params, gentle, losses, losses_alone, manager, one_gpu,
+        tiny, two_gpus,
+    };
+    use miles_core::model::{GpuTrainer, ModelError};
+
+    use super::*;
+
+    #[test]
+    fn gpu_data_parallel_pair_follows_one_gpu_and_keeps_its_replicas_equal() {
+        let Some(gpus) = two_gpus("gpu_data_parallel_pair_follows_one_gpu") else {
+            return;
+        };
+        let config = tiny();
+        let params = Arc::new(bf16_params(&config, 51));
+        let data = Arc::new(Batch::random(52, config.vocab_size));
+        let alone = losses_alone(&gpus[0], &config, &params, &data);
+        let id = NcclComm::unique_id().unwrap();
+        let ranks: Vec<_> = gpus
+            .iter()
+            .enumerate()
+            .map(|(rank, gpu)| {
+                let (gpu, config) = (Arc::clone(gpu), config.clone());
+                let (params, data) = (Arc::clone(&params), Arc::clone(&data));
+                std::thread::spawn(move || {
+                    let mut trainer =
+                        GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params)
+                            .unwrap();
+                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                    trainer
+                        .join(Box::new(DataParallelGroup::new(comm)))
+                        .unwrap();
+                    let batch = data.view();
+                    let part = batch.shard(rank, 2).unwrap();
+                    (
+                        losses(&mut trainer, &part),
+                        trainer.master_params().unwrap(),
+                    )
+                })
+            })
+            .collect();
+        let (losses, masters): (Vec<_>, Vec<_>) =
+            ranks.into_iter().map(|r| r.join().unwrap()).unzip();
+        assert!(
+            masters[0] == masters[1],
+            "the replicas' master weights drifted apart"
+        );
+        let first = (losses[0][0] - alone[0]).abs() / alone[0].abs();
+        assert!(
+            first < 1e-5,
+            "step 1 starts from the same weights on the same tokens: {} vs {}",
+            losses[0][0],
+            alone[0]
+        );
+        assert_pair_follows("data-parallel", &losses, &alone);
+    }
+
+    #[test]
+    fn gpu_trainer_joins_one_group_and_only_on_its_own_gpu() {
+        let test = "gpu_trainer_joins_one_group_and_only_on_its_own_gpu";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        let config = tiny();
+        let params = bf16_params(&config, 71);
+        let data = Batch::random(72, config.vocab_size);
+        let mut trainer =
+            GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params).unwrap();
+        let alone = |gpu: &Arc<Gpu>| {
+            let comm =
+                NcclComm::new(Arc::clone(gpu), NcclComm::unique_id().unwrap(), 0, 1).unwrap();
+            Box::new(DataParallelGroup::new(comm))
+        };
+        // Another compute handle on the same device is not the trainer's stream.
+        let other = Arc::new(miles_core::ops::gpu::open_gpu(Arc::clone(gpu.device())).unwrap());
+        assert!(matches!(
+            trainer.join(alone(&other)),
+            Err(ModelError::DeviceMismatch)
+        ));
+        trainer.join(alone(&gpu)).unwrap();
+        assert!(matches!(
+            trainer.join(alone(&gpu)),
+            Err(ModelError::Config(_))
+        ));
+        let loss = trainer.train_step(&data.view(), 1).unwrap().loss;
+        assert!(loss.is_finite(), "a group of one still trains: loss {loss}");
+    }
+}

@@ -1,0 +1,243 @@
+//! Megatron's tensor parallelism on GPUs: [`TensorParallelGroup`], the [`TrainerGroup`] that
+//! makes core's GPU trainer one rank of a tensor-parallel group, and
+//! [`tensor_parallel_gpu_trainer`], which shards the full weights and builds that rank.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use half::bf16;
+use miles_core::BackendError;
+use miles_core::device::{Gpu, GpuSlice, NcclComm};
+use miles_core::model::{
+    GpuTrainer, LlamaConfig, ModelError, ParamLayout, TrainerGroup, standalone_gpu_trainer,
+};
+
+use crate::shard::{Split, scatter, shard_config, split_of};
+
+/// One rank of a tensor-parallel group, Megatron's way: the rank's trainer holds its shard of
+/// the model ([`shard_weights`]): q, k, v, gate and up hold their rows, o and down their
+/// columns, and the embedding, norms and head are whole on every rank. Every rank sees the
+/// whole batch. The forward pass sums the o and down products over the group, the backward
+/// pass the gradients entering the two norms of each layer (bf16, NCCL); the whole tensors'
+/// gradients are then rank 0's on every rank (the kernels' atomics may differ in the last bit),
+/// so those tensors stay equal, and the gradient norm counts them once.
+pub struct TensorParallelGroup {
+    gpu: Arc<Gpu>,
+    comm: Mutex<NcclComm>,
+    /// The parameter ranges every rank holds whole.
+    replicated: Vec<Range<usize>>,
+}
+
+impl std::fmt::Debug for TensorParallelGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallelGroup")
+            .field("replicated", &self.replicated.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TensorParallelGroup {
+    /// The group of `comm`'s ranks, for a trainer whose shard is laid out by `layout` (the
+    /// [`ParamLayout`] of [`shard_config`]'s config).
+    pub fn new(comm: NcclComm, layout: &ParamLayout) -> TensorParallelGroup {
+        let replicated = layout
+            .specs()
+            .iter()
+            .filter(|spec| split_of(spec.kind) == Split::Replicated)
+            .map(|spec| spec.range())
+            .collect();
+        TensorParallelGroup {
+            gpu: Arc::clone(comm.gpu()),
+            comm: Mutex::new(comm),
+            replicated,
+        }
+    }
+
+    fn comm(&self) -> MutexGuard<'_, NcclComm> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl TrainerGroup for TensorParallelGroup {
+    fn name(&self) -> &'static str {
+        "tensor"
+    }
+
+    fn rank(&self) -> usize {
+        self.comm().rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm().world_size()
+    }
+
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn sum_row_parallel(&self, x: GpuSlice<bf16>) -> Result<(), ModelError> {
+        Ok(self.comm().all_reduce_sum_bf16(x)?)
+    }
+
+    fn after_backward(
+        &self,
+        _gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        _scalar: GpuSlice<f32>,
+        nll: f64,
+    ) -> Result<f64, ModelError> {
+        let comm = self.comm();
+        for range in &self.replicated {
+            comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
+        }
+        // Every rank saw the whole batch: `nll` is the same on every rank.
+        Ok(nll)
+    }
+
+    fn grad_norm_sq(
+        &self,
+        gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        sums: GpuSlice<f32>,
+    ) -> Result<f32, ModelError> {
+        // Shards in the first sum, whole tensors (the same on every rank) in the second:
+        // summed over the group, the second counts them `world` times.
+        let (first, second) = (sums.sub(0, 1)?, sums.sub(1, 1)?);
+        let mut start = 0;
+        for range in self
+            .replicated
+            .iter()
+            .chain(std::iter::once(&(grads.len()..grads.len())))
+        {
+            if range.start > start {
+                gpu.sum_of_squares(first, grads.sub(start, range.start - start)?)?;
+            }
+            if !range.is_empty() {
+                gpu.sum_of_squares(second, grads.sub(range.start, range.len())?)?;
+            }
+            start = range.end;
+        }
+        let comm = self.comm();
+        comm.all_reduce_sum(sums)?;
+        let mut sum = [0.0f32; 2];
+        gpu.download(&mut sum, sums)?;
+        Ok(sum[0] + sum[1] / comm.world_size() as f32)
+    }
+}
+
+/// Rank `rank`'s shard of a model of `config` over `tp` ranks: its config and its part of the
+/// full weights `params`.
+///
+/// # Errors
+/// [`BackendError::Settings`] when `tp` does not divide the heads or the MLP width, or `rank`
+/// is not below `tp`; [`BackendError::Model`] for `params` of the wrong length.
+pub fn shard_weights(
+    config: &LlamaConfig,
+    params: &[f32],
+    rank: usize,
+    tp: usize,
+) -> Result<(LlamaConfig, Vec<f32>), BackendError> {
+    let local_config = shard_config(config, tp)?;
+    if rank >= tp {
+        return Err(crate::error::invalid(format!(
+            "tensor-parallel rank {rank} is not below the group's {tp} ranks; start one process a rank"
+        )));
+    }
+    let full_layout = ParamLayout::new(config);
+    full_layout.check("params", params)?;
+    let local_layout = ParamLayout::new(&local_config);
+    let mut local = vec![0.0; local_layout.len()];
+    scatter(&full_layout, &local_layout, params, &mut local, rank);
+    Ok((local_config, local))
+}
+
+/// Megatron's tensor-parallel trainer on `gpu`, rank `comm.rank()` of `comm`'s group, from the
+/// full weights `params` of `config`, for one-off work (a benchmark): its shard
+/// ([`shard_weights`]) in a [`standalone_gpu_trainer`] trainer with activations for
+/// `max_batch_tokens` tokens, joined to a [`TensorParallelGroup`].
+///
+/// # Errors
+/// As [`shard_weights`] (naming `--tensor-model-parallel-size`); [`BackendError::Model`] when
+/// the trainer cannot be built or `comm` is on another GPU.
+pub fn tensor_parallel_gpu_trainer(
+    gpu: Arc<Gpu>,
+    config: &LlamaConfig,
+    params: &[f32],
+    comm: NcclComm,
+    max_batch_tokens: usize,
+) -> Result<GpuTrainer, BackendError> {
+    let (local_config, local) = shard_weights(config, params, comm.rank(), comm.world_size())?;
+    let mut trainer = standalone_gpu_trainer(gpu, local_config, &local, max_batch_tokens)?;
+    let group = TensorParallelGroup::new(comm, trainer.layout());
+    trainer.join(Box::new(group))?;
+    Ok(trainer)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
+mod tests {
+    //! The two-GPU test of the tensor-parallel group. On a GPU machine:
+    //! `MILES_TEST_DEVICE=cuda cargo test -p miles-megatron gpu_ -- --test-threads=1`; elsewhere
+    //! (or with one GPU) it skips.
+
+    use std::sync::Arc;
+
+    use miles_core::device::NcclComm;
+    use miles_core::model::gpu_testing::{
+        Batch, assert_pair_follows, bf16_params, gentle, losses, losses_alone, manager, tiny,
+        two_gpus,
+    };
+
+    use super::*;
+
+    #[test]
+    fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() {
+        let Some(gpus) = two_gpus("gpu_tensor_parallel_pair_follows_one_gpu") else {
+            return;
+        };
+        let config = tiny();
+        let params = Arc::new(bf16_params(&config, 61));
+        let data = Arc::new(Batch::random(62, config.vocab_size));
+        let alone = losses_alone(&gpus[0], &config, &params, &data);
+        let id = NcclComm::unique_id().unwrap();
+        let ranks: Vec<_> = gpus
+            .iter()
+            .enumerate()
+            .map(|(rank, gpu)| {
+                let (gpu, config) = (Arc::clone(gpu), config.clone());
+                let (params, data) = (Arc::clone(&params), Arc::clone(&data));
+                std::thread::spawn(move || {
+                    let (local_config, local) = shard_weights(&config, &params, rank, 2).unwrap();
+                    let layout = ParamLayout::new(&local_config);
+                    let mut trainer = GpuTrainer::new(
+                        Arc::clone(&gpu),
+                        manager(&gpu),
+                        gentle(local_config),
+                        &local,
+                    )
+                    .unwrap();
+                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                    trainer
+                        .join(Box::new(TensorParallelGroup::new(comm, &layout)))
+                        .unwrap();
+                    let steps = losses(&mut trainer, &data.view());
+                    let master = trainer.master_params().unwrap();
+                    let whole: Vec<f32> = layout
+                        .specs()
+                        .iter()
+                        .filter(|spec| split_of(spec.kind) == Split::Replicated)
+                        .flat_map(|spec| master[spec.range()].to_vec())
+                        .collect();
+                    (steps, whole)
+                })
+            })
+            .collect();
+        let (losses, whole): (Vec<_>, Vec<_>) =
+            ranks.into_iter().map(|r| r.join().unwrap()).unzip();
+        assert!(
+            whole[0] == whole[1],
+            "the ranks' embedding, norms or head drifted apart"
+        );
+        assert_pair_follows("tensor-parallel", &losses, &alone);
+    }
+}
