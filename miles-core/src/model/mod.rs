@@ -5,6 +5,8 @@ mod checkpoint;
 mod config;
 mod decode;
 mod error;
+#[cfg(test)]
+mod family_tests;
 mod gpu;
 mod init;
 mod layout;
@@ -19,7 +21,7 @@ mod transformer;
 pub use checkpoint::{
     CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, load_config, load_params, save_checkpoint,
 };
-pub use config::LlamaConfig;
+pub use config::{LlamaConfig, ModelFamily};
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
 pub use error::ModelError;
 pub use gpu::{
