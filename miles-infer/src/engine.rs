@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use miles_core::device::Gpu;
 use miles_core::model::{
-    ByteTokenizer, DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config, load_params,
+    ByteTokenizer, DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config,
+    load_hf_params,
 };
 use miles_core::{
     BackupPolicy, Buffer, DeviceKind, DeviceWeights, MemoryManager, MemoryTag, RegionState,
@@ -315,11 +316,11 @@ impl RolloutEngine {
                 let mut view = weights
                     .view_mut::<f32>()
                     .map_err(InferError::memory("write the weights"))?;
-                load_params(dir, self.model.layout(), &mut view)?;
+                load_hf_params(dir, self.model.layout(), &mut view)?;
             }
             Backend::Gpu(_) => {
                 let mut params = vec![0.0; self.model.layout().len()];
-                load_params(dir, self.model.layout(), &mut params)?;
+                load_hf_params(dir, self.model.layout(), &mut params)?;
                 let all: Vec<(usize, &[f32])> = self
                     .model
                     .layout()

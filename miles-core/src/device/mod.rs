@@ -15,6 +15,7 @@ mod error;
 #[cfg(test)]
 mod faulty;
 mod host;
+mod mapped;
 mod open;
 pub mod probe;
 mod view;
@@ -31,6 +32,7 @@ pub use error::DeviceError;
 #[cfg(test)]
 pub(crate) use faulty::FaultyDevice;
 pub use host::HostDevice;
+pub use mapped::MappedFile;
 pub use open::{OpenedDevice, open, open_on, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 

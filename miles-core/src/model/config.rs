@@ -212,11 +212,14 @@ impl LlamaConfig {
     }
 
     fn from_value(value: Value) -> Result<Self, ModelError> {
-        let Value::Object(raw) = value else {
+        let Value::Object(mut raw) = value else {
             return Err(ModelError::Config(
                 "config.json must be a JSON object".into(),
             ));
         };
+        // The dtype of the stored weights, rewritten by whoever saves them.
+        raw.remove("torch_dtype");
+        raw.remove("dtype");
         let mut p = Problems::default();
         let family = match raw.get("model_type") {
             None => ModelFamily::Llama,
@@ -392,14 +395,11 @@ impl LlamaConfig {
         self.to_json_string_in("float32")
     }
 
-    /// The config as `config.json` text: the JSON it was read from, with `torch_dtype` (and
-    /// `dtype`, which transformers 5 writes, when it was there) set to `dtype`.
+    /// The config as `config.json` text: the JSON it was read from, with `torch_dtype` set to
+    /// `dtype`.
     pub fn to_json_string_in(&self, dtype: &str) -> String {
         let mut raw = self.raw.clone();
         raw.insert("torch_dtype".into(), Value::String(dtype.into()));
-        if raw.contains_key("dtype") {
-            raw.insert("dtype".into(), Value::String(dtype.into()));
-        }
         let mut text = serde_json::to_string_pretty(&Value::Object(raw)).unwrap_or_default();
         text.push('\n');
         text

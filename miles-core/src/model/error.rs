@@ -105,6 +105,16 @@ pub enum ModelError {
         /// What the library said.
         reason: String,
     },
+    /// A buffer larger than the machine can allocate.
+    #[error(
+        "cannot allocate {bytes} bytes for {what}; use a machine with more memory or a smaller model"
+    )]
+    OutOfMemory {
+        /// What the buffer holds.
+        what: &'static str,
+        /// Its size.
+        bytes: u64,
+    },
     /// A checkpoint whose tensors do not match the config's layout.
     #[error("checkpoint {path} does not match its config: {problems}")]
     CheckpointMismatch {

@@ -201,6 +201,18 @@ impl ParamLayout {
         }
     }
 
+    /// A layout of the tensors `specs` alone, keeping their offsets into the full buffer (to
+    /// write a part of the model, e.g. one safetensors shard).
+    pub(crate) fn subset(specs: &[&TensorSpec]) -> Self {
+        Self {
+            specs: specs.iter().map(|s| (*s).clone()).collect(),
+            layer_kinds: Vec::new(),
+            num_layers: 0,
+            tied: false,
+            len: specs.iter().map(|s| s.range().end).max().unwrap_or(0),
+        }
+    }
+
     /// Every tensor, in buffer order.
     pub fn specs(&self) -> &[TensorSpec] {
         &self.specs

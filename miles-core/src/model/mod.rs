@@ -19,7 +19,9 @@ mod train;
 mod transformer;
 
 pub use checkpoint::{
-    CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, load_config, load_params, save_checkpoint,
+    CONFIG_FILE, DEFAULT_SHARD_BYTES, INDEX_FILE, MASTER_FILE, SaveDtype, SaveOptions,
+    TOKENIZER_FILES, WEIGHTS_FILE, alloc_params, copy_tokenizer_files, export_hf, load_checkpoint,
+    load_config, load_hf_checkpoint, load_hf_params, load_params, save_checkpoint, write_hf,
 };
 pub use config::{LlamaConfig, ModelFamily};
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
