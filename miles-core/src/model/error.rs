@@ -105,6 +105,14 @@ pub enum ModelError {
         /// What the library said.
         reason: String,
     },
+    /// A tokenizer that cannot be loaded or used.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// A buffer larger than the machine can allocate.
     #[error(
         "cannot allocate {bytes} bytes for {what}; use a machine with more memory or a smaller model"

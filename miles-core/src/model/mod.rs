@@ -8,6 +8,7 @@ mod error;
 #[cfg(test)]
 mod family_tests;
 mod gpu;
+mod hf_tokenizer;
 mod init;
 mod layout;
 mod passes;
@@ -29,6 +30,7 @@ pub use error::ModelError;
 pub use gpu::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTrainer, GpuTrainerSpec, GpuTransformer,
 };
+pub use hf_tokenizer::{TOKENIZER_FILE, Tokenizer};
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
 pub use tensor_parallel::{Split, gather_tensor, scatter, shard_config, split_of};
