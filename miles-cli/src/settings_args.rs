@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use miles_core::config::{
     AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, RawSettings,
-    Settings, Task, TrainBackendKind,
+    SaveDtype, Settings, Task, TrainBackendKind,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -128,6 +128,20 @@ pub struct SettingsArgs {
     /// Softmax temperature of rollout sampling, 0 is greedy [default: 1.0]
     #[arg(long, value_name = "T", help_heading = "Run")]
     pub rollout_temperature: Option<f64>,
+
+    // Hugging Face models in and out (issue 19).
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json): the model's
+    /// shape, every numeric field, the weights and the tokenizer come from it, not --preset
+    #[arg(long, value_name = "DIR", help_heading = "Model")]
+    pub hf_checkpoint: Option<PathBuf>,
+    /// dtype of the Hugging Face weights --save writes (fp32 master weights are kept beside
+    /// for --load) [default: bf16]
+    #[arg(long, value_name = "bf16|fp32", help_heading = "Model")]
+    pub save_dtype: Option<SaveDtype>,
+    /// Bytes per safetensors file --save writes; above it the weights are sharded with an
+    /// index [default: 5000000000]
+    #[arg(long, value_name = "BYTES", help_heading = "Model")]
+    pub save_shard_size: Option<u64>,
 }
 
 impl SettingsArgs {
@@ -192,6 +206,9 @@ impl SettingsArgs {
             task: self.task,
             sft_warmup_steps: self.sft_warmup_steps,
             rollout_temperature: self.rollout_temperature,
+            hf_checkpoint: self.hf_checkpoint.clone(),
+            save_dtype: self.save_dtype,
+            save_shard_size: self.save_shard_size,
         }
     }
 }

@@ -16,7 +16,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::device::NcclComm;
-use miles_core::model::{ByteTokenizer, LlamaConfig};
+use miles_core::model::{ByteTokenizer, LlamaConfig, Tokenizer};
 use miles_core::orchestrator::{Critic, LmCritic, LoopConfig, Orchestrator, RolloutEngine};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
 
@@ -51,9 +51,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(env) = &env {
         check_ranks(&settings, env)?;
     }
-    let model = LlamaConfig::preset(&settings.preset)
-        .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
-    let tokenizer = ByteTokenizer::from_config(&model)?;
+    let model = crate::model_cmd::model_config(&settings)?;
+    let tokenizer = match &settings.hf_checkpoint {
+        Some(dir) => Tokenizer::from_dir(dir, &model).map_err(crate::model_cmd::bad_model(dir))?,
+        None => ByteTokenizer::from_config(&model)?.into(),
+    };
     let engine = build_engine(&settings, &model)?;
     let job = match &env {
         Some(env) => {
@@ -69,7 +71,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     let (mut group, comm) = job.map_or((None, None), |(group, comm)| (Some(group), Some(comm)));
     let actor = build_actor(&settings, comm)?;
-    let critic = build_critic(&settings, tokenizer.pad)?;
+    let critic = build_critic(&settings, tokenizer.pad())?;
     let rank = env.as_ref().map_or(0, |env| env.rank);
     let mut loop_config = LoopConfig::from_settings(&settings);
     loop_config.seed += rank as u64;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use miles_core::device::Gpu;
 use miles_core::model::{
-    ByteTokenizer, DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config,
+    DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config,
     load_hf_params,
 };
 use miles_core::{
@@ -122,7 +122,6 @@ pub struct Generation {
 pub struct RolloutEngine {
     memory: Arc<MemoryManager>,
     model: Transformer,
-    tokenizer: ByteTokenizer,
     config: EngineConfig,
     backend: Backend,
     tables: BlockTables,
@@ -150,7 +149,7 @@ impl RolloutEngine {
     /// [`InferError::BadParameter`] for a zero block size or batch, a cache of no block, or a
     /// memory manager on a CUDA device (build that engine with [`on_gpu`](Self::on_gpu));
     /// [`InferError::Memory`] when a region exists or the device is out of memory;
-    /// [`InferError::Model`] for a config without the byte tokenizer's ids.
+    /// [`InferError::Model`] for a model the engine cannot compute.
     pub fn new(
         memory: Arc<MemoryManager>,
         model_config: LlamaConfig,
@@ -198,7 +197,6 @@ impl RolloutEngine {
                 "block_size and max_batch must be at least 1".into(),
             ));
         }
-        let tokenizer = ByteTokenizer::from_config(&model_config)?;
         let model = Transformer::new(model_config);
         let c = model.config();
         // fp32 on the CPU, bf16 on the GPU.
@@ -268,7 +266,6 @@ impl RolloutEngine {
             loaded: vec![false; model.layout().specs().len()],
             memory,
             model,
-            tokenizer,
             config,
             backend,
         })
@@ -439,10 +436,6 @@ impl RolloutEngine {
         self.model.config()
     }
 
-    /// The tokenizer of the model.
-    pub fn tokenizer(&self) -> &ByteTokenizer {
-        &self.tokenizer
-    }
 
     /// The engine's config.
     pub fn config(&self) -> &EngineConfig {

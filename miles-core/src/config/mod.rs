@@ -16,6 +16,7 @@ pub use choice::{
     AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
     TrainBackendKind, UnknownChoice,
 };
+pub use choice::SaveDtype;
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use raw::RawSettings;
 pub use settings::{Settings, Source, Sources};

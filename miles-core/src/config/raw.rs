@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task,
+    AdvantageEstimator, ConfigError, SaveDtype, DeviceChoice, MomentDtype, OffloadTarget, Task,
     TrainBackendKind,
 };
 
@@ -87,6 +87,14 @@ pub struct RawSettings {
     pub sft_warmup_steps: Option<u64>,
     /// `--rollout-temperature`.
     pub rollout_temperature: Option<f64>,
+
+    // Hugging Face models in and out (issue 19).
+    /// `--hf-checkpoint`.
+    pub hf_checkpoint: Option<PathBuf>,
+    /// `--save-dtype`.
+    pub save_dtype: Option<SaveDtype>,
+    /// `--save-shard-size`.
+    pub save_shard_size: Option<u64>,
 }
 
 impl RawSettings {

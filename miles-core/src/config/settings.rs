@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Task, TrainBackendKind,
+    RawSettings, RolloutOffloadLevel, SaveDtype, Task, TrainBackendKind,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -88,6 +88,14 @@ pub struct Settings {
     pub sft_warmup_steps: u64,
     /// Softmax temperature of rollout sampling (0 is greedy).
     pub rollout_temperature: f64,
+
+    // Hugging Face models in and out (issue 19).
+    /// Hugging Face model directory the model's config, weights and tokenizer come from.
+    pub hf_checkpoint: Option<PathBuf>,
+    /// dtype of the Hugging Face weights `--save` writes.
+    pub save_dtype: SaveDtype,
+    /// Bytes per safetensors file `--save` writes at most (sharded with an index above).
+    pub save_shard_size: u64,
     /// Where each value came from.
     #[serde(skip)]
     pub sources: Sources,
@@ -130,6 +138,9 @@ impl Default for Settings {
             task: Task::Repeat,
             sft_warmup_steps: 0,
             rollout_temperature: 1.0,
+            hf_checkpoint: None,
+            save_dtype: SaveDtype::Bf16,
+            save_shard_size: 5_000_000_000,
             sources: Sources::default(),
         }
     }
@@ -315,6 +326,9 @@ impl Settings {
             task: pick!(task),
             sft_warmup_steps: pick!(sft_warmup_steps),
             rollout_temperature: pick!(rollout_temperature),
+            hf_checkpoint: pick_optional!(hf_checkpoint),
+            save_dtype: pick!(save_dtype),
+            save_shard_size: pick!(save_shard_size),
             sources: Sources::default(),
         };
         settings.sources = s;

@@ -3,13 +3,14 @@
 //! `transformers.AutoModelForCausalLM.from_pretrained(dir)` loads them unchanged; the tokenizer
 //! files beside; a trainer's fp32 master weights in a folder of their own.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use super::{LlamaConfig, ModelError, ParamLayout, TensorSpec};
+use crate::config::SaveDtype;
 use crate::device::MappedFile;
 
 fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ModelError + 'a {
@@ -40,36 +41,27 @@ pub const TOKENIZER_FILES: [&str; 6] = [
     "tokenizer.model",
 ];
 
-/// The dtype of saved Hugging Face weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum SaveDtype {
-    /// bfloat16, as released checkpoints are.
-    #[default]
-    Bf16,
-    /// float32, every bit of the trainer's master weights.
-    F32,
-}
-
+/// How weights of each save dtype are stored.
 impl SaveDtype {
     /// The `torch_dtype` of config.json.
     pub fn torch_name(self) -> &'static str {
         match self {
             Self::Bf16 => "bfloat16",
-            Self::F32 => "float32",
+            Self::Fp32 => "float32",
         }
     }
 
     fn dtype(self) -> Dtype {
         match self {
             Self::Bf16 => Dtype::BF16,
-            Self::F32 => Dtype::F32,
+            Self::Fp32 => Dtype::F32,
         }
     }
 
     fn bytes(self) -> usize {
         match self {
             Self::Bf16 => 2,
-            Self::F32 => 4,
+            Self::Fp32 => 4,
         }
     }
 
@@ -79,19 +71,7 @@ impl SaveDtype {
                 .iter()
                 .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
                 .collect(),
-            Self::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        }
-    }
-}
-
-impl std::str::FromStr for SaveDtype {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "fp32" | "f32" | "float32" => Ok(Self::F32),
-            other => Err(format!("`{other}` is not a save dtype; use bf16 or fp32")),
+            Self::Fp32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
 }
@@ -139,7 +119,7 @@ pub fn save_checkpoint(
     if let Some(parent) = master.parent() {
         std::fs::create_dir_all(parent).map_err(io("create", parent))?;
     }
-    write_specs(&master, layout, params, SaveDtype::F32)?;
+    write_specs(&master, layout, params, SaveDtype::Fp32)?;
     write_hf(dir, config, layout, params, &SaveOptions::default())
 }
 
@@ -309,7 +289,7 @@ pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Resu
     let master = dir.join(MASTER_FILE);
     if master.exists() {
         layout.check("params", params)?;
-        return read_files(&[master], layout, params, None);
+        return read_files(&[master], layout, Some(params), None).map(|_| ());
     }
     load_hf_params(dir, layout, params)
 }
@@ -335,9 +315,38 @@ pub fn load_hf_params(
     params: &mut [f32],
 ) -> Result<(), ModelError> {
     layout.check("params", params)?;
+    read_hf(dir, layout, Some(params)).map(|_| ())
+}
+
+/// What the Hugging Face weights of `dir` hold, checked against `layout` from the files'
+/// headers alone (no tensor is read).
+///
+/// # Errors
+/// As [`load_hf_params`].
+pub fn inspect_hf_weights(dir: &Path, layout: &ParamLayout) -> Result<WeightsSummary, ModelError> {
+    read_hf(dir, layout, None)
+}
+
+/// The weight files of a Hugging Face directory and the dtypes of their tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightsSummary {
+    /// The safetensors files, in the order read.
+    pub files: Vec<PathBuf>,
+    /// Tensors of each dtype (`BF16`, `F32`, ...).
+    pub dtypes: BTreeMap<String, usize>,
+}
+
+/// Checks (and, given `params`, reads) the Hugging Face weights of `dir`.
+fn read_hf(
+    dir: &Path,
+    layout: &ParamLayout,
+    params: Option<&mut [f32]>,
+) -> Result<WeightsSummary, ModelError> {
     let index_path = dir.join(INDEX_FILE);
     if !index_path.exists() {
-        return read_files(&[dir.join(WEIGHTS_FILE)], layout, params, None);
+        let files = vec![dir.join(WEIGHTS_FILE)];
+        let dtypes = read_files(&files, layout, params, None)?;
+        return Ok(WeightsSummary { files, dtypes });
     }
     let text = super::config::read_small_file(&index_path, 64 << 20)?;
     let index: serde_json::Value =
@@ -375,16 +384,22 @@ pub fn load_hf_params(
         }
     }
     let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
-    read_files(&paths, layout, params, Some(&index_path))
+    let dtypes = read_files(&paths, layout, params, Some(&index_path))?;
+    Ok(WeightsSummary {
+        files: paths,
+        dtypes,
+    })
 }
 
-/// Reads the tensors of `files` into `params`; `index` names the index file in messages.
+/// Checks the tensors of `files` against `layout` and, given `params`, reads them into it;
+/// returns the count of tensors of each dtype. `index` names the index file in messages.
 fn read_files(
     files: &[PathBuf],
     layout: &ParamLayout,
-    params: &mut [f32],
+    mut params: Option<&mut [f32]>,
     index: Option<&Path>,
-) -> Result<(), ModelError> {
+) -> Result<BTreeMap<String, usize>, ModelError> {
+    let mut dtypes = BTreeMap::new();
     let by_name: HashMap<&str, &TensorSpec> = layout
         .specs()
         .iter()
@@ -432,6 +447,16 @@ fn read_files(
                 ));
                 continue;
             }
+            *dtypes.entry(format!("{:?}", t.dtype())).or_insert(0) += 1;
+            let Some(params) = params.as_deref_mut() else {
+                if !matches!(t.dtype(), Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+                    problems.push(format!(
+                        "{name} has dtype {:?}, expected F32, BF16 or F16",
+                        t.dtype()
+                    ));
+                }
+                continue;
+            };
             let dst = &mut params[spec.range()];
             let data = t.data();
             match t.dtype() {
@@ -470,7 +495,7 @@ fn read_files(
             problems: problems.join("; "),
         });
     }
-    Ok(())
+    Ok(dtypes)
 }
 
 /// Reads a whole checkpoint: its config and a fresh parameter buffer (its master weights when
@@ -664,7 +689,7 @@ mod tests {
         let (_, hf) = load_hf_checkpoint(dir.path()).unwrap();
         assert_ne!(hf, params, "the hugging face weights are bf16");
         let options = SaveOptions {
-            dtype: SaveDtype::F32,
+            dtype: SaveDtype::Fp32,
             ..SaveOptions::default()
         };
         export_hf(dir.path(), &options).unwrap();

@@ -183,6 +183,57 @@ impl LlamaConfig {
         Self::from_json_str(json)
     }
 
+    /// The model a run computes: the config.json of `--hf-checkpoint`, else that of the
+    /// checkpoint `--load` resumes (its actor's), else `--preset`'s. With both flags the two
+    /// configs must describe the same model.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming the flag and every differing field; the errors of
+    /// [`from_file`](Self::from_file) and [`preset`](Self::preset).
+    pub fn from_settings(s: &crate::config::Settings) -> Result<Self, ModelError> {
+        let named = |flag: &str, dir: &Path| {
+            let flag = flag.to_string();
+            let dir = dir.display().to_string();
+            move |e: ModelError| ModelError::Config(format!("{flag} {dir}: {e}"))
+        };
+        let hf = s
+            .hf_checkpoint
+            .as_deref()
+            .map(|dir| Self::from_file(&dir.join("config.json")).map_err(named("--hf-checkpoint", dir)))
+            .transpose()?;
+        let loaded = match s.load.as_deref() {
+            Some(dir) => {
+                let resolved = crate::orchestrator::resolve_checkpoint(dir)
+                    .map_err(|e| ModelError::Config(format!("--load {}: {e}", dir.display())))?;
+                let actor = resolved.join("actor").join("config.json");
+                let file = if actor.exists() {
+                    actor
+                } else {
+                    resolved.join("config.json")
+                };
+                file.exists()
+                    .then(|| Self::from_file(&file).map_err(named("--load", dir)))
+                    .transpose()?
+            }
+            None => None,
+        };
+        match (hf, loaded) {
+            (Some(hf), Some(loaded)) => {
+                let diff = hf.differences(&loaded);
+                if diff.is_empty() {
+                    Ok(hf)
+                } else {
+                    Err(ModelError::Config(format!(
+                        "--load's checkpoint is another model than --hf-checkpoint's ({}); load a checkpoint of this model",
+                        diff.join(", ")
+                    )))
+                }
+            }
+            (Some(c), None) | (None, Some(c)) => Ok(c),
+            (None, None) => Self::preset(&s.preset),
+        }
+    }
+
     /// Names of the built-in presets.
     pub fn preset_names() -> Vec<&'static str> {
         PRESETS.iter().map(|(n, _)| *n).collect()

@@ -20,9 +20,10 @@ mod train;
 mod transformer;
 
 pub use checkpoint::{
-    CONFIG_FILE, DEFAULT_SHARD_BYTES, INDEX_FILE, MASTER_FILE, SaveDtype, SaveOptions,
-    TOKENIZER_FILES, WEIGHTS_FILE, alloc_params, copy_tokenizer_files, export_hf, load_checkpoint,
-    load_config, load_hf_checkpoint, load_hf_params, load_params, save_checkpoint, write_hf,
+    CONFIG_FILE, DEFAULT_SHARD_BYTES, INDEX_FILE, MASTER_FILE, SaveOptions, TOKENIZER_FILES,
+    WEIGHTS_FILE, WeightsSummary, alloc_params, copy_tokenizer_files, export_hf,
+    inspect_hf_weights, load_checkpoint, load_config, load_hf_checkpoint, load_hf_params,
+    load_params, save_checkpoint, write_hf,
 };
 pub use config::{LlamaConfig, ModelFamily};
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
