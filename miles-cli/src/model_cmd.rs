@@ -8,12 +8,13 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use miles_core::DeviceChoice;
-use miles_core::device::Gpu;
 use miles_core::Settings;
+use miles_core::config::SaveDtype;
+use miles_core::device::Gpu;
 use miles_core::model::{
-    CONFIG_FILE, LlamaConfig, ModelError, ParamLayout, Tokenizer, Transformer, alloc_params,
-    init_params, inspect_hf_weights, load_hf_params, save_checkpoint, score_tokens,
-    scoring_batch,
+    CONFIG_FILE, LlamaConfig, ModelError, ParamLayout, SaveOptions, Tokenizer, Transformer,
+    alloc_params, init_params, inspect_hf_weights, load_hf_params, score_tokens, scoring_batch,
+    write_hf,
 };
 
 use crate::settings_args::BadSettings;
@@ -61,7 +62,7 @@ pub struct InitArgs {
     /// a large one gives sharp next-token distributions, useful to compare implementations.
     #[arg(long)]
     pub init_std: Option<f32>,
-    /// Checkpoint directory to write (config.json and model.safetensors).
+    /// Checkpoint directory to write (config.json and an fp32 model.safetensors).
     #[arg(long)]
     pub out: PathBuf,
 }
@@ -71,7 +72,11 @@ pub struct InitArgs {
 pub struct ScoreArgs {
     /// Hugging Face directory: config.json, model.safetensors or its shards, and tokenizer.json
     /// (without one, the byte tokenizer of the config's special ids).
-    #[arg(long = "hf-checkpoint", visible_alias = "checkpoint", value_name = "DIR")]
+    #[arg(
+        long = "hf-checkpoint",
+        visible_alias = "checkpoint",
+        value_name = "DIR"
+    )]
     pub checkpoint: PathBuf,
     /// The text to score, with the tokenizer's special tokens (BOS first where it adds one).
     #[arg(long)]
@@ -197,7 +202,12 @@ fn init(args: InitArgs) -> anyhow::Result<()> {
     let layout = ParamLayout::new(&config);
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, args.seed, &mut params)?;
-    save_checkpoint(&args.out, &config, &layout, &params)
+    // fp32, so that other implementations score exactly these weights.
+    let options = SaveOptions {
+        dtype: SaveDtype::Fp32,
+        ..SaveOptions::default()
+    };
+    write_hf(&args.out, &config, &layout, &params, &options)
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
     writeln!(
         std::io::stdout().lock(),

@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use miles_core::device::Gpu;
 use miles_core::model::{
-    DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config,
-    load_hf_params,
+    DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config, load_hf_params,
 };
 use miles_core::{
     BackupPolicy, Buffer, DeviceKind, DeviceWeights, MemoryManager, MemoryTag, RegionState,
@@ -435,7 +434,6 @@ impl RolloutEngine {
     pub fn model_config(&self) -> &LlamaConfig {
         self.model.config()
     }
-
 
     /// The engine's config.
     pub fn config(&self) -> &EngineConfig {

@@ -12,11 +12,11 @@ mod raw;
 mod settings;
 mod validate;
 
+pub use choice::SaveDtype;
 pub use choice::{
     AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
     TrainBackendKind, UnknownChoice,
 };
-pub use choice::SaveDtype;
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use raw::RawSettings;
 pub use settings::{Settings, Source, Sources};

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, SaveDtype, DeviceChoice, MomentDtype, OffloadTarget, Task,
+    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, SaveDtype, Task,
     TrainBackendKind,
 };
 

@@ -199,7 +199,9 @@ impl LlamaConfig {
         let hf = s
             .hf_checkpoint
             .as_deref()
-            .map(|dir| Self::from_file(&dir.join("config.json")).map_err(named("--hf-checkpoint", dir)))
+            .map(|dir| {
+                Self::from_file(&dir.join("config.json")).map_err(named("--hf-checkpoint", dir))
+            })
             .transpose()?;
         let loaded = match s.load.as_deref() {
             Some(dir) => {

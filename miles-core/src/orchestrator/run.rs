@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use crate::backend::BackendError;
 use crate::backend::{TrainBackend, WeightBucket};
+use crate::config::SaveDtype;
 use crate::config::{AdvantageEstimator, OffloadTarget, RolloutOffloadLevel, Settings, Task};
 use crate::memory::OffloadReport;
 use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, TimelineSample};
-use crate::config::SaveDtype;
 use crate::model::{DEFAULT_SHARD_BYTES, SaveOptions, Tokenizer, export_hf};
-use crate::backend::BackendError;
 
 use super::OrchestratorError;
 use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
@@ -556,7 +556,12 @@ impl Orchestrator {
                 .problems(Stream::Warmup, index, self.config.global_batch_size.max(1));
         let pairs: Vec<(Vec<u32>, Vec<u32>)> = problems
             .iter()
-            .map(|p| Ok((p.prompt(&self.tokenizer)?, p.answer_tokens(&self.tokenizer)?)))
+            .map(|p| {
+                Ok((
+                    p.prompt(&self.tokenizer)?,
+                    p.answer_tokens(&self.tokenizer)?,
+                ))
+            })
             .collect::<Result<_, crate::model::ModelError>>()?;
         let sequences: Vec<Sequence<'_>> = pairs
             .iter()
