@@ -352,6 +352,12 @@ mod tests {
             "2",
             "--rollout-temperature",
             "0.7",
+            "--hf-checkpoint",
+            "h",
+            "--save-dtype",
+            "fp32",
+            "--save-shard-size",
+            "1000",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value
