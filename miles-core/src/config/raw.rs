@@ -162,7 +162,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 35);
+        assert_eq!(keys.len(), 38);
         for key in [
             "offload",
             "offload_train",
