@@ -992,4 +992,34 @@ mod tests {
         );
         assert!(a.differences(&a).is_empty());
     }
+
+    #[test]
+    fn a_run_takes_its_model_from_load_and_hf_checkpoint_never_the_preset() {
+        let dir = tempfile::tempdir().unwrap();
+        let theta = with("llama", |v| {
+            v["rope_theta"] = json!(500000.0);
+            v["rms_norm_eps"] = json!(1e-6);
+        })
+        .unwrap();
+        let actor = dir.path().join("step-00000001/actor");
+        std::fs::create_dir_all(&actor).unwrap();
+        std::fs::write(actor.join("config.json"), theta.to_json_string()).unwrap();
+        std::fs::write(dir.path().join("latest"), "step-00000001").unwrap();
+        let mut s = crate::config::Settings::default();
+        s.load = Some(dir.path().to_path_buf());
+        let c = LlamaConfig::from_settings(&s).unwrap();
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (500000.0, 1e-6));
+        s.hf_checkpoint = Some(actor.clone());
+        assert_eq!(LlamaConfig::from_settings(&s).unwrap(), c);
+        let other = dir.path().join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        let tiny = LlamaConfig::preset("tiny").unwrap();
+        std::fs::write(other.join("config.json"), tiny.to_json_string()).unwrap();
+        s.hf_checkpoint = Some(other);
+        let err = LlamaConfig::from_settings(&s).unwrap_err().to_string();
+        assert!(
+            err.contains("rope_theta: 10000 vs 500000") && err.contains("rms_norm_eps"),
+            "{err}"
+        );
+    }
 }
