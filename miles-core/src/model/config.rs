@@ -1005,8 +1005,10 @@ mod tests {
         std::fs::create_dir_all(&actor).unwrap();
         std::fs::write(actor.join("config.json"), theta.to_json_string()).unwrap();
         std::fs::write(dir.path().join("latest"), "step-00000001").unwrap();
-        let mut s = crate::config::Settings::default();
-        s.load = Some(dir.path().to_path_buf());
+        let mut s = crate::config::Settings {
+            load: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
         let c = LlamaConfig::from_settings(&s).unwrap();
         assert_eq!((c.rope_theta, c.rms_norm_eps), (500000.0, 1e-6));
         s.hf_checkpoint = Some(actor.clone());
