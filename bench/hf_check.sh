@@ -10,6 +10,7 @@
 # still, and float32 itself drifts past 1e-4: with --init-std 0.2 the small preset's HF float32
 # and float64 log-probs differ by 2.6e-4, and miles lies as close to float64 as HF float32 does). The HF
 # outputs of the two "hello world" cases are the golden fixtures in miles-cli/tests/fixtures/.
+# Then bench/hf_families.py checks Llama-3, Qwen2 and Qwen3 directories made by transformers.
 set -euo pipefail
 miles=$1
 out=${2:-$(mktemp -d)}
@@ -30,4 +31,6 @@ run_case tiny 1 "hello world" tiny_seed1_std05_hello --init-std 0.5
 run_case tiny 2 "$long" tiny_seed2_std05_long --init-std 0.5
 run_case small 3 "$long" small_seed3_long
 run_case small 4 "$long" small_seed4_std01_long --init-std 0.1
+# Hugging Face directories of each family made by transformers: score, generate, train --save.
+python3 "$here/hf_families.py" "$miles" "$out/families" || status=1
 exit $status

@@ -99,10 +99,11 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         .collect();
     controller.update_weights(&tensors)?;
 
+    let bos = miles_core::model::ByteTokenizer::from_config(&config)?.bos;
     let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
     let prompts: Vec<Vec<u32>> = (0..args.prompts)
         .map(|_| {
-            let mut p = vec![controller.engine().tokenizer().bos];
+            let mut p = vec![bos];
             p.extend((1..args.prompt_len.max(1)).map(|_| rng.random_range(32..127u32)));
             p
         })

@@ -7,21 +7,28 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 use miles_core::device::Gpu;
-use miles_core::model::LlamaConfig;
-use miles_core::{CpuDevice, Device, ManagerSettings, MemoryManager, Settings};
-use miles_infer::{Engine, EngineConfig, SamplingParams};
+use miles_core::model::{CONFIG_FILE, LlamaConfig, Tokenizer};
+use miles_core::{Device, CpuDevice, ManagerSettings, MemoryManager, Settings};
+use miles_infer::{EngineConfig, Engine, SamplingParams};
 
-use crate::settings_args::SettingsArgs;
+use crate::model_cmd::bad_model;
+use crate::settings_args::{BadSettings, SettingsArgs};
 
 /// `miles generate`.
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// Checkpoint directory (config.json and model.safetensors), e.g. from `miles model init`.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// A prompt; repeat the flag for several. BOS is put in front of its bytes.
+    /// Checkpoint directory (config.json and model.safetensors), e.g. from `miles model init`;
+    /// the same as --hf-checkpoint.
+    #[arg(long, conflicts_with = "hf_checkpoint")]
+    pub checkpoint: Option<PathBuf>,
+    /// A prompt; repeat the flag for several. Encoded with the tokenizer's special tokens
+    /// (BOS first where it adds one).
     #[arg(long, required = true)]
     pub prompt: Vec<String>,
+    /// Render each prompt as a user message through the checkpoint's chat template (with the
+    /// generation prompt), as transformers' `apply_chat_template` does.
+    #[arg(long)]
+    pub apply_chat_template: bool,
     /// Samples per prompt [default: --n-samples-per-prompt]
     #[arg(short = 'n', long = "num-samples")]
     pub num_samples: Option<usize>,
@@ -88,25 +95,40 @@ pub fn build_engine(
 /// Bad settings, an unreadable checkpoint, or a refused request, each with its context.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let settings = args.settings.load()?;
+    let Some(dir) = args.checkpoint.clone().or(settings.hf_checkpoint.clone()) else {
+        return Err(BadSettings("give the model with --hf-checkpoint DIR".into()).into());
+    };
+    let model = LlamaConfig::from_file(&dir.join(CONFIG_FILE)).map_err(bad_model(&dir))?;
+    let tokenizer = Tokenizer::from_dir(&dir, &model).map_err(bad_model(&dir))?;
+    if args.apply_chat_template && !tokenizer.has_chat_template() {
+        return Err(BadSettings(format!(
+            "--apply-chat-template: {} has no chat_template in tokenizer_config.json nor chat_template.jinja",
+            dir.display()
+        ))
+        .into());
+    }
+    let prompts = args
+        .prompt
+        .iter()
+        .map(|p| match args.apply_chat_template {
+            true => tokenizer.apply_chat_template(p),
+            false => tokenizer.encode(p, true),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(bad_model(&dir))?;
     let (memory, gpu) = engine_memory(&settings)?;
     let config = EngineConfig::from_settings(&settings);
     let mut engine = match gpu {
-        Some(gpu) => Engine::from_checkpoint_on_gpu(memory, gpu, &args.checkpoint, config),
-        None => Engine::from_checkpoint(memory, &args.checkpoint, config),
+        Some(gpu) => Engine::from_checkpoint_on_gpu(memory, gpu, &dir, config),
+        None => Engine::from_checkpoint(memory, &dir, config),
     }
-    .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
-    let tokenizer = *engine.tokenizer();
-    let prompts: Vec<Vec<u32>> = args
-        .prompt
-        .iter()
-        .map(|p| tokenizer.encode(p, true))
-        .collect();
+    .with_context(|| format!("loading checkpoint {}", dir.display()))?;
     let params = SamplingParams {
         n: args.num_samples.unwrap_or(settings.n_samples_per_prompt),
         temperature: args.temperature,
         top_p: args.top_p,
         max_new_tokens: args.max_new_tokens,
-        stop_tokens: vec![tokenizer.eos],
+        stop_tokens: tokenizer.stop_tokens().to_vec(),
         seed: settings.seed,
     };
     let generation = engine.generate(&prompts, &params)?;

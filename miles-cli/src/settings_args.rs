@@ -179,8 +179,16 @@ fn cpu_rank_limit() -> usize {
 /// checkpoint. Each line names the flag and the fix.
 fn knowable_problems(settings: &Settings) -> Vec<String> {
     let mut problems = Vec::new();
-    if let Err(error) = LlamaConfig::preset(&settings.preset) {
-        problems.push(format!("--preset {}: {error}", settings.preset));
+    let load = settings
+        .load
+        .as_deref()
+        .and_then(|dir| load_problem(dir, settings.steps));
+    match (&load, LlamaConfig::from_settings(settings)) {
+        (None, Err(error)) if settings.hf_checkpoint.is_none() && settings.load.is_none() => {
+            problems.push(format!("--preset {}: {error}", settings.preset))
+        }
+        (None, Err(error)) => problems.push(error.to_string()),
+        _ => {}
     }
     if device::resolve(settings.device) == DeviceKind::Cpu {
         let ranks = settings
@@ -202,9 +210,7 @@ fn knowable_problems(settings: &Settings) -> Vec<String> {
             ));
         }
     }
-    if let Some(dir) = &settings.load {
-        problems.extend(load_problem(dir, settings.steps));
-    }
+    problems.extend(load);
     problems
 }
 

@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::backend::{Critic, RolloutEngine};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::device::NcclComm;
-use miles_core::model::{ByteTokenizer, LlamaConfig};
+use miles_core::model::{ByteTokenizer, LlamaConfig, Tokenizer};
 use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
 
@@ -68,9 +68,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .check_outputs()
         .map_err(|error| BadSettings(error.to_string()))?;
     let signal = StopSignal::install()?;
-    let model = LlamaConfig::preset(&settings.preset)
-        .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
-    let tokenizer = ByteTokenizer::from_config(&model)?;
+    let model = crate::model_cmd::model_config(&settings)?;
+    let tokenizer = match &settings.hf_checkpoint {
+        Some(dir) => Tokenizer::from_dir(dir, &model).map_err(crate::model_cmd::bad_model(dir))?,
+        None => ByteTokenizer::from_config(&model)?.into(),
+    };
     let engine = build_engine(&settings, &model)?;
     let job = match &env {
         Some(env) => {
@@ -86,7 +88,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     let (mut group, comm) = job.map_or((None, None), |(group, comm)| (Some(group), Some(comm)));
     let actor = build_actor(&settings, comm)?;
-    let critic = build_critic(&settings, tokenizer.pad)?;
+    let critic = build_critic(&settings, tokenizer.pad())?;
     let mut orchestrator =
         Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(signal.flag());
     if let Some(critic) = critic {

@@ -218,6 +218,16 @@ choice! {
     }
 }
 
+choice! {
+    /// The dtype of the Hugging Face weights `--save` writes (`--save-dtype`).
+    pub enum SaveDtype ("save dtype") {
+        /// bfloat16, as released checkpoints are.
+        Bf16 => "bf16",
+        /// 32-bit float: every bit of the fp32 master weights.
+        Fp32 => "fp32",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

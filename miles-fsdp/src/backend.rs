@@ -60,7 +60,7 @@ impl FsdpBackend {
                 reason: "from_settings builds the cpu backend; on cuda build it with miles_fsdp::gpu_trainer (the cli does), or run with --device cpu".into(),
             });
         }
-        let config = LlamaConfig::preset(&settings.preset)?;
+        let config = LlamaConfig::from_settings(settings)?;
         let devices = (0..settings.data_parallel_size)
             .map(|_| Arc::new(CpuDevice::new(settings.device_memory_bytes())) as Arc<dyn Device>)
             .collect();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use miles_core::device::Gpu;
 use miles_core::model::{
-    ByteTokenizer, DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config, load_params,
+    DecodeScratch, LlamaConfig, ParamLayout, Transformer, load_config, load_hf_params,
 };
 use miles_core::{
     BackupPolicy, Buffer, DeviceKind, DeviceWeights, MemoryManager, MemoryTag, RegionState,
@@ -121,7 +121,6 @@ pub struct Generation {
 pub struct Engine {
     memory: Arc<MemoryManager>,
     model: Transformer,
-    tokenizer: ByteTokenizer,
     config: EngineConfig,
     backend: Backend,
     tables: BlockTables,
@@ -149,7 +148,7 @@ impl Engine {
     /// [`InferError::BadParameter`] for a zero block size or batch, a cache of no block, or a
     /// memory manager on a CUDA device (build that engine with [`on_gpu`](Self::on_gpu));
     /// [`InferError::Memory`] when a region exists or the device is out of memory;
-    /// [`InferError::Model`] for a config without the byte tokenizer's ids.
+    /// [`InferError::Model`] for a model the engine cannot compute.
     pub fn new(
         memory: Arc<MemoryManager>,
         model_config: LlamaConfig,
@@ -197,7 +196,6 @@ impl Engine {
                 "block_size and max_batch must be at least 1".into(),
             ));
         }
-        let tokenizer = ByteTokenizer::from_config(&model_config)?;
         let model = Transformer::new(model_config);
         let c = model.config();
         // fp32 on the CPU, bf16 on the GPU.
@@ -267,7 +265,6 @@ impl Engine {
             loaded: vec![false; model.layout().specs().len()],
             memory,
             model,
-            tokenizer,
             config,
             backend,
         })
@@ -315,11 +312,11 @@ impl Engine {
                 let mut view = weights
                     .view_mut::<f32>()
                     .map_err(InferError::memory("write the weights"))?;
-                load_params(dir, self.model.layout(), &mut view)?;
+                load_hf_params(dir, self.model.layout(), &mut view)?;
             }
             Backend::Gpu(_) => {
                 let mut params = vec![0.0; self.model.layout().len()];
-                load_params(dir, self.model.layout(), &mut params)?;
+                load_hf_params(dir, self.model.layout(), &mut params)?;
                 let all: Vec<(usize, &[f32])> = self
                     .model
                     .layout()
@@ -436,11 +433,6 @@ impl Engine {
     /// The model config.
     pub fn model_config(&self) -> &LlamaConfig {
         self.model.config()
-    }
-
-    /// The tokenizer of the model.
-    pub fn tokenizer(&self) -> &ByteTokenizer {
-        &self.tokenizer
     }
 
     /// The engine's config.

@@ -32,7 +32,10 @@ pub fn split_of(kind: ParamKind) -> Split {
         | ParamKind::KProj
         | ParamKind::VProj
         | ParamKind::GateProj
-        | ParamKind::UpProj => Split::Rows,
+        | ParamKind::UpProj
+        | ParamKind::QBias
+        | ParamKind::KBias
+        | ParamKind::VBias => Split::Rows,
         ParamKind::OProj | ParamKind::DownProj => Split::Cols,
         _ => Split::Replicated,
     }

@@ -143,7 +143,7 @@ impl MegatronTrainer {
     /// # Errors
     /// As [`new`](Self::new), and [`BackendError::Model`] for an unknown preset.
     pub fn from_settings(settings: &Settings) -> Result<MegatronTrainer, BackendError> {
-        let config = LlamaConfig::preset(&settings.preset)?;
+        let config = LlamaConfig::from_settings(settings)?;
         let params = init_weights(&config, settings.seed)?;
         MegatronTrainer::new(config, &params, MegatronOptions::from_settings(settings)?)
     }

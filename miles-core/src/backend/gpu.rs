@@ -84,7 +84,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         settings: &Settings,
         rank: usize,
     ) -> Result<GpuBackend<F>, BackendError> {
-        let config = LlamaConfig::preset(&settings.preset)?;
+        let config = LlamaConfig::from_settings(settings)?;
         let layout = ParamLayout::new(&config);
         let mut params = vec![0.0; layout.len()];
         init_params(&layout, &config, settings.seed, &mut params)?;

@@ -15,8 +15,8 @@ mod table;
 mod validate;
 
 pub use crate::choice::{
-    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
-    TrainBackendKind, UnknownChoice,
+    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, SaveDtype,
+    Task, TrainBackendKind, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use plan::{MAX_DISK_CHUNK_MB, OptimizerStream, RolloutOffload, TrainOffload};

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Source,
-    Sources, Task, TrainBackendKind,
+    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, SaveDtype,
+    Source, Sources, Task, TrainBackendKind,
 };
 
 /// How a setting is typed on the command line and resolved.
@@ -368,6 +368,13 @@ settings_table! {
         Value sft_warmup_steps: u64 = 0, "N", "Run", Range::Between(0.0, 1e9);
         /// Softmax temperature of rollout sampling, 0 is greedy
         Value rollout_temperature: f64 = 1.0, "T", "Run", Range::Between(0.0, 100.0);
+        /// Hugging Face model directory (config.json, safetensors, tokenizer.json): the model's shape, every numeric field, the weights and the tokenizer come from it, not --preset
+        Optional hf_checkpoint: PathBuf = None, "DIR", "Model", Range::Any;
+        /// dtype of the Hugging Face weights --save writes (fp32 master weights are kept beside for --load)
+        Value save_dtype: SaveDtype = SaveDtype::Bf16, "bf16|fp32", "Model", Range::Any;
+        /// Bytes per safetensors file --save writes; above it the weights are sharded with an index
+        Value save_shard_size: u64 = 5_000_000_000, "BYTES", "Model",
+            Range::Between(1_048_576.0, 1_099_511_627_776.0);
     }
 }
 

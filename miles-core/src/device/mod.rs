@@ -16,6 +16,7 @@ mod cuda;
 mod error;
 #[cfg(test)]
 mod faulty;
+mod mapped;
 mod open;
 pub mod probe;
 mod view;
@@ -30,6 +31,7 @@ pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;
 #[cfg(test)]
 pub(crate) use faulty::FaultyDevice;
+pub use mapped::MappedFile;
 pub use open::{OpenedDevice, open, open_on, open_test_device, open_with, resolve};
 pub use view::{HostView, Pod, ViewAccess, ViewClaim};
 

@@ -1,10 +1,14 @@
-//! The model's config: a Hugging Face Llama `config.json`, validated into the sizes the model runs on.
+//! The model's config: a Hugging Face `config.json` of the Llama, Mistral, Qwen2 or Qwen3
+//! family, validated into the sizes the model runs on. Every key is either read and checked
+//! (each number against a documented range) or known not to change the computation; any other
+//! key is refused by name.
 
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
 use super::ModelError;
+use crate::ops::{RopeScaling, RopeTable};
 
 /// The built-in presets, each a Hugging Face Llama `config.json`.
 const PRESETS: [(&str, &str); 5] = [
@@ -15,13 +19,56 @@ const PRESETS: [(&str, &str); 5] = [
     ("3b", include_str!("../../presets/3b.json")),
 ];
 
-/// A validated Llama config.
+/// The model families a config may name in `model_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFamily {
+    /// `llama`: Llama 2 and 3.x (the presets are of this family).
+    Llama,
+    /// `mistral` without a sliding window: the Llama computation.
+    Mistral,
+    /// `qwen2`: Llama plus biases on the q, k and v projections.
+    Qwen2,
+    /// `qwen3`: Llama plus a per-head RMSNorm of queries and keys, with an explicit `head_dim`.
+    Qwen3,
+}
+
+impl ModelFamily {
+    /// The `model_type` of config.json.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The transformers class that loads this family.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    fn parse(model_type: &str) -> Option<Self> {
+        [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3]
+            .into_iter()
+            .find(|f| f.model_type() == model_type)
+    }
+}
+
+/// A validated Llama-style config (of any [`ModelFamily`]).
 ///
 /// Dimension letters used across the model: `B` batch, `T` time (sequence), `C` hidden channels,
 /// `H` query heads, `K` key/value heads, `D` head dim, `F` MLP intermediate, `V` vocabulary,
 /// `L` layers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// The family (`model_type`).
+    pub family: ModelFamily,
     /// `V`: vocabulary size.
     pub vocab_size: usize,
     /// `C`: hidden size.
@@ -42,13 +89,84 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f32,
     /// Rotary embedding base.
     pub rope_theta: f64,
+    /// Rescaling of the rotary frequencies.
+    pub rope_scaling: RopeScaling,
+    /// Whether the q, k and v projections carry biases (`qwen2`).
+    pub qkv_bias: bool,
+    /// Whether queries and keys go through a per-head RMSNorm before the rotation (`qwen3`).
+    pub qk_norm: bool,
     /// Whether the LM head reuses the token embedding.
     pub tie_word_embeddings: bool,
     /// Standard deviation of the normal initialisation of weight matrices.
     pub initializer_range: f32,
-    /// The config.json as read, written back unchanged into checkpoints.
+    /// The config.json as read, written back into checkpoints.
     raw: Map<String, Value>,
 }
+
+/// Keys of config.json that describe the file or the Python runtime, not the computation.
+const METADATA_KEYS: [&str; 14] = [
+    "architectures",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "_name_or_path",
+    "pretraining_tp",
+    "tokenizer_class",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "torchscript",
+    "id2label",
+    "label2id",
+];
+
+/// Keys this module reads and checks.
+const MODEL_KEYS: [&str; 26] = [
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "initializer_range",
+    "hidden_act",
+    "attention_dropout",
+    "attention_bias",
+    "mlp_bias",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+];
+
+/// The largest vocabulary, width, MLP width, layer count, head count, head dim and context a
+/// config may ask for (each far above any released model of these families), so that no size
+/// arithmetic overflows and no allocation is asked for that no machine has.
+const LIMITS: [(&str, u64); 8] = [
+    ("vocab_size", 1 << 24),
+    ("hidden_size", 1 << 16),
+    ("intermediate_size", 1 << 20),
+    ("num_hidden_layers", 1 << 10),
+    ("num_attention_heads", 1 << 10),
+    ("num_key_value_heads", 1 << 10),
+    ("head_dim", 1 << 10),
+    ("max_position_embeddings", 1 << 20),
+];
+
+/// Parameters a model may have at most (2^38, a terabyte in fp32).
+const MAX_PARAMS: u128 = 1 << 38;
 
 impl LlamaConfig {
     /// The built-in preset `name` (`tiny`, `small`, `0.5b`, `1b`, `3b`).
@@ -65,21 +183,70 @@ impl LlamaConfig {
         Self::from_json_str(json)
     }
 
+    /// The model a run computes: the config.json of `--hf-checkpoint`, else that of the
+    /// checkpoint `--load` resumes (its actor's), else `--preset`'s. With both flags the two
+    /// configs must describe the same model.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming the flag and every differing field; the errors of
+    /// [`from_file`](Self::from_file) and [`preset`](Self::preset).
+    pub fn from_settings(s: &crate::config::Settings) -> Result<Self, ModelError> {
+        let named = |flag: &str, dir: &Path| {
+            let flag = flag.to_string();
+            let dir = dir.display().to_string();
+            move |e: ModelError| ModelError::Config(format!("{flag} {dir}: {e}"))
+        };
+        let hf = s
+            .hf_checkpoint
+            .as_deref()
+            .map(|dir| {
+                Self::from_file(&dir.join("config.json")).map_err(named("--hf-checkpoint", dir))
+            })
+            .transpose()?;
+        let loaded = match s.load.as_deref() {
+            Some(dir) => {
+                let resolved = crate::orchestrator::resolve_checkpoint(dir)
+                    .map_err(|e| ModelError::Config(format!("--load {}: {e}", dir.display())))?;
+                let actor = resolved.join("actor").join("config.json");
+                let file = if actor.exists() {
+                    actor
+                } else {
+                    resolved.join("config.json")
+                };
+                file.exists()
+                    .then(|| Self::from_file(&file).map_err(named("--load", dir)))
+                    .transpose()?
+            }
+            None => None,
+        };
+        match (hf, loaded) {
+            (Some(hf), Some(loaded)) => {
+                let diff = hf.differences(&loaded);
+                if diff.is_empty() {
+                    Ok(hf)
+                } else {
+                    Err(ModelError::Config(format!(
+                        "--load's checkpoint is another model than --hf-checkpoint's ({}); load a checkpoint of this model",
+                        diff.join(", ")
+                    )))
+                }
+            }
+            (Some(c), None) | (None, Some(c)) => Ok(c),
+            (None, None) => Self::preset(&s.preset),
+        }
+    }
+
     /// Names of the built-in presets.
     pub fn preset_names() -> Vec<&'static str> {
         PRESETS.iter().map(|(n, _)| *n).collect()
     }
 
-    /// Reads and validates a `config.json` file.
+    /// Reads and validates a `config.json` file (at most 1 MiB).
     ///
     /// # Errors
-    /// [`ModelError::Io`], [`ModelError::Json`], or [`ModelError::Config`] naming the bad key.
+    /// [`ModelError::Io`], [`ModelError::Json`], or [`ModelError::Config`] naming every bad key.
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            action: "read",
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = read_small_file(path, 1 << 20)?;
         let value: Value = serde_json::from_str(&text).map_err(|source| ModelError::Json {
             path: path.to_path_buf(),
             source,
@@ -90,7 +257,7 @@ impl LlamaConfig {
     /// Parses and validates a `config.json` text.
     ///
     /// # Errors
-    /// [`ModelError::Config`] naming the bad key.
+    /// [`ModelError::Config`] naming every bad key.
     pub fn from_json_str(json: &str) -> Result<Self, ModelError> {
         let value: Value = serde_json::from_str(json)
             .map_err(|e| ModelError::Config(format!("not valid JSON: {e}")))?;
@@ -98,95 +265,194 @@ impl LlamaConfig {
     }
 
     fn from_value(value: Value) -> Result<Self, ModelError> {
-        let Value::Object(raw) = value else {
+        let Value::Object(mut raw) = value else {
             return Err(ModelError::Config(
                 "config.json must be a JSON object".into(),
             ));
         };
-        if let Some(t) = raw.get("model_type").and_then(Value::as_str)
-            && t != "llama"
-        {
-            return Err(ModelError::Config(format!(
-                "model_type is `{t}`, this model computes `llama`"
-            )));
-        }
-        let act = raw
-            .get("hidden_act")
-            .and_then(Value::as_str)
-            .unwrap_or("silu");
-        if act != "silu" {
-            return Err(ModelError::Config(format!(
-                "hidden_act is `{act}`, only `silu` is implemented"
-            )));
-        }
-        for key in ["attention_bias", "mlp_bias"] {
-            if raw.get(key).and_then(Value::as_bool).unwrap_or(false) {
-                return Err(ModelError::Config(format!(
-                    "{key} is true, biases are not implemented; set it to false"
-                )));
+        // The dtype of the stored weights, rewritten by whoever saves them.
+        raw.remove("torch_dtype");
+        raw.remove("dtype");
+        let mut p = Problems::default();
+        let family = match raw.get("model_type") {
+            None => ModelFamily::Llama,
+            Some(Value::String(t)) => ModelFamily::parse(t).unwrap_or_else(|| {
+                p.push(format!(
+                    "model_type = \"{t}\" is not implemented; miles computes llama, mistral (without sliding window), qwen2 and qwen3"
+                ));
+                ModelFamily::Llama
+            }),
+            Some(v) => {
+                p.push(format!("model_type = {v} must be a string"));
+                ModelFamily::Llama
+            }
+        };
+        for key in raw.keys() {
+            if !METADATA_KEYS.contains(&key.as_str()) && !MODEL_KEYS.contains(&key.as_str()) {
+                p.push(format!(
+                    "{key} = {} is not implemented by miles (it would change what the model computes or miles cannot tell); remove it if it does not",
+                    raw[key]
+                ));
             }
         }
-        if raw.get("rope_scaling").is_some_and(|v| !v.is_null()) {
-            return Err(ModelError::Config(
-                "rope_scaling is set, only the default rotary embedding is implemented; set it to null".into(),
+        if let Some(act) = raw.get("hidden_act")
+            && act.as_str() != Some("silu")
+        {
+            p.push(format!(
+                "hidden_act = {act} is not implemented; only \"silu\" is"
             ));
         }
-        let hidden_size = usize_key(&raw, "hidden_size")?;
-        let num_heads = usize_key(&raw, "num_attention_heads")?;
+        if let Some(d) = raw.get("attention_dropout")
+            && d.as_f64() != Some(0.0)
+        {
+            p.push(format!(
+                "attention_dropout = {d} is not implemented; set it to 0.0"
+            ));
+        }
+        if truthy(&raw, "mlp_bias") {
+            p.push(
+                "mlp_bias = true is not implemented: the mlp has no biases; set it to false".into(),
+            );
+        }
+        if family != ModelFamily::Qwen2 && truthy(&raw, "attention_bias") {
+            p.push(format!(
+                "attention_bias = true is not implemented for {} (it adds an o_proj bias too); set it to false",
+                family.model_type()
+            ));
+        }
+        match family {
+            ModelFamily::Qwen2 | ModelFamily::Qwen3 => {
+                if truthy(&raw, "use_sliding_window") {
+                    p.push("use_sliding_window = true is not implemented: attention is full; set it to false".into());
+                }
+            }
+            ModelFamily::Llama | ModelFamily::Mistral => {
+                if let Some(w) = raw.get("sliding_window").filter(|v| !v.is_null()) {
+                    p.push(format!(
+                        "sliding_window = {w} is not implemented: attention is full; set it to null"
+                    ));
+                }
+            }
+        }
+        if let Some(types) = raw.get("layer_types").filter(|v| !v.is_null()) {
+            let full = types
+                .as_array()
+                .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+            if !full {
+                p.push(format!(
+                    "layer_types = {types} is not implemented: every layer must be \"full_attention\""
+                ));
+            }
+        }
+        let hidden_size = p.size(&raw, "hidden_size");
+        let num_heads = p.size(&raw, "num_attention_heads");
         let num_kv_heads = match raw.get("num_key_value_heads") {
             None | Some(Value::Null) => num_heads,
-            Some(_) => usize_key(&raw, "num_key_value_heads")?,
+            Some(_) => p.size(&raw, "num_key_value_heads"),
         };
         let head_dim = match raw.get("head_dim") {
             None | Some(Value::Null) => {
-                if hidden_size % num_heads != 0 {
-                    return Err(ModelError::Config(format!(
+                if num_heads > 0 && hidden_size % num_heads != 0 {
+                    p.push(format!(
                         "hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}; set head_dim"
-                    )));
+                    ));
                 }
-                hidden_size / num_heads
+                hidden_size / num_heads.max(1)
             }
-            Some(_) => usize_key(&raw, "head_dim")?,
+            Some(_) => p.size(&raw, "head_dim"),
         };
-        if num_heads % num_kv_heads != 0 {
-            return Err(ModelError::Config(format!(
+        if num_kv_heads > 0 && num_heads % num_kv_heads != 0 {
+            p.push(format!(
                 "num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
-            )));
+            ));
         }
         if head_dim % 2 != 0 {
-            return Err(ModelError::Config(format!(
+            p.push(format!(
                 "head_dim {head_dim} is odd, rotary embedding needs an even head_dim"
-            )));
+            ));
         }
-        let rope_theta = raw
-            .get("rope_theta")
-            .or_else(|| raw.get("rope_parameters").and_then(|p| p.get("rope_theta")))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0);
-        Ok(Self {
-            vocab_size: usize_key(&raw, "vocab_size")?,
+        let max_position_embeddings = p.size(&raw, "max_position_embeddings");
+        let (rope_theta, rope_scaling) = p.rope(&raw, max_position_embeddings);
+        let config = Self {
+            family,
+            vocab_size: p.size(&raw, "vocab_size"),
             hidden_size,
-            intermediate_size: usize_key(&raw, "intermediate_size")?,
-            num_layers: usize_key(&raw, "num_hidden_layers")?,
+            intermediate_size: p.size(&raw, "intermediate_size"),
+            num_layers: p.size(&raw, "num_hidden_layers"),
             num_heads,
             num_kv_heads,
             head_dim,
-            max_position_embeddings: usize_key(&raw, "max_position_embeddings")?,
-            rms_norm_eps: f64_key(&raw, "rms_norm_eps", 1e-6)? as f32,
+            max_position_embeddings,
+            rms_norm_eps: p.number(&raw, "rms_norm_eps", 1e-6, f64::MIN_POSITIVE..1.0) as f32,
             rope_theta,
-            tie_word_embeddings: raw
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            initializer_range: f64_key(&raw, "initializer_range", 0.02)? as f32,
+            rope_scaling,
+            qkv_bias: family == ModelFamily::Qwen2,
+            qk_norm: family == ModelFamily::Qwen3,
+            tie_word_embeddings: p.flag(&raw, "tie_word_embeddings", false),
+            initializer_range: p.number(&raw, "initializer_range", 0.02, 0.0..10.0) as f32,
             raw,
-        })
+        };
+        for key in ["bos_token_id", "pad_token_id"] {
+            if let Some(v) = config.raw.get(key).filter(|v| !v.is_null()) {
+                p.token(key, v, config.vocab_size);
+            }
+        }
+        if let Some(v) = config.raw.get("eos_token_id").filter(|v| !v.is_null()) {
+            match v.as_array() {
+                Some(ids) if !ids.is_empty() => {
+                    for id in ids {
+                        p.token("eos_token_id", id, config.vocab_size);
+                    }
+                }
+                Some(_) => p.push("eos_token_id = [] must name at least one id".into()),
+                None => p.token("eos_token_id", v, config.vocab_size),
+            }
+        }
+        if p.0.is_empty() {
+            let count = config.param_count_wide();
+            if count > MAX_PARAMS {
+                p.push(format!(
+                    "the config describes {count} parameters, more than miles holds ({MAX_PARAMS}); check hidden_size, intermediate_size, num_hidden_layers and vocab_size"
+                ));
+            }
+        }
+        if !p.0.is_empty() {
+            return Err(ModelError::Config(p.0.join("; ")));
+        }
+        Ok(config)
+    }
+
+    /// Parameters of the model, without overflow (every size is bounded by [`LIMITS`]).
+    fn param_count_wide(&self) -> u128 {
+        let w = |x: usize| x as u128;
+        let (c, f, v, d) = (
+            w(self.hidden_size),
+            w(self.intermediate_size),
+            w(self.vocab_size),
+            w(self.head_dim),
+        );
+        let (q, kv) = (w(self.num_heads) * d, w(self.num_kv_heads) * d);
+        let mut layer = 2 * c + q * c * 2 + kv * c * 2 + 3 * c * f;
+        if self.qkv_bias {
+            layer += q + 2 * kv;
+        }
+        if self.qk_norm {
+            layer += 2 * d;
+        }
+        let head = if self.tie_word_embeddings { 0 } else { v * c };
+        v * c + w(self.num_layers) * layer + c + head
     }
 
     /// The config as `config.json` text: the JSON it was read from, with float32 as its dtype.
     pub fn to_json_string(&self) -> String {
+        self.to_json_string_in("float32")
+    }
+
+    /// The config as `config.json` text: the JSON it was read from, with `torch_dtype` set to
+    /// `dtype`.
+    pub fn to_json_string_in(&self, dtype: &str) -> String {
         let mut raw = self.raw.clone();
-        raw.insert("torch_dtype".into(), Value::String("float32".into()));
+        raw.insert("torch_dtype".into(), Value::String(dtype.into()));
         let mut text = serde_json::to_string_pretty(&Value::Object(raw)).unwrap_or_default();
         text.push('\n');
         text
@@ -203,12 +469,23 @@ impl LlamaConfig {
         self
     }
 
-    /// An integer token id of the config (`bos_token_id`, `eos_token_id`, `pad_token_id`), if set.
+    /// An integer token id of the config (`bos_token_id`, `eos_token_id`, `pad_token_id`), if set;
+    /// for an `eos_token_id` list, its first id.
     pub fn token_id(&self, key: &str) -> Option<u32> {
-        self.raw
-            .get(key)
-            .and_then(Value::as_u64)
-            .and_then(|v| u32::try_from(v).ok())
+        let v = self.raw.get(key)?;
+        let v = v.as_array().and_then(|a| a.first()).unwrap_or(v);
+        v.as_u64().and_then(|v| u32::try_from(v).ok())
+    }
+
+    /// Every id of `eos_token_id` (one, a list, or none).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        match self.raw.get("eos_token_id") {
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .filter_map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()))
+                .collect(),
+            _ => self.token_id("eos_token_id").into_iter().collect(),
+        }
     }
 
     /// `H * D`: channels of all query heads together.
@@ -220,31 +497,319 @@ impl LlamaConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
-}
 
-fn usize_key(raw: &Map<String, Value>, key: &str) -> Result<usize, ModelError> {
-    match raw.get(key).and_then(Value::as_u64) {
-        Some(v) if v > 0 => usize::try_from(v)
-            .map_err(|_| ModelError::Config(format!("{key} = {v} does not fit this machine"))),
-        Some(_) => Err(ModelError::Config(format!("{key} must be positive"))),
-        None => Err(ModelError::Config(format!(
-            "{key} is missing or not a positive integer"
-        ))),
+    /// The rotary tables of this model, for every position it accepts.
+    pub fn rope_table(&self) -> RopeTable {
+        RopeTable::scaled(
+            self.head_dim,
+            self.rope_theta,
+            self.max_position_embeddings,
+            self.rope_scaling,
+        )
+    }
+
+    /// The config keys whose values differ between `self` and `other`, each as
+    /// `key: self's vs other's` (empty when both compute the same model).
+    pub fn differences(&self, other: &Self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut cmp = |key: &str, a: String, b: String| {
+            if a != b {
+                out.push(format!("{key}: {a} vs {b}"));
+            }
+        };
+        cmp(
+            "model_type",
+            self.family.model_type().into(),
+            other.family.model_type().into(),
+        );
+        for (key, a, b) in [
+            ("vocab_size", self.vocab_size, other.vocab_size),
+            ("hidden_size", self.hidden_size, other.hidden_size),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                other.intermediate_size,
+            ),
+            ("num_hidden_layers", self.num_layers, other.num_layers),
+            ("num_attention_heads", self.num_heads, other.num_heads),
+            ("num_key_value_heads", self.num_kv_heads, other.num_kv_heads),
+            ("head_dim", self.head_dim, other.head_dim),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                other.max_position_embeddings,
+            ),
+        ] {
+            cmp(key, a.to_string(), b.to_string());
+        }
+        cmp(
+            "rms_norm_eps",
+            self.rms_norm_eps.to_string(),
+            other.rms_norm_eps.to_string(),
+        );
+        cmp(
+            "rope_theta",
+            self.rope_theta.to_string(),
+            other.rope_theta.to_string(),
+        );
+        cmp(
+            "rope_scaling",
+            format!("{:?}", self.rope_scaling),
+            format!("{:?}", other.rope_scaling),
+        );
+        cmp(
+            "tie_word_embeddings",
+            self.tie_word_embeddings.to_string(),
+            other.tie_word_embeddings.to_string(),
+        );
+        out
+    }
+
+    /// Checks that the CUDA kernels compute this model: they implement neither the q/k/v
+    /// biases nor the q/k norms yet.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming the family and what it needs.
+    pub fn check_gpu_support(&self) -> Result<(), ModelError> {
+        let missing = match (self.qkv_bias, self.qk_norm) {
+            (true, _) => "q/k/v biases",
+            (_, true) => "q/k norms",
+            _ => return Ok(()),
+        };
+        Err(ModelError::Config(format!(
+            "model_type = \"{}\" needs {missing}, which the cuda kernels do not compute yet; use --device cpu",
+            self.family.model_type()
+        )))
+    }
+
+    /// Parameters of the model.
+    pub fn param_count(&self) -> usize {
+        usize::try_from(self.param_count_wide()).unwrap_or(usize::MAX)
     }
 }
 
-fn f64_key(raw: &Map<String, Value>, key: &str, default: f64) -> Result<f64, ModelError> {
-    match raw.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .filter(|x| x.is_finite() && *x >= 0.0)
-            .ok_or_else(|| ModelError::Config(format!("{key} must be a non-negative number"))),
+/// Reads a small text file (a config, an index, a tokenizer config), refusing anything but a
+/// regular file of at most `limit` bytes before reading it.
+///
+/// # Errors
+/// [`ModelError::Io`] naming the file.
+pub(crate) fn read_small_file(path: &Path, limit: u64) -> Result<String, ModelError> {
+    let io = |source| ModelError::Io {
+        action: "read",
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.is_file() || meta.len() > limit {
+        return Err(io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "not a regular file of at most {limit} bytes ({} bytes, {})",
+                meta.len(),
+                if meta.is_file() {
+                    "regular"
+                } else {
+                    "not regular"
+                }
+            ),
+        )));
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(file, limit), &mut text).map_err(io)?;
+    Ok(text)
+}
+
+fn truthy(raw: &Map<String, Value>, key: &str) -> bool {
+    raw.get(key).and_then(Value::as_bool).unwrap_or(false)
+}
+
+/// Every problem found in a config, reported together.
+#[derive(Default)]
+struct Problems(Vec<String>);
+
+impl Problems {
+    fn push(&mut self, problem: String) {
+        self.0.push(problem);
+    }
+
+    /// A required positive integer of at most its [`LIMITS`] bound (0 after a problem).
+    fn size(&mut self, raw: &Map<String, Value>, key: &str) -> usize {
+        let max = LIMITS
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(1 << 20, |(_, m)| *m);
+        match raw.get(key) {
+            None | Some(Value::Null) => {
+                self.push(format!("{key} is missing; give a positive integer"));
+                0
+            }
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=max).contains(&n) => n as usize,
+                _ => {
+                    self.push(format!("{key} = {v} must be an integer in 1..={max}"));
+                    0
+                }
+            },
+        }
+    }
+
+    /// An optional finite number in `range` (the default when absent).
+    fn number(
+        &mut self,
+        raw: &Map<String, Value>,
+        key: &str,
+        default: f64,
+        range: std::ops::Range<f64>,
+    ) -> f64 {
+        match raw.get(key) {
+            None | Some(Value::Null) => default,
+            Some(v) => match v.as_f64() {
+                Some(x) if range.contains(&x) => x,
+                _ => {
+                    self.push(format!(
+                        "{key} = {v} must be a number in [{}, {})",
+                        range.start, range.end
+                    ));
+                    default
+                }
+            },
+        }
+    }
+
+    fn flag(&mut self, raw: &Map<String, Value>, key: &str, default: bool) -> bool {
+        match raw.get(key) {
+            None | Some(Value::Null) => default,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                self.push(format!("{key} = {v} must be true or false"));
+                default
+            }
+        }
+    }
+
+    fn token(&mut self, key: &str, v: &Value, vocab: usize) {
+        if v.as_u64().is_none_or(|id| id as usize >= vocab) {
+            self.push(format!(
+                "{key} = {v} must be a token id below vocab_size {vocab}"
+            ));
+        }
+    }
+
+    /// `rope_theta` and the scaling, from `rope_theta`, `rope_scaling` (transformers 4) and
+    /// `rope_parameters` (transformers 5).
+    fn rope(&mut self, raw: &Map<String, Value>, max_positions: usize) -> (f64, RopeScaling) {
+        let params = raw.get("rope_parameters").filter(|v| !v.is_null());
+        let scaling = raw.get("rope_scaling").filter(|v| !v.is_null());
+        let (key, dict) = match (params, scaling) {
+            (Some(_), Some(_)) => {
+                self.push("rope_parameters and rope_scaling are both set; keep one".into());
+                return (10000.0, RopeScaling::Default);
+            }
+            (Some(p), None) => ("rope_parameters", Some(p)),
+            (None, Some(s)) => ("rope_scaling", Some(s)),
+            (None, None) => ("rope_scaling", None),
+        };
+        let mut theta = self.number(raw, "rope_theta", 10000.0, f64::MIN_POSITIVE..1e12);
+        let Some(dict) = dict else {
+            return (theta, RopeScaling::Default);
+        };
+        let Some(d) = dict.as_object() else {
+            self.push(format!("{key} = {dict} must be an object or null"));
+            return (theta, RopeScaling::Default);
+        };
+        if let Some(t) = d.get("rope_theta") {
+            let inner = self.number(d, "rope_theta", 10000.0, f64::MIN_POSITIVE..1e12);
+            if raw.contains_key("rope_theta") && inner != theta {
+                self.push(format!(
+                    "rope_theta = {theta} and {key}.rope_theta = {t} differ; keep one"
+                ));
+            }
+            theta = inner;
+        }
+        let kind = d
+            .get("rope_type")
+            .or_else(|| d.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let allowed: &[&str] = match kind {
+            "default" => &[],
+            "linear" => &["factor"],
+            "dynamic" => &["factor", "original_max_position_embeddings"],
+            "llama3" => &[
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            ],
+            other => {
+                self.push(format!(
+                    "{key}.rope_type = \"{other}\" is not implemented; miles implements default, linear, dynamic and llama3"
+                ));
+                return (theta, RopeScaling::Default);
+            }
+        };
+        for (k, v) in d {
+            if !["rope_type", "type", "rope_theta"].contains(&k.as_str())
+                && !allowed.contains(&k.as_str())
+            {
+                self.push(format!(
+                    "{key}.{k} = {v} is not implemented for rope_type \"{kind}\""
+                ));
+            }
+        }
+        let mut need = |field: &str, range: std::ops::Range<f64>| -> f32 {
+            if !d.contains_key(field) {
+                self.push(format!("{key}.{field} is missing for rope_type \"{kind}\""));
+                return 1.0;
+            }
+            self.number(d, field, 1.0, range) as f32
+        };
+        let scaling = match kind {
+            "linear" => RopeScaling::Linear {
+                factor: need("factor", 1.0..1e6),
+            },
+            "dynamic" => {
+                need("factor", 1.0..1e6);
+                // Dynamic NTK scaling changes the frequencies only past the original context;
+                // miles refuses sequences past max_position_embeddings, so below it the
+                // frequencies are the default ones.
+                if let Some(orig) = d.get("original_max_position_embeddings")
+                    && orig.as_u64().is_none_or(|o| (o as usize) < max_positions)
+                {
+                    self.push(format!(
+                        "{key}.original_max_position_embeddings = {orig} below max_position_embeddings {max_positions} is not implemented for rope_type \"dynamic\""
+                    ));
+                }
+                RopeScaling::Default
+            }
+            "llama3" => {
+                let factor = need("factor", 1.0..1e6);
+                let low = need("low_freq_factor", f64::MIN_POSITIVE..1e6);
+                let high = need("high_freq_factor", f64::MIN_POSITIVE..1e6);
+                let orig = need("original_max_position_embeddings", 1.0..1e9);
+                if high <= low {
+                    self.push(format!(
+                        "{key}.high_freq_factor {high} must exceed low_freq_factor {low}"
+                    ));
+                }
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: orig,
+                }
+            }
+            _ => RopeScaling::Default,
+        };
+        (theta, scaling)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
@@ -271,10 +836,192 @@ mod tests {
             .to_string();
         assert!(err.contains("mlp_bias"), "{err}");
         v["mlp_bias"] = Value::Bool(false);
-        v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0});
+        v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 2.0});
         let err = LlamaConfig::from_json_str(&v.to_string())
             .unwrap_err()
             .to_string();
-        assert!(err.contains("rope_scaling"), "{err}");
+        assert!(err.contains("rope_scaling.rope_type = \"yarn\""), "{err}");
+    }
+
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+
+    fn with(family: &str, edit: impl FnOnce(&mut Value)) -> Result<LlamaConfig, ModelError> {
+        let mut v: Value = serde_json::from_str(include_str!("../../presets/tiny.json")).unwrap();
+        v["model_type"] = Value::String(family.into());
+        edit(&mut v);
+        LlamaConfig::from_json_str(&v.to_string())
+    }
+
+    fn refused(family: &str, edit: impl FnOnce(&mut Value)) -> String {
+        with(family, edit).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn every_unimplemented_field_is_refused_naming_it_and_its_value() {
+        let cases: Vec<(&str, Edit, &str)> = vec![
+            (
+                "mistral",
+                Box::new(|v| v["sliding_window"] = json!(4096)),
+                "sliding_window = 4096",
+            ),
+            (
+                "qwen2",
+                Box::new(|v| v["use_sliding_window"] = json!(true)),
+                "use_sliding_window = true",
+            ),
+            (
+                "qwen3",
+                Box::new(|v| v["layer_types"] = json!(["sliding_attention", "full_attention"])),
+                "layer_types",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0})),
+                "rope_scaling.rope_type = \"yarn\"",
+            ),
+            (
+                "llama",
+                Box::new(|v| {
+                    v["rope_scaling"] = json!({"type": "linear", "factor": 2.0, "beta_fast": 32})
+                }),
+                "rope_scaling.beta_fast = 32",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["num_experts"] = json!(8)),
+                "num_experts = 8",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["attention_bias"] = json!(true)),
+                "attention_bias = true",
+            ),
+            (
+                "qwen3",
+                Box::new(|v| v["attention_bias"] = json!(true)),
+                "attention_bias = true",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["hidden_act"] = json!("gelu")),
+                "hidden_act = \"gelu\"",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["attention_dropout"] = json!(0.1)),
+                "attention_dropout = 0.1",
+            ),
+            ("qwen2_moe", Box::new(|_| {}), "model_type = \"qwen2_moe\""),
+            (
+                "llama",
+                Box::new(|v| v["hidden_size"] = json!(1u64 << 40)),
+                "hidden_size = 1099511627776",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["vocab_size"] = json!(-3)),
+                "vocab_size = -3",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["rms_norm_eps"] = json!(2.0)),
+                "rms_norm_eps = 2.0",
+            ),
+            (
+                "llama",
+                Box::new(|v| v["eos_token_id"] = json!([257, 999])),
+                "eos_token_id = 999",
+            ),
+        ];
+        for (family, edit, named) in cases {
+            let err = refused(family, edit);
+            assert!(err.contains(named), "{named}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_largest_config_within_every_range_is_refused_by_its_parameter_count() {
+        let err = refused("llama", |v| {
+            v["hidden_size"] = json!(1 << 16);
+            v["num_attention_heads"] = json!(64);
+            v["num_key_value_heads"] = json!(64);
+            v["intermediate_size"] = json!(1 << 20);
+            v["num_hidden_layers"] = json!(1024);
+        });
+        assert!(err.contains("parameters"), "{err}");
+    }
+
+    #[test]
+    fn families_rope_scaling_and_eos_lists_are_read() {
+        let c = with("llama", |v| {
+            v["rope_parameters"] = json!({
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192
+            });
+            v.as_object_mut().unwrap().remove("rope_theta");
+            v.as_object_mut().unwrap().remove("rope_scaling");
+            v["eos_token_id"] = json!([257, 258]);
+        })
+        .unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 32.0));
+        assert_eq!(c.eos_token_ids(), vec![257, 258]);
+        let q2 = with("qwen2", |v| v["sliding_window"] = json!(32768)).unwrap();
+        assert!(q2.qkv_bias && !q2.qk_norm);
+        let q3 = with("qwen3", |v| v["head_dim"] = json!(48)).unwrap();
+        assert!(q3.qk_norm && q3.head_dim == 48 && q3.q_dim() == 192);
+        let dynamic = with("llama", |v| {
+            v["rope_scaling"] = json!({"type": "dynamic", "factor": 2.0})
+        });
+        assert_eq!(dynamic.unwrap().rope_scaling, RopeScaling::Default);
+    }
+
+    #[test]
+    fn differences_name_every_field_that_changes_the_model() {
+        let a = LlamaConfig::preset("tiny").unwrap();
+        let b = with("llama", |v| {
+            v["rope_theta"] = json!(500000.0);
+            v["rms_norm_eps"] = json!(1e-6);
+        })
+        .unwrap();
+        let d = a.differences(&b).join("; ");
+        assert!(
+            d.contains("rope_theta") && d.contains("rms_norm_eps"),
+            "{d}"
+        );
+        assert!(a.differences(&a).is_empty());
+    }
+
+    #[test]
+    fn a_run_takes_its_model_from_load_and_hf_checkpoint_never_the_preset() {
+        let dir = tempfile::tempdir().unwrap();
+        let theta = with("llama", |v| {
+            v["rope_theta"] = json!(500000.0);
+            v["rms_norm_eps"] = json!(1e-6);
+        })
+        .unwrap();
+        let actor = dir.path().join("step-00000001/actor");
+        std::fs::create_dir_all(&actor).unwrap();
+        std::fs::write(actor.join("config.json"), theta.to_json_string()).unwrap();
+        std::fs::write(dir.path().join("latest"), "step-00000001").unwrap();
+        let mut s = crate::config::Settings {
+            load: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
+        let c = LlamaConfig::from_settings(&s).unwrap();
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (500000.0, 1e-6));
+        s.hf_checkpoint = Some(actor.clone());
+        assert_eq!(LlamaConfig::from_settings(&s).unwrap(), c);
+        let other = dir.path().join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        let tiny = LlamaConfig::preset("tiny").unwrap();
+        std::fs::write(other.join("config.json"), tiny.to_json_string()).unwrap();
+        s.hf_checkpoint = Some(other);
+        let err = LlamaConfig::from_settings(&s).unwrap_err().to_string();
+        assert!(
+            err.contains("rope_theta: 10000 vs 500000") && err.contains("rms_norm_eps"),
+            "{err}"
+        );
     }
 }

@@ -9,8 +9,8 @@ use rayon::prelude::*;
 use super::layout::layer_block;
 use super::{LlamaConfig, ModelError, ParamKind, TrainBatch, Transformer};
 use crate::ops::{
-    embedding_forward, matmul_rows_forward, residual_forward, rmsnorm_forward, rope_forward,
-    swiglu_forward,
+    bias_forward, embedding_forward, matmul_rows_forward, residual_forward, rmsnorm_forward,
+    rope_forward, swiglu_forward,
 };
 
 /// Cached keys and values of every layer, per sequence and position.
@@ -142,18 +142,21 @@ impl KvCache for ContiguousKvCache {
 #[derive(Clone, Debug)]
 pub struct DecodeScratch {
     batch: usize,
-    x: Vec<f32>,       // (B, C) residual stream
-    ln: Vec<f32>,      // (B, C)
-    rstd: Vec<f32>,    // (B)
-    q: Vec<f32>,       // (B, H*D)
-    k: Vec<f32>,       // (B, K*D)
-    v: Vec<f32>,       // (B, K*D)
-    att_out: Vec<f32>, // (B, H*D)
-    proj: Vec<f32>,    // (B, C)
-    gate: Vec<f32>,    // (B, F)
-    up: Vec<f32>,      // (B, F)
-    swiglu: Vec<f32>,  // (B, F)
-    scores: Vec<f32>,  // (B, T_max)
+    x: Vec<f32>,         // (B, C) residual stream
+    ln: Vec<f32>,        // (B, C)
+    rstd: Vec<f32>,      // (B)
+    q: Vec<f32>,         // (B, H*D)
+    k: Vec<f32>,         // (B, K*D)
+    q_pre: Vec<f32>,     // (B, H*D) before the q norm
+    k_pre: Vec<f32>,     // (B, K*D) before the k norm
+    head_rstd: Vec<f32>, // (B, H)
+    v: Vec<f32>,         // (B, K*D)
+    att_out: Vec<f32>,   // (B, H*D)
+    proj: Vec<f32>,      // (B, C)
+    gate: Vec<f32>,      // (B, F)
+    up: Vec<f32>,        // (B, F)
+    swiglu: Vec<f32>,    // (B, F)
+    scores: Vec<f32>,    // (B, T_max)
     max_len: usize,
 }
 
@@ -168,6 +171,9 @@ impl DecodeScratch {
             rstd: vec![0.0; batch],
             q: vec![0.0; batch * config.q_dim()],
             k: vec![0.0; batch * config.kv_dim()],
+            q_pre: vec![0.0; usize::from(config.qk_norm) * batch * config.q_dim()],
+            k_pre: vec![0.0; usize::from(config.qk_norm) * batch * config.kv_dim()],
+            head_rstd: vec![0.0; usize::from(config.qk_norm) * batch * config.num_heads],
             v: vec![0.0; batch * config.kv_dim()],
             att_out: vec![0.0; batch * config.q_dim()],
             proj: vec![0.0; batch * h],
@@ -249,9 +255,25 @@ impl Transformer {
                 &mut s.v[..b_n * kvd],
             );
             rmsnorm_forward(ln, rstd, x, w.input_norm, eps); // (B, C)
-            matmul_rows_forward(q, ln, w.q, b_n, h, qd)?; // (B, H*D)
-            matmul_rows_forward(k, ln, w.k, b_n, h, kvd)?; // (B, K*D)
+            let (q_pre, k_pre) = (&mut s.q_pre[..], &mut s.k_pre[..]);
+            let (q_lin, k_lin) = match w.qk_norm {
+                Some(_) => (&mut q_pre[..b_n * qd], &mut k_pre[..b_n * kvd]),
+                None => (&mut *q, &mut *k),
+            };
+            matmul_rows_forward(q_lin, ln, w.q, b_n, h, qd)?; // (B, H*D)
+            matmul_rows_forward(k_lin, ln, w.k, b_n, h, kvd)?; // (B, K*D)
             matmul_rows_forward(vv, ln, w.v, b_n, h, kvd)?; // (B, K*D)
+            if let Some([qb, kb, vb]) = w.qkv_bias {
+                bias_forward(q_lin, qb);
+                bias_forward(k_lin, kb);
+                bias_forward(vv, vb);
+            }
+            if let Some([qn, kn]) = w.qk_norm {
+                let rstd = &mut s.head_rstd[..b_n * c.num_heads];
+                rmsnorm_forward(q, rstd, &q_pre[..b_n * qd], qn, eps); // (B, H, D)
+                let rstd = &mut rstd[..b_n * c.num_kv_heads];
+                rmsnorm_forward(k, rstd, &k_pre[..b_n * kvd], kn, eps); // (B, K, D)
+            }
             rope_forward(q, &positions, c.num_heads, self.rope());
             rope_forward(k, &positions, c.num_kv_heads, self.rope());
             for (b, &seq) in seqs.iter().enumerate() {

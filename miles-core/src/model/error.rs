@@ -105,6 +105,24 @@ pub enum ModelError {
         /// What the library said.
         reason: String,
     },
+    /// A tokenizer that cannot be loaded or used.
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// A buffer larger than the machine can allocate.
+    #[error(
+        "cannot allocate {bytes} bytes for {what}; use a machine with more memory or a smaller model"
+    )]
+    OutOfMemory {
+        /// What the buffer holds.
+        what: &'static str,
+        /// Its size.
+        bytes: u64,
+    },
     /// A checkpoint whose tensors do not match the config's layout.
     #[error("checkpoint {path} does not match its config: {problems}")]
     CheckpointMismatch {

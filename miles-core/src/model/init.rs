@@ -1,5 +1,5 @@
 //! Seeded initialisation as Hugging Face's `LlamaPreTrainedModel` does it: weight matrices and
-//! embeddings from `N(0, initializer_range²)`, norm weights at one.
+//! embeddings from `N(0, initializer_range²)`, norm weights at one, biases at zero.
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -23,6 +23,10 @@ pub fn init_params(
         let dst = &mut params[spec.range()];
         if spec.kind.is_norm() {
             dst.fill(1.0);
+            continue;
+        }
+        if spec.kind.is_bias() {
+            dst.fill(0.0);
             continue;
         }
         // Box-Muller: two uniforms give two independent standard normals.

@@ -23,6 +23,16 @@ pub enum ParamKind {
     VProj,
     /// `model.layers.{i}.self_attn.o_proj.weight` `(C, H*D)`.
     OProj,
+    /// `model.layers.{i}.self_attn.q_proj.bias` `(H*D)`, when the config has q/k/v biases.
+    QBias,
+    /// `model.layers.{i}.self_attn.k_proj.bias` `(K*D)`, when the config has q/k/v biases.
+    KBias,
+    /// `model.layers.{i}.self_attn.v_proj.bias` `(K*D)`, when the config has q/k/v biases.
+    VBias,
+    /// `model.layers.{i}.self_attn.q_norm.weight` `(D)`, when the config has q/k norms.
+    QNorm,
+    /// `model.layers.{i}.self_attn.k_norm.weight` `(D)`, when the config has q/k norms.
+    KNorm,
     /// `model.layers.{i}.post_attention_layernorm.weight` `(C)`.
     PostAttentionNorm,
     /// `model.layers.{i}.mlp.gate_proj.weight` `(F, C)`.
@@ -37,18 +47,28 @@ pub enum ParamKind {
     LmHead,
 }
 
-/// Per-layer kinds, in storage order.
-const LAYER_KINDS: [ParamKind; 9] = [
-    ParamKind::InputNorm,
-    ParamKind::QProj,
-    ParamKind::KProj,
-    ParamKind::VProj,
-    ParamKind::OProj,
-    ParamKind::PostAttentionNorm,
-    ParamKind::GateProj,
-    ParamKind::UpProj,
-    ParamKind::DownProj,
-];
+/// Per-layer kinds of `config`, in storage order: the nine of every model, then the biases and
+/// the q/k norms of the families that have them.
+fn layer_kinds(config: &LlamaConfig) -> Vec<ParamKind> {
+    let mut kinds = vec![
+        ParamKind::InputNorm,
+        ParamKind::QProj,
+        ParamKind::KProj,
+        ParamKind::VProj,
+        ParamKind::OProj,
+        ParamKind::PostAttentionNorm,
+        ParamKind::GateProj,
+        ParamKind::UpProj,
+        ParamKind::DownProj,
+    ];
+    if config.qkv_bias {
+        kinds.extend([ParamKind::QBias, ParamKind::KBias, ParamKind::VBias]);
+    }
+    if config.qk_norm {
+        kinds.extend([ParamKind::QNorm, ParamKind::KNorm]);
+    }
+    kinds
+}
 
 impl ParamKind {
     /// The Hugging Face name of this kind in layer `layer` (ignored for whole-model kinds).
@@ -61,6 +81,11 @@ impl ParamKind {
             Self::KProj => l("self_attn.k_proj.weight"),
             Self::VProj => l("self_attn.v_proj.weight"),
             Self::OProj => l("self_attn.o_proj.weight"),
+            Self::QBias => l("self_attn.q_proj.bias"),
+            Self::KBias => l("self_attn.k_proj.bias"),
+            Self::VBias => l("self_attn.v_proj.bias"),
+            Self::QNorm => l("self_attn.q_norm.weight"),
+            Self::KNorm => l("self_attn.k_norm.weight"),
             Self::PostAttentionNorm => l("post_attention_layernorm.weight"),
             Self::GateProj => l("mlp.gate_proj.weight"),
             Self::UpProj => l("mlp.up_proj.weight"),
@@ -79,6 +104,9 @@ impl ParamKind {
             Self::QProj => vec![c.q_dim(), h],
             Self::KProj | Self::VProj => vec![c.kv_dim(), h],
             Self::OProj => vec![h, c.q_dim()],
+            Self::QBias => vec![c.q_dim()],
+            Self::KBias | Self::VBias => vec![c.kv_dim()],
+            Self::QNorm | Self::KNorm => vec![c.head_dim],
             Self::GateProj | Self::UpProj => vec![f, h],
             Self::DownProj => vec![h, f],
         }
@@ -88,8 +116,13 @@ impl ParamKind {
     pub fn is_norm(self) -> bool {
         matches!(
             self,
-            Self::InputNorm | Self::PostAttentionNorm | Self::FinalNorm
+            Self::InputNorm | Self::PostAttentionNorm | Self::FinalNorm | Self::QNorm | Self::KNorm
         )
+    }
+
+    /// Whether this kind is a bias (initialised to zeros).
+    pub fn is_bias(self) -> bool {
+        matches!(self, Self::QBias | Self::KBias | Self::VBias)
     }
 }
 
@@ -124,6 +157,7 @@ impl TensorSpec {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamLayout {
     specs: Vec<TensorSpec>,
+    layer_kinds: Vec<ParamKind>,
     num_layers: usize,
     tied: bool,
     len: usize,
@@ -147,9 +181,10 @@ impl ParamLayout {
             offset += spec.numel();
             specs.push(spec);
         };
+        let layer_kinds = layer_kinds(config);
         push(ParamKind::Embedding, None);
         for l in 0..config.num_layers {
-            for kind in LAYER_KINDS {
+            for &kind in &layer_kinds {
                 push(kind, Some(l));
             }
         }
@@ -159,9 +194,22 @@ impl ParamLayout {
         }
         Self {
             specs,
+            layer_kinds,
             num_layers: config.num_layers,
             tied: config.tie_word_embeddings,
             len: offset,
+        }
+    }
+
+    /// A layout of the tensors `specs` alone, keeping their offsets into the full buffer (to
+    /// write a part of the model, e.g. one safetensors shard).
+    pub(crate) fn subset(specs: &[&TensorSpec]) -> Self {
+        Self {
+            specs: specs.iter().map(|s| (*s).clone()).collect(),
+            layer_kinds: Vec::new(),
+            num_layers: 0,
+            tied: false,
+            len: specs.iter().map(|s| s.range().end).max().unwrap_or(0),
         }
     }
 
@@ -181,26 +229,36 @@ impl ParamLayout {
     }
 
     /// The elements of `kind` in `layer` (the layer is ignored for whole-model kinds); the LM
-    /// head of a tied model is the embedding.
+    /// head of a tied model is the embedding. A kind the model does not have (a bias of a
+    /// model without biases) is the empty range at the end of the buffer.
     pub fn range(&self, kind: ParamKind, layer: usize) -> Range<usize> {
-        let index = match kind {
-            ParamKind::Embedding => 0,
-            ParamKind::FinalNorm => 1 + self.num_layers * LAYER_KINDS.len(),
-            ParamKind::LmHead if self.tied => 0,
-            ParamKind::LmHead => 2 + self.num_layers * LAYER_KINDS.len(),
-            k => {
-                let pos = LAYER_KINDS.iter().position(|x| *x == k).unwrap_or(0);
-                1 + layer * LAYER_KINDS.len() + pos
-            }
-        };
-        self.specs[index].range()
+        self.get(kind, layer).unwrap_or(self.len..self.len)
     }
 
-    /// The elements of decoder layer `layer`: its nine tensors, contiguous, in storage order.
+    /// The elements of `kind` in `layer`, or `None` when the model has no such tensor.
+    pub fn get(&self, kind: ParamKind, layer: usize) -> Option<Range<usize>> {
+        let per = self.layer_kinds.len();
+        let index = match kind {
+            ParamKind::Embedding => 0,
+            ParamKind::FinalNorm => 1 + self.num_layers * per,
+            ParamKind::LmHead if self.tied => 0,
+            ParamKind::LmHead => 2 + self.num_layers * per,
+            k => 1 + layer * per + self.layer_kinds.iter().position(|x| *x == k)?,
+        };
+        self.specs.get(index).map(TensorSpec::range)
+    }
+
+    /// The per-layer kinds of this model, in storage order.
+    pub fn layer_kinds(&self) -> &[ParamKind] {
+        &self.layer_kinds
+    }
+
+    /// The elements of decoder layer `layer`: its tensors, contiguous, in storage order.
     pub fn layer_range(&self, layer: usize) -> Range<usize> {
-        let first = self.range(LAYER_KINDS[0], layer);
-        let last = self.range(LAYER_KINDS[LAYER_KINDS.len() - 1], layer);
-        first.start..last.end
+        let per = self.layer_kinds.len();
+        let first = &self.specs[1 + layer * per];
+        let last = &self.specs[layer * per + per];
+        first.offset..last.range().end
     }
 
     /// Checks that `buf` has this layout's length.
@@ -239,6 +297,14 @@ pub struct ActivationLayout {
     pub k: Range<usize>,
     /// Values `(L, B, T, K*D)`.
     pub v: Range<usize>,
+    /// Queries before their q norm `(L, B, T, H*D)` (empty without q/k norms).
+    pub q_pre: Range<usize>,
+    /// Keys before their k norm `(L, B, T, K*D)` (empty without q/k norms).
+    pub k_pre: Range<usize>,
+    /// Q norm reciprocal RMS `(L, B, T, H)` (empty without q/k norms).
+    pub q_rstd: Range<usize>,
+    /// K norm reciprocal RMS `(L, B, T, K)` (empty without q/k norms).
+    pub k_rstd: Range<usize>,
     /// Attention probabilities `(L, B, T, H, T)`.
     pub att: Range<usize>,
     /// Attention output before `o_proj` `(L, B, T, H*D)`.
@@ -277,6 +343,12 @@ pub struct ActivationLayout {
     pub d_k: Range<usize>,
     /// Backward scratch: gradient of the values `(B, T, K*D)`.
     pub d_v: Range<usize>,
+    /// Backward scratch: gradient of the queries before their norm `(B, T, H*D)` (empty
+    /// without q/k norms).
+    pub d_q_pre: Range<usize>,
+    /// Backward scratch: gradient of the keys before their norm `(B, T, K*D)` (empty without
+    /// q/k norms).
+    pub d_k_pre: Range<usize>,
     /// Backward scratch: gradient of the attention scores `(B, T, H, T)`.
     pub d_att: Range<usize>,
     /// Backward scratch: gradient of the gate projection `(B, T, F)`.
@@ -301,6 +373,7 @@ impl ActivationLayout {
             c.vocab_size,
         );
         let (qd, kvd, heads) = (c.q_dim(), c.kv_dim(), c.num_heads);
+        let qk = usize::from(c.qk_norm);
         let mut offset = 0;
         let mut take = |len: usize| {
             let r = offset..offset + len;
@@ -316,6 +389,10 @@ impl ActivationLayout {
             q: take(l * n * qd),
             k: take(l * n * kvd),
             v: take(l * n * kvd),
+            q_pre: take(qk * l * n * qd),
+            k_pre: take(qk * l * n * kvd),
+            q_rstd: take(qk * l * n * heads),
+            k_rstd: take(qk * l * n * c.num_kv_heads),
             att: take(l * n * heads * seq),
             att_out: take(l * n * qd),
             residual_mid: take(l * n * h),
@@ -335,6 +412,8 @@ impl ActivationLayout {
             d_q: take(n * qd),
             d_k: take(n * kvd),
             d_v: take(n * kvd),
+            d_q_pre: take(qk * n * qd),
+            d_k_pre: take(qk * n * kvd),
             d_att: take(n * heads * seq),
             d_gate: take(n * f),
             d_up: take(n * f),
@@ -383,7 +462,8 @@ pub(crate) fn carve<'a, const N: usize>(
     ranges: [&Range<usize>; N],
 ) -> Option<[&'a mut [f32]; N]> {
     let mut order: Vec<usize> = (0..N).collect();
-    order.sort_by_key(|&i| ranges[i].start);
+    // Empty ranges first among equal starts, so one never lands inside the range it touches.
+    order.sort_by_key(|&i| (ranges[i].start, ranges[i].end));
     let mut out: [Option<&'a mut [f32]>; N] = std::array::from_fn(|_| None);
     let mut rest = buf;
     let mut consumed = 0;

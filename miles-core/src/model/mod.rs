@@ -5,7 +5,10 @@ mod checkpoint;
 mod config;
 mod decode;
 mod error;
+#[cfg(test)]
+mod family_tests;
 mod gpu;
+mod hf_tokenizer;
 mod init;
 mod layout;
 mod passes;
@@ -16,9 +19,12 @@ mod train;
 mod transformer;
 
 pub use checkpoint::{
-    CONFIG_FILE, WEIGHTS_FILE, load_checkpoint, load_config, load_params, save_checkpoint,
+    CONFIG_FILE, DEFAULT_SHARD_BYTES, INDEX_FILE, MASTER_FILE, SaveOptions, TOKENIZER_FILES,
+    WEIGHTS_FILE, WeightsSummary, alloc_params, copy_tokenizer_files, export_hf,
+    inspect_hf_weights, load_checkpoint, load_config, load_hf_checkpoint, load_hf_params,
+    load_params, save_checkpoint, write_hf,
 };
-pub use config::LlamaConfig;
+pub use config::{LlamaConfig, ModelFamily};
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};
 pub use error::ModelError;
 #[cfg(any(test, feature = "testing"))]
@@ -27,6 +33,7 @@ pub use gpu::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTrainer, GpuTrainerSpec, GpuTransformer,
     TrainerGroup, standalone_gpu_trainer,
 };
+pub use hf_tokenizer::{TOKENIZER_FILE, Tokenizer};
 pub use init::init_params;
 pub use layout::{ActivationLayout, ParamKind, ParamLayout, TensorSpec};
 pub use tokenizer::ByteTokenizer;

@@ -11,10 +11,10 @@ use super::layout::{carve, layer_block};
 use super::{ActivationLayout, LlamaConfig, ModelError, ParamKind, ParamLayout};
 use crate::comm::Communicator;
 use crate::ops::{
-    AttentionShape, MatmulProfile, RopeTable, attention_backward, attention_forward,
-    crossentropy_backward, crossentropy_forward, embedding_backward, embedding_forward,
-    matmul_backward, matmul_forward, residual_forward, rmsnorm_backward, rmsnorm_forward,
-    rope_backward, rope_forward, swiglu_backward, swiglu_forward,
+    AttentionShape, MatmulProfile, RopeTable, attention_backward, attention_forward, bias_backward,
+    bias_forward, crossentropy_backward, crossentropy_forward, embedding_backward,
+    embedding_forward, matmul_backward, matmul_forward, residual_forward, rmsnorm_backward,
+    rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward,
 };
 
 /// Sums `buf` over the tensor-parallel group, when there is one.
@@ -88,6 +88,10 @@ pub(crate) struct LayerWeights<'a> {
     pub gate: &'a [f32],
     pub up: &'a [f32],
     pub down: &'a [f32],
+    /// The q/k/v biases, for the families that have them.
+    pub qkv_bias: Option<[&'a [f32]; 3]>,
+    /// The per-head q and k norm weights, for the families that have them.
+    pub qk_norm: Option<[&'a [f32]; 2]>,
 }
 
 /// The Llama decoder: config, parameter table and rotary tables; no storage.
@@ -103,11 +107,7 @@ impl Transformer {
     /// The model of `config`.
     pub fn new(config: LlamaConfig) -> Self {
         let layout = ParamLayout::new(&config);
-        let rope = RopeTable::new(
-            config.head_dim,
-            config.rope_theta,
-            config.max_position_embeddings,
-        );
+        let rope = config.rope_table();
         Self {
             config,
             layout,
@@ -178,7 +178,16 @@ impl Transformer {
             let r = self.layout.range(k, l);
             &weights[r.start - base..r.end - base]
         };
+        let has = |k| self.layout.get(k, l).is_some();
         LayerWeights {
+            qkv_bias: has(ParamKind::QBias).then(|| {
+                [
+                    w(ParamKind::QBias),
+                    w(ParamKind::KBias),
+                    w(ParamKind::VBias),
+                ]
+            }),
+            qk_norm: has(ParamKind::QNorm).then(|| [w(ParamKind::QNorm), w(ParamKind::KNorm)]),
             input_norm: w(ParamKind::InputNorm),
             q: w(ParamKind::QProj),
             k: w(ParamKind::KProj),
@@ -325,6 +334,10 @@ impl Transformer {
             q,
             k,
             vv,
+            q_pre,
+            k_pre,
+            q_rstd,
+            k_rstd,
             att,
             att_out,
             res_mid,
@@ -343,6 +356,10 @@ impl Transformer {
                 &layer_block(&al.q, l, l_n),
                 &layer_block(&al.k, l, l_n),
                 &layer_block(&al.v, l, l_n),
+                &layer_block(&al.q_pre, l, l_n),
+                &layer_block(&al.k_pre, l, l_n),
+                &layer_block(&al.q_rstd, l, l_n),
+                &layer_block(&al.k_rstd, l, l_n),
                 &layer_block(&al.att, l, l_n),
                 &layer_block(&al.att_out, l, l_n),
                 &layer_block(&al.residual_mid, l, l_n),
@@ -356,9 +373,23 @@ impl Transformer {
         )
         .ok_or_else(overlap)?;
         rmsnorm_forward(ln1, rstd1, res_in, w.input_norm, c.rms_norm_eps); // (B, T, C)
-        matmul_forward(q, ln1, w.q, n, h, qd, prof)?; // (B, T, H*D)
-        matmul_forward(k, ln1, w.k, n, h, kvd, prof)?; // (B, T, K*D)
+        // With q/k norms the projections land in q_pre and k_pre and are normed into q and k.
+        let (q_lin, k_lin) = match w.qk_norm {
+            Some(_) => (&mut *q_pre, &mut *k_pre),
+            None => (&mut *q, &mut *k),
+        };
+        matmul_forward(q_lin, ln1, w.q, n, h, qd, prof)?; // (B, T, H*D)
+        matmul_forward(k_lin, ln1, w.k, n, h, kvd, prof)?; // (B, T, K*D)
         matmul_forward(vv, ln1, w.v, n, h, kvd, prof)?; // (B, T, K*D)
+        if let Some([qb, kb, vb]) = w.qkv_bias {
+            bias_forward(q_lin, qb);
+            bias_forward(k_lin, kb);
+            bias_forward(vv, vb);
+        }
+        if let Some([qn, kn]) = w.qk_norm {
+            rmsnorm_forward(q, q_rstd, q_pre, qn, c.rms_norm_eps); // (B, T, H, D)
+            rmsnorm_forward(k, k_rstd, k_pre, kn, c.rms_norm_eps); // (B, T, K, D)
+        }
         rope_forward(q, &positions, c.num_heads, &self.rope);
         rope_forward(k, &positions, c.num_kv_heads, &self.rope);
         attention_forward(att_out, att, q, k, vv, shape)?; // (B, T, H*D), (B, T, H, T)
@@ -553,12 +584,18 @@ impl Transformer {
             gate,
             up,
             sw,
+            q_pre,
+            k_pre,
+            q_rstd,
+            k_rstd,
             d_res,
             d_ln,
             d_att_out,
             d_q,
             d_k,
             d_v,
+            d_q_pre,
+            d_k_pre,
             d_att,
             d_gate,
             d_up,
@@ -580,12 +617,18 @@ impl Transformer {
                 &layer_block(&al.gate, l, l_n),
                 &layer_block(&al.up, l, l_n),
                 &layer_block(&al.swiglu, l, l_n),
+                &layer_block(&al.q_pre, l, l_n),
+                &layer_block(&al.k_pre, l, l_n),
+                &layer_block(&al.q_rstd, l, l_n),
+                &layer_block(&al.k_rstd, l, l_n),
                 &al.d_residual,
                 &al.d_ln,
                 &al.d_att_out,
                 &al.d_q,
                 &al.d_k,
                 &al.d_v,
+                &al.d_q_pre,
+                &al.d_k_pre,
                 &al.d_att,
                 &al.d_gate,
                 &al.d_up,
@@ -667,11 +710,51 @@ impl Transformer {
         attention_backward(d_q, d_k, d_v, d_att, d_att_out, q, k, vv, att, shape)?;
         rope_backward(d_q, &positions, c.num_heads, &self.rope);
         rope_backward(d_k, &positions, c.num_kv_heads, &self.rope);
+        // The gradients of the projections' outputs: through the q/k norms when there are.
+        let (dq_lin, dk_lin) = match w.qk_norm {
+            Some([qn, kn]) => {
+                d_q_pre.fill(0.0);
+                d_k_pre.fill(0.0);
+                for (kind, d_pre, d_out, pre, weight, rstd) in [
+                    (
+                        ParamKind::QNorm,
+                        &mut *d_q_pre,
+                        &*d_q,
+                        &*q_pre,
+                        qn,
+                        &*q_rstd,
+                    ),
+                    (
+                        ParamKind::KNorm,
+                        &mut *d_k_pre,
+                        &*d_k,
+                        &*k_pre,
+                        kn,
+                        &*k_rstd,
+                    ),
+                ] {
+                    // Each tensor-parallel rank sees its own heads: sum the norm's gradient.
+                    let mut d_weight = vec![0.0; weight.len()];
+                    rmsnorm_backward(d_pre, &mut d_weight, d_out, pre, weight, rstd);
+                    all_reduce(tp, &mut d_weight)?;
+                    for (g, d) in grads[g(kind)].iter_mut().zip(&d_weight) {
+                        *g += d;
+                    }
+                }
+                (&*d_q_pre, &*d_k_pre)
+            }
+            None => (&*d_q, &*d_k),
+        };
+        if w.qkv_bias.is_some() {
+            bias_backward(&mut grads[g(ParamKind::QBias)], dq_lin);
+            bias_backward(&mut grads[g(ParamKind::KBias)], dk_lin);
+            bias_backward(&mut grads[g(ParamKind::VBias)], d_v);
+        }
         d_ln.fill(0.0);
         matmul_backward(
             d_ln,
             &mut grads[g(ParamKind::QProj)],
-            d_q,
+            dq_lin,
             ln1,
             w.q,
             n,
@@ -682,7 +765,7 @@ impl Transformer {
         matmul_backward(
             d_ln,
             &mut grads[g(ParamKind::KProj)],
-            d_k,
+            dk_lin,
             ln1,
             w.k,
             n,

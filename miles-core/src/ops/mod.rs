@@ -6,6 +6,7 @@
 
 mod adamw;
 mod attention;
+mod bias;
 mod crossentropy;
 mod embedding;
 pub mod gpu;
@@ -26,6 +27,7 @@ pub use attention::{
     AttentionShape, attention_backward, attention_backward_naive, attention_forward,
     attention_forward_naive,
 };
+pub use bias::{bias_backward, bias_forward};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use matmul::{
@@ -35,5 +37,5 @@ pub use matmul::{
 pub use matmul_rows::matmul_rows_forward;
 pub use residual::residual_forward;
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-pub use rope::{RopeTable, rope_backward, rope_forward};
+pub use rope::{RopeScaling, RopeTable, rope_backward, rope_forward};
 pub use swiglu::{swiglu_backward, swiglu_forward};

@@ -6,6 +6,30 @@
 
 use rayon::prelude::*;
 
+/// How the rotary frequencies are rescaled for long contexts, as Hugging Face's
+/// `ROPE_INIT_FUNCTIONS` do it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// The plain frequencies `theta^(-2i/D)`.
+    Default,
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear {
+        /// The divisor.
+        factor: f32,
+    },
+    /// Llama 3's: low frequencies divided by `factor`, high ones kept, a smooth blend between.
+    Llama3 {
+        /// The divisor of the low frequencies.
+        factor: f32,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are divided.
+        low_freq_factor: f32,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+        high_freq_factor: f32,
+        /// The context length the model was pretrained on.
+        original_max_position_embeddings: f32,
+    },
+}
+
 /// Cosines and sines of every position's rotation angles.
 #[derive(Clone, Debug)]
 pub struct RopeTable {
@@ -17,10 +41,16 @@ pub struct RopeTable {
 impl RopeTable {
     /// Tables for positions `0..max_positions` and heads of `head_dim` channels.
     pub fn new(head_dim: usize, theta: f64, max_positions: usize) -> Self {
+        Self::scaled(head_dim, theta, max_positions, RopeScaling::Default)
+    }
+
+    /// Tables as [`new`](Self::new) makes them, with the frequencies rescaled by `scaling`
+    /// (in fp32, in the order of operations of transformers).
+    pub fn scaled(head_dim: usize, theta: f64, max_positions: usize, scaling: RopeScaling) -> Self {
         let half = head_dim / 2;
         let base = theta as f32;
         let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+            .map(|i| scale_frequency(1.0 / base.powf((2 * i) as f32 / head_dim as f32), scaling))
             .collect();
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
@@ -52,6 +82,36 @@ impl RopeTable {
     fn at(&self, pos: usize) -> (&[f32], &[f32]) {
         let r = pos * self.half..(pos + 1) * self.half;
         (&self.cos[r.clone()], &self.sin[r])
+    }
+}
+
+/// One inverse frequency rescaled by `scaling`.
+fn scale_frequency(inv_freq: f32, scaling: RopeScaling) -> f32 {
+    match scaling {
+        RopeScaling::Default => inv_freq,
+        RopeScaling::Linear { factor } => inv_freq / factor,
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        } => {
+            let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+            let scaled = if wavelen > old / low_freq_factor {
+                inv_freq / factor
+            } else {
+                inv_freq
+            };
+            // Wavelengths are positive and finite: neither comparison meets a NaN.
+            let medium = wavelen >= old / high_freq_factor && wavelen <= old / low_freq_factor;
+            if medium {
+                let smooth =
+                    (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                (1.0 - smooth) * scaled / factor + smooth * scaled
+            } else {
+                scaled
+            }
+        }
     }
 }
 

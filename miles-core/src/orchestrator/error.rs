@@ -24,6 +24,9 @@ pub enum OrchestratorError {
     /// The rollout engine failed.
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// The tokenizer failed on a prompt or an answer.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::model::ModelError),
     /// Metrics or the timeline could not be written.
     #[error(transparent)]
     Metrics(#[from] MetricsError),

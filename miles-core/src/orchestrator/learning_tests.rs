@@ -267,6 +267,7 @@ fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfi
         load: None,
         metrics: None,
         memory_timeline: None,
+        save_options: None,
     }
 }
 

@@ -5,14 +5,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use crate::backend::BackendError;
 use crate::backend::{TrainBackend, WeightBucket};
-use crate::config::{AdvantageEstimator, RolloutOffload, Settings, Task};
+use crate::config::{AdvantageEstimator, RolloutOffload, SaveDtype, Settings, Task};
 use crate::memory::OffloadReport;
 use crate::metrics::{
     MemoryTimeline, MetricsWriter, Phase, RunHeader, StepMetrics, TimelineSample,
     check_metrics_file,
 };
-use crate::model::ByteTokenizer;
+use crate::model::{DEFAULT_SHARD_BYTES, SaveOptions, Tokenizer, export_hf};
 
 use super::OrchestratorError;
 use super::advantage::{grpo_advantages, mean_std, ppo_advantages};
@@ -69,6 +70,9 @@ pub struct LoopConfig {
     pub metrics: Option<PathBuf>,
     /// SVG memory timeline file.
     pub memory_timeline: Option<PathBuf>,
+    /// How the actor's Hugging Face files are rewritten after each save (dtype, shards,
+    /// tokenizer files); `None` keeps them as the backend writes them (bf16, 5 GB shards).
+    pub save_options: Option<SaveOptions>,
 }
 
 impl LoopConfig {
@@ -98,7 +102,15 @@ impl LoopConfig {
             advantage_estimator: s.advantage_estimator,
             save: s.save.clone(),
             save_interval: s.save_interval,
-            load: s.load.clone(),
+            load: s.load.clone().or_else(|| s.hf_checkpoint.clone()),
+            save_options: (s.hf_checkpoint.is_some()
+                || s.save_dtype != SaveDtype::Bf16
+                || s.save_shard_size != DEFAULT_SHARD_BYTES)
+                .then(|| SaveOptions {
+                    dtype: s.save_dtype,
+                    shard_bytes: s.save_shard_size,
+                    tokenizer_from: s.hf_checkpoint.clone(),
+                }),
             metrics: s.metrics.clone(),
             memory_timeline: s.memory_timeline.clone(),
         }
@@ -199,7 +211,7 @@ pub struct Orchestrator {
     actor: Box<dyn TrainBackend>,
     critic: Option<Box<dyn Critic>>,
     engine: Box<dyn RolloutEngine>,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     problems: ProblemSource,
     stop: Arc<AtomicBool>,
     state: LoopState,
@@ -228,7 +240,7 @@ impl Orchestrator {
         config: LoopConfig,
         actor: Box<dyn TrainBackend>,
         engine: Box<dyn RolloutEngine>,
-        tokenizer: ByteTokenizer,
+        tokenizer: impl Into<Tokenizer>,
     ) -> Self {
         let problems = ProblemSource::new(config.task, config.seed);
         let state = LoopState {
@@ -241,7 +253,7 @@ impl Orchestrator {
             actor,
             critic: None,
             engine,
-            tokenizer,
+            tokenizer: tokenizer.into(),
             problems,
             stop: Arc::new(AtomicBool::new(false)),
             state,
@@ -517,12 +529,15 @@ impl Orchestrator {
         let problems = self
             .problems
             .problems(Stream::Rollout, step, c.rollout_batch_size);
-        let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt(&self.tokenizer)).collect();
+        let prompts = problems
+            .iter()
+            .map(|p| p.prompt(&self.tokenizer))
+            .collect::<Result<Vec<_>, _>>()?;
         let sampling = Sampling {
             temperature: c.temperature,
             top_p: 1.0,
             max_new_tokens: self.problems.max_answer_tokens(),
-            stop_tokens: vec![self.tokenizer.eos],
+            stop_tokens: self.tokenizer.stop_tokens().to_vec(),
             seed: stream_seed(c.seed, Stream::Sampling, step),
         };
         let n = c.n_samples_per_prompt;
@@ -541,7 +556,7 @@ impl Orchestrator {
             .iter()
             .zip(&samples)
             .flat_map(|(p, group)| group.iter().map(|s| p.reward(&s.tokens, &self.tokenizer)))
-            .collect();
+            .collect::<Result<_, _>>()?;
         Ok(Rollout {
             problems,
             prompts,
@@ -581,7 +596,7 @@ impl Orchestrator {
             .collect();
         let mut losses = Vec::new();
         for chunk in sequences.chunks(self.config.global_batch_size.max(1)) {
-            let batch = build_batch(chunk, self.tokenizer.pad);
+            let batch = build_batch(chunk, self.tokenizer.pad());
             let stats = self
                 .actor
                 .train_step(&batch)
@@ -621,8 +636,13 @@ impl Orchestrator {
                 .problems(Stream::Warmup, index, self.config.global_batch_size.max(1));
         let pairs: Vec<(Vec<u32>, Vec<u32>)> = problems
             .iter()
-            .map(|p| (p.prompt(&self.tokenizer), p.answer_tokens(&self.tokenizer)))
-            .collect();
+            .map(|p| {
+                Ok((
+                    p.prompt(&self.tokenizer)?,
+                    p.answer_tokens(&self.tokenizer)?,
+                ))
+            })
+            .collect::<Result<_, crate::model::ModelError>>()?;
         let sequences: Vec<Sequence<'_>> = pairs
             .iter()
             .map(|(prompt, answer)| Sequence {
@@ -633,7 +653,7 @@ impl Orchestrator {
             .collect();
         let stats = self
             .actor
-            .train_step(&build_batch(&sequences, self.tokenizer.pad))
+            .train_step(&build_batch(&sequences, self.tokenizer.pad()))
             .map_err(OrchestratorError::train("actor", "run a warm-up step"))?;
         check_finite("actor", "warm-up step", index, &stats)?;
         self.state.warmup_steps = index;
@@ -677,6 +697,11 @@ impl Orchestrator {
         self.actor
             .save(&partial.join("actor"))
             .map_err(OrchestratorError::train("actor", "save"))?;
+        if let Some(options) = &self.config.save_options {
+            export_hf(&dir.join("actor"), options)
+                .map_err(BackendError::from)
+                .map_err(OrchestratorError::train("actor", "save"))?;
+        }
         if let Some(critic) = &mut self.critic {
             std::fs::create_dir_all(partial.join("critic")).map_err(io("create", &partial))?;
             critic

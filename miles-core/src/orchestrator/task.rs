@@ -9,7 +9,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
 use crate::config::Task;
-use crate::model::ByteTokenizer;
+use crate::model::{ModelError, Tokenizer};
 
 /// One problem of a task.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,16 +21,22 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// The prompt ids: `BOS`, then the problem text.
-    pub fn prompt(&self, tokenizer: &ByteTokenizer) -> Vec<u32> {
+    /// The prompt ids: the problem text with the tokenizer's special tokens (`BOS` first).
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] when the tokenizer fails.
+    pub fn prompt(&self, tokenizer: &Tokenizer) -> Result<Vec<u32>, ModelError> {
         tokenizer.encode(&self.text, true)
     }
 
     /// The ids a perfect completion holds: the answer, then `EOS`.
-    pub fn answer_tokens(&self, tokenizer: &ByteTokenizer) -> Vec<u32> {
-        let mut ids = tokenizer.encode(&self.answer, false);
-        ids.push(tokenizer.eos);
-        ids
+    ///
+    /// # Errors
+    /// As [`prompt`](Self::prompt).
+    pub fn answer_tokens(&self, tokenizer: &Tokenizer) -> Result<Vec<u32>, ModelError> {
+        let mut ids = tokenizer.encode(&self.answer, false)?;
+        ids.push(tokenizer.eos());
+        Ok(ids)
     }
 
     /// The reward of `completion` (ids, `EOS` included when it stopped).
@@ -39,20 +45,23 @@ impl Problem {
     /// half the share of answer characters right at their position, over the longer of the
     /// answer and the completion's text, so that a right but unterminated or padded answer
     /// earns less than an exact one and a wrong one nothing.
-    pub fn reward(&self, completion: &[u32], tokenizer: &ByteTokenizer) -> f32 {
+    ///
+    /// # Errors
+    /// As [`prompt`](Self::prompt).
+    pub fn reward(&self, completion: &[u32], tokenizer: &Tokenizer) -> Result<f32, ModelError> {
         let end = completion
             .iter()
-            .position(|&id| id == tokenizer.eos)
+            .position(|id| tokenizer.stop_tokens().contains(id))
             .unwrap_or(completion.len());
         let stopped = end < completion.len();
         let text: Vec<u32> = completion[..end].to_vec();
-        let answer = tokenizer.encode(&self.answer, false);
+        let answer = tokenizer.encode(&self.answer, false)?;
         if stopped && text == answer {
-            return 1.0;
+            return Ok(1.0);
         }
         let right = text.iter().zip(&answer).filter(|(a, b)| a == b).count();
         let longer = text.len().max(answer.len()).max(1);
-        0.5 * right as f32 / longer as f32
+        Ok(0.5 * right as f32 / longer as f32)
     }
 }
 
@@ -147,12 +156,13 @@ impl ProblemSource {
 mod tests {
     use super::*;
 
-    fn tokenizer() -> ByteTokenizer {
-        ByteTokenizer {
+    fn tokenizer() -> Tokenizer {
+        crate::model::ByteTokenizer {
             bos: 256,
             eos: 257,
             pad: 258,
         }
+        .into()
     }
 
     #[test]
@@ -194,7 +204,7 @@ mod tests {
         for task in Task::ALL {
             let source = ProblemSource::new(*task, 5);
             for p in source.problems(Stream::Rollout, 1, 200) {
-                assert!(p.answer_tokens(&t).len() <= source.max_answer_tokens());
+                assert!(p.answer_tokens(&t).unwrap().len() <= source.max_answer_tokens());
             }
         }
     }
@@ -206,22 +216,24 @@ mod tests {
             text: "v123=".into(),
             answer: "321".into(),
         };
-        assert_eq!(p.reward(&p.answer_tokens(&t), &t), 1.0);
+        let reward = |ids: &[u32]| p.reward(ids, &t).unwrap();
+        let encode = |text: &str| t.encode(text, false).unwrap();
+        assert_eq!(reward(&p.answer_tokens(&t).unwrap()), 1.0);
         assert_eq!(
-            p.prompt(&t),
+            p.prompt(&t).unwrap(),
             vec![256, b'v' as u32, 49, 50, 51, b'=' as u32]
         );
         // Right digits, no EOS: half credit.
-        assert_eq!(p.reward(&t.encode("321", false), &t), 0.5);
+        assert_eq!(reward(&encode("321")), 0.5);
         // Two of three digits right, then EOS.
-        let mut two = t.encode("322", false);
-        two.push(t.eos);
-        assert!((p.reward(&two, &t) - 0.5 * 2.0 / 3.0).abs() < 1e-6);
+        let mut two = encode("322");
+        two.push(t.eos());
+        assert!((reward(&two) - 0.5 * 2.0 / 3.0).abs() < 1e-6);
         // Right answer followed by junk before EOS: over the longer text.
-        let mut long = t.encode("3219", false);
-        long.push(t.eos);
-        assert!((p.reward(&long, &t) - 0.5 * 3.0 / 4.0).abs() < 1e-6);
-        assert_eq!(p.reward(&[t.eos], &t), 0.0);
-        assert_eq!(p.reward(&t.encode("999", false), &t), 0.0);
+        let mut long = encode("3219");
+        long.push(t.eos());
+        assert!((reward(&long) - 0.5 * 3.0 / 4.0).abs() < 1e-6);
+        assert_eq!(reward(&[t.eos()]), 0.0);
+        assert_eq!(reward(&encode("999")), 0.0);
     }
 }

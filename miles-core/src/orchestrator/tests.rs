@@ -448,6 +448,7 @@ fn colocated(steps: u64) -> LoopConfig {
         load: None,
         metrics: None,
         memory_timeline: None,
+        save_options: None,
     }
 }
 

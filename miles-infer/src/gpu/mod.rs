@@ -145,6 +145,7 @@ pub(crate) fn check_fit(
     gpu: &Gpu,
     config: &LlamaConfig,
 ) -> Result<(), InferError> {
+    config.check_gpu_support()?;
     let bad = |reason: String| InferError::BadParameter {
         what: "gpu engine",
         reason,
@@ -224,11 +225,7 @@ impl GpuModel {
             }
         }
         Ok(GpuModel {
-            rope: RopeTable::new(
-                config.head_dim,
-                config.rope_theta,
-                config.max_position_embeddings,
-            ),
+            rope: config.rope_table(),
             gpu,
             config: config.clone(),
             layout: layout.clone(),

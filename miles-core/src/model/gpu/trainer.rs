@@ -105,6 +105,7 @@ impl GpuTrainer {
         spec: GpuTrainerSpec,
         params: &[f32],
     ) -> Result<GpuTrainer, ModelError> {
+        spec.config.check_gpu_support()?;
         let model = GpuTransformer::new(spec.config);
         model.layout().check("params", params)?;
         if spec.max_batch_tokens == 0 {
