@@ -22,6 +22,7 @@ mod launch;
 mod model_cmd;
 mod settings_args;
 mod train;
+mod train_data;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;

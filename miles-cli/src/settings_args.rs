@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use miles_core::config::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, RawSettings,
-    Settings, Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget,
+    RawSettings, Settings, Task, TrainBackendKind,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -128,6 +128,29 @@ pub struct SettingsArgs {
     /// Softmax temperature of rollout sampling, 0 is greedy [default: 1.0]
     #[arg(long, value_name = "T", help_heading = "Run")]
     pub rollout_temperature: Option<f64>,
+
+    // Data and rewards a user brings (issue 20).
+    /// JSON-lines file of prompts to train on instead of --task
+    #[arg(long, value_name = "FILE", help_heading = "Data")]
+    pub prompt_data: Option<PathBuf>,
+    /// Field of a row holding the prompt [default: input]
+    #[arg(long, value_name = "KEY", help_heading = "Data")]
+    pub input_key: Option<String>,
+    /// Field of a row holding the label the reward compares against
+    #[arg(long, value_name = "KEY", help_heading = "Data")]
+    pub label_key: Option<String>,
+    /// Field of a row passed to the reward as metadata [default: metadata]
+    #[arg(long, value_name = "KEY", help_heading = "Data")]
+    pub metadata_key: Option<String>,
+    /// Prompt tokens at most; longer prompts are skipped or an error (--rollout-long-prompt)
+    #[arg(long, value_name = "N", help_heading = "Data")]
+    pub rollout_max_prompt_len: Option<usize>,
+    /// What a prompt over --rollout-max-prompt-len does [default: skip]
+    #[arg(long, value_name = "skip|error", help_heading = "Data")]
+    pub rollout_long_prompt: Option<LongPrompt>,
+    /// Generated tokens per sample at most [default: the task's answer budget, 64 on --prompt-data]
+    #[arg(long, value_name = "N", help_heading = "Rollout")]
+    pub rollout_max_response_len: Option<usize>,
 }
 
 impl SettingsArgs {
@@ -192,6 +215,13 @@ impl SettingsArgs {
             task: self.task,
             sft_warmup_steps: self.sft_warmup_steps,
             rollout_temperature: self.rollout_temperature,
+            prompt_data: self.prompt_data.clone(),
+            input_key: self.input_key.clone(),
+            label_key: self.label_key.clone(),
+            metadata_key: self.metadata_key.clone(),
+            rollout_max_prompt_len: self.rollout_max_prompt_len,
+            rollout_long_prompt: self.rollout_long_prompt,
+            rollout_max_response_len: self.rollout_max_response_len,
         }
     }
 }
@@ -335,6 +365,20 @@ mod tests {
             "2",
             "--rollout-temperature",
             "0.7",
+            "--prompt-data",
+            "d.jsonl",
+            "--input-key",
+            "q",
+            "--label-key",
+            "a",
+            "--metadata-key",
+            "m",
+            "--rollout-max-prompt-len",
+            "64",
+            "--rollout-long-prompt",
+            "error",
+            "--rollout-max-response-len",
+            "8",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value

@@ -54,6 +54,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let model = LlamaConfig::preset(&settings.preset)
         .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
     let tokenizer = ByteTokenizer::from_config(&model)?;
+    let prompt_data = crate::train_data::load_prompt_data(&settings, &tokenizer)?;
     let engine = build_engine(&settings, &model)?;
     let job = match &env {
         Some(env) => {
@@ -89,6 +90,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(stop);
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
+    }
+    if let Some(dataset) = prompt_data {
+        orchestrator = orchestrator.with_prompt_data(dataset);
     }
     let summary = if rank == 0 {
         let mut progress = Progress::new(settings.steps);

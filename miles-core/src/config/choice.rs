@@ -205,6 +205,16 @@ choice! {
     }
 }
 
+choice! {
+    /// What a prompt longer than `--rollout-max-prompt-len` does (`--rollout-long-prompt`).
+    pub enum LongPrompt ("long prompt policy") {
+        /// The row is skipped and counted.
+        Skip => "skip",
+        /// Loading the data stops with an error naming the line.
+        Error => "error",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,7 @@
 //! switches (unset: on with `--colocate`), records the [`Source`] of every value, and checks the
 //! rules, returning all broken rules at once as [`InvalidSettings`].
 
+mod algorithm;
 mod choice;
 mod error;
 mod raw;
@@ -13,8 +14,8 @@ mod settings;
 mod validate;
 
 pub use choice::{
-    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, Task,
-    TrainBackendKind, UnknownChoice,
+    AdvantageEstimator, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget, RolloutOffloadLevel,
+    Task, TrainBackendKind, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use raw::RawSettings;

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, MomentDtype, OffloadTarget, Task,
+    AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget, Task,
     TrainBackendKind,
 };
 
@@ -87,6 +87,22 @@ pub struct RawSettings {
     pub sft_warmup_steps: Option<u64>,
     /// `--rollout-temperature`.
     pub rollout_temperature: Option<f64>,
+
+    // Data and rewards a user brings (issue 20).
+    /// `--prompt-data`.
+    pub prompt_data: Option<PathBuf>,
+    /// `--input-key`.
+    pub input_key: Option<String>,
+    /// `--label-key`.
+    pub label_key: Option<String>,
+    /// `--metadata-key`.
+    pub metadata_key: Option<String>,
+    /// `--rollout-max-prompt-len`.
+    pub rollout_max_prompt_len: Option<usize>,
+    /// `--rollout-long-prompt`.
+    pub rollout_long_prompt: Option<LongPrompt>,
+    /// `--rollout-max-response-len`.
+    pub rollout_max_response_len: Option<usize>,
 }
 
 impl RawSettings {
@@ -154,7 +170,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 35);
+        assert_eq!(keys.len(), 42);
         for key in [
             "offload",
             "offload_train",

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, MomentDtype, OffloadTarget,
-    RawSettings, RolloutOffloadLevel, Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, LongPrompt, MomentDtype,
+    OffloadTarget, RawSettings, RolloutOffloadLevel, Task, TrainBackendKind,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -88,6 +88,22 @@ pub struct Settings {
     pub sft_warmup_steps: u64,
     /// Softmax temperature of rollout sampling (0 is greedy).
     pub rollout_temperature: f64,
+
+    // Data and rewards a user brings (issue 20).
+    /// JSON-lines file of prompts; the loop trains on it instead of `task`.
+    pub prompt_data: Option<PathBuf>,
+    /// The field of a row holding the prompt.
+    pub input_key: String,
+    /// The field of a row holding the label a reward compares against.
+    pub label_key: Option<String>,
+    /// The field of a row passed to the reward as metadata.
+    pub metadata_key: String,
+    /// Prompt tokens at most; longer prompts are skipped or an error (`rollout_long_prompt`).
+    pub rollout_max_prompt_len: Option<usize>,
+    /// What a prompt longer than `rollout_max_prompt_len` does.
+    pub rollout_long_prompt: LongPrompt,
+    /// Generated tokens per sample at most; `None`: the task's answer budget, 64 on a dataset.
+    pub rollout_max_response_len: Option<usize>,
     /// Where each value came from.
     #[serde(skip)]
     pub sources: Sources,
@@ -130,6 +146,13 @@ impl Default for Settings {
             task: Task::Repeat,
             sft_warmup_steps: 0,
             rollout_temperature: 1.0,
+            prompt_data: None,
+            input_key: "input".to_owned(),
+            label_key: None,
+            metadata_key: "metadata".to_owned(),
+            rollout_max_prompt_len: None,
+            rollout_long_prompt: LongPrompt::Skip,
+            rollout_max_response_len: None,
             sources: Sources::default(),
         }
     }
@@ -315,6 +338,13 @@ impl Settings {
             task: pick!(task),
             sft_warmup_steps: pick!(sft_warmup_steps),
             rollout_temperature: pick!(rollout_temperature),
+            prompt_data: pick_optional!(prompt_data),
+            input_key: pick!(input_key),
+            label_key: pick_optional!(label_key),
+            metadata_key: pick!(metadata_key),
+            rollout_max_prompt_len: pick_optional!(rollout_max_prompt_len),
+            rollout_long_prompt: pick!(rollout_long_prompt),
+            rollout_max_response_len: pick_optional!(rollout_max_response_len),
             sources: Sources::default(),
         };
         settings.sources = s;

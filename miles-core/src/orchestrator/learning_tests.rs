@@ -268,6 +268,7 @@ fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfi
         load: None,
         metrics: None,
         memory_timeline: None,
+        rl: RlOptions::default(),
     }
 }
 

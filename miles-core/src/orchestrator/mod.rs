@@ -20,10 +20,12 @@
 mod advantage;
 mod batch;
 mod critic;
+mod data;
 mod engine;
 mod error;
 #[cfg(test)]
 mod learning_tests;
+mod options;
 mod run;
 mod state;
 mod task;
@@ -33,8 +35,13 @@ mod tests;
 pub use advantage::{Critic, GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
 pub use batch::{Sequence, build_batch};
 pub use critic::LmCritic;
+pub use data::{
+    BadRow, DataError, DataKeys, DataOptions, PlainPrompt, PromptDataset, PromptRenderer,
+    PromptRow, PromptSource,
+};
 pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
 pub use error::OrchestratorError;
+pub use options::{DATA_RESPONSE_LEN, RlOptions};
 pub use run::{LoopConfig, Orchestrator, RunSummary};
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
 pub use task::{Problem, ProblemSource, Stream, stream_seed};

@@ -14,7 +14,9 @@ use crate::model::ByteTokenizer;
 use super::OrchestratorError;
 use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
 use super::batch::{Sequence, build_batch};
+use super::data::{PromptDataset, PromptSource};
 use super::engine::{RolloutEngine, Sample, Sampling};
+use super::options::{DATA_RESPONSE_LEN, RlOptions};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 
@@ -68,6 +70,8 @@ pub struct LoopConfig {
     pub metrics: Option<PathBuf>,
     /// SVG memory timeline file.
     pub memory_timeline: Option<PathBuf>,
+    /// Sampling, loss, evaluation and dump settings of the RL algorithm.
+    pub rl: RlOptions,
 }
 
 impl LoopConfig {
@@ -104,6 +108,7 @@ impl LoopConfig {
             load: s.load.clone(),
             metrics: s.metrics.clone(),
             memory_timeline: s.memory_timeline.clone(),
+            rl: RlOptions::from_settings(s),
         }
     }
 }
@@ -150,7 +155,7 @@ pub struct Orchestrator {
     critic: Option<Box<dyn Critic>>,
     engine: Box<dyn RolloutEngine>,
     tokenizer: ByteTokenizer,
-    problems: ProblemSource,
+    problems: PromptSource,
     stop: Arc<AtomicBool>,
     state: LoopState,
     timeline: MemoryTimeline,
@@ -178,7 +183,7 @@ impl Orchestrator {
         engine: Box<dyn RolloutEngine>,
         tokenizer: ByteTokenizer,
     ) -> Self {
-        let problems = ProblemSource::new(config.task, config.seed);
+        let problems = PromptSource::Task(ProblemSource::new(config.task, config.seed));
         let state = LoopState {
             seed: config.seed,
             task: Some(config.task),
@@ -206,6 +211,16 @@ impl Orchestrator {
     /// Adds the PPO critic, trained and offloaded alongside the actor.
     pub fn with_critic(mut self, critic: Box<dyn Critic>) -> Self {
         self.critic = Some(critic);
+        self
+    }
+
+    /// Draws the prompts from `dataset` (in epochs shuffled with the loop's seed) instead of the
+    /// task.
+    pub fn with_prompt_data(mut self, dataset: PromptDataset) -> Self {
+        self.problems = PromptSource::Data {
+            dataset,
+            seed: self.config.seed,
+        };
         self
     }
 
@@ -454,7 +469,7 @@ impl Orchestrator {
         let sampling = Sampling {
             temperature: c.temperature,
             top_p: 1.0,
-            max_new_tokens: self.problems.max_answer_tokens(),
+            max_new_tokens: self.max_response_len(),
             stop_tokens: vec![self.tokenizer.eos],
             seed: stream_seed(c.seed, Stream::Sampling, step),
         };
@@ -481,6 +496,15 @@ impl Orchestrator {
             samples,
             rewards,
         })
+    }
+
+    /// Generated tokens per sample at most.
+    fn max_response_len(&self) -> usize {
+        match (&self.problems, self.config.rl.max_response_len) {
+            (_, Some(len)) => len,
+            (PromptSource::Task(task), None) => task.max_answer_tokens(),
+            (PromptSource::Data { .. }, None) => DATA_RESPONSE_LEN,
+        }
     }
 
     /// Advantages, then the actor's optimizer steps over the rollout in global batches (and the

@@ -7,17 +7,20 @@
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
+use serde_json::Value;
 
 use crate::config::Task;
 use crate::model::ByteTokenizer;
 
 /// One problem of a task.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Problem {
     /// The problem text (`12+7=`).
     pub text: String,
-    /// The expected answer text (`19`).
+    /// The expected answer text (`19`); a dataset row's label, empty without `--label-key`.
     pub answer: String,
+    /// What a reward gets along with the answer (`null` for the tasks).
+    pub metadata: Value,
 }
 
 impl Problem {
@@ -120,6 +123,7 @@ impl ProblemSource {
                 Problem {
                     text: format!("r{digit}="),
                     answer: digit.to_string(),
+                    metadata: Value::Null,
                 }
             }
             Task::Reverse => {
@@ -130,6 +134,7 @@ impl ProblemSource {
                 Problem {
                     text: format!("v{digits}="),
                     answer: digits.chars().rev().collect(),
+                    metadata: Value::Null,
                 }
             }
             Task::Add => {
@@ -137,6 +142,7 @@ impl ProblemSource {
                 Problem {
                     text: format!("{a}+{b}="),
                     answer: (a + b).to_string(),
+                    metadata: Value::Null,
                 }
             }
         }
@@ -205,6 +211,7 @@ mod tests {
         let p = Problem {
             text: "v123=".into(),
             answer: "321".into(),
+            metadata: Value::Null,
         };
         assert_eq!(p.reward(&p.answer_tokens(&t), &t), 1.0);
         assert_eq!(

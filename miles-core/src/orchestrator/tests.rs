@@ -435,6 +435,7 @@ fn colocated(steps: u64) -> LoopConfig {
         load: None,
         metrics: None,
         memory_timeline: None,
+        rl: RlOptions::default(),
     }
 }
 

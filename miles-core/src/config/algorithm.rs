@@ -1,0 +1,73 @@
+//! The rules of the data, reward and loss settings (issue 20), checked on resolved settings
+//! next to the rules of DESIGN section 3.
+
+use super::{Settings, SettingsError};
+
+/// Every data, reward or loss setting that cannot run.
+pub(crate) fn check(s: &Settings) -> Vec<SettingsError> {
+    let mut errors = Vec::new();
+    let mut refuse = |message: String| errors.push(SettingsError::Algorithm(message));
+    if s.prompt_data.is_some() && s.sft_warmup_steps > 0 && s.label_key.is_none() {
+        refuse(
+            "--sft-warmup-steps with --prompt-data trains on the rows' labels; add --label-key KEY or drop --sft-warmup-steps".into(),
+        );
+    }
+    for (flag, value) in [
+        ("rollout-max-prompt-len", s.rollout_max_prompt_len),
+        ("rollout-max-response-len", s.rollout_max_response_len),
+    ] {
+        if value == Some(0) {
+            refuse(format!("--{flag} must be at least 1 (got 0)"));
+        }
+    }
+    if s.input_key.is_empty() {
+        refuse("--input-key must name a field of the rows (got an empty name)".into());
+    }
+    errors
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    fn messages(s: &Settings) -> Vec<String> {
+        check(s).iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn defaults_break_no_rule_of_the_algorithm() {
+        assert!(check(&Settings::default()).is_empty());
+    }
+
+    #[test]
+    fn warm_up_on_a_dataset_needs_its_labels() {
+        let s = Settings {
+            prompt_data: Some(PathBuf::from("d.jsonl")),
+            sft_warmup_steps: 2,
+            ..Settings::default()
+        };
+        let m = messages(&s);
+        assert!(m.len() == 1 && m[0].contains("--label-key"), "{m:?}");
+        let labelled = Settings {
+            label_key: Some("a".into()),
+            ..s
+        };
+        assert!(check(&labelled).is_empty());
+    }
+
+    #[test]
+    fn zero_lengths_are_refused_naming_the_flag() {
+        let s = Settings {
+            rollout_max_prompt_len: Some(0),
+            rollout_max_response_len: Some(0),
+            ..Settings::default()
+        };
+        let m = messages(&s).join("\n");
+        assert!(
+            m.contains("--rollout-max-prompt-len") && m.contains("--rollout-max-response-len"),
+            "{m}"
+        );
+    }
+}
