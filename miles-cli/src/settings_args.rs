@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use miles_core::config::{
     AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget,
-    RawSettings, Settings, Task, TrainBackendKind,
+    RawSettings, RmType, Settings, Task, TrainBackendKind,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -151,6 +151,15 @@ pub struct SettingsArgs {
     /// Generated tokens per sample at most [default: the task's answer budget, 64 on --prompt-data]
     #[arg(long, value_name = "N", help_heading = "Rollout")]
     pub rollout_max_response_len: Option<usize>,
+    /// Built-in reward [default: task without --prompt-data]
+    #[arg(long, value_name = "math|exact|task", help_heading = "Reward")]
+    pub rm_type: Option<RmType>,
+    /// Reward process reading {prompt, response, label, metadata} lines on stdin and answering {"reward": R} lines; replaces --rm-type
+    #[arg(long, value_name = "CMD", help_heading = "Reward")]
+    pub custom_rm_command: Option<String>,
+    /// Seconds the reward process may take for one rollout [default: 60]
+    #[arg(long, value_name = "SECONDS", help_heading = "Reward")]
+    pub custom_rm_timeout: Option<f64>,
 }
 
 impl SettingsArgs {
@@ -222,6 +231,9 @@ impl SettingsArgs {
             rollout_max_prompt_len: self.rollout_max_prompt_len,
             rollout_long_prompt: self.rollout_long_prompt,
             rollout_max_response_len: self.rollout_max_response_len,
+            rm_type: self.rm_type,
+            custom_rm_command: self.custom_rm_command.clone(),
+            custom_rm_timeout: self.custom_rm_timeout,
         }
     }
 }
@@ -379,6 +391,12 @@ mod tests {
             "error",
             "--rollout-max-response-len",
             "8",
+            "--rm-type",
+            "math",
+            "--custom-rm-command",
+            "python3 rm.py",
+            "--custom-rm-timeout",
+            "5",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value

@@ -55,6 +55,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot build model preset `{}`", settings.preset))?;
     let tokenizer = ByteTokenizer::from_config(&model)?;
     let prompt_data = crate::train_data::load_prompt_data(&settings, &tokenizer)?;
+    let reward = crate::train_data::build_reward(&settings, tokenizer, prompt_data.as_ref())?;
     let engine = build_engine(&settings, &model)?;
     let job = match &env {
         Some(env) => {
@@ -91,6 +92,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
     }
+    orchestrator = orchestrator.with_reward(reward);
     if let Some(dataset) = prompt_data {
         orchestrator = orchestrator.with_prompt_data(dataset);
     }

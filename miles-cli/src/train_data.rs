@@ -1,9 +1,14 @@
 //! What `miles train` reads of the user's task before any work: the prompt data and the
 //! reward.
 
+use std::time::Duration;
+
 use miles_core::Settings;
+use miles_core::config::RmType;
 use miles_core::model::ByteTokenizer;
-use miles_core::orchestrator::{DataOptions, PlainPrompt, PromptDataset};
+use miles_core::orchestrator::{
+    BuiltinReward, CommandReward, DataOptions, PlainPrompt, PromptDataset, Reward,
+};
 
 use crate::settings_args::BadSettings;
 
@@ -29,4 +34,39 @@ pub fn load_prompt_data(
     )
     .map(Some)
     .map_err(|error| BadSettings(error.to_string()).into())
+}
+
+/// The reward of the run: the `--custom-rm-command` process (started now), else the
+/// `--rm-type` built-in, else the task's; every label of `dataset` is checked against it.
+///
+/// # Errors
+/// A label the reward cannot score (bad settings, naming its line), or a command that cannot
+/// start.
+pub fn build_reward(
+    settings: &Settings,
+    tokenizer: ByteTokenizer,
+    dataset: Option<&PromptDataset>,
+) -> anyhow::Result<Box<dyn Reward>> {
+    let builtin = BuiltinReward::new(settings.rm_type.unwrap_or(RmType::Task), tokenizer);
+    if let Some(command) = &settings.custom_rm_command {
+        if let Some(rm) = settings.rm_type {
+            tracing::warn!(
+                "--custom-rm-command replaces --rm-type {rm}: the command's rewards train the model"
+            );
+        }
+        let timeout = Duration::from_secs_f64(settings.custom_rm_timeout);
+        return Ok(Box::new(CommandReward::spawn(command, timeout)?));
+    }
+    if let Some(dataset) = dataset {
+        for row in &dataset.rows {
+            builtin.check_label(&row.problem.answer).map_err(|error| {
+                BadSettings(format!(
+                    "{error}; fix line {} of {}",
+                    row.line,
+                    dataset.path.display()
+                ))
+            })?;
+        }
+    }
+    Ok(Box::new(builtin))
 }

@@ -28,6 +28,7 @@ fn label(error: &SettingsError) -> String {
         SettingsError::FsdpCpuOffloadWithMegatron => "rule7".into(),
         SettingsError::OutOfRange { flag, .. } => format!("range:{flag}"),
         SettingsError::BatchNotDivisible { .. } => "batch".into(),
+        SettingsError::Algorithm(message) => format!("algorithm:{message}"),
     }
 }
 

@@ -20,6 +20,32 @@ pub(crate) fn check(s: &Settings) -> Vec<SettingsError> {
             refuse(format!("--{flag} must be at least 1 (got 0)"));
         }
     }
+    if s.prompt_data.is_some() && s.rm_type.is_none() && s.custom_rm_command.is_none() {
+        refuse(
+            "--prompt-data needs a reward: add --rm-type math|exact|task or --custom-rm-command CMD".into(),
+        );
+    }
+    if let Some(rm) = s.rm_type
+        && s.prompt_data.is_some()
+        && s.label_key.is_none()
+        && s.custom_rm_command.is_none()
+    {
+        refuse(format!(
+            "--rm-type {rm} compares against the rows' labels; add --label-key KEY"
+        ));
+    }
+    if s.custom_rm_command
+        .as_deref()
+        .is_some_and(|c| c.trim().is_empty())
+    {
+        refuse("--custom-rm-command is empty; give the command line of the reward process".into());
+    }
+    let t = s.custom_rm_timeout;
+    if !(t.is_finite() && t > 0.0) {
+        refuse(format!(
+            "--custom-rm-timeout must be a number of seconds above 0 (got {t})"
+        ));
+    }
     if s.input_key.is_empty() {
         refuse("--input-key must name a field of the rows (got an empty name)".into());
     }
@@ -31,6 +57,7 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
+    use crate::config::RmType;
 
     fn messages(s: &Settings) -> Vec<String> {
         check(s).iter().map(ToString::to_string).collect()
@@ -46,6 +73,7 @@ mod tests {
         let s = Settings {
             prompt_data: Some(PathBuf::from("d.jsonl")),
             sft_warmup_steps: 2,
+            custom_rm_command: Some("python3 rm.py".into()),
             ..Settings::default()
         };
         let m = messages(&s);
@@ -55,6 +83,32 @@ mod tests {
             ..s
         };
         assert!(check(&labelled).is_empty());
+    }
+
+    #[test]
+    fn a_dataset_needs_a_reward_and_a_built_in_reward_its_labels() {
+        let data = Settings {
+            prompt_data: Some(PathBuf::from("d.jsonl")),
+            ..Settings::default()
+        };
+        let m = messages(&data);
+        assert!(m.len() == 1 && m[0].contains("--rm-type"), "{m:?}");
+        let math = Settings {
+            rm_type: Some(RmType::Math),
+            ..data.clone()
+        };
+        let m = messages(&math);
+        assert!(m.len() == 1 && m[0].contains("--label-key"), "{m:?}");
+        let command = Settings {
+            custom_rm_command: Some("python3 rm.py".into()),
+            ..data
+        };
+        assert!(check(&command).is_empty());
+        let bad_timeout = Settings {
+            custom_rm_timeout: 0.0,
+            ..command
+        };
+        assert!(messages(&bad_timeout)[0].contains("--custom-rm-timeout"));
     }
 
     #[test]

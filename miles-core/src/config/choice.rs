@@ -206,6 +206,20 @@ choice! {
 }
 
 choice! {
+    /// A built-in reward that needs no model (`--rm-type`).
+    pub enum RmType ("reward type") {
+        /// The final answer (the last `\boxed{}`, else the last number) equals the label's
+        /// number: 1, else 0.
+        Math => "math",
+        /// The response, trimmed, equals the label, trimmed: 1, else 0.
+        Exact => "exact",
+        /// The toy tasks' reward: 1 for the label then EOS, else half the share of characters
+        /// right at their position.
+        Task => "task",
+    }
+}
+
+choice! {
     /// What a prompt longer than `--rollout-max-prompt-len` does (`--rollout-long-prompt`).
     pub enum LongPrompt ("long prompt policy") {
         /// The row is skipped and counted.

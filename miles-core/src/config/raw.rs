@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget, Task,
-    TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget, RmType,
+    Task, TrainBackendKind,
 };
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
@@ -103,6 +103,12 @@ pub struct RawSettings {
     pub rollout_long_prompt: Option<LongPrompt>,
     /// `--rollout-max-response-len`.
     pub rollout_max_response_len: Option<usize>,
+    /// `--rm-type`.
+    pub rm_type: Option<RmType>,
+    /// `--custom-rm-command`.
+    pub custom_rm_command: Option<String>,
+    /// `--custom-rm-timeout`.
+    pub custom_rm_timeout: Option<f64>,
 }
 
 impl RawSettings {
@@ -170,7 +176,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 42);
+        assert_eq!(keys.len(), 45);
         for key in [
             "offload",
             "offload_train",

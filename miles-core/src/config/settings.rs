@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, LongPrompt, MomentDtype,
-    OffloadTarget, RawSettings, RolloutOffloadLevel, Task, TrainBackendKind,
+    OffloadTarget, RawSettings, RmType, RolloutOffloadLevel, Task, TrainBackendKind,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -104,6 +104,12 @@ pub struct Settings {
     pub rollout_long_prompt: LongPrompt,
     /// Generated tokens per sample at most; `None`: the task's answer budget, 64 on a dataset.
     pub rollout_max_response_len: Option<usize>,
+    /// The built-in reward; `None`: the task's (`task`) without `--prompt-data`.
+    pub rm_type: Option<RmType>,
+    /// A reward process speaking JSON lines, run under `sh -c`; replaces `rm_type`.
+    pub custom_rm_command: Option<String>,
+    /// Seconds the reward process may take for one rollout's answers.
+    pub custom_rm_timeout: f64,
     /// Where each value came from.
     #[serde(skip)]
     pub sources: Sources,
@@ -153,6 +159,9 @@ impl Default for Settings {
             rollout_max_prompt_len: None,
             rollout_long_prompt: LongPrompt::Skip,
             rollout_max_response_len: None,
+            rm_type: None,
+            custom_rm_command: None,
+            custom_rm_timeout: 60.0,
             sources: Sources::default(),
         }
     }
@@ -345,6 +354,9 @@ impl Settings {
             rollout_max_prompt_len: pick_optional!(rollout_max_prompt_len),
             rollout_long_prompt: pick!(rollout_long_prompt),
             rollout_max_response_len: pick_optional!(rollout_max_response_len),
+            rm_type: pick_optional!(rm_type),
+            custom_rm_command: pick_optional!(custom_rm_command),
+            custom_rm_timeout: pick!(custom_rm_timeout),
             sources: Sources::default(),
         };
         settings.sources = s;

@@ -27,6 +27,9 @@ pub enum OrchestratorError {
     /// Metrics or the timeline could not be written.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
+    /// The reward could not be computed.
+    #[error(transparent)]
+    Reward(#[from] super::reward::RewardError),
     /// The loop's settings cannot run.
     #[error("cannot run the rl loop: {0}")]
     Settings(String),

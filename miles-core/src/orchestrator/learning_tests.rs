@@ -244,7 +244,7 @@ fn tokenizer() -> ByteTokenizer {
 
 /// Offloads off (this backend has no memory regions), 16 prompts x 8 samples per step, one
 /// optimizer step per rollout, a supervised start of 24 steps (the recipe of
-/// `examples/colocate-cpu.toml`).
+/// `examples/colocate-repeat-cpu.toml`).
 fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfig {
     LoopConfig {
         steps,

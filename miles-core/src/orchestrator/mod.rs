@@ -26,6 +26,7 @@ mod error;
 #[cfg(test)]
 mod learning_tests;
 mod options;
+mod reward;
 mod run;
 mod state;
 mod task;
@@ -42,6 +43,7 @@ pub use data::{
 pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
 pub use error::OrchestratorError;
 pub use options::{DATA_RESPONSE_LEN, RlOptions};
+pub use reward::{BuiltinReward, CommandReward, Reward, RewardError, RewardRequest, final_answer};
 pub use run::{LoopConfig, Orchestrator, RunSummary};
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
 pub use task::{Problem, ProblemSource, Stream, stream_seed};

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::backend::{TrainBackend, WeightBucket};
-use crate::config::{AdvantageEstimator, OffloadTarget, RolloutOffloadLevel, Settings, Task};
+use crate::config::{
+    AdvantageEstimator, OffloadTarget, RmType, RolloutOffloadLevel, Settings, Task,
+};
 use crate::memory::OffloadReport;
 use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, TimelineSample};
 use crate::model::ByteTokenizer;
@@ -17,6 +19,7 @@ use super::batch::{Sequence, build_batch};
 use super::data::{PromptDataset, PromptSource};
 use super::engine::{RolloutEngine, Sample, Sampling};
 use super::options::{DATA_RESPONSE_LEN, RlOptions};
+use super::reward::{BuiltinReward, Reward, RewardError, RewardRequest};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 
@@ -156,6 +159,7 @@ pub struct Orchestrator {
     engine: Box<dyn RolloutEngine>,
     tokenizer: ByteTokenizer,
     problems: PromptSource,
+    reward: Box<dyn Reward>,
     stop: Arc<AtomicBool>,
     state: LoopState,
     timeline: MemoryTimeline,
@@ -196,6 +200,7 @@ impl Orchestrator {
             engine,
             tokenizer,
             problems,
+            reward: Box::new(BuiltinReward::new(RmType::Task, tokenizer)),
             stop: Arc::new(AtomicBool::new(false)),
             state,
             timeline: MemoryTimeline::default(),
@@ -221,6 +226,12 @@ impl Orchestrator {
             dataset,
             seed: self.config.seed,
         };
+        self
+    }
+
+    /// Scores completions with `reward` instead of the task's reward.
+    pub fn with_reward(mut self, reward: Box<dyn Reward>) -> Self {
+        self.reward = reward;
         self
     }
 
@@ -485,17 +496,57 @@ impl Orchestrator {
                 expected: format!("{} prompts x {n} samples", prompts.len()),
             });
         }
-        let rewards = problems
-            .iter()
-            .zip(&samples)
-            .flat_map(|(p, group)| group.iter().map(|s| p.reward(&s.tokens, &self.tokenizer)))
-            .collect();
+        let rewards = self.score(&problems, &samples)?;
         Ok(Rollout {
             problems,
             prompts,
             samples,
             rewards,
         })
+    }
+
+    /// The reward of every sample, by prompt then sample.
+    fn score(
+        &mut self,
+        problems: &[Problem],
+        samples: &[Vec<Sample>],
+    ) -> Result<Vec<f32>, OrchestratorError> {
+        let t = &self.tokenizer;
+        let responses: Vec<Vec<String>> = samples
+            .iter()
+            .map(|group| {
+                group
+                    .iter()
+                    .map(|s| {
+                        let end = s.tokens.iter().position(|&id| id == t.eos);
+                        t.decode(&s.tokens[..end.unwrap_or(s.tokens.len())])
+                    })
+                    .collect()
+            })
+            .collect();
+        let requests: Vec<RewardRequest<'_>> = problems
+            .iter()
+            .zip(samples.iter().zip(&responses))
+            .flat_map(|(p, (group, texts))| {
+                group.iter().zip(texts).map(move |(s, text)| RewardRequest {
+                    prompt: &p.text,
+                    response: text,
+                    label: &p.answer,
+                    metadata: &p.metadata,
+                    tokens: &s.tokens,
+                })
+            })
+            .collect();
+        let rewards = self.reward.score(&requests)?;
+        if rewards.len() != requests.len() {
+            return Err(RewardError::Count {
+                name: self.reward.name().to_owned(),
+                got: rewards.len(),
+                expected: requests.len(),
+            }
+            .into());
+        }
+        Ok(rewards)
     }
 
     /// Generated tokens per sample at most.
