@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use miles_core::config::{
-    AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget,
-    RawSettings, RmType, Settings, Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, KlLossType, LongPrompt, MomentDtype,
+    OffloadTarget, RawSettings, RmType, Settings, Task, TrainBackendKind,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -111,7 +111,11 @@ pub struct SettingsArgs {
     #[arg(long, value_name = "BYTES", help_heading = "Run")]
     pub update_weight_buffer_size: Option<u64>,
     /// How advantages are estimated [default: grpo]
-    #[arg(long, value_name = "grpo|ppo", help_heading = "Run")]
+    #[arg(
+        long,
+        value_name = "grpo|ppo|reinforce_plus_plus",
+        help_heading = "Run"
+    )]
     pub advantage_estimator: Option<AdvantageEstimator>,
     /// JSON-lines file for per-phase metrics
     #[arg(long, value_name = "FILE", help_heading = "Run")]
@@ -160,6 +164,42 @@ pub struct SettingsArgs {
     /// Seconds the reward process may take for one rollout [default: 60]
     #[arg(long, value_name = "SECONDS", help_heading = "Reward")]
     pub custom_rm_timeout: Option<f64>,
+    /// Lower clip range of the importance ratio [default: 0.2]
+    #[arg(long, value_name = "EPS", help_heading = "Loss")]
+    pub eps_clip: Option<f64>,
+    /// Upper clip range of the importance ratio [default: --eps-clip]
+    #[arg(long, value_name = "EPS", help_heading = "Loss")]
+    pub eps_clip_high: Option<f64>,
+    /// KL penalty to a frozen reference model (the weights at the start of RL, tag `ref`; cpu device)
+    #[arg(long, help_heading = "Loss")]
+    pub use_kl_loss: bool,
+    /// Coefficient of the KL penalty [default: 0]
+    #[arg(long, value_name = "C", help_heading = "Loss")]
+    pub kl_loss_coef: Option<f64>,
+    /// Estimator of the KL penalty [default: k1]
+    #[arg(long, value_name = "k1|k2|k3", help_heading = "Loss")]
+    pub kl_loss_type: Option<KlLossType>,
+    /// Clip the global gradient norm to this, 0 never clips [default: 1.0]
+    #[arg(long, value_name = "NORM", help_heading = "Loss")]
+    pub clip_grad: Option<f64>,
+    /// Nucleus sampling of the rollout, in (0, 1] [default: 1]
+    #[arg(long, value_name = "P", help_heading = "Rollout")]
+    pub rollout_top_p: Option<f64>,
+    /// Token ids that end a sample, besides EOS
+    #[arg(long, num_args = 1.., value_name = "ID", help_heading = "Rollout")]
+    pub rollout_stop_token_ids: Option<Vec<u32>>,
+    /// JSON-lines file of evaluation prompts (same keys as --prompt-data), never trained on
+    #[arg(long, value_name = "FILE", help_heading = "Eval")]
+    pub eval_prompt_data: Option<PathBuf>,
+    /// Evaluate before steps 1, N + 1, 2N + 1, ...
+    #[arg(long, value_name = "N", help_heading = "Eval")]
+    pub eval_interval: Option<u64>,
+    /// Sampling temperature of evaluation, 0 is greedy [default: 0]
+    #[arg(long, value_name = "T", help_heading = "Eval")]
+    pub eval_temperature: Option<f64>,
+    /// JSON-lines file receiving every rollout sample: step, prompt, response, label, reward
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
+    pub dump_rollouts: Option<PathBuf>,
 }
 
 impl SettingsArgs {
@@ -234,6 +274,18 @@ impl SettingsArgs {
             rm_type: self.rm_type,
             custom_rm_command: self.custom_rm_command.clone(),
             custom_rm_timeout: self.custom_rm_timeout,
+            eps_clip: self.eps_clip,
+            eps_clip_high: self.eps_clip_high,
+            use_kl_loss: flag(self.use_kl_loss),
+            kl_loss_coef: self.kl_loss_coef,
+            kl_loss_type: self.kl_loss_type,
+            clip_grad: self.clip_grad,
+            rollout_top_p: self.rollout_top_p,
+            rollout_stop_token_ids: self.rollout_stop_token_ids.clone(),
+            eval_prompt_data: self.eval_prompt_data.clone(),
+            eval_interval: self.eval_interval,
+            eval_temperature: self.eval_temperature,
+            dump_rollouts: self.dump_rollouts.clone(),
         }
     }
 }
@@ -397,6 +449,29 @@ mod tests {
             "python3 rm.py",
             "--custom-rm-timeout",
             "5",
+            "--eps-clip",
+            "0.1",
+            "--eps-clip-high",
+            "0.3",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.01",
+            "--kl-loss-type",
+            "k3",
+            "--clip-grad",
+            "0.5",
+            "--rollout-top-p",
+            "0.9",
+            "--rollout-stop-token-ids",
+            "10",
+            "--eval-prompt-data",
+            "e.jsonl",
+            "--eval-interval",
+            "5",
+            "--eval-temperature",
+            "0.5",
+            "--dump-rollouts",
+            "r.jsonl",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value

@@ -1,28 +1,30 @@
 //! What `miles train` reads of the user's task before any work: the prompt data and the
 //! reward.
 
+use std::path::Path;
 use std::time::Duration;
 
-use miles_core::Settings;
 use miles_core::config::RmType;
 use miles_core::model::ByteTokenizer;
 use miles_core::orchestrator::{
     BuiltinReward, CommandReward, DataOptions, PlainPrompt, PromptDataset, Reward,
 };
+use miles_core::{DeviceKind, Settings};
 
 use crate::settings_args::BadSettings;
 
-/// The rows of `--prompt-data`, rendered as plain prompts and counted in the loop's tokens;
-/// `None` without it.
+/// The rows of `path` (`--prompt-data` or `--eval-prompt-data`), rendered as plain prompts and
+/// counted in the loop's tokens; `None` without a path.
 ///
 /// # Errors
 /// A file that cannot be read, holds no usable row, or a prompt over the limit under
 /// `--rollout-long-prompt error`: bad settings (exit status 2).
 pub fn load_prompt_data(
+    path: Option<&Path>,
     settings: &Settings,
     tokenizer: &ByteTokenizer,
 ) -> anyhow::Result<Option<PromptDataset>> {
-    let Some(path) = &settings.prompt_data else {
+    let Some(path) = path else {
         return Ok(None);
     };
     let encode = |text: &str| tokenizer.encode(text, true);
@@ -45,7 +47,7 @@ pub fn load_prompt_data(
 pub fn build_reward(
     settings: &Settings,
     tokenizer: ByteTokenizer,
-    dataset: Option<&PromptDataset>,
+    datasets: &[Option<&PromptDataset>],
 ) -> anyhow::Result<Box<dyn Reward>> {
     let builtin = BuiltinReward::new(settings.rm_type.unwrap_or(RmType::Task), tokenizer);
     if let Some(command) = &settings.custom_rm_command {
@@ -57,7 +59,7 @@ pub fn build_reward(
         let timeout = Duration::from_secs_f64(settings.custom_rm_timeout);
         return Ok(Box::new(CommandReward::spawn(command, timeout)?));
     }
-    if let Some(dataset) = dataset {
+    for dataset in datasets.iter().flatten() {
         for row in &dataset.rows {
             builtin.check_label(&row.problem.answer).map_err(|error| {
                 BadSettings(format!(
@@ -69,4 +71,18 @@ pub fn build_reward(
         }
     }
     Ok(Box::new(builtin))
+}
+
+/// What the loop runs on the cpu device only, refused on cuda naming the flag.
+///
+/// # Errors
+/// Bad settings (exit status 2).
+pub fn check_device(settings: &Settings) -> anyhow::Result<()> {
+    if settings.use_kl_loss && miles_core::device::resolve(settings.device) == DeviceKind::Cuda {
+        return Err(BadSettings(
+            "--use-kl-loss runs its reference model on the cpu device only; drop --use-kl-loss or pass --device cpu".into(),
+        )
+        .into());
+    }
+    Ok(())
 }

@@ -116,7 +116,7 @@ fn base(data: &str, metrics: &Path) -> Vec<String> {
 }
 
 #[test]
-fn a_user_reward_script_trains_the_run() {
+fn a_user_reward_script_trains_the_run_with_kl_and_a_dump_of_every_sample() {
     if !python() {
         return;
     }
@@ -132,12 +132,24 @@ fn a_user_reward_script_trains_the_run() {
     )
     .unwrap();
     let metrics = dir.path().join("m.jsonl");
+    let dump = dir.path().join("rollouts.jsonl");
     let mut args = base(&data, &metrics);
     args.extend(
-        ["--steps", "3", "--custom-rm-command"]
-            .map(str::to_owned)
-            .into_iter()
-            .chain([format!("python3 {}", script.display())]),
+        [
+            "--steps",
+            "3",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.01",
+            "--kl-loss-type",
+            "k3",
+            "--dump-rollouts",
+            dump.to_str().unwrap(),
+            "--custom-rm-command",
+        ]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([format!("python3 {}", script.display())]),
     );
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let output = miles(&args);
@@ -146,6 +158,35 @@ fn a_user_reward_script_trains_the_run() {
         rewards(&metrics),
         [0.5, 0.5, 0.5],
         "the script's rewards train the run"
+    );
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    for key in [
+        "reward_std",
+        "response_len_mean",
+        "response_len_max",
+        "truncated_fraction",
+        "kl",
+        "clip_fraction",
+        "grad_norm",
+        "lr",
+        "rollout_tokens_per_second",
+        "train_tokens_per_second",
+        "phase_seconds",
+        "bytes_moved",
+    ] {
+        assert!(!last[key].is_null(), "{key} missing from {last}");
+    }
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&dump)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3 * 4 * 2, "one line per sample");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["reward"] == 0.5 && l["prompt"].is_string() && l["response"].is_string())
     );
 }
 

@@ -171,6 +171,7 @@ impl FsdpBackend {
             plan,
             adamw: AdamWConfig {
                 lr: settings.lr as f32,
+                max_grad_norm: settings.max_grad_norm(),
                 ..AdamWConfig::default()
             },
             ranks,

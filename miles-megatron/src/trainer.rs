@@ -112,6 +112,7 @@ impl MegatronOptions {
             data_parallel: settings.data_parallel_size,
             adamw: AdamWConfig {
                 lr: settings.lr as f32,
+                max_grad_norm: settings.max_grad_norm(),
                 ..AdamWConfig::default()
             },
             device_bytes: settings.device_memory_bytes(),

@@ -46,6 +46,58 @@ pub(crate) fn check(s: &Settings) -> Vec<SettingsError> {
             "--custom-rm-timeout must be a number of seconds above 0 (got {t})"
         ));
     }
+    let clip_high = s.eps_clip_high.unwrap_or(s.eps_clip);
+    for (flag, value) in [("eps-clip", s.eps_clip), ("eps-clip-high", clip_high)] {
+        if !(value.is_finite() && value > 0.0) {
+            refuse(format!("--{flag} must be a number above 0 (got {value})"));
+        }
+    }
+    if s.eps_clip >= 1.0 {
+        refuse(format!(
+            "--eps-clip {} must be below 1: the ratio is held at 1 - eps-clip",
+            s.eps_clip
+        ));
+    }
+    let k = s.kl_loss_coef;
+    if !(k.is_finite() && k >= 0.0) {
+        refuse(format!(
+            "--kl-loss-coef must be a number at least 0 (got {k})"
+        ));
+    }
+    if s.use_kl_loss && k == 0.0 {
+        tracing::warn!(
+            "--use-kl-loss with --kl-loss-coef 0: the KL is measured but does not train"
+        );
+    }
+    let c = s.clip_grad;
+    if !(c.is_finite() && c >= 0.0) {
+        refuse(format!(
+            "--clip-grad must be a number at least 0, 0 never clips (got {c})"
+        ));
+    }
+    let p = s.rollout_top_p;
+    if !(p > 0.0 && p <= 1.0) {
+        refuse(format!(
+            "--rollout-top-p must be above 0 and at most 1 (got {p})"
+        ));
+    }
+    let t = s.eval_temperature;
+    if !(t.is_finite() && t >= 0.0) {
+        refuse(format!(
+            "--eval-temperature must be a number at least 0, 0 is greedy (got {t})"
+        ));
+    }
+    match (&s.eval_prompt_data, s.eval_interval) {
+        (Some(_), None) => {
+            refuse("--eval-prompt-data needs --eval-interval N (evaluate every N steps)".into())
+        }
+        (None, Some(_)) => refuse("--eval-interval needs --eval-prompt-data FILE".into()),
+        (_, Some(0)) => refuse("--eval-interval must be at least 1 (got 0)".into()),
+        _ => {}
+    }
+    if s.eval_prompt_data.is_some() && s.custom_rm_command.is_none() && s.label_key.is_none() {
+        refuse("--eval-prompt-data is scored by a built-in reward against its labels; add --label-key KEY".into());
+    }
     if s.input_key.is_empty() {
         refuse("--input-key must name a field of the rows (got an empty name)".into());
     }

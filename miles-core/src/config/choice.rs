@@ -190,6 +190,8 @@ choice! {
         Grpo => "grpo",
         /// Proximal policy optimisation with a learned critic.
         Ppo => "ppo",
+        /// REINFORCE++: rewards normalised over the whole rollout; no critic.
+        ReinforcePlusPlus => "reinforce_plus_plus",
     }
 }
 
@@ -202,6 +204,18 @@ choice! {
         Reverse => "reverse",
         /// Add two numbers below 50 (`12+7=` -> `19`).
         Add => "add",
+    }
+}
+
+choice! {
+    /// The estimator of the KL penalty to the reference model (`--kl-loss-type`).
+    pub enum KlLossType ("kl loss type") {
+        /// `log p - log p_ref`.
+        K1 => "k1",
+        /// `(log p - log p_ref)^2 / 2`.
+        K2 => "k2",
+        /// `exp(log p_ref - log p) - (log p_ref - log p) - 1`: unbiased and never negative.
+        K3 => "k3",
     }
 }
 

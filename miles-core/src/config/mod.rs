@@ -14,7 +14,7 @@ mod settings;
 mod validate;
 
 pub use choice::{
-    AdvantageEstimator, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget, RmType,
+    AdvantageEstimator, DeviceChoice, KlLossType, LongPrompt, MomentDtype, OffloadTarget, RmType,
     RolloutOffloadLevel, Task, TrainBackendKind, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};

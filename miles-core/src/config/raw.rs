@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, LongPrompt, MomentDtype, OffloadTarget, RmType,
-    Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, KlLossType, LongPrompt, MomentDtype,
+    OffloadTarget, RmType, Task, TrainBackendKind,
 };
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
@@ -109,6 +109,30 @@ pub struct RawSettings {
     pub custom_rm_command: Option<String>,
     /// `--custom-rm-timeout`.
     pub custom_rm_timeout: Option<f64>,
+    /// `--eps-clip`.
+    pub eps_clip: Option<f64>,
+    /// `--eps-clip-high`.
+    pub eps_clip_high: Option<f64>,
+    /// `--use-kl-loss`.
+    pub use_kl_loss: Option<bool>,
+    /// `--kl-loss-coef`.
+    pub kl_loss_coef: Option<f64>,
+    /// `--kl-loss-type`.
+    pub kl_loss_type: Option<KlLossType>,
+    /// `--clip-grad`.
+    pub clip_grad: Option<f64>,
+    /// `--rollout-top-p`.
+    pub rollout_top_p: Option<f64>,
+    /// `--rollout-stop-token-ids`.
+    pub rollout_stop_token_ids: Option<Vec<u32>>,
+    /// `--eval-prompt-data`.
+    pub eval_prompt_data: Option<PathBuf>,
+    /// `--eval-interval`.
+    pub eval_interval: Option<u64>,
+    /// `--eval-temperature`.
+    pub eval_temperature: Option<f64>,
+    /// `--dump-rollouts`.
+    pub dump_rollouts: Option<PathBuf>,
 }
 
 impl RawSettings {
@@ -176,7 +200,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 45);
+        assert_eq!(keys.len(), 57);
         for key in [
             "offload",
             "offload_train",

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, LongPrompt, MomentDtype,
-    OffloadTarget, RawSettings, RmType, RolloutOffloadLevel, Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, KlLossType, LongPrompt,
+    MomentDtype, OffloadTarget, RawSettings, RmType, RolloutOffloadLevel, Task, TrainBackendKind,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -110,6 +110,30 @@ pub struct Settings {
     pub custom_rm_command: Option<String>,
     /// Seconds the reward process may take for one rollout's answers.
     pub custom_rm_timeout: f64,
+    /// Lower clip range of the importance ratio.
+    pub eps_clip: f64,
+    /// Upper clip range of the importance ratio; `None`: `eps_clip`.
+    pub eps_clip_high: Option<f64>,
+    /// Adds the KL penalty to a frozen reference model (the weights at the start of RL).
+    pub use_kl_loss: bool,
+    /// Coefficient of the KL penalty.
+    pub kl_loss_coef: f64,
+    /// Estimator of the KL penalty.
+    pub kl_loss_type: KlLossType,
+    /// Gradients are scaled so their global L2 norm is at most this; 0 never clips.
+    pub clip_grad: f64,
+    /// Nucleus sampling of the rollout, in `(0, 1]`.
+    pub rollout_top_p: f64,
+    /// Token ids that end a sample, besides EOS.
+    pub rollout_stop_token_ids: Vec<u32>,
+    /// JSON-lines file of evaluation prompts (same keys as `prompt_data`); never trained on.
+    pub eval_prompt_data: Option<PathBuf>,
+    /// Evaluate before every this many steps (before steps 1, N + 1, ...).
+    pub eval_interval: Option<u64>,
+    /// Sampling temperature of evaluation (0 is greedy).
+    pub eval_temperature: f64,
+    /// JSON-lines file receiving every sample: step, prompt, response, label, reward.
+    pub dump_rollouts: Option<PathBuf>,
     /// Where each value came from.
     #[serde(skip)]
     pub sources: Sources,
@@ -162,6 +186,18 @@ impl Default for Settings {
             rm_type: None,
             custom_rm_command: None,
             custom_rm_timeout: 60.0,
+            eps_clip: 0.2,
+            eps_clip_high: None,
+            use_kl_loss: false,
+            kl_loss_coef: 0.0,
+            kl_loss_type: KlLossType::K1,
+            clip_grad: 1.0,
+            rollout_top_p: 1.0,
+            rollout_stop_token_ids: Vec::new(),
+            eval_prompt_data: None,
+            eval_interval: None,
+            eval_temperature: 0.0,
+            dump_rollouts: None,
             sources: Sources::default(),
         }
     }
@@ -357,6 +393,18 @@ impl Settings {
             rm_type: pick_optional!(rm_type),
             custom_rm_command: pick_optional!(custom_rm_command),
             custom_rm_timeout: pick!(custom_rm_timeout),
+            eps_clip: pick!(eps_clip),
+            eps_clip_high: pick_optional!(eps_clip_high),
+            use_kl_loss: pick!(use_kl_loss),
+            kl_loss_coef: pick!(kl_loss_coef),
+            kl_loss_type: pick!(kl_loss_type),
+            clip_grad: pick!(clip_grad),
+            rollout_top_p: pick!(rollout_top_p),
+            rollout_stop_token_ids: pick!(rollout_stop_token_ids),
+            eval_prompt_data: pick_optional!(eval_prompt_data),
+            eval_interval: pick_optional!(eval_interval),
+            eval_temperature: pick!(eval_temperature),
+            dump_rollouts: pick_optional!(dump_rollouts),
             sources: Sources::default(),
         };
         settings.sources = s;
@@ -372,6 +420,11 @@ impl Settings {
     /// Capacity of the CPU device in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
         (self.device_memory_gib * (1u64 << 30) as f64) as u64
+    }
+
+    /// The global gradient norm the optimizer clips to (`--clip-grad`); `None` for 0.
+    pub fn max_grad_norm(&self) -> Option<f32> {
+        (self.clip_grad > 0.0).then_some(self.clip_grad as f32)
     }
 
     /// Whether any training state goes to disk (disk target, or streamed optimizer state).

@@ -101,7 +101,10 @@ mod tests {
         let loss = PolicyLoss::default();
         for a in [-1.5, 0.0, 2.0] {
             let t = loss.token(a, -0.7, -0.7, -0.7);
-            assert!(close(t.weight, a) && !t.clipped && close(t.surrogate, -a), "{t:?}");
+            assert!(
+                close(t.weight, a) && !t.clipped && close(t.surrogate, -a),
+                "{t:?}"
+            );
         }
     }
 
@@ -114,14 +117,23 @@ mod tests {
         };
         // r = exp(0.5) = 1.6487 > 1.28 with A = 2: clipped, surrogate -1.28 * 2.
         let t = loss.token(2.0, -0.5, -1.0, 0.0);
-        assert!(t.clipped && t.weight == 0.0 && close(t.surrogate, -2.56), "{t:?}");
+        assert!(
+            t.clipped && t.weight == 0.0 && close(t.surrogate, -2.56),
+            "{t:?}"
+        );
         // Same ratio, A = -1: r A = -1.6487 is the minimum, kept with weight r A.
         let t = loss.token(-1.0, -0.5, -1.0, 0.0);
         let r = 0.5f32.exp();
-        assert!(!t.clipped && close(t.weight, -r) && close(t.surrogate, r), "{t:?}");
+        assert!(
+            !t.clipped && close(t.weight, -r) && close(t.surrogate, r),
+            "{t:?}"
+        );
         // r = exp(-0.5) = 0.6065 < 0.8 with A = -1: clipped at 0.8.
         let t = loss.token(-1.0, -1.0, -0.5, 0.0);
-        assert!(t.clipped && t.weight == 0.0 && close(t.surrogate, 0.8), "{t:?}");
+        assert!(
+            t.clipped && t.weight == 0.0 && close(t.surrogate, 0.8),
+            "{t:?}"
+        );
         // Inside the range: r = exp(0.1) with A = 1.
         let t = loss.token(1.0, -0.9, -1.0, 0.0);
         assert!(!t.clipped && close(t.weight, 0.1f32.exp()), "{t:?}");
@@ -151,7 +163,10 @@ mod tests {
             let (lo, _) = kl_estimate(*kind, -1.0 - h, -1.5);
             let (_, slope) = kl_estimate(*kind, -1.0, -1.5);
             let numeric = (hi - lo) / (2.0 * h);
-            assert!((numeric - slope).abs() < 1e-3, "{kind}: {numeric} vs {slope}");
+            assert!(
+                (numeric - slope).abs() < 1e-3,
+                "{kind}: {numeric} vs {slope}"
+            );
         }
     }
 

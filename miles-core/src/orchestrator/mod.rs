@@ -25,7 +25,9 @@ mod engine;
 mod error;
 #[cfg(test)]
 mod learning_tests;
+mod loss;
 mod options;
+mod reference;
 mod reward;
 mod run;
 mod state;
@@ -33,7 +35,9 @@ mod task;
 #[cfg(test)]
 mod tests;
 
-pub use advantage::{Critic, GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
+pub use advantage::{
+    Critic, GRPO_EPS, grpo_advantages, mean_std, ppo_advantages, reinforce_plus_plus_advantages,
+};
 pub use batch::{Sequence, build_batch};
 pub use critic::LmCritic;
 pub use data::{
@@ -42,7 +46,9 @@ pub use data::{
 };
 pub use engine::{EngineError, RolloutEngine, Sample, Sampling};
 pub use error::OrchestratorError;
+pub use loss::{PolicyLoss, TokenLoss, kl_estimate};
 pub use options::{DATA_RESPONSE_LEN, RlOptions};
+pub use reference::{ReferenceModel, ref_tag};
 pub use reward::{BuiltinReward, CommandReward, Reward, RewardError, RewardRequest, final_answer};
 pub use run::{LoopConfig, Orchestrator, RunSummary};
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};

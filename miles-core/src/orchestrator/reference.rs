@@ -92,7 +92,10 @@ impl ReferenceModel {
                 }
                 Ok(())
             })
-            .map_err(OrchestratorError::train("actor", "export weights for the reference"))?;
+            .map_err(OrchestratorError::train(
+                "actor",
+                "export weights for the reference",
+            ))?;
         Self::new(actor.config().clone(), &weights)
     }
 
@@ -167,7 +170,9 @@ mod tests {
     fn weights(seed: u64) -> Vec<f32> {
         let layout = ParamLayout::new(&tiny());
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..layout.len()).map(|_| rng.random_range(-0.05..0.05)).collect()
+        (0..layout.len())
+            .map(|_| rng.random_range(-0.05..0.05))
+            .collect()
     }
 
     fn batch() -> Batch {
@@ -193,7 +198,10 @@ mod tests {
         assert!(reference.is_offloaded());
         let after_pause: u64 = reference.device_memory().iter().map(|(_, b)| b).sum();
         assert_eq!(after_pause, 0, "a paused ref tag holds no device memory");
-        assert!(reference.logprobs(&batch()).is_err(), "a paused tag is refused");
+        assert!(
+            reference.logprobs(&batch()).is_err(),
+            "a paused tag is refused"
+        );
         reference.onload().unwrap();
         let view = reference.params.view::<f32>().unwrap();
         assert!(

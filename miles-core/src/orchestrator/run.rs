@@ -14,15 +14,20 @@ use crate::metrics::{MemoryTimeline, MetricsWriter, Phase, StepMetrics, Timeline
 use crate::model::ByteTokenizer;
 
 use super::OrchestratorError;
-use super::advantage::{Critic, grpo_advantages, mean_std, ppo_advantages};
+use super::advantage::{
+    Critic, grpo_advantages, mean_std, ppo_advantages, reinforce_plus_plus_advantages,
+};
 use super::batch::{Sequence, build_batch};
 use super::data::{PromptDataset, PromptSource};
 use super::engine::{RolloutEngine, Sample, Sampling};
 use super::options::{DATA_RESPONSE_LEN, RlOptions};
+use super::reference::ReferenceModel;
 use super::reward::{BuiltinReward, Reward, RewardError, RewardRequest};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 
+mod eval;
+mod policy;
 mod sync;
 
 /// What the loop runs: the part of [`Settings`] it reads, checked.
@@ -133,6 +138,8 @@ struct Rollout {
     prompts: Vec<Vec<u32>>,
     samples: Vec<Vec<Sample>>,
     rewards: Vec<f32>,
+    /// Each sample's text without its stop token, by prompt then sample.
+    responses: Vec<String>,
 }
 
 /// A step's phases up to the checkpoint.
@@ -156,6 +163,9 @@ pub struct Orchestrator {
     config: LoopConfig,
     actor: Box<dyn TrainBackend>,
     critic: Option<Box<dyn Critic>>,
+    reference: Option<ReferenceModel>,
+    eval: Option<PromptDataset>,
+    dump: Option<eval::RolloutDump>,
     engine: Box<dyn RolloutEngine>,
     tokenizer: ByteTokenizer,
     problems: PromptSource,
@@ -197,6 +207,9 @@ impl Orchestrator {
             config,
             actor,
             critic: None,
+            reference: None,
+            eval: None,
+            dump: None,
             engine,
             tokenizer,
             problems,
@@ -281,6 +294,13 @@ impl Orchestrator {
             .as_deref()
             .map(MetricsWriter::append)
             .transpose()?;
+        self.dump = self
+            .config
+            .rl
+            .dump_rollouts
+            .as_deref()
+            .map(eval::RolloutDump::append)
+            .transpose()?;
         let mut interrupted = matches!(self.start()?, Next::Stop);
         while !interrupted && self.state.step < self.config.steps {
             let step = self.state.step + 1;
@@ -334,6 +354,12 @@ impl Orchestrator {
             }
             self.warmup_step()?;
         }
+        if self.config.rl.loss.kl.is_some() && self.reference.is_none() {
+            self.reference = Some(ReferenceModel::of_actor(&mut *self.actor)?);
+            tracing::info!(
+                "reference model of the kl penalty: the actor's weights at the start of rl, under tag ref"
+            );
+        }
         let mut ignored = StepMetrics::default();
         for phase in self.tail()? {
             if phase == Phase::OffloadTrain {
@@ -386,8 +412,13 @@ impl Orchestrator {
         let started = Instant::now();
         let bytes = match phase {
             Phase::Generate => {
+                metrics.rl.eval_reward_mean = self.evaluate_if_due(metrics.step)?;
                 let generated = self.generate(metrics.step)?;
+                if let Some(dump) = &mut self.dump {
+                    dump.write(metrics.step, &generated)?;
+                }
                 (metrics.reward_mean, metrics.reward_std) = mean_std(&generated.rewards);
+                rollout_metrics(&generated, started.elapsed().as_secs_f64(), &mut metrics.rl);
                 *rollout = Some(generated);
                 0
             }
@@ -429,7 +460,14 @@ impl Orchestrator {
             Phase::OnloadTrain => self.onload_train()?,
             Phase::Train => {
                 if let Some(rollout) = rollout {
-                    metrics.loss = self.train(rollout)?;
+                    let stats = self.train(rollout)?;
+                    metrics.loss = stats.loss;
+                    let rl = &mut metrics.rl;
+                    (rl.pg_loss, rl.kl, rl.clip_fraction) =
+                        (stats.pg_loss, stats.kl, stats.clip_fraction);
+                    rl.grad_norm = stats.grad_norm;
+                    rl.lr = self.config.rl.lr;
+                    rl.train_tokens_per_second = stats.tokens as f64 / stats.seconds.max(1e-9);
                     self.state.step = metrics.step;
                     self.state.reward_means.push(metrics.reward_mean);
                 }
@@ -477,13 +515,7 @@ impl Orchestrator {
             .problems
             .problems(Stream::Rollout, step, c.rollout_batch_size);
         let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt(&self.tokenizer)).collect();
-        let sampling = Sampling {
-            temperature: c.temperature,
-            top_p: 1.0,
-            max_new_tokens: self.max_response_len(),
-            stop_tokens: vec![self.tokenizer.eos],
-            seed: stream_seed(c.seed, Stream::Sampling, step),
-        };
+        let sampling = self.sampling(step);
         let n = c.n_samples_per_prompt;
         let samples = self.engine.generate(&prompts, n, &sampling)?;
         if samples.len() != prompts.len() || samples.iter().any(|s| s.len() != n) {
@@ -496,21 +528,39 @@ impl Orchestrator {
                 expected: format!("{} prompts x {n} samples", prompts.len()),
             });
         }
-        let rewards = self.score(&problems, &samples)?;
+        let (rewards, responses) = self.score(&problems, &samples)?;
         Ok(Rollout {
             problems,
             prompts,
             samples,
             rewards,
+            responses,
         })
     }
 
-    /// The reward of every sample, by prompt then sample.
+    /// How step `step` samples its rollout.
+    fn sampling(&self, step: u64) -> Sampling {
+        let mut stop_tokens = vec![self.tokenizer.eos];
+        stop_tokens.extend(&self.config.rl.stop_token_ids);
+        Sampling {
+            temperature: self.config.temperature,
+            top_p: if self.config.rl.top_p > 0.0 {
+                self.config.rl.top_p
+            } else {
+                1.0
+            },
+            max_new_tokens: self.max_response_len(),
+            stop_tokens,
+            seed: stream_seed(self.config.seed, Stream::Sampling, step),
+        }
+    }
+
+    /// The reward and the text of every sample, by prompt then sample.
     fn score(
         &mut self,
         problems: &[Problem],
         samples: &[Vec<Sample>],
-    ) -> Result<Vec<f32>, OrchestratorError> {
+    ) -> Result<(Vec<f32>, Vec<String>), OrchestratorError> {
         let t = &self.tokenizer;
         let responses: Vec<Vec<String>> = samples
             .iter()
@@ -518,8 +568,8 @@ impl Orchestrator {
                 group
                     .iter()
                     .map(|s| {
-                        let end = s.tokens.iter().position(|&id| id == t.eos);
-                        t.decode(&s.tokens[..end.unwrap_or(s.tokens.len())])
+                        let end = s.tokens.len() - usize::from(s.stopped && !s.tokens.is_empty());
+                        t.decode(&s.tokens[..end])
                     })
                     .collect()
             })
@@ -546,7 +596,8 @@ impl Orchestrator {
             }
             .into());
         }
-        Ok(rewards)
+        let texts = responses.into_iter().flatten().collect();
+        Ok((rewards, texts))
     }
 
     /// Generated tokens per sample at most.
@@ -559,8 +610,8 @@ impl Orchestrator {
     }
 
     /// Advantages, then the actor's optimizer steps over the rollout in global batches (and the
-    /// critic's value regression under PPO); returns the actor's mean loss.
-    fn train(&mut self, rollout: &Rollout) -> Result<f32, OrchestratorError> {
+    /// critic's value regression under PPO); returns what the actor's steps measured.
+    fn train(&mut self, rollout: &Rollout) -> Result<policy::PolicyStats, OrchestratorError> {
         let n = self.config.n_samples_per_prompt;
         let advantages = match (&mut self.critic, self.config.advantage_estimator) {
             (Some(critic), AdvantageEstimator::Ppo) => {
@@ -568,6 +619,9 @@ impl Orchestrator {
                     .values(&rollout.prompts)
                     .map_err(OrchestratorError::train("critic", "compute values"))?;
                 ppo_advantages(&rollout.rewards, &values, n)
+            }
+            (_, AdvantageEstimator::ReinforcePlusPlus) => {
+                reinforce_plus_plus_advantages(&rollout.rewards)
             }
             _ => grpo_advantages(&rollout.rewards, n),
         };
@@ -583,15 +637,7 @@ impl Orchestrator {
                 weight,
             })
             .collect();
-        let mut losses = Vec::new();
-        for chunk in sequences.chunks(self.config.global_batch_size.max(1)) {
-            let batch = build_batch(chunk, self.tokenizer.pad);
-            let stats = self
-                .actor
-                .train_step(&batch)
-                .map_err(OrchestratorError::train("actor", "train"))?;
-            losses.push(stats.loss);
-        }
+        let stats = self.train_policy(&sequences)?;
         if let Some(critic) = &mut self.critic {
             let prompts: Vec<Vec<u32>> = rollout
                 .prompts
@@ -604,7 +650,7 @@ impl Orchestrator {
             tracing::debug!(loss, "critic value regression");
         }
         tracing::debug!(problems = rollout.problems.len(), "trained on the rollout");
-        Ok(mean_std(&losses).0)
+        Ok(stats)
     }
 
     /// One supervised step on correct answers of fresh problems.
@@ -721,6 +767,9 @@ impl Orchestrator {
         if let Some(critic) = &self.critic {
             add("critic", critic.device_memory());
         }
+        if let Some(reference) = &self.reference {
+            add("ref", reference.device_memory());
+        }
         add("rollout", self.engine.resident_bytes());
         let sample = TimelineSample {
             seconds: self.started.elapsed().as_secs_f64(),
@@ -731,6 +780,17 @@ impl Orchestrator {
         self.timeline.record(sample);
         total
     }
+}
+
+/// The rollout's lengths, truncated share and throughput.
+fn rollout_metrics(rollout: &Rollout, seconds: f64, rl: &mut crate::metrics::RlMetrics) {
+    let samples: Vec<&Sample> = rollout.samples.iter().flatten().collect();
+    let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
+    let count = samples.len().max(1) as f32;
+    rl.response_len_mean = tokens as f32 / count;
+    rl.response_len_max = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    rl.truncated_fraction = samples.iter().filter(|s| !s.stopped).count() as f32 / count;
+    rl.rollout_tokens_per_second = tokens as f64 / seconds.max(1e-9);
 }
 
 fn report_bytes(reports: &[OffloadReport]) -> u64 {

@@ -61,6 +61,11 @@ impl Orchestrator {
                 .map_err(OrchestratorError::train("critic", "onload"))?;
             bytes += stats.bytes();
         }
+        if let Some(reference) = &mut self.reference
+            && reference.is_offloaded()
+        {
+            bytes += reference.onload()?.bytes;
+        }
         Ok(bytes)
     }
 
@@ -90,6 +95,11 @@ impl Orchestrator {
                 .offload(target)
                 .map_err(OrchestratorError::train("critic", "offload"))?;
             bytes += stats.bytes();
+        }
+        if let Some(reference) = &mut self.reference
+            && !reference.is_offloaded()
+        {
+            bytes += reference.offload()?.bytes;
         }
         Ok(bytes)
     }
