@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use miles_core::config::{
-    AdvantageEstimator, ConfigError, DeviceChoice, KlLossType, LongPrompt, MomentDtype,
-    OffloadTarget, RawSettings, RmType, Settings, Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, KlLossType, LongPrompt, LrDecayStyle,
+    MomentDtype, OffloadTarget, RawSettings, RmType, Settings, Task, TrainBackendKind,
 };
 
 /// Every flag of DESIGN section 3 plus the run knobs. A flag left out leaves the value to the
@@ -200,6 +200,18 @@ pub struct SettingsArgs {
     /// JSON-lines file receiving every rollout sample: step, prompt, response, label, reward
     #[arg(long, value_name = "FILE", help_heading = "Run")]
     pub dump_rollouts: Option<PathBuf>,
+    /// RL optimizer steps of a linear learning-rate warm-up from 0 [default: 0]
+    #[arg(long, value_name = "N", help_heading = "Loss")]
+    pub lr_warmup_iters: Option<u64>,
+    /// How the learning rate falls after the warm-up [default: constant]
+    #[arg(long, value_name = "constant|cosine|linear", help_heading = "Loss")]
+    pub lr_decay_style: Option<LrDecayStyle>,
+    /// RL optimizer step at which the decay reaches --min-lr [default: the last]
+    #[arg(long, value_name = "N", help_heading = "Loss")]
+    pub lr_decay_iters: Option<u64>,
+    /// Learning rate the decay ends at [default: 0]
+    #[arg(long, value_name = "LR", help_heading = "Loss")]
+    pub min_lr: Option<f64>,
 }
 
 impl SettingsArgs {
@@ -286,6 +298,10 @@ impl SettingsArgs {
             eval_interval: self.eval_interval,
             eval_temperature: self.eval_temperature,
             dump_rollouts: self.dump_rollouts.clone(),
+            lr_warmup_iters: self.lr_warmup_iters,
+            lr_decay_style: self.lr_decay_style,
+            lr_decay_iters: self.lr_decay_iters,
+            min_lr: self.min_lr,
         }
     }
 }
@@ -472,6 +488,14 @@ mod tests {
             "0.5",
             "--dump-rollouts",
             "r.jsonl",
+            "--lr-warmup-iters",
+            "3",
+            "--lr-decay-style",
+            "cosine",
+            "--lr-decay-iters",
+            "30",
+            "--min-lr",
+            "0.01",
         ]);
         let value = serde_json::to_value(&layer).unwrap();
         let unset: Vec<&String> = value

@@ -257,3 +257,45 @@ fn bad_data_exits_2_naming_the_line_before_any_work() {
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("--rm-type"));
 }
+
+#[test]
+fn the_learning_rate_warms_up_then_decays_on_the_megatron_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    let metrics = dir.path().join("m.jsonl");
+    let mut args = base(&data, &metrics);
+    args.extend(
+        [
+            "--steps",
+            "4",
+            "--lr",
+            "0.01",
+            "--lr-warmup-iters",
+            "2",
+            "--lr-decay-style",
+            "linear",
+            "--min-lr",
+            "0.001",
+        ]
+        .map(str::to_owned),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let output = miles(&args);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let lrs: Vec<f64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    let expected = [0.005, 0.01, 0.0055, 0.001];
+    let worst = lrs
+        .iter()
+        .zip(expected)
+        .map(|(a, e)| (a - e).abs())
+        .fold(0.0, f64::max);
+    assert!(lrs.len() == 4 && worst < 1e-9, "{lrs:?} vs {expected:?}");
+}

@@ -306,6 +306,11 @@ impl TrainBackend for FsdpBackend {
         sum_over_ranks(self.ranks.iter().map(|r| r.memory().resident_bytes()))
     }
 
+    fn set_lr(&mut self, lr: f32) -> Result<(), BackendError> {
+        self.adamw.lr = lr;
+        Ok(())
+    }
+
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
         self.check_onloaded("train")?;
         let dp = self.ranks.len();

@@ -527,6 +527,17 @@ impl TrainBackend for MegatronTrainer {
         sum_over_ranks(self.managers.iter().map(|m| m.resident_bytes()))
     }
 
+    fn set_lr(&mut self, lr: f32) -> Result<(), BackendError> {
+        self.options.adamw.lr = lr;
+        self.run_all(false, |_| {
+            Box::new(move |rank| {
+                rank.set_lr(lr);
+                Ok(Reply::Done)
+            })
+        })?;
+        Ok(())
+    }
+
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
         self.check_on_device("train")?;
         self.check_batch(batch)?;

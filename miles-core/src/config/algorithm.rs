@@ -98,6 +98,16 @@ pub(crate) fn check(s: &Settings) -> Vec<SettingsError> {
     if s.eval_prompt_data.is_some() && s.custom_rm_command.is_none() && s.label_key.is_none() {
         refuse("--eval-prompt-data is scored by a built-in reward against its labels; add --label-key KEY".into());
     }
+    let m = s.min_lr;
+    if !(m.is_finite() && m >= 0.0 && m <= s.lr) {
+        refuse(format!(
+            "--min-lr must lie between 0 and --lr {} (got {m})",
+            s.lr
+        ));
+    }
+    if s.lr_decay_iters == Some(0) {
+        refuse("--lr-decay-iters must be at least 1 (got 0)".into());
+    }
     if s.input_key.is_empty() {
         refuse("--input-key must name a field of the rows (got an empty name)".into());
     }

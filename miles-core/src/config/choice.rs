@@ -208,6 +208,18 @@ choice! {
 }
 
 choice! {
+    /// How the learning rate falls after the warm-up (`--lr-decay-style`).
+    pub enum LrDecayStyle ("lr decay style") {
+        /// It stays at `--lr`.
+        Constant => "constant",
+        /// Half a cosine from `--lr` to `--min-lr` over the decay iterations.
+        Cosine => "cosine",
+        /// A straight line from `--lr` to `--min-lr` over the decay iterations.
+        Linear => "linear",
+    }
+}
+
+choice! {
     /// The estimator of the KL penalty to the reference model (`--kl-loss-type`).
     pub enum KlLossType ("kl loss type") {
         /// `log p - log p_ref`.

@@ -14,8 +14,8 @@ mod settings;
 mod validate;
 
 pub use choice::{
-    AdvantageEstimator, DeviceChoice, KlLossType, LongPrompt, MomentDtype, OffloadTarget, RmType,
-    RolloutOffloadLevel, Task, TrainBackendKind, UnknownChoice,
+    AdvantageEstimator, DeviceChoice, KlLossType, LongPrompt, LrDecayStyle, MomentDtype,
+    OffloadTarget, RmType, RolloutOffloadLevel, Task, TrainBackendKind, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use raw::RawSettings;

@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::nearest;
 use super::{
-    AdvantageEstimator, ConfigError, DeviceChoice, KlLossType, LongPrompt, MomentDtype,
-    OffloadTarget, RmType, Task, TrainBackendKind,
+    AdvantageEstimator, ConfigError, DeviceChoice, KlLossType, LongPrompt, LrDecayStyle,
+    MomentDtype, OffloadTarget, RmType, Task, TrainBackendKind,
 };
 
 /// One layer of settings (the `--config` file, or the flags): what was given, `None` where nothing
@@ -133,6 +133,14 @@ pub struct RawSettings {
     pub eval_temperature: Option<f64>,
     /// `--dump-rollouts`.
     pub dump_rollouts: Option<PathBuf>,
+    /// `--lr-warmup-iters`.
+    pub lr_warmup_iters: Option<u64>,
+    /// `--lr-decay-style`.
+    pub lr_decay_style: Option<LrDecayStyle>,
+    /// `--lr-decay-iters`.
+    pub lr_decay_iters: Option<u64>,
+    /// `--min-lr`.
+    pub min_lr: Option<f64>,
 }
 
 impl RawSettings {
@@ -200,7 +208,7 @@ mod tests {
     #[test]
     fn keys_list_every_field_of_a_layer() {
         let keys = RawSettings::keys();
-        assert_eq!(keys.len(), 57);
+        assert_eq!(keys.len(), 61);
         for key in [
             "offload",
             "offload_train",

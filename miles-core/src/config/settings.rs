@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
 use super::{
     AdvantageEstimator, ConfigError, DeviceChoice, InvalidSettings, KlLossType, LongPrompt,
-    MomentDtype, OffloadTarget, RawSettings, RmType, RolloutOffloadLevel, Task, TrainBackendKind,
+    LrDecayStyle, MomentDtype, OffloadTarget, RawSettings, RmType, RolloutOffloadLevel, Task,
+    TrainBackendKind,
 };
 
 /// The settings a run uses: every flag of DESIGN section 3 plus the run knobs, resolved and
@@ -134,6 +135,14 @@ pub struct Settings {
     pub eval_temperature: f64,
     /// JSON-lines file receiving every sample: step, prompt, response, label, reward.
     pub dump_rollouts: Option<PathBuf>,
+    /// RL optimizer steps over which the learning rate rises linearly from 0 to `lr`.
+    pub lr_warmup_iters: u64,
+    /// How the learning rate falls after the warm-up.
+    pub lr_decay_style: LrDecayStyle,
+    /// RL optimizer steps at which the decay reaches `min_lr`; `None`: the run's last.
+    pub lr_decay_iters: Option<u64>,
+    /// The learning rate the decay ends at.
+    pub min_lr: f64,
     /// Where each value came from.
     #[serde(skip)]
     pub sources: Sources,
@@ -198,6 +207,10 @@ impl Default for Settings {
             eval_interval: None,
             eval_temperature: 0.0,
             dump_rollouts: None,
+            lr_warmup_iters: 0,
+            lr_decay_style: LrDecayStyle::Constant,
+            lr_decay_iters: None,
+            min_lr: 0.0,
             sources: Sources::default(),
         }
     }
@@ -405,6 +418,10 @@ impl Settings {
             eval_interval: pick_optional!(eval_interval),
             eval_temperature: pick!(eval_temperature),
             dump_rollouts: pick_optional!(dump_rollouts),
+            lr_warmup_iters: pick!(lr_warmup_iters),
+            lr_decay_style: pick!(lr_decay_style),
+            lr_decay_iters: pick_optional!(lr_decay_iters),
+            min_lr: pick!(min_lr),
             sources: Sources::default(),
         };
         settings.sources = s;

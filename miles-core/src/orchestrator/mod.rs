@@ -30,6 +30,7 @@ mod options;
 mod reference;
 mod reward;
 mod run;
+mod schedule;
 mod state;
 mod task;
 #[cfg(test)]
@@ -51,5 +52,6 @@ pub use options::{DATA_RESPONSE_LEN, RlOptions};
 pub use reference::{ReferenceModel, ref_tag};
 pub use reward::{BuiltinReward, CommandReward, Reward, RewardError, RewardRequest, final_answer};
 pub use run::{LoopConfig, Orchestrator, RunSummary};
+pub use schedule::LrSchedule;
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
 pub use task::{Problem, ProblemSource, Stream, stream_seed};

@@ -2,6 +2,7 @@
 //! evaluation and dump settings, kept apart from the loop's phase switches.
 
 use super::loss::PolicyLoss;
+use super::schedule::LrSchedule;
 use std::path::PathBuf;
 
 use crate::config::Settings;
@@ -17,8 +18,8 @@ pub struct RlOptions {
     pub max_response_len: Option<usize>,
     /// The policy loss: clip ranges and the KL penalty to the reference model.
     pub loss: PolicyLoss,
-    /// The actor's learning rate (reported per step).
-    pub lr: f64,
+    /// The actor's learning rate over the RL optimizer steps.
+    pub lr: LrSchedule,
     /// Nucleus sampling of the rollout; 0 stands for 1 (no nucleus).
     pub top_p: f32,
     /// Token ids that end a sample, besides EOS.
@@ -36,7 +37,7 @@ impl RlOptions {
     pub fn from_settings(s: &Settings) -> Self {
         Self {
             max_response_len: s.rollout_max_response_len,
-            lr: s.lr,
+            lr: LrSchedule::from_settings(s),
             top_p: s.rollout_top_p as f32,
             stop_token_ids: s.rollout_stop_token_ids.clone(),
             eval_interval: s.eval_interval,

@@ -29,6 +29,8 @@ pub(super) struct PolicyStats {
     pub clip_fraction: f32,
     /// Largest gradient norm (before clipping) of the steps.
     pub grad_norm: f32,
+    /// Learning rate of the last step.
+    pub lr: f64,
     /// Token positions the optimizer steps processed.
     pub tokens: u64,
     /// Wall seconds of the optimizer steps and the passes they needed.
@@ -99,6 +101,13 @@ impl Orchestrator {
                 trained += batch.normaliser as usize;
                 batch.clone()
             };
+            let schedule = self.config.rl.lr;
+            stats.lr = schedule.at(self.state.step * batches.len() as u64 + i as u64 + 1);
+            if schedule.varies() {
+                self.actor
+                    .set_lr(stats.lr as f32)
+                    .map_err(OrchestratorError::train("actor", "set its learning rate"))?;
+            }
             let step = self
                 .actor
                 .train_step(&step_batch)
