@@ -78,9 +78,18 @@ pub fn build_reward(
 /// # Errors
 /// Bad settings (exit status 2).
 pub fn check_device(settings: &Settings) -> anyhow::Result<()> {
-    if settings.use_kl_loss && miles_core::device::resolve(settings.device) == DeviceKind::Cuda {
+    if miles_core::device::resolve(settings.device) != DeviceKind::Cuda {
+        return Ok(());
+    }
+    if settings.use_kl_loss {
         return Err(BadSettings(
             "--use-kl-loss runs its reference model on the cpu device only; drop --use-kl-loss or pass --device cpu".into(),
+        )
+        .into());
+    }
+    if miles_core::orchestrator::LrSchedule::from_settings(settings).varies() {
+        return Err(BadSettings(
+            "the gpu trainers keep one learning rate; drop --lr-warmup-iters and --lr-decay-style, or pass --device cpu".into(),
         )
         .into());
     }
