@@ -81,7 +81,9 @@ pub fn settings_table() -> String {
                     field.value_name.replace('|', "\\|")
                 )
             }
-            FieldKind::List => format!("`--{} {}...`", field.flag(), field.value_name),
+            FieldKind::List | FieldKind::Many => {
+                format!("`--{} {}...`", field.flag(), field.value_name)
+            }
         };
         let default = match field.kind {
             FieldKind::Shorthand => "—".to_owned(),

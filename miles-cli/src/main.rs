@@ -23,6 +23,7 @@ mod model_cmd;
 mod settings_args;
 mod signals;
 mod train;
+mod train_data;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;

@@ -56,13 +56,13 @@ impl clap::Args for SettingsArgs {
                                 .help_heading(field.heading),
                         )
                 }
-                FieldKind::Value | FieldKind::Optional | FieldKind::List => {
+                FieldKind::Value | FieldKind::Optional | FieldKind::List | FieldKind::Many => {
                     let parse = move |text: &str| field.parse(text);
                     let arg = arg
                         .value_name(field.value_name)
                         .allow_negative_numbers(true)
                         .value_parser(parse);
-                    cmd.arg(if field.kind == FieldKind::List {
+                    cmd.arg(if matches!(field.kind, FieldKind::List | FieldKind::Many) {
                         arg.num_args(1..)
                     } else {
                         arg
@@ -125,7 +125,7 @@ impl clap::FromArgMatches for SettingsArgs {
                 FieldKind::Value | FieldKind::Optional => {
                     matches.get_one::<Value>(field.key).cloned()
                 }
-                FieldKind::List => matches
+                FieldKind::List | FieldKind::Many => matches
                     .get_many::<Value>(field.key)
                     .map(|values| Value::Array(values.cloned().collect())),
             };
@@ -322,83 +322,20 @@ mod tests {
 
     #[test]
     fn every_config_key_has_a_flag_of_the_same_name() {
-        let layer = raw(&[
-            "--train-backend",
-            "fsdp",
-            "--colocate",
-            "--offload",
-            "--offload-train",
-            "--offload-rollout",
-            "--offload-rollout-level",
-            "kv_cache",
-            "weight",
-            "--offload-train-target",
-            "disk",
-            "--offload-train-disk-dir",
-            "d",
-            "--offload-train-disk-chunk-mb",
-            "8",
-            "--stream-optimizer-state-to-disk",
-            "--stream-optimizer-state-moment-dtype",
-            "bf16",
-            "--train-memory-margin-bytes",
-            "5",
-            "--fsdp-cpu-offload",
-            "--device",
-            "cpu",
-            "--device-memory-gib",
-            "2",
-            "--preset",
-            "p",
-            "--steps",
-            "3",
-            "--rollout-batch-size",
-            "2",
-            "--n-samples-per-prompt",
-            "2",
-            "--global-batch-size",
-            "4",
-            "--lr",
-            "0.1",
-            "--seed",
-            "1",
-            "--save",
-            "s",
-            "--save-interval",
-            "2",
-            "--load",
-            "l",
-            "--tensor-model-parallel-size",
-            "2",
-            "--data-parallel-size",
-            "2",
-            "--rollout-mem-fraction",
-            "0.5",
-            "--update-weight-buffer-size",
-            "9",
-            "--advantage-estimator",
-            "ppo",
-            "--metrics",
-            "m",
-            "--memory-timeline",
-            "t",
-            "--task",
-            "add",
-            "--sft-warmup-steps",
-            "2",
-            "--rollout-temperature",
-            "0.7",
-        ]);
-        let value = serde_json::to_value(&layer).unwrap();
-        let unset: Vec<&String> = value
-            .as_object()
-            .unwrap()
-            .iter()
-            .filter(|(_, v)| v.is_null())
-            .map(|(k, _)| k)
-            .collect();
-        assert!(unset.is_empty(), "keys without a flag: {unset:?}");
-        assert_eq!(RawSettings::keys().len(), value.as_object().unwrap().len());
+        use clap::{Args, CommandFactory};
+        let command = SettingsArgs::augment_args(Probe::command());
+        let longs: Vec<&str> = command.get_arguments().filter_map(|a| a.get_long()).collect();
+        for field in FIELDS {
+            let flag = field.flag();
+            assert!(longs.contains(&flag.as_str()), "--{flag} missing");
+        }
+        for (text, key) in [("--offload-train-disk-chunk-mb", "8"), ("--lr", "0.1")] {
+            let layer = raw(&[text, key]);
+            let value = serde_json::to_value(&layer).unwrap();
+            let set = value.as_object().unwrap().iter().filter(|(_, v)| !v.is_null()).count();
+            assert_eq!(set, 1, "{text} {key}: {value}");
+        }
+        assert_eq!(RawSettings::keys().len(), FIELDS.len());
     }
 
     #[test]

@@ -73,6 +73,22 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Some(dir) => Tokenizer::from_dir(dir, &model).map_err(crate::model_cmd::bad_model(dir))?,
         None => ByteTokenizer::from_config(&model)?.into(),
     };
+    crate::train_data::check_device(&settings)?;
+    let prompt_data = crate::train_data::load_prompt_data(
+        settings.prompt_data.as_deref(),
+        &settings,
+        &tokenizer,
+    )?;
+    let eval_data = crate::train_data::load_prompt_data(
+        settings.eval_prompt_data.as_deref(),
+        &settings,
+        &tokenizer,
+    )?;
+    let reward = crate::train_data::build_reward(
+        &settings,
+        tokenizer.clone(),
+        &[prompt_data.as_ref(), eval_data.as_ref()],
+    )?;
     let engine = build_engine(&settings, &model)?;
     let job = match &env {
         Some(env) => {
@@ -93,6 +109,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(signal.flag());
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
+    }
+    orchestrator = orchestrator.with_reward(reward);
+    if let Some(dataset) = prompt_data {
+        orchestrator = orchestrator.with_prompt_data(dataset);
+    }
+    if let Some(dataset) = eval_data {
+        orchestrator = orchestrator.with_eval_data(dataset);
     }
     let summary = if rank == 0 {
         let mut progress = Progress::new(settings.steps);
@@ -202,7 +225,7 @@ fn build_actor(
 /// As [`build_actor`].
 fn build_critic(settings: &Settings, pad: u32) -> anyhow::Result<Option<Box<dyn Critic>>> {
     match settings.advantage_estimator {
-        AdvantageEstimator::Grpo => Ok(None),
+        AdvantageEstimator::Grpo | AdvantageEstimator::ReinforcePlusPlus => Ok(None),
         AdvantageEstimator::Ppo => {
             let backend = build_actor(settings, None).context("cannot build the critic")?;
             Ok(Some(Box::new(LmCritic::new(backend, pad))))
@@ -233,23 +256,9 @@ impl Progress {
         match &self.bar {
             Some(bar) => {
                 bar.set_position(m.step);
-                bar.set_message(format!(
-                    "reward {:.3} ± {:.3}  loss {:.4}  peak {:.1} MiB",
-                    m.reward_mean,
-                    m.reward_std,
-                    m.loss,
-                    m.peak_device_memory_bytes as f64 / f64::from(1u32 << 20)
-                ));
+                bar.set_message(m.summary());
             }
-            None => tracing::info!(
-                step = m.step,
-                reward_mean = m.reward_mean,
-                reward_std = m.reward_std,
-                loss = m.loss,
-                switch_seconds = m.switch_seconds(),
-                peak_device_memory_bytes = m.peak_device_memory_bytes,
-                "rl step"
-            ),
+            None => tracing::info!(step = m.step, "rl step: {}", m.summary()),
         }
     }
 

@@ -254,8 +254,12 @@ fn a_checkpoint_with_nan_weights_stops_at_its_first_step_with_exit_1_saving_noth
     let (save, metrics) = (dir.path().join("ckpt"), dir.path().join("m.jsonl"));
     let first = train(&["--steps", "1", "--save", path(&save)]);
     assert_eq!(first.status.code(), Some(0), "{}", text(&first.stderr));
-    let weights = std::fs::read_dir(save.join("step-00000001").join("actor"))
-        .unwrap()
+    // The weights: the Hugging Face files and the fp32 master weights `--load` resumes from.
+    let actor = save.join("step-00000001").join("actor");
+    let weights = [actor.clone(), actor.join("miles_state")]
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flatten()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
         .collect::<Vec<PathBuf>>();

@@ -77,6 +77,6 @@ fn task_and_warmup_keys_come_from_the_config_file_under_flags() {
     };
     assert!(line("task").contains("\"add\"") && line("task").ends_with("# flag"));
     assert!(
-        line("sft_warmup_steps").contains("24") && line("sft_warmup_steps").ends_with("# file")
+        line("sft_warmup_steps").contains("60") && line("sft_warmup_steps").ends_with("# file")
     );
 }

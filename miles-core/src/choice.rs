@@ -203,6 +203,8 @@ choice! {
         Grpo => "grpo",
         /// Proximal policy optimisation with a learned critic.
         Ppo => "ppo",
+        /// REINFORCE++: rewards normalised over the whole rollout; no critic.
+        ReinforcePlusPlus => "reinforce_plus_plus",
     }
 }
 
@@ -225,6 +227,54 @@ choice! {
         Bf16 => "bf16",
         /// 32-bit float: every bit of the fp32 master weights.
         Fp32 => "fp32",
+    }
+}
+
+choice! {
+    /// How the learning rate falls after the warm-up (`--lr-decay-style`).
+    pub enum LrDecayStyle ("lr decay style") {
+        /// It stays at `--lr`.
+        Constant => "constant",
+        /// Half a cosine from `--lr` to `--min-lr` over the decay iterations.
+        Cosine => "cosine",
+        /// A straight line from `--lr` to `--min-lr` over the decay iterations.
+        Linear => "linear",
+    }
+}
+
+choice! {
+    /// The estimator of the KL penalty to the reference model (`--kl-loss-type`).
+    pub enum KlLossType ("kl loss type") {
+        /// `log p - log p_ref`.
+        K1 => "k1",
+        /// `(log p - log p_ref)^2 / 2`.
+        K2 => "k2",
+        /// `exp(log p_ref - log p) - (log p_ref - log p) - 1`: unbiased and never negative.
+        K3 => "k3",
+    }
+}
+
+choice! {
+    /// A built-in reward that needs no model (`--rm-type`).
+    pub enum RmType ("reward type") {
+        /// The final answer (the last `\boxed{}`, else the last number) equals the label's
+        /// number: 1, else 0.
+        Math => "math",
+        /// The response, trimmed, equals the label, trimmed: 1, else 0.
+        Exact => "exact",
+        /// The toy tasks' reward: 1 for the label then EOS, else half the share of characters
+        /// right at their position.
+        Task => "task",
+    }
+}
+
+choice! {
+    /// What a prompt longer than `--rollout-max-prompt-len` does (`--rollout-long-prompt`).
+    pub enum LongPrompt ("long prompt policy") {
+        /// The row is skipped and counted.
+        Skip => "skip",
+        /// Loading the data stops with an error naming the line.
+        Error => "error",
     }
 }
 

@@ -30,6 +30,7 @@ fn label(error: &SettingsError) -> String {
         SettingsError::OffloadDirIsAFile { .. } => "rule3:file".into(),
         SettingsError::OutOfRange { flag, .. } => format!("range:{flag}"),
         SettingsError::BatchNotDivisible { .. } => "batch".into(),
+        SettingsError::Algorithm(message) => format!("algorithm:{message}"),
     }
 }
 

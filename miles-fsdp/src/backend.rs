@@ -141,6 +141,7 @@ impl FsdpBackend {
             plan,
             adamw: AdamWConfig {
                 lr: settings.lr as f32,
+                max_grad_norm: settings.max_grad_norm(),
                 ..AdamWConfig::default()
             },
             ranks,
@@ -273,6 +274,11 @@ impl TrainBackend for FsdpBackend {
 
     fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
         sum_over_ranks(self.ranks.iter().map(|r| r.memory().resident_bytes()))
+    }
+
+    fn set_lr(&mut self, lr: f32) -> Result<(), BackendError> {
+        self.adamw.lr = lr;
+        Ok(())
     }
 
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {

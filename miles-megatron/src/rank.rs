@@ -300,6 +300,11 @@ impl Rank {
         })
     }
 
+    /// Sets the learning rate of the coming optimizer steps.
+    pub(crate) fn set_lr(&mut self, lr: f32) {
+        self.adamw.lr = lr;
+    }
+
     /// One step on this rank's rows: forward, backward, reduce-scatter, global norm, AdamW on
     /// the owned slice, all-gather. Returns the rows' share of the loss and the grad norm.
     pub(crate) fn train_step(

@@ -112,6 +112,7 @@ impl MegatronOptions {
             data_parallel: settings.data_parallel_size,
             adamw: AdamWConfig {
                 lr: settings.lr as f32,
+                max_grad_norm: settings.max_grad_norm(),
                 ..AdamWConfig::default()
             },
             device_bytes: settings.device_memory_bytes(),
@@ -499,6 +500,17 @@ impl TrainBackend for MegatronTrainer {
 
     fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
         sum_over_ranks(self.managers.iter().map(|m| m.resident_bytes()))
+    }
+
+    fn set_lr(&mut self, lr: f32) -> Result<(), BackendError> {
+        self.options.adamw.lr = lr;
+        self.run_all(false, |_| {
+            Box::new(move |rank| {
+                rank.set_lr(lr);
+                Ok(Reply::Done)
+            })
+        })?;
+        Ok(())
     }
 
     fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {

@@ -126,6 +126,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             config: config.clone(),
             adamw: AdamWConfig {
                 lr: settings.lr as f32,
+                max_grad_norm: settings.max_grad_norm(),
                 ..AdamWConfig::default()
             },
             backup: offload.policy(),

@@ -275,6 +275,19 @@ pub trait TrainBackend: Send {
     /// As [`train_step`](Self::train_step).
     fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError>;
 
+    /// Sets the learning rate of the coming optimizer steps (a schedule's warm-up and decay).
+    ///
+    /// # Errors
+    /// [`BackendError::Settings`] for a backend that cannot change it (the default), naming the
+    /// flags that ask for it.
+    fn set_lr(&mut self, lr: f32) -> Result<(), BackendError> {
+        let _ = lr;
+        Err(BackendError::Settings {
+            backend: self.name(),
+            reason: "cannot change its learning rate during a run; drop --lr-warmup-iters and --lr-decay-style".into(),
+        })
+    }
+
     /// Moves parameters and optimizer state to where the backend was built to offload them
     /// (its [`TrainOffload`](crate::config::TrainOffload) plan) and drops gradients, releasing
     /// their device memory; reports per rank.

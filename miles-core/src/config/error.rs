@@ -176,4 +176,8 @@ pub enum SettingsError {
         /// Samples per optimizer step.
         global_batch_size: usize,
     },
+    /// Settings of the data, reward or loss that cannot run together or lie out of range; the
+    /// message names the flags and the fix.
+    #[error("{0}")]
+    Algorithm(String),
 }

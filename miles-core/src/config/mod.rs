@@ -7,6 +7,7 @@
 //! rules, returning all broken rules at once as [`InvalidSettings`]. Both structs, the flags,
 //! the defaults, the ranges and the docs come from one table ([`FIELDS`], in `table.rs`).
 
+mod algorithm;
 mod error;
 mod plan;
 mod raw;
@@ -15,8 +16,8 @@ mod table;
 mod validate;
 
 pub use crate::choice::{
-    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, SaveDtype,
-    Task, TrainBackendKind, UnknownChoice,
+    AdvantageEstimator, DeviceChoice, KlLossType, LongPrompt, LrDecayStyle, MomentDtype,
+    OffloadTarget, RmType, RolloutOffloadLevel, SaveDtype, Task, TrainBackendKind, UnknownChoice,
 };
 pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use plan::{MAX_DISK_CHUNK_MB, OptimizerStream, RolloutOffload, TrainOffload};

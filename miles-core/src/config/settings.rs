@@ -173,6 +173,12 @@ impl Settings {
         (self.device_memory_gib * (1u64 << 30) as f64) as u64
     }
 
+    /// The global gradient norm the optimizer clips to (`--clip-grad`), `None` when it never
+    /// clips (0).
+    pub fn max_grad_norm(&self) -> Option<f32> {
+        (self.clip_grad > 0.0).then_some(self.clip_grad as f32)
+    }
+
     /// Whether any training state goes to disk (disk target, or streamed optimizer state).
     pub fn uses_disk(&self) -> bool {
         self.offload_train_target == OffloadTarget::Disk || self.stream_optimizer_state_to_disk

@@ -11,8 +11,9 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    AdvantageEstimator, DeviceChoice, MomentDtype, OffloadTarget, RolloutOffloadLevel, SaveDtype,
-    Source, Sources, Task, TrainBackendKind,
+    AdvantageEstimator, DeviceChoice, KlLossType, LongPrompt, LrDecayStyle, MomentDtype,
+    OffloadTarget, RmType, RolloutOffloadLevel, SaveDtype, Source, Sources, Task,
+    TrainBackendKind,
 };
 
 /// How a setting is typed on the command line and resolved.
@@ -28,6 +29,8 @@ pub enum FieldKind {
     Toggle,
     /// `--flag V1 V2 ...`: a list of names.
     List,
+    /// `--flag V1 V2 ...`: a list of values.
+    Many,
     /// `--flag` alone, in a layer only: a shorthand that sets other settings.
     Shorthand,
 }
@@ -121,12 +124,14 @@ pub fn text_of(value: &serde_json::Value) -> String {
 
 macro_rules! raw_type {
     (List, $ty:ty) => { Vec<String> };
+    (Many, $ty:ty) => { Vec<$ty> };
     ($kind:ident, $ty:ty) => { $ty };
 }
 
 macro_rules! settings_type {
     (Optional, $ty:ty) => { Option<$ty> };
     (List, $ty:ty) => { Vec<$ty> };
+    (Many, $ty:ty) => { Vec<$ty> };
     ($kind:ident, $ty:ty) => { $ty };
 }
 
@@ -356,8 +361,8 @@ settings_table! {
         Value update_weight_buffer_size: u64 = 512 << 20, "BYTES", "Run",
             Range::Between(1.0, 68_719_476_736.0);
         /// How advantages are estimated
-        Value advantage_estimator: AdvantageEstimator = AdvantageEstimator::Grpo, "grpo|ppo",
-            "Run", Range::Any;
+        Value advantage_estimator: AdvantageEstimator = AdvantageEstimator::Grpo,
+            "grpo|ppo|reinforce_plus_plus", "Run", Range::Any;
         /// JSON-lines file for per-phase metrics
         Optional metrics: PathBuf = None, "FILE", "Run", Range::Any;
         /// SVG file for the device-memory timeline
@@ -374,7 +379,61 @@ settings_table! {
         Value save_dtype: SaveDtype = SaveDtype::Bf16, "bf16|fp32", "Model", Range::Any;
         /// Bytes per safetensors file --save writes; above it the weights are sharded with an index
         Value save_shard_size: u64 = 5_000_000_000, "BYTES", "Model",
-            Range::Between(1_048_576.0, 1_099_511_627_776.0);
+            Range::Between(1.0, 1_099_511_627_776.0);
+        /// JSON-lines file of prompts to train on instead of --task
+        Optional prompt_data: PathBuf = None, "FILE", "Data", Range::Any;
+        /// Field of a row holding the prompt
+        Value input_key: String = "input".to_owned(), "KEY", "Data", Range::Any;
+        /// Field of a row holding the label the reward compares against
+        Optional label_key: String = None, "KEY", "Data", Range::Any;
+        /// Field of a row passed to the reward as metadata
+        Value metadata_key: String = "metadata".to_owned(), "KEY", "Data", Range::Any;
+        /// Prompt tokens at most; longer prompts are skipped or an error (--rollout-long-prompt)
+        Optional rollout_max_prompt_len: usize = None, "N", "Data", Range::Between(1.0, 1e7);
+        /// What a prompt over --rollout-max-prompt-len does
+        Value rollout_long_prompt: LongPrompt = LongPrompt::Skip, "skip|error", "Data",
+            Range::Any;
+        /// Generated tokens per sample at most (none: the task's answer budget, 64 on --prompt-data)
+        Optional rollout_max_response_len: usize = None, "N", "Rollout", Range::Between(1.0, 1e7);
+        /// Built-in reward (none: task without --prompt-data)
+        Optional rm_type: RmType = None, "math|exact|task", "Reward", Range::Any;
+        /// Reward process reading {prompt, response, label, metadata} lines on stdin and answering {"reward": R} lines; replaces --rm-type
+        Optional custom_rm_command: String = None, "CMD", "Reward", Range::Any;
+        /// Seconds the reward process may take for one rollout
+        Value custom_rm_timeout: f64 = 60.0, "SECONDS", "Reward", Range::AboveUpTo(0.0, 86400.0);
+        /// Lower clip range of the importance ratio
+        Value eps_clip: f64 = 0.2, "EPS", "Loss", Range::Any;
+        /// Upper clip range of the importance ratio (none: --eps-clip)
+        Optional eps_clip_high: f64 = None, "EPS", "Loss", Range::Any;
+        /// KL penalty to a frozen reference model (the weights at the start of RL, tag `ref`; cpu device)
+        Switch use_kl_loss: bool = false, "", "Loss", Range::Any;
+        /// Coefficient of the KL penalty
+        Value kl_loss_coef: f64 = 0.0, "C", "Loss", Range::Between(0.0, 1e6);
+        /// Estimator of the KL penalty
+        Value kl_loss_type: KlLossType = KlLossType::K1, "k1|k2|k3", "Loss", Range::Any;
+        /// Clip the global gradient norm to this, 0 never clips
+        Value clip_grad: f64 = 1.0, "NORM", "Loss", Range::Between(0.0, 1e9);
+        /// Nucleus sampling of the rollout, in (0, 1]
+        Value rollout_top_p: f64 = 1.0, "P", "Rollout", Range::Any;
+        /// Token ids that end a sample, besides EOS
+        Many rollout_stop_token_ids: u32 = Vec::new(), "ID", "Rollout", Range::Any;
+        /// JSON-lines file of evaluation prompts (same keys as --prompt-data), never trained on
+        Optional eval_prompt_data: PathBuf = None, "FILE", "Eval", Range::Any;
+        /// Evaluate before steps 1, N + 1, 2N + 1, ...
+        Optional eval_interval: u64 = None, "N", "Eval", Range::Any;
+        /// Sampling temperature of evaluation, 0 is greedy
+        Value eval_temperature: f64 = 0.0, "T", "Eval", Range::Between(0.0, 100.0);
+        /// JSON-lines file receiving every rollout sample: step, prompt, response, label, reward
+        Optional dump_rollouts: PathBuf = None, "FILE", "Run", Range::Any;
+        /// RL optimizer steps of a linear learning-rate warm-up from 0
+        Value lr_warmup_iters: u64 = 0, "N", "Loss", Range::Between(0.0, 1e9);
+        /// How the learning rate falls after the warm-up
+        Value lr_decay_style: LrDecayStyle = LrDecayStyle::Constant, "constant|cosine|linear",
+            "Loss", Range::Any;
+        /// RL optimizer step at which the decay reaches --min-lr (none: the last)
+        Optional lr_decay_iters: u64 = None, "N", "Loss", Range::Any;
+        /// Learning rate the decay ends at
+        Value min_lr: f64 = 0.0, "LR", "Loss", Range::Between(0.0, 1.0);
     }
 }
 

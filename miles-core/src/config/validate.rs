@@ -101,6 +101,7 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
         errors.push(SettingsError::FsdpCpuOffloadWithMegatron);
     }
     errors.extend(check_ranges(s));
+    errors.extend(super::algorithm::check(s));
     errors
 }
 

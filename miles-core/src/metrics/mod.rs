@@ -6,6 +6,7 @@
 //! and steps to the same file; a file that does not start with a header is not a metrics file
 //! and is refused.
 
+mod rl;
 mod timeline;
 
 use std::fs::File;
@@ -14,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
+pub use rl::{RlMetrics, human_bytes, human_seconds, three_digits};
 pub use timeline::{MemoryTimeline, TimelineSample};
 
 /// A phase of one RL step, in the order the loop runs them (DESIGN section 8).
@@ -94,6 +96,8 @@ pub struct StepMetrics {
     pub device_memory_bytes: Vec<(String, u64)>,
     /// The largest of [`device_memory_bytes`](Self::device_memory_bytes).
     pub peak_device_memory_bytes: u64,
+    /// The rollout's and the policy loss's scalars.
+    pub rl: RlMetrics,
 }
 
 impl StepMetrics {
@@ -135,7 +139,7 @@ impl StepMetrics {
 
     /// The step as one JSON object with the keys `step`, `reward_mean`, `reward_std`, `loss`,
     /// `interrupted`, `phase_seconds`, `bytes_moved`, `switch_seconds`, `device_memory_bytes`,
-    /// `peak_device_memory_bytes`.
+    /// `peak_device_memory_bytes`, and the keys of [`RlMetrics::json_fields`].
     pub fn to_json(&self) -> Value {
         let by_phase = |value: &dyn Fn(Phase) -> Value| -> Map<String, Value> {
             Phase::ALL
@@ -148,7 +152,7 @@ impl StepMetrics {
             .iter()
             .map(|(name, bytes)| (name.clone(), json!(bytes)))
             .collect();
-        json!({
+        let mut line = json!({
             "step": self.step,
             "reward_mean": self.reward_mean,
             "reward_std": self.reward_std,
@@ -159,7 +163,11 @@ impl StepMetrics {
             "switch_seconds": self.switch_seconds(),
             "device_memory_bytes": memory,
             "peak_device_memory_bytes": self.peak_device_memory_bytes,
-        })
+        });
+        if let Value::Object(fields) = &mut line {
+            fields.extend(self.rl.json_fields());
+        }
+        line
     }
 }
 
@@ -382,15 +390,25 @@ mod tests {
             keys,
             [
                 "bytes_moved",
+                "clip_fraction",
                 "device_memory_bytes",
+                "grad_norm",
                 "interrupted",
+                "kl",
                 "loss",
+                "lr",
                 "peak_device_memory_bytes",
+                "pg_loss",
                 "phase_seconds",
+                "response_len_max",
+                "response_len_mean",
                 "reward_mean",
                 "reward_std",
+                "rollout_tokens_per_second",
                 "step",
-                "switch_seconds"
+                "switch_seconds",
+                "train_tokens_per_second",
+                "truncated_fraction"
             ]
         );
         for phase in Phase::ALL {

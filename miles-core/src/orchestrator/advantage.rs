@@ -22,6 +22,16 @@ pub fn grpo_advantages(rewards: &[f32], n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// REINFORCE++ advantages: every reward normalised over the whole rollout,
+/// `(r - mean) / (std + eps)`, so that prompts share one baseline.
+pub fn reinforce_plus_plus_advantages(rewards: &[f32]) -> Vec<f32> {
+    let (mean, std) = mean_std(rewards);
+    rewards
+        .iter()
+        .map(|r| (r - mean) / (std + GRPO_EPS))
+        .collect()
+}
+
 /// Mean and population standard deviation (both 0 for an empty slice).
 pub fn mean_std(values: &[f32]) -> (f32, f32) {
     if values.is_empty() {
@@ -75,6 +85,24 @@ mod tests {
     #[test]
     fn grpo_gives_zeros_to_a_group_of_equal_rewards() {
         assert_eq!(grpo_advantages(&[0.7, 0.7, 0.7], 3), vec![0.0; 3]);
+    }
+
+    #[test]
+    fn reinforce_plus_plus_normalises_over_the_whole_rollout() {
+        // Mean 0.5, std 0.5 over all four, whatever the groups.
+        let adv = reinforce_plus_plus_advantages(&[1.0, 1.0, 0.0, 0.0]);
+        let expected = [1.0, 1.0, -1.0, -1.0];
+        let worst = adv
+            .iter()
+            .zip(expected)
+            .map(|(a, e)| (a - e).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst < 1e-4,
+            "worst difference {worst} (tolerance 1e-4): {adv:?}"
+        );
+        // GRPO would give the first group zeros; the shared baseline does not.
+        assert_eq!(grpo_advantages(&[1.0, 1.0, 0.0, 0.0], 2), vec![0.0; 4]);
     }
 
     #[test]

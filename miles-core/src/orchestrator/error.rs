@@ -30,6 +30,17 @@ pub enum OrchestratorError {
     /// Metrics or the timeline could not be written.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
+    /// The reward could not be computed.
+    #[error(transparent)]
+    Reward(#[from] super::reward::RewardError),
+    /// The reference model of the KL penalty failed.
+    #[error("reference model cannot {action}: {source}")]
+    Reference {
+        /// What the loop asked for.
+        action: &'static str,
+        /// What failed under it.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The loop's settings cannot run.
     #[error("cannot run the rl loop: {0}")]
     Settings(String),

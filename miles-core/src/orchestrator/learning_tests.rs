@@ -244,7 +244,7 @@ fn tokenizer() -> ByteTokenizer {
 
 /// Offloads off (this backend has no memory regions), 16 prompts x 8 samples per step, one
 /// optimizer step per rollout, a supervised start of 24 steps (the recipe of
-/// `examples/colocate-cpu.toml`).
+/// `examples/colocate-repeat-cpu.toml`).
 fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfig {
     LoopConfig {
         steps,
@@ -268,6 +268,7 @@ fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfi
         metrics: None,
         memory_timeline: None,
         save_options: None,
+        rl: RlOptions::default(),
     }
 }
 
@@ -339,5 +340,92 @@ fn ppo_with_the_lm_critic_trains_on_the_model() {
     assert!(
         losses.iter().all(|l| l.is_finite() && *l != 0.0),
         "{losses:?}"
+    );
+}
+
+#[test]
+fn kl_loss_and_ratio_clip_train_against_a_reference_under_its_own_tag() {
+    let mut config = repeat_task(4, AdvantageEstimator::Grpo);
+    // Two optimizer steps per rollout: the second batch trains off-policy, through the ratio.
+    config.global_batch_size = 64;
+    config.rl.loss = PolicyLoss {
+        eps_clip: 0.2,
+        eps_clip_high: 0.28,
+        kl: Some((crate::config::KlLossType::K3, 0.1)),
+    };
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(ModelActor::new(1, 5e-3)),
+        Box::new(engine()),
+        tokenizer(),
+    );
+    let mut steps = Vec::new();
+    o.run(&mut |m| steps.push(m.rl.clone())).unwrap();
+    assert_eq!(steps.len(), 4);
+    for rl in &steps {
+        assert!(
+            rl.kl.is_finite() && rl.kl >= 0.0,
+            "k3 is never negative: {rl:?}"
+        );
+        assert!((0.0..=1.0).contains(&rl.clip_fraction), "{rl:?}");
+        assert!(rl.response_len_mean > 0.0, "{rl:?}");
+    }
+    assert!(
+        steps.last().unwrap().kl > 0.0,
+        "the actor moved away from the reference: {steps:?}"
+    );
+    let tags = &o.timeline().samples().last().unwrap().tags;
+    assert!(
+        tags.iter()
+            .any(|(name, bytes)| name == "ref/ref" && *bytes > 0),
+        "{tags:?}"
+    );
+}
+
+#[test]
+fn evaluation_changes_no_weight_and_logs_its_mean_reward() {
+    let data = {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("eval.jsonl");
+        let rows: String = (0..10)
+            .map(|d| format!("{{\"input\": \"r{d}=\", \"label\": \"{d}\"}}\n"))
+            .collect();
+        std::fs::write(&path, rows).unwrap();
+        let options = DataOptions {
+            keys: DataKeys {
+                input: "input".into(),
+                label: Some("label".into()),
+                metadata: "metadata".into(),
+            },
+            max_prompt_len: None,
+            long_prompt: crate::config::LongPrompt::Skip,
+        };
+        let t = tokenizer();
+        PromptDataset::load(&path, &options, &PlainPrompt, &|s| t.encode(s, true)).unwrap()
+    };
+    let run = |eval: bool| {
+        let mut config = repeat_task(4, AdvantageEstimator::Grpo);
+        config.rl.eval_interval = Some(2);
+        config.rl.eval_temperature = 1.0;
+        let mut o = Orchestrator::new(
+            config,
+            Box::new(ModelActor::new(1, 5e-3)),
+            Box::new(engine()),
+            tokenizer(),
+        );
+        if eval {
+            o = o.with_eval_data(data.clone());
+        }
+        let mut evals = Vec::new();
+        let summary = o.run(&mut |m| evals.push(m.rl.eval_reward_mean)).unwrap();
+        (summary.reward_means, evals)
+    };
+    let (plain, none) = run(false);
+    let (evaluated, evals) = run(true);
+    assert_eq!(plain, evaluated, "evaluation must not change training");
+    assert!(none.iter().all(Option::is_none));
+    assert!(
+        evals[0].is_some() && evals[1].is_none() && evals[2].is_some() && evals[3].is_none(),
+        "{evals:?}"
     );
 }

@@ -20,19 +20,36 @@
 mod advantage;
 mod batch;
 mod critic;
+mod data;
 mod error;
 #[cfg(test)]
 mod learning_tests;
+mod loss;
+mod options;
+mod reference;
+mod reward;
 mod run;
+mod schedule;
 mod state;
 mod task;
 #[cfg(test)]
 mod tests;
 
-pub use advantage::{GRPO_EPS, grpo_advantages, mean_std, ppo_advantages};
+pub use advantage::{
+    GRPO_EPS, grpo_advantages, mean_std, ppo_advantages, reinforce_plus_plus_advantages,
+};
 pub use batch::{Sequence, build_batch};
 pub use critic::LmCritic;
+pub use data::{
+    BadRow, DataError, DataKeys, DataOptions, PlainPrompt, PromptDataset, PromptRenderer,
+    PromptRow, PromptSource,
+};
 pub use error::OrchestratorError;
+pub use loss::{PolicyLoss, TokenLoss, kl_estimate};
+pub use options::{DATA_RESPONSE_LEN, RlOptions};
+pub use reference::{ReferenceModel, ref_tag};
+pub use reward::{BuiltinReward, CommandReward, Reward, RewardError, RewardRequest, final_answer};
 pub use run::{LoopConfig, Orchestrator, RunSummary};
+pub use schedule::LrSchedule;
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
 pub use task::{Problem, ProblemSource, Stream, stream_seed};

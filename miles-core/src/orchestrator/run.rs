@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::backend::BackendError;
 use crate::backend::{TrainBackend, WeightBucket};
-use crate::config::{AdvantageEstimator, RolloutOffload, SaveDtype, Settings, Task};
+use crate::config::{AdvantageEstimator, RmType, RolloutOffload, SaveDtype, Settings, Task};
 use crate::memory::OffloadReport;
 use crate::metrics::{
     MemoryTimeline, MetricsWriter, Phase, RunHeader, StepMetrics, TimelineSample,
@@ -16,12 +16,18 @@ use crate::metrics::{
 use crate::model::{DEFAULT_SHARD_BYTES, SaveOptions, Tokenizer, export_hf};
 
 use super::OrchestratorError;
-use super::advantage::{grpo_advantages, mean_std, ppo_advantages};
+use super::advantage::{grpo_advantages, mean_std, ppo_advantages, reinforce_plus_plus_advantages};
 use super::batch::{Sequence, build_batch};
+use super::data::{PromptDataset, PromptSource};
+use super::options::{DATA_RESPONSE_LEN, RlOptions};
+use super::reference::ReferenceModel;
+use super::reward::{BuiltinReward, Reward, RewardError, RewardRequest};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 use crate::backend::{Critic, RolloutEngine, Sample, Sampling};
 
+mod eval;
+mod policy;
 mod sync;
 
 /// What the loop runs: the part of [`Settings`] it reads, checked.
@@ -73,6 +79,8 @@ pub struct LoopConfig {
     /// How the actor's Hugging Face files are rewritten after each save (dtype, shards,
     /// tokenizer files); `None` keeps them as the backend writes them (bf16, 5 GB shards).
     pub save_options: Option<SaveOptions>,
+    /// Sampling, loss, evaluation and dump settings of the RL algorithm.
+    pub rl: RlOptions,
 }
 
 impl LoopConfig {
@@ -113,6 +121,7 @@ impl LoopConfig {
                 }),
             metrics: s.metrics.clone(),
             memory_timeline: s.memory_timeline.clone(),
+            rl: RlOptions::from_settings(s),
         }
     }
 
@@ -187,6 +196,8 @@ struct Rollout {
     prompts: Vec<Vec<u32>>,
     samples: Vec<Vec<Sample>>,
     rewards: Vec<f32>,
+    /// Each sample's text without its stop token, by prompt then sample.
+    responses: Vec<String>,
 }
 
 /// A step's phases up to the checkpoint.
@@ -210,9 +221,13 @@ pub struct Orchestrator {
     config: LoopConfig,
     actor: Box<dyn TrainBackend>,
     critic: Option<Box<dyn Critic>>,
+    reference: Option<ReferenceModel>,
+    eval: Option<PromptDataset>,
+    dump: Option<eval::RolloutDump>,
     engine: Box<dyn RolloutEngine>,
     tokenizer: Tokenizer,
-    problems: ProblemSource,
+    problems: PromptSource,
+    reward: Box<dyn Reward>,
     stop: Arc<AtomicBool>,
     state: LoopState,
     timeline: MemoryTimeline,
@@ -242,7 +257,8 @@ impl Orchestrator {
         engine: Box<dyn RolloutEngine>,
         tokenizer: impl Into<Tokenizer>,
     ) -> Self {
-        let problems = ProblemSource::new(config.task, config.seed);
+        let tokenizer: Tokenizer = tokenizer.into();
+        let problems = PromptSource::Task(ProblemSource::new(config.task, config.seed));
         let state = LoopState {
             seed: config.seed,
             task: Some(config.task),
@@ -252,9 +268,13 @@ impl Orchestrator {
             config,
             actor,
             critic: None,
+            reference: None,
+            eval: None,
+            dump: None,
             engine,
-            tokenizer: tokenizer.into(),
+            tokenizer: tokenizer.clone(),
             problems,
+            reward: Box::new(BuiltinReward::new(RmType::Task, tokenizer)),
             stop: Arc::new(AtomicBool::new(false)),
             state,
             timeline: MemoryTimeline::default(),
@@ -271,6 +291,22 @@ impl Orchestrator {
     /// Adds the PPO critic, trained and offloaded alongside the actor.
     pub fn with_critic(mut self, critic: Box<dyn Critic>) -> Self {
         self.critic = Some(critic);
+        self
+    }
+
+    /// Draws the prompts from `dataset` (in epochs shuffled with the loop's seed) instead of the
+    /// task.
+    pub fn with_prompt_data(mut self, dataset: PromptDataset) -> Self {
+        self.problems = PromptSource::Data {
+            dataset,
+            seed: self.config.seed,
+        };
+        self
+    }
+
+    /// Scores completions with `reward` instead of the task's reward.
+    pub fn with_reward(mut self, reward: Box<dyn Reward>) -> Self {
+        self.reward = reward;
         self
     }
 
@@ -328,6 +364,13 @@ impl Orchestrator {
         if let Some(dir) = self.config.load.clone() {
             self.load(&dir)?;
         }
+        self.dump = self
+            .config
+            .rl
+            .dump_rollouts
+            .as_deref()
+            .map(eval::RolloutDump::append)
+            .transpose()?;
         let mut interrupted = matches!(self.start()?, Next::Stop);
         while !interrupted && self.state.step < self.config.steps {
             let step = self.state.step + 1;
@@ -386,6 +429,12 @@ impl Orchestrator {
             }
             self.warmup_step()?;
         }
+        if self.config.rl.loss.kl.is_some() && self.reference.is_none() {
+            self.reference = Some(ReferenceModel::of_actor(&mut *self.actor)?);
+            tracing::info!(
+                "reference model of the kl penalty: the actor's weights at the start of rl, under tag ref"
+            );
+        }
         let mut ignored = StepMetrics::default();
         for phase in self.tail()? {
             if phase == Phase::OffloadTrain {
@@ -439,8 +488,13 @@ impl Orchestrator {
         let started = Instant::now();
         let bytes = match phase {
             Phase::Generate => {
+                metrics.rl.eval_reward_mean = self.evaluate_if_due(metrics.step)?;
                 let generated = self.generate(metrics.step)?;
+                if let Some(dump) = &mut self.dump {
+                    dump.write(metrics.step, &generated)?;
+                }
                 (metrics.reward_mean, metrics.reward_std) = mean_std(&generated.rewards);
+                rollout_metrics(&generated, started.elapsed().as_secs_f64(), &mut metrics.rl);
                 *rollout = Some(generated);
                 0
             }
@@ -482,7 +536,14 @@ impl Orchestrator {
             Phase::OnloadTrain => self.onload_train()?,
             Phase::Train => {
                 if let Some(rollout) = rollout {
-                    metrics.loss = self.train(rollout, metrics.step)?;
+                    let stats = self.train(rollout, metrics.step)?;
+                    metrics.loss = stats.loss;
+                    let rl = &mut metrics.rl;
+                    (rl.pg_loss, rl.kl, rl.clip_fraction) =
+                        (stats.pg_loss, stats.kl, stats.clip_fraction);
+                    rl.grad_norm = stats.grad_norm;
+                    rl.lr = stats.lr;
+                    rl.train_tokens_per_second = stats.tokens as f64 / stats.seconds.max(1e-9);
                     self.state.step = metrics.step;
                     self.state.reward_means.push(metrics.reward_mean);
                 }
@@ -533,13 +594,7 @@ impl Orchestrator {
             .iter()
             .map(|p| p.prompt(&self.tokenizer))
             .collect::<Result<Vec<_>, _>>()?;
-        let sampling = Sampling {
-            temperature: c.temperature,
-            top_p: 1.0,
-            max_new_tokens: self.problems.max_answer_tokens(),
-            stop_tokens: self.tokenizer.stop_tokens().to_vec(),
-            seed: stream_seed(c.seed, Stream::Sampling, step),
-        };
+        let sampling = self.sampling(step);
         let n = c.n_samples_per_prompt;
         let samples = self.engine.generate(&prompts, n, &sampling)?;
         if samples.len() != prompts.len() || samples.iter().any(|s| s.len() != n) {
@@ -552,26 +607,98 @@ impl Orchestrator {
                 expected: format!("{} prompts x {n} samples", prompts.len()),
             });
         }
-        let rewards = problems
-            .iter()
-            .zip(&samples)
-            .flat_map(|(p, group)| group.iter().map(|s| p.reward(&s.tokens, &self.tokenizer)))
-            .collect::<Result<_, _>>()?;
+        let (rewards, responses) = self.score(&problems, &samples)?;
         Ok(Rollout {
             problems,
             prompts,
             samples,
             rewards,
+            responses,
         })
     }
 
+    /// How step `step` samples its rollout.
+    fn sampling(&self, step: u64) -> Sampling {
+        let mut stop_tokens = self.tokenizer.stop_tokens().to_vec();
+        stop_tokens.extend(&self.config.rl.stop_token_ids);
+        Sampling {
+            temperature: self.config.temperature,
+            top_p: if self.config.rl.top_p > 0.0 {
+                self.config.rl.top_p
+            } else {
+                1.0
+            },
+            max_new_tokens: self.max_response_len(),
+            stop_tokens,
+            seed: stream_seed(self.config.seed, Stream::Sampling, step),
+        }
+    }
+
+    /// The reward and the text of every sample, by prompt then sample.
+    fn score(
+        &mut self,
+        problems: &[Problem],
+        samples: &[Vec<Sample>],
+    ) -> Result<(Vec<f32>, Vec<String>), OrchestratorError> {
+        let t = &self.tokenizer;
+        let responses: Vec<Vec<String>> = samples
+            .iter()
+            .map(|group| {
+                group
+                    .iter()
+                    .map(|s| {
+                        let end = s.tokens.len() - usize::from(s.stopped && !s.tokens.is_empty());
+                        t.decode(&s.tokens[..end])
+                    })
+                    .collect()
+            })
+            .collect();
+        let requests: Vec<RewardRequest<'_>> = problems
+            .iter()
+            .zip(samples.iter().zip(&responses))
+            .flat_map(|(p, (group, texts))| {
+                group.iter().zip(texts).map(move |(s, text)| RewardRequest {
+                    prompt: &p.text,
+                    response: text,
+                    label: &p.answer,
+                    metadata: &p.metadata,
+                    tokens: &s.tokens,
+                })
+            })
+            .collect();
+        let rewards = self.reward.score(&requests)?;
+        if rewards.len() != requests.len() {
+            return Err(RewardError::Count {
+                name: self.reward.name().to_owned(),
+                got: rewards.len(),
+                expected: requests.len(),
+            }
+            .into());
+        }
+        let texts = responses.into_iter().flatten().collect();
+        Ok((rewards, texts))
+    }
+
+    /// Generated tokens per sample at most.
+    fn max_response_len(&self) -> usize {
+        match (&self.problems, self.config.rl.max_response_len) {
+            (_, Some(len)) => len,
+            (PromptSource::Task(task), None) => task.max_answer_tokens(),
+            (PromptSource::Data { .. }, None) => DATA_RESPONSE_LEN,
+        }
+    }
+
     /// Advantages, then the actor's optimizer steps over the rollout in global batches (and the
-    /// critic's value regression under PPO); returns the actor's mean loss.
+    /// critic's value regression under PPO); returns what the actor's steps measured.
     ///
     /// # Errors
     /// [`OrchestratorError::NonFinite`] for a loss or gradient norm of RL step `step` that is
     /// not finite.
-    fn train(&mut self, rollout: &Rollout, step: u64) -> Result<f32, OrchestratorError> {
+    fn train(
+        &mut self,
+        rollout: &Rollout,
+        step: u64,
+    ) -> Result<policy::PolicyStats, OrchestratorError> {
         let n = self.config.n_samples_per_prompt;
         let advantages = match (&mut self.critic, self.config.advantage_estimator) {
             (Some(critic), AdvantageEstimator::Ppo) => {
@@ -579,6 +706,9 @@ impl Orchestrator {
                     .values(&rollout.prompts)
                     .map_err(OrchestratorError::train("critic", "compute values"))?;
                 ppo_advantages(&rollout.rewards, &values, n)
+            }
+            (_, AdvantageEstimator::ReinforcePlusPlus) => {
+                reinforce_plus_plus_advantages(&rollout.rewards)
             }
             _ => grpo_advantages(&rollout.rewards, n),
         };
@@ -594,16 +724,7 @@ impl Orchestrator {
                 weight,
             })
             .collect();
-        let mut losses = Vec::new();
-        for chunk in sequences.chunks(self.config.global_batch_size.max(1)) {
-            let batch = build_batch(chunk, self.tokenizer.pad());
-            let stats = self
-                .actor
-                .train_step(&batch)
-                .map_err(OrchestratorError::train("actor", "train"))?;
-            check_finite("actor", "step", step, &stats)?;
-            losses.push(stats.loss);
-        }
+        let stats = self.train_policy(&sequences, step)?;
         if let Some(critic) = &mut self.critic {
             let prompts: Vec<Vec<u32>> = rollout
                 .prompts
@@ -625,7 +746,7 @@ impl Orchestrator {
             tracing::debug!(loss, "critic value regression");
         }
         tracing::debug!(problems = rollout.problems.len(), "trained on the rollout");
-        Ok(mean_std(&losses).0)
+        Ok(stats)
     }
 
     /// One supervised step on correct answers of fresh problems.
@@ -776,6 +897,9 @@ impl Orchestrator {
         if let Some(critic) = &self.critic {
             add("critic", critic.device_memory());
         }
+        if let Some(reference) = &self.reference {
+            add("ref", reference.device_memory());
+        }
         add("rollout", self.engine.resident_bytes());
         let sample = TimelineSample {
             seconds: self.started.elapsed().as_secs_f64(),
@@ -837,6 +961,17 @@ fn check_finite(
         }
     }
     Ok(())
+}
+
+/// The rollout's lengths, truncated share and throughput.
+fn rollout_metrics(rollout: &Rollout, seconds: f64, rl: &mut crate::metrics::RlMetrics) {
+    let samples: Vec<&Sample> = rollout.samples.iter().flatten().collect();
+    let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
+    let count = samples.len().max(1) as f32;
+    rl.response_len_mean = tokens as f32 / count;
+    rl.response_len_max = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    rl.truncated_fraction = samples.iter().filter(|s| !s.stopped).count() as f32 / count;
+    rl.rollout_tokens_per_second = tokens as f64 / seconds.max(1e-9);
 }
 
 fn report_bytes(reports: &[OffloadReport]) -> u64 {

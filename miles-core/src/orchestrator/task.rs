@@ -7,17 +7,20 @@
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha20Rng;
+use serde_json::Value;
 
 use crate::config::Task;
 use crate::model::{ModelError, Tokenizer};
 
 /// One problem of a task.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Problem {
     /// The problem text (`12+7=`).
     pub text: String,
-    /// The expected answer text (`19`).
+    /// The expected answer text (`19`); a dataset row's label, empty without `--label-key`.
     pub answer: String,
+    /// What a reward gets along with the answer (`null` for the tasks).
+    pub metadata: Value,
 }
 
 impl Problem {
@@ -129,6 +132,7 @@ impl ProblemSource {
                 Problem {
                     text: format!("r{digit}="),
                     answer: digit.to_string(),
+                    metadata: Value::Null,
                 }
             }
             Task::Reverse => {
@@ -139,6 +143,7 @@ impl ProblemSource {
                 Problem {
                     text: format!("v{digits}="),
                     answer: digits.chars().rev().collect(),
+                    metadata: Value::Null,
                 }
             }
             Task::Add => {
@@ -146,6 +151,7 @@ impl ProblemSource {
                 Problem {
                     text: format!("{a}+{b}="),
                     answer: (a + b).to_string(),
+                    metadata: Value::Null,
                 }
             }
         }
@@ -215,6 +221,7 @@ mod tests {
         let p = Problem {
             text: "v123=".into(),
             answer: "321".into(),
+            metadata: Value::Null,
         };
         let reward = |ids: &[u32]| p.reward(ids, &t).unwrap();
         let encode = |text: &str| t.encode(text, false).unwrap();

@@ -449,6 +449,7 @@ fn colocated(steps: u64) -> LoopConfig {
         metrics: None,
         memory_timeline: None,
         save_options: None,
+        rl: RlOptions::default(),
     }
 }
 

@@ -61,6 +61,11 @@ impl Orchestrator {
                 .map_err(OrchestratorError::train("critic", "onload"))?;
             bytes += stats.bytes();
         }
+        if let Some(reference) = &mut self.reference
+            && reference.is_offloaded()
+        {
+            bytes += reference.onload()?.bytes;
+        }
         Ok(bytes)
     }
 
@@ -89,6 +94,11 @@ impl Orchestrator {
                 .offload()
                 .map_err(OrchestratorError::train("critic", "offload"))?;
             bytes += stats.bytes();
+        }
+        if let Some(reference) = &mut self.reference
+            && !reference.is_offloaded()
+        {
+            bytes += reference.offload()?.bytes;
         }
         Ok(bytes)
     }
