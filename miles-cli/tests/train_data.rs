@@ -25,6 +25,7 @@ fn rewards(metrics: &Path) -> Vec<f64> {
     std::fs::read_to_string(metrics)
         .unwrap()
         .lines()
+        .skip(1) // the run's header
         .map(|l| {
             serde_json::from_str::<serde_json::Value>(l).unwrap()["reward_mean"]
                 .as_f64()
@@ -285,6 +286,7 @@ fn the_learning_rate_warms_up_then_decays_on_the_megatron_backend() {
     let lrs: Vec<f64> = std::fs::read_to_string(&metrics)
         .unwrap()
         .lines()
+        .skip(1) // the run's header
         .map(|l| {
             serde_json::from_str::<serde_json::Value>(l).unwrap()["lr"]
                 .as_f64()

@@ -146,6 +146,14 @@ macro_rules! pick_field {
             $d.$key,
         )
     };
+    (Many, $key:ident, $s:ident, $flags:ident, $file:ident, $d:ident) => {
+        $s.pick(
+            stringify!($key),
+            $flags.$key.clone(),
+            $file.$key.clone(),
+            $d.$key,
+        )
+    };
     (Switch, $key:ident, $s:ident, $flags:ident, $file:ident, $d:ident) => {
         $s.pick(stringify!($key), $flags.$key, $file.$key, $d.$key)
     };

@@ -819,7 +819,7 @@ impl Orchestrator {
             .save(&partial.join("actor"))
             .map_err(OrchestratorError::train("actor", "save"))?;
         if let Some(options) = &self.config.save_options {
-            export_hf(&dir.join("actor"), options)
+            export_hf(&partial.join("actor"), options)
                 .map_err(BackendError::from)
                 .map_err(OrchestratorError::train("actor", "save"))?;
         }
