@@ -8,8 +8,8 @@ use anyhow::Context;
 use clap::Args;
 use miles_core::device::Gpu;
 use miles_core::model::{CONFIG_FILE, LlamaConfig, Tokenizer};
-use miles_core::{Device, CpuDevice, ManagerSettings, MemoryManager, Settings};
-use miles_infer::{EngineConfig, Engine, SamplingParams};
+use miles_core::{CpuDevice, Device, ManagerSettings, MemoryManager, Settings};
+use miles_infer::{Engine, EngineConfig, SamplingParams};
 
 use crate::model_cmd::bad_model;
 use crate::settings_args::{BadSettings, SettingsArgs};

@@ -324,7 +324,10 @@ mod tests {
     fn every_config_key_has_a_flag_of_the_same_name() {
         use clap::{Args, CommandFactory};
         let command = SettingsArgs::augment_args(Probe::command());
-        let longs: Vec<&str> = command.get_arguments().filter_map(|a| a.get_long()).collect();
+        let longs: Vec<&str> = command
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .collect();
         for field in FIELDS {
             let flag = field.flag();
             assert!(longs.contains(&flag.as_str()), "--{flag} missing");
@@ -332,7 +335,12 @@ mod tests {
         for (text, key) in [("--offload-train-disk-chunk-mb", "8"), ("--lr", "0.1")] {
             let layer = raw(&[text, key]);
             let value = serde_json::to_value(&layer).unwrap();
-            let set = value.as_object().unwrap().iter().filter(|(_, v)| !v.is_null()).count();
+            let set = value
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(_, v)| !v.is_null())
+                .count();
             assert_eq!(set, 1, "{text} {key}: {value}");
         }
         assert_eq!(RawSettings::keys().len(), FIELDS.len());

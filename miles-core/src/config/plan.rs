@@ -60,9 +60,7 @@ impl TrainOffload {
     pub fn disk(&self, rank: usize) -> Option<DiskSettings> {
         match self {
             TrainOffload::Host => None,
-            TrainOffload::Disk { dir, chunk_bytes } => {
-                Some(rank_disk(dir, rank, *chunk_bytes))
-            }
+            TrainOffload::Disk { dir, chunk_bytes } => Some(rank_disk(dir, rank, *chunk_bytes)),
         }
     }
 }

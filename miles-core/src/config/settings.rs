@@ -7,9 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::validate::{parse_rollout_levels, resolve_fsdp_cpu_offload, validate};
-use super::{
-    ConfigError, InvalidSettings, OffloadTarget, RawSettings, Settings, SettingsError,
-};
+use super::{ConfigError, InvalidSettings, OffloadTarget, RawSettings, Settings, SettingsError};
 
 /// Where a resolved value came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -12,8 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     AdvantageEstimator, DeviceChoice, KlLossType, LongPrompt, LrDecayStyle, MomentDtype,
-    OffloadTarget, RmType, RolloutOffloadLevel, SaveDtype, Source, Sources, Task,
-    TrainBackendKind,
+    OffloadTarget, RmType, RolloutOffloadLevel, SaveDtype, Source, Sources, Task, TrainBackendKind,
 };
 
 /// How a setting is typed on the command line and resolved.

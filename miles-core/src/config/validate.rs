@@ -89,12 +89,11 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
         }
     }
     // Rule 3, for every use of the disk (the chunk's range is checked with every range).
-    if s.uses_disk() {
-        if let Some(dir) = &s.offload_train_disk_dir
-            && let Err(error) = check_disk_dir(dir)
-        {
-            errors.push(error);
-        }
+    if s.uses_disk()
+        && let Some(dir) = &s.offload_train_disk_dir
+        && let Err(error) = check_disk_dir(dir)
+    {
+        errors.push(error);
     }
     // Rule 7.
     if s.fsdp_cpu_offload && s.train_backend == TrainBackendKind::Megatron {

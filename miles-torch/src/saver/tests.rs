@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use miles_core::{DeviceKind, CpuDevice};
+use miles_core::{CpuDevice, DeviceKind};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
