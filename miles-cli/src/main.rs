@@ -6,14 +6,7 @@
 #![deny(unsafe_code)]
 
 mod backends;
-mod baseline;
-mod bench_both;
-mod bench_offload;
-mod bench_offload_train;
-mod bench_ranks;
-mod bench_rollout;
-mod bench_train;
-mod bench_train_gpu;
+mod bench;
 mod check_config;
 mod doctor;
 mod generate;
@@ -64,13 +57,13 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
     /// Pause/resume throughput of one tag against plain memcpy and O_DIRECT I/O.
-    Offload(bench_offload::OffloadBenchArgs),
+    Offload(bench::offload::OffloadBenchArgs),
     /// A training backend's offload and onload per rank against plain copies of the same bytes.
-    OffloadTrain(Box<bench_offload_train::OffloadTrainBenchArgs>),
+    OffloadTrain(Box<bench::offload_train::OffloadTrainBenchArgs>),
     /// Training step throughput and the share of time in matrix products.
-    Train(bench_train::BenchTrainArgs),
+    Train(bench::train::BenchTrainArgs),
     /// Rollout decode throughput and the time of each offload / onload step per level.
-    Rollout(Box<bench_rollout::BenchRolloutArgs>),
+    Rollout(Box<bench::rollout::BenchRolloutArgs>),
 }
 
 fn main() -> ExitCode {
@@ -84,16 +77,16 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(*args),
         Command::Bench {
             bench: BenchCommand::Train(args),
-        } => bench_train::run(args),
+        } => bench::train(args),
         Command::Bench {
             bench: BenchCommand::Offload(args),
-        } => bench_offload::run(&args),
+        } => bench::offload(&args),
         Command::Bench {
             bench: BenchCommand::OffloadTrain(args),
-        } => bench_offload_train::run(*args),
+        } => bench::offload_train::run(*args),
         Command::Bench {
             bench: BenchCommand::Rollout(args),
-        } => bench_rollout::run(&args),
+        } => bench::rollout::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -272,7 +272,7 @@ impl fmt::Display for BadSettings {
 impl std::error::Error for BadSettings {}
 
 /// Whether an error means bad settings (exit status 2) rather than a failure (exit status 1);
-/// an offload directory that is unsafe or in use counts, wherever it shows in the chain.
+/// an offload directory refused as not ours or in use counts, wherever it shows in the chain.
 pub fn is_bad_settings(error: &anyhow::Error) -> bool {
     error.downcast_ref::<ConfigError>().is_some()
         || error.downcast_ref::<BadSettings>().is_some()

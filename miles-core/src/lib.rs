@@ -7,7 +7,7 @@ pub mod backend;
 pub mod choice;
 pub mod comm;
 pub mod config;
-// The one room of miles where `unsafe` is allowed: driver calls, mmap, raw FFI.
+// The one room of miles allowed raw FFI: driver calls, mmap, the C ABI of the drop-in.
 #[allow(unsafe_code)]
 pub mod device;
 pub mod memory;

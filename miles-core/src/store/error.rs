@@ -113,7 +113,7 @@ const REMOVE_IT: &str = "remove it: the offload directory holds only what miles 
 
 impl StoreError {
     /// Whether the error comes from the settings or the files a user gave (an offload directory
-    /// that is unsafe or in use), not from a failure while running: such a job exits with
+    /// refused as not ours or in use), not from a failure while running: such a job exits with
     /// status 2 before any work.
     pub fn is_bad_settings(&self) -> bool {
         matches!(

@@ -2,8 +2,8 @@
 //! `compute_90`) and their typed launch wrappers on [`Gpu`], each checking shapes before it
 //! queues work. Matrix products are [`Gpu::gemm`] (cuBLAS).
 //!
-//! The raw launch, the compute stream and the libraries live in [`crate::device`]; nothing here
-//! needs `unsafe`.
+//! The raw launch, the compute stream and the libraries live in [`crate::device`]; everything
+//! here is safe code.
 
 mod elementwise;
 mod paged;

@@ -7,18 +7,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use miles_core::device::{self, OpenedDevice};
+use miles_core::device::OpenedDevice;
 use miles_core::{
     BackupPolicy, Buffer, CudaOptions, DeviceChoice, DiskSettings, ManagerSettings, MemoryManager,
     MemoryTag, OffloadReport, RankDir, StoreError,
 };
 use serde_json::{Value, json};
 
-use crate::baseline::{CopyBaseline, DirectIoBaseline, pattern_block};
+use crate::bench::baseline::{CopyBaseline, DirectIoBaseline, pattern_block};
 use crate::settings_args::BadSettings;
 
 const MIB: usize = 1 << 20;
-const GIB: u64 = 1 << 30;
 
 /// Settings of `miles bench offload`.
 #[derive(Clone, Debug, clap::Args)]
@@ -167,12 +166,11 @@ struct Cycle {
     read_gbps: f64,
 }
 
-/// Run the bench and print its figures.
+/// Checks the flags; returns the tag's size in bytes.
 ///
 /// # Errors
-/// [`BadSettings`] for settings that cannot run; any failure of the device, the memory manager
-/// or the baseline files.
-pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
+/// [`BadSettings`] for settings that cannot run.
+pub fn check(args: &OffloadBenchArgs) -> anyhow::Result<usize> {
     if args.cycles == 0 || args.chunk_mb == 0 {
         return Err(BadSettings("--cycles and --chunk-mb must be at least 1".to_string()).into());
     }
@@ -190,21 +188,14 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
     if args.nproc_per_node == 0 {
         return Err(BadSettings("--nproc-per-node must be at least 1".to_string()).into());
     }
-    let size = usize::try_from(args.size).context("--size does not fit this machine")?;
-    if let Some(env) = crate::launch::rank_env(args.nproc_per_node)? {
-        return crate::bench_ranks::run(args, &env, size);
-    }
-    if args.nproc_per_node > 1 {
-        return crate::launch::run_local(args.nproc_per_node, args.device);
-    }
-    let opened = device::open_with(
-        args.device,
-        args.device_memory_gib * GIB,
-        cuda_options(args),
-    )?;
-    if args.both_directions {
-        return crate::bench_both::run(args, &opened, size);
-    }
+    usize::try_from(args.size).context("--size does not fit this machine")
+}
+
+/// Runs the bench of one process on `opened` (a tag of `size` bytes) and prints its figures.
+///
+/// # Errors
+/// Any failure of the device, the memory manager or the baseline files.
+pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyhow::Result<()> {
     let dir = args.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let bench_dir = dir.join(format!("{BENCH_DIR_PREFIX}{}", std::process::id()));
@@ -220,7 +211,7 @@ pub fn run(args: &OffloadBenchArgs) -> anyhow::Result<()> {
             chunk_bytes: args.chunk_mb * MIB,
         }),
     };
-    let outcome = bench(args, &opened, settings, policy, size, &dir);
+    let outcome = bench(args, opened, settings, policy, size, &dir);
     if bench_dir.exists() {
         std::fs::remove_dir_all(&bench_dir)
             .with_context(|| format!("cannot remove {}", bench_dir.display()))?;

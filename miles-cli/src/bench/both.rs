@@ -9,8 +9,8 @@ use miles_core::device::OpenedDevice;
 use miles_core::{BackupPolicy, ManagerSettings, MemoryManager, MemoryTag};
 use serde_json::json;
 
-use crate::baseline::CopyBaseline;
-use crate::bench_offload::{OffloadBenchArgs, fill, prepin_host_pool, settings_json, verify};
+use crate::bench::baseline::CopyBaseline;
+use crate::bench::offload::{OffloadBenchArgs, fill, prepin_host_pool, settings_json, verify};
 
 struct Cycle {
     seconds: f64,

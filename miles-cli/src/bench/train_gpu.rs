@@ -18,7 +18,7 @@ use miles_core::model::{
 use miles_core::{Batch, DeviceChoice, LaunchEnv};
 use serde_json::Value;
 
-use crate::bench_train::{BenchTrainArgs, text_batch};
+use crate::bench::train::{BenchTrainArgs, text_batch};
 use crate::settings_args::BadSettings;
 
 /// What the GPU bench trains: the preset, its parameter table, the batch of text and the

@@ -17,8 +17,8 @@ use miles_core::{BackupPolicy, HostGroup, LaunchEnv, ManagerSettings, MemoryMana
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::baseline::CopyBaseline;
-use crate::bench_offload::{
+use crate::bench::baseline::CopyBaseline;
+use crate::bench::offload::{
     OffloadBenchArgs, cuda_options, fill, prepin_host_pool, settings_json, verify,
 };
 use crate::settings_args::BadSettings;

@@ -15,7 +15,6 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use miles_core::Batch;
-use miles_core::config::DeviceChoice;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Trainer, Transformer, init_params};
 use miles_core::ops::{AdamWConfig, MatmulProfile};
 
@@ -95,38 +94,31 @@ pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> Batch {
     }
 }
 
-/// Runs the benchmark and prints its figures.
+/// Checks the flags that hold on every device.
 ///
 /// # Errors
-/// Bad sizes, or a failure of the model.
-pub fn run(args: BenchTrainArgs) -> anyhow::Result<()> {
+/// Bad sizes or rank counts.
+pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
     if args.batch == 0 || args.seq == 0 || args.steps == 0 {
         bail!("--batch, --seq and --steps must be positive");
     }
     if args.nproc_per_node == 0 {
         return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
     }
-    if args.device == BenchDevice::Cuda {
-        if let Some(env) = crate::launch::rank_env(args.nproc_per_node)? {
-            return crate::bench_train_gpu::run_ranks(&args, &env);
-        }
-        if args.nproc_per_node > 1 {
-            return crate::launch::run_local(args.nproc_per_node, DeviceChoice::Cuda);
-        }
-        if args.tensor_parallel {
-            return Err(BadSettings(
-                "--tensor-parallel splits the model over several processes; add --nproc-per-node 2 (or more), or start the ranks with a launcher".into(),
-            )
-            .into());
-        }
-        return crate::bench_train_gpu::run(&args);
-    }
-    if args.nproc_per_node > 1 || args.tensor_parallel {
+    if args.device != BenchDevice::Cuda && (args.nproc_per_node > 1 || args.tensor_parallel) {
         return Err(BadSettings(
             "--nproc-per-node and --tensor-parallel train over gpus; add --device cuda".into(),
         )
         .into());
     }
+    Ok(())
+}
+
+/// Runs the benchmark on the CPU device and prints its figures.
+///
+/// # Errors
+/// A failure of the model.
+pub fn run_cpu(args: BenchTrainArgs) -> anyhow::Result<()> {
     let config = args.preset;
     let tokenizer = ByteTokenizer::from_config(&config)?;
     let profile = Arc::new(MatmulProfile::default());

@@ -17,8 +17,8 @@ use miles_core::model::ByteTokenizer;
 use miles_core::{CpuDevice, CudaDevice, Device, MemoryTag, OffloadStats};
 
 use crate::backends::build_backend;
-use crate::baseline::{DirectIoBaseline, MemcpyBaseline};
-use crate::bench_train::text_batch;
+use crate::bench::baseline::{DirectIoBaseline, MemcpyBaseline};
+use crate::bench::train::text_batch;
 use crate::settings_args::{BadSettings, SettingsArgs};
 
 /// `miles bench offload-train`.
