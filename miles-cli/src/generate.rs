@@ -131,6 +131,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_tokens: tokenizer.stop_tokens().to_vec(),
         seed: settings.seed,
     };
+    params
+        .validate()
+        .map_err(|error| BadSettings(error.to_string()))?;
     let generation = engine.generate(&prompts, &params)?;
     let mut out = std::io::stdout().lock();
     if args.json {

@@ -118,7 +118,7 @@ fn report(error: &anyhow::Error) -> ExitCode {
     let _ = if bad_settings {
         writeln!(stderr, "error: invalid settings")
     } else {
-        writeln!(stderr, "error: {error:#}")
+        writeln!(stderr, "error: {}", chain_text(error))
     };
     if bad_settings {
         for line in error.to_string().lines() {
@@ -127,5 +127,41 @@ fn report(error: &anyhow::Error) -> ExitCode {
         ExitCode::from(2)
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// The error and its causes, each cause once: a cause whose text the message before it already
+/// holds (an error that prints its source) is not repeated.
+fn chain_text(error: &anyhow::Error) -> String {
+    let mut text = error.to_string();
+    for cause in error.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cause_the_message_already_holds_is_printed_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let error = anyhow::Error::new(miles_core::BackendError::Io {
+            action: "read",
+            path: "config.json".into(),
+            source: io,
+        })
+        .context("actor cannot save");
+        let text = chain_text(&error);
+        assert_eq!(text.matches("no such file").count(), 1, "{text}");
+        assert!(
+            text.starts_with("actor cannot save: cannot read config.json"),
+            "{text}"
+        );
     }
 }

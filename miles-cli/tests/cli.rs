@@ -699,3 +699,43 @@ fn settings_knowable_before_work_exit_2_within_a_second_naming_the_flag() {
         }
     }
 }
+
+#[test]
+fn bad_sampling_values_of_generate_exit_2_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    expect(
+        &[
+            "model",
+            "init",
+            "--preset",
+            "tiny",
+            "--seed",
+            "1",
+            "--out",
+            ckpt.to_str().unwrap(),
+        ],
+        0,
+    );
+    for (flag, value, named) in [
+        ("--top-p", "2", "top_p"),
+        ("--max-new-tokens", "0", "max_new_tokens"),
+        ("--temperature", "nan", "temperature"),
+    ] {
+        let (_, err) = expect(
+            &[
+                "generate",
+                "--device",
+                "cpu",
+                "--checkpoint",
+                ckpt.to_str().unwrap(),
+                "--prompt",
+                "hi",
+                flag,
+                value,
+            ],
+            2,
+        );
+        assert!(err.contains(named), "{flag} {value}: {err}");
+    }
+}
