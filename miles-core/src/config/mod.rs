@@ -23,3 +23,4 @@ pub use error::{ConfigError, InvalidSettings, SettingsError};
 pub use plan::{MAX_DISK_CHUNK_MB, OptimizerStream, RolloutOffload, TrainOffload};
 pub use settings::{Source, Sources};
 pub use table::{FIELDS, Field, FieldKind, Range, RawSettings, Settings, text_of};
+pub(crate) use validate::probe_writable;

@@ -80,7 +80,7 @@ pub struct Field {
     pub key: &'static str,
     /// How it is typed and resolved.
     pub kind: FieldKind,
-    /// The placeholder of its value in help (`DIR`).
+    /// The name its value goes by in help (`DIR`).
     pub value_name: &'static str,
     /// Its help line, as written in the table (see [`Field::help`]).
     pub doc: &'static str,

@@ -104,6 +104,17 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
     errors
 }
 
+/// Creates `dir` when missing, then writes and removes a probe file in it: whether a run can
+/// put its files there. The error names the step that failed (`create it`, ...).
+pub(crate) fn probe_writable(dir: &Path) -> Result<(), (&'static str, std::io::Error)> {
+    std::fs::create_dir_all(dir).map_err(|source| ("create it", source))?;
+    let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
+    std::fs::File::create(&probe)
+        .and_then(|mut file| file.write_all(b"miles"))
+        .map_err(|source| ("write a probe file in it", source))?;
+    std::fs::remove_file(&probe).map_err(|source| ("remove its probe file", source))
+}
+
 /// Rule 3: the disk directory can be created and written; a warning when it is on tmpfs.
 fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
     let unusable =
@@ -112,18 +123,13 @@ fn check_disk_dir(dir: &Path) -> Result<(), SettingsError> {
             action,
             source,
         };
-    std::fs::create_dir_all(dir).map_err(|source| unusable("create it", source))?;
+    probe_writable(dir).map_err(|(action, source)| unusable(action, source))?;
     let offload = dir.join("offload");
     if offload.exists() && !offload.is_dir() {
         return Err(SettingsError::OffloadDirIsAFile {
             dir: dir.to_path_buf(),
         });
     }
-    let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
-    std::fs::File::create(&probe)
-        .and_then(|mut file| file.write_all(b"miles"))
-        .map_err(|source| unusable("write a probe file in it", source))?;
-    std::fs::remove_file(&probe).map_err(|source| unusable("remove its probe file", source))?;
     match filesystem(dir) {
         Ok(stats) if stats.is_tmpfs() => tracing::warn!(
             dir = %dir.display(),

@@ -149,10 +149,7 @@ impl LoopConfig {
         if let Some(path) = &self.memory_timeline {
             let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
             let checked = if path.is_dir() {
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::IsADirectory,
-                    "it is a directory",
-                ))
+                Err("it is a directory".to_owned())
             } else {
                 check_writable_dir(dir.unwrap_or(Path::new(".")))
             };
@@ -171,12 +168,10 @@ impl LoopConfig {
     }
 }
 
-/// Creates `dir` when missing and writes and removes a probe file in it.
-fn check_writable_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let probe = dir.join(format!(".miles-write-probe-{}", std::process::id()));
-    std::fs::write(&probe, b"miles")?;
-    std::fs::remove_file(&probe)
+/// Whether a run can put its files in `dir` (created when missing), in words when not.
+fn check_writable_dir(dir: &Path) -> Result<(), String> {
+    crate::config::probe_writable(dir)
+        .map_err(|(action, source)| format!("cannot {action}: {source}"))
 }
 
 /// How a run ended.
