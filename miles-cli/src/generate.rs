@@ -38,6 +38,9 @@ pub struct GenerateArgs {
     /// Nucleus sampling: keep the most likely tokens up to this probability mass.
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Top-k sampling: keep the K most likely tokens only (0 keeps all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
     /// New tokens per sample at most (EOS ends a sample earlier).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
@@ -127,6 +130,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         n: args.num_samples.unwrap_or(settings.n_samples_per_prompt),
         temperature: args.temperature,
         top_p: args.top_p,
+        top_k: args.top_k,
         max_new_tokens: args.max_new_tokens,
         stop_tokens: tokenizer.stop_tokens().to_vec(),
         seed: settings.seed,

@@ -49,11 +49,11 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// The engine settings of a run: KV cache at `--rollout-mem-fraction`, host backup of the
-    /// weights, blocks of 16 positions, up to 64 sequences per step, shared prompt blocks.
+    /// weights, blocks of 16 positions, up to 256 sequences per step, shared prompt blocks.
     pub fn from_settings(settings: &Settings) -> Self {
         Self {
             block_size: 16,
-            max_batch: 64,
+            max_batch: 256,
             kv_capacity: KvCapacity::MemFraction(settings.rollout_mem_fraction),
             weights_policy: BackupPolicy::Host,
             share_prompt_blocks: true,

@@ -3,9 +3,12 @@
 
 use miles_core::model::{DecodeScratch, Transformer};
 
-use crate::InferError;
+use rayon::prelude::*;
+
 use crate::paged::{BlockTables, PagedKv, copy_host_block};
+use crate::sampling::{DrawKey, sample_token};
 use crate::schedule::Step;
+use crate::{InferError, SamplingParams};
 
 /// The model, its weights and the cache storage, borrowed for one generate call.
 pub(crate) struct HostStep<'a> {
@@ -39,7 +42,7 @@ impl Step for HostStep<'_> {
         Ok(out)
     }
 
-    fn decode(
+    fn decode_logits(
         &mut self,
         tables: &mut BlockTables,
         seqs: &[usize],
@@ -59,6 +62,34 @@ impl Step for HostStep<'_> {
             self.scratch,
         )?;
         Ok(logits)
+    }
+
+    fn decode(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        tokens: &[u32],
+        draws: &[Option<DrawKey>],
+        params: &SamplingParams,
+    ) -> Result<Vec<Option<(u32, f32)>>, InferError> {
+        let v = self.model.config().vocab_size;
+        let logits = self.decode_logits(tables, seqs, tokens)?;
+        Ok(logits
+            .par_chunks_exact(v)
+            .zip(draws)
+            .map(|(row, draw)| draw.map(|key| sample_token(row, params, key)))
+            .collect())
+    }
+
+    fn draw(
+        &mut self,
+        rows: &[(&[f32], DrawKey)],
+        params: &SamplingParams,
+    ) -> Result<Vec<(u32, f32)>, InferError> {
+        Ok(rows
+            .par_iter()
+            .map(|&(row, key)| sample_token(row, params, key))
+            .collect())
     }
 
     fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError> {

@@ -29,6 +29,6 @@ pub use controller::InferenceController;
 pub use engine::{Engine, EngineConfig, Generation, KvCapacity};
 pub use error::InferError;
 pub use paged::{BlockTables, PagedKv};
-pub use sampling::{SamplingParams, sample_rng, sample_token};
+pub use sampling::{DrawKey, SamplingParams, draw_uniform, sample_token};
 pub use schedule::{Completion, FinishReason, GenerationStats};
 pub use weights::{Dtype, NamedTensor, TensorData, WeightUpdateReport};

@@ -40,6 +40,7 @@ impl LoopEngine for InferenceController {
             n,
             temperature: sampling.temperature,
             top_p: sampling.top_p,
+            top_k: sampling.top_k,
             max_new_tokens: sampling.max_new_tokens,
             stop_tokens: sampling.stop_tokens.clone(),
             seed: sampling.seed,

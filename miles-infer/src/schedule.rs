@@ -7,15 +7,17 @@
 //! prefilling it again if it was evicted) and replaying its generated tokens through decode
 //! steps, which recomputes the keys and values it had (exactly on the CPU, whose decoding is
 //! batch-invariant; within rounding on the GPU, whose matrix products may pick other kernels
-//! for other batch sizes); its generator was never rewound, so it continues where it stopped.
+//! for other batch sizes). Every draw is keyed by its sample and token index
+//! ([`DrawKey`]), so a replayed sample draws what it would have drawn without the preemption.
+//!
+//! The step draws the tokens itself ([`Step::decode`], [`Step::draw`]): on the GPU only the
+//! ids and log-probs come back, never a row of logits per step.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use rand_chacha::ChaCha20Rng;
-
 use crate::paged::BlockTables;
-use crate::sampling::{sample_rng, sample_token};
+use crate::sampling::DrawKey;
 use crate::{InferError, SamplingParams};
 
 /// Why a sample ended.
@@ -84,12 +86,32 @@ pub(crate) trait Step {
 
     /// Appends `tokens[b]` to `seqs[b]` (each one's next slot prepared) and returns the
     /// next-token logits `(B, V)`.
-    fn decode(
+    fn decode_logits(
         &mut self,
         tables: &mut BlockTables,
         seqs: &[usize],
         tokens: &[u32],
     ) -> Result<Vec<f32>, InferError>;
+
+    /// As [`decode_logits`](Self::decode_logits), but for each `b`
+    /// with a key in `draws`, draws sequence `b`'s next token under `params`: its id and
+    /// log-prob, `None` where no draw was asked.
+    fn decode(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        tokens: &[u32],
+        draws: &[Option<DrawKey>],
+        params: &SamplingParams,
+    ) -> Result<Vec<Option<(u32, f32)>>, InferError>;
+
+    /// Draws a token from each of `rows` (logits `(V)` held on the host, a prompt's, with the
+    /// draw's key) under `params`.
+    fn draw(
+        &mut self,
+        rows: &[(&[f32], DrawKey)],
+        params: &SamplingParams,
+    ) -> Result<Vec<(u32, f32)>, InferError>;
 
     /// Copies cache block `from` over block `to` (copy-on-write of a shared block).
     fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError>;
@@ -119,6 +141,25 @@ struct Pending {
     owner: Option<usize>,
 }
 
+/// Where a new sample's first token is drawn from: its group's prefix, or the prefill row it
+/// owns (index into the prefill's own rows).
+#[derive(Clone, Copy)]
+enum FirstRow {
+    Prefix(usize),
+    Own(usize),
+}
+
+/// The key of `sample`'s next draw.
+fn key(sample: &Sample) -> DrawKey {
+    // The request was checked to hold fewer than 2^32 prompts and samples; a sample never
+    // outgrows the model's positions.
+    DrawKey {
+        prompt: sample.group as u32,
+        sample: sample.index as u32,
+        token: sample.tokens.len() as u32,
+    }
+}
+
 struct Group<'p> {
     prompt: &'p [u32],
     prefix: Option<Prefix>,
@@ -129,7 +170,6 @@ struct Group<'p> {
 struct Sample {
     group: usize,
     index: usize,
-    rng: ChaCha20Rng,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     seq: Option<usize>,
@@ -153,13 +193,22 @@ pub(crate) fn run(
     params: &SamplingParams,
 ) -> Result<(Vec<Completion>, GenerationStats), InferError> {
     let start = Instant::now();
+    if u32::try_from(prompts.len()).is_err() || u32::try_from(params.n).is_err() {
+        return Err(InferError::BadParameter {
+            what: "request",
+            reason: format!(
+                "{} prompts of {} samples: both must stay below 2^32",
+                prompts.len(),
+                params.n
+            ),
+        });
+    }
     let mut samples = Vec::with_capacity(prompts.len() * params.n);
     for group in 0..prompts.len() {
         for index in 0..params.n {
             samples.push(Sample {
                 group,
                 index,
-                rng: sample_rng(params.seed, group, index),
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
                 seq: None,
@@ -278,17 +327,61 @@ impl Loop<'_, '_> {
             self.running.push(s);
             started.push(s);
         }
-        let mut own_logits = self.prefill(&pending)?;
+        let own_logits = self.prefill(&pending)?;
+        let mut first = Vec::new();
         for s in started {
-            self.start(s, &mut own_logits)?;
+            if let Some(row) = self.start(s, &own_logits)? {
+                first.push((s, row));
+            }
         }
+        self.draw_first(&first, &own_logits)?;
         self.note_blocks();
         Ok(())
     }
 
+    /// Draws the first token of each new sample of `first` from its prompt's logits.
+    fn draw_first(
+        &mut self,
+        first: &[(usize, FirstRow)],
+        own_logits: &[(usize, Vec<f32>)],
+    ) -> Result<(), InferError> {
+        if first.is_empty() {
+            return Ok(());
+        }
+        let vanished = || InferError::Internal("prefix vanished".into());
+        let mut rows = Vec::with_capacity(first.len());
+        for &(s, row) in first {
+            let logits = match row {
+                FirstRow::Prefix(g) => self.groups[g]
+                    .prefix
+                    .as_ref()
+                    .map(|p| p.logits.as_slice())
+                    .ok_or_else(vanished)?,
+                FirstRow::Own(i) => own_logits[i].1.as_slice(),
+            };
+            rows.push((logits, key(&self.samples[s])));
+        }
+        let drawn = self.c.step.draw(&rows, self.params)?;
+        if drawn.len() != first.len() {
+            return Err(InferError::Internal(format!(
+                "{} draws returned {} tokens",
+                first.len(),
+                drawn.len()
+            )));
+        }
+        for (&(s, _), (token, logprob)) in first.iter().zip(drawn) {
+            self.record(s, token, logprob)?;
+        }
+        Ok(())
+    }
+
     /// Gives the admitted sample `s` its sequence (a fork of its prompt's prefix when blocks are
-    /// shared) and, for a new sample, draws its first token from the prompt's logits.
-    fn start(&mut self, s: usize, own_logits: &mut [(usize, Vec<f32>)]) -> Result<(), InferError> {
+    /// shared); for a new sample, returns the row of logits its first token comes from.
+    fn start(
+        &mut self,
+        s: usize,
+        own_logits: &[(usize, Vec<f32>)],
+    ) -> Result<Option<FirstRow>, InferError> {
         let g = self.samples[s].group;
         let vanished = || InferError::Internal("prefix vanished".into());
         if self.c.share_prompt_blocks {
@@ -297,22 +390,16 @@ impl Loop<'_, '_> {
             self.samples[s].seq = Some(seq);
         }
         if !self.samples[s].tokens.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
-        let logits = if self.c.share_prompt_blocks {
-            self.groups[g]
-                .prefix
-                .as_ref()
-                .map(|p| p.logits.clone())
-                .ok_or_else(vanished)?
-        } else {
-            own_logits
-                .iter_mut()
-                .find(|(owner, _)| *owner == s)
-                .map(|(_, logits)| std::mem::take(logits))
-                .ok_or_else(vanished)?
-        };
-        self.draw(s, &logits)
+        if self.c.share_prompt_blocks {
+            return Ok(Some(FirstRow::Prefix(g)));
+        }
+        own_logits
+            .iter()
+            .position(|(owner, _)| *owner == s)
+            .map(|i| Some(FirstRow::Own(i)))
+            .ok_or_else(vanished)
     }
 
     /// Prefills the prompts an admission round asked for, in one call; prefixes get their
@@ -348,11 +435,10 @@ impl Loop<'_, '_> {
         Ok(own)
     }
 
-    /// Samples the next token of `s` from `logits` and ends the sample when it is done.
-    fn draw(&mut self, s: usize, logits: &[f32]) -> Result<(), InferError> {
+    /// Appends the drawn `token` to `s` and ends the sample when it is done.
+    fn record(&mut self, s: usize, token: u32, logprob: f32) -> Result<(), InferError> {
         let p = self.params;
         let sample = &mut self.samples[s];
-        let (token, logprob) = sample_token(logits, p, &mut sample.rng);
         sample.tokens.push(token);
         sample.logprobs.push(logprob);
         self.stats.generated_tokens += 1;
@@ -481,22 +567,33 @@ impl Loop<'_, '_> {
             seqs.push(seq);
             fresh.push(fed + 1 == sample.tokens.len());
         }
-        let logits = self.c.step.decode(self.c.tables, &seqs, &tokens)?;
-        if logits.len() % batch.len().max(1) != 0 {
+        let draws: Vec<Option<DrawKey>> = batch
+            .iter()
+            .zip(&fresh)
+            .map(|(&s, &fresh)| fresh.then(|| key(&self.samples[s])))
+            .collect();
+        let drawn = self
+            .c
+            .step
+            .decode(self.c.tables, &seqs, &tokens, &draws, self.params)?;
+        if drawn.len() != batch.len() {
             return Err(InferError::Internal(format!(
-                "decode of {} sequences returned {} logits",
+                "decode of {} sequences returned {} draws",
                 batch.len(),
-                logits.len()
+                drawn.len()
             )));
         }
-        let v = logits.len() / batch.len().max(1);
         self.stats.decode_steps += 1;
         self.stats.decode_seconds += t0.elapsed().as_secs_f64();
-        for (b, &s) in batch.iter().enumerate() {
-            if fresh[b] {
-                self.draw(s, &logits[b * v..(b + 1) * v])?;
-            } else {
-                self.stats.replayed_tokens += 1;
+        for ((&s, &fresh), drawn) in batch.iter().zip(&fresh).zip(drawn) {
+            match (fresh, drawn) {
+                (true, Some((token, logprob))) => self.record(s, token, logprob)?,
+                (false, None) => self.stats.replayed_tokens += 1,
+                _ => {
+                    return Err(InferError::Internal(
+                        "a decode step drew for the wrong sequences".into(),
+                    ));
+                }
             }
         }
         Ok(())

@@ -111,6 +111,7 @@ fn sampling() -> SamplingParams {
         n: 4,
         temperature: 1.0,
         top_p: 0.95,
+        top_k: 0,
         max_new_tokens: 24,
         stop_tokens: vec![257],
         seed: 11,
@@ -378,6 +379,7 @@ fn bad_requests_are_refused_naming_the_fault() {
     }
     let params = SamplingParams {
         top_p: 1.5,
+        top_k: 0,
         ..sampling()
     };
     let err = s.controller.generate(&prompts(), &params).unwrap_err();
@@ -586,6 +588,7 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
     let greedy = SamplingParams {
         temperature: 0.0,
         top_p: 1.0,
+        top_k: 0,
         ..sampling()
     };
     let want = host.generate(&prompts(), &greedy).unwrap().completions;

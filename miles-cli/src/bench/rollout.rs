@@ -111,7 +111,8 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     let sampling = SamplingParams {
         n: settings.n_samples_per_prompt,
         temperature: 1.0,
-        top_p: 1.0,
+        top_p: settings.rollout_top_p as f32,
+        top_k: settings.rollout_top_k,
         max_new_tokens: args.max_new_tokens,
         stop_tokens: Vec::new(),
         seed: settings.seed,

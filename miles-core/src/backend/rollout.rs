@@ -15,6 +15,8 @@ pub struct Sampling {
     /// Nucleus: sample among the most likely tokens whose probabilities sum to at least this,
     /// in `(0, 1]`.
     pub top_p: f32,
+    /// Sample among the `top_k` most likely tokens only; 0 keeps all.
+    pub top_k: usize,
     /// Generated tokens per sample at most.
     pub max_new_tokens: usize,
     /// Tokens that end a sample (kept in its output).

@@ -22,6 +22,8 @@ pub struct RlOptions {
     pub lr: LrSchedule,
     /// Nucleus sampling of the rollout; 0 stands for 1 (no nucleus).
     pub top_p: f32,
+    /// Top-k cut of the rollout; 0 keeps every token.
+    pub top_k: usize,
     /// Token ids that end a sample, besides EOS.
     pub stop_token_ids: Vec<u32>,
     /// Evaluate before every this many steps, when evaluation rows are given.
@@ -39,6 +41,7 @@ impl RlOptions {
             max_response_len: s.rollout_max_response_len,
             lr: LrSchedule::from_settings(s),
             top_p: s.rollout_top_p as f32,
+            top_k: s.rollout_top_k,
             stop_token_ids: s.rollout_stop_token_ids.clone(),
             eval_interval: s.eval_interval,
             eval_temperature: s.eval_temperature as f32,

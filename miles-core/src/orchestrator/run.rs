@@ -623,6 +623,7 @@ impl Orchestrator {
             } else {
                 1.0
             },
+            top_k: self.config.rl.top_k,
             max_new_tokens: self.max_response_len(),
             stop_tokens,
             seed: stream_seed(self.config.seed, Stream::Sampling, step),

@@ -7,8 +7,10 @@
 //! cache through the block tables, paged attention over each sequence's cached positions, the
 //! o product and the residual, RMSNorm, gate and up, SwiGLU, down and the residual; then the
 //! final norm and the LM head (fp32 logits) for the rows that need logits only: the last token
-//! of each sequence. The logits come back to the host for the sampler, and a fence on every
-//! buffer the pass used lets the memory manager pause the tags afterwards.
+//! of each sequence. A decode step then draws each sequence's next token on the device (the
+//! `sample_rows` kernel), so only token ids and log-probs come back; a prefill brings its
+//! prompts' rows of logits back (once per prompt: its samples draw from them later). A fence
+//! on every buffer the pass used lets the memory manager pause the tags afterwards.
 //!
 //! A pass holds at most `max(max_position_embeddings, max_batch)` tokens (so any prompt fits
 //! whole) and `max_batch` sequences; a prefill of more is split into several passes.
@@ -19,13 +21,14 @@ use half::bf16;
 use miles_core::device::{AddressRange, DeviceError, Gemm, Gpu, GpuElement, GpuSlice, Transpose};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
-use miles_core::ops::gpu::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
+use miles_core::ops::gpu::{DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, SampleRule};
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 
-use crate::InferError;
 use crate::paged::BlockTables;
+use crate::sampling::DrawKey;
 use crate::schedule::Step;
+use crate::{InferError, SamplingParams};
 
 /// Bytes of one weight or cache element (bf16).
 pub(crate) const ELEMENT_BYTES: usize = 2;
@@ -94,7 +97,9 @@ struct Scratch {
     logits: GpuSlice<f32>,   // (R, V)
     cos: GpuSlice<f32>,      // (P_max, D/2)
     sin: GpuSlice<f32>,      // (P_max, D/2)
-    index: GpuSlice<u32>, // ids, positions, seq rows, slots (N each), logit rows (R), tables (R, blocks)
+    index: GpuSlice<u32>, // ids, positions, seq rows, slots (N each), logit rows (R), tables (R, blocks), draws (R, 4)
+    picked: GpuSlice<u32>,    // (R) drawn tokens
+    picked_lp: GpuSlice<f32>, // (R) their log-probs
 }
 
 impl Scratch {
@@ -119,7 +124,9 @@ impl Scratch {
             logits: at.take(r * c.vocab_size)?,
             cos: at.take(rope)?,
             sin: at.take(rope)?,
-            index: at.take(4 * n + r + r * l.blocks)?,
+            index: at.take(4 * n + r + r * l.blocks + DRAW_WORDS * r)?,
+            picked: at.take(r)?,
+            picked_lp: at.take(r)?,
         };
         Ok((scratch, at.used))
     }
@@ -326,11 +333,15 @@ impl GpuModel {
         GpuSlice::<bf16>::of(self.cache.range())?.sub(0, self.shape.elems())
     }
 
-    /// Runs one pass and returns the logits `(V)` of each of its sequences.
-    fn run(&self, pass: &Pass) -> Result<Vec<Vec<f32>>, InferError> {
-        let (r, v) = (pass.logit_rows.len(), self.config.vocab_size);
+    /// Runs one pass, then the draws of `draws` (`(D, 4)`: row, then key) under their rule,
+    /// and records the pass's fence on every buffer it used.
+    fn execute(&self, pass: &Pass, draws: Option<(&[u32], SampleRule)>) -> Result<(), InferError> {
         let step = InferError::device("run a step on the gpu");
-        let queued = self.queue(pass);
+        let words = draws.map_or(&[][..], |(words, _)| words);
+        let queued = self.queue(pass, words).and_then(|()| match &draws {
+            Some((words, rule)) => self.sample(pass, words, rule),
+            None => Ok(()),
+        });
         // Every buffer the pass touched waits for its last kernel before a pause, even when a
         // launch failed after others were queued.
         let fence = self.gpu.record_fence();
@@ -340,19 +351,62 @@ impl GpuModel {
             }
         }
         queued.map_err(step)?;
-        fence.map_err(step)?;
-        let mut logits = vec![0.0f32; r * v];
-        let out = self.scratch.logits.sub(0, r * v).map_err(step)?;
-        self.gpu.download(&mut logits, out).map_err(step)?;
+        fence.map(drop).map_err(step)
+    }
+
+    /// Queues the draws of `draws` over the logits of `pass` (uploaded with its index arrays).
+    fn sample(&self, pass: &Pass, draws: &[u32], rule: &SampleRule) -> Result<(), DeviceError> {
+        let d = draws.len() / DRAW_WORDS;
+        let s = &self.scratch;
+        let rows = pass.logit_rows.len().max(d);
+        self.gpu.sample_rows(
+            s.picked.sub(0, d)?,
+            s.picked_lp.sub(0, d)?,
+            s.logits.sub(0, rows * self.config.vocab_size)?,
+            s.index.sub(pass.index_len(), draws.len())?,
+            self.config.vocab_size,
+            rule,
+        )
+    }
+
+    /// Runs one pass and returns the logits `(V)` of each of its sequences.
+    fn run_for_logits(&self, pass: &Pass) -> Result<Vec<Vec<f32>>, InferError> {
+        self.execute(pass, None)?;
+        self.logits(pass.logit_rows.len())
+    }
+
+    /// The `d` drawn tokens and log-probs of the last pass.
+    fn picked(&self, d: usize) -> Result<Vec<(u32, f32)>, InferError> {
+        let read = InferError::device("read the drawn tokens");
+        let mut tokens = vec![0u32; d];
+        let mut logprobs = vec![0f32; d];
+        let s = &self.scratch;
+        self.gpu
+            .download(&mut tokens, s.picked.sub(0, d).map_err(read)?)
+            .map_err(read)?;
+        self.gpu
+            .download(&mut logprobs, s.picked_lp.sub(0, d).map_err(read)?)
+            .map_err(read)?;
+        Ok(tokens.into_iter().zip(logprobs).collect())
+    }
+
+    /// The logits `(V)` of each sequence of the last pass, `rows` of them.
+    fn logits(&self, rows: usize) -> Result<Vec<Vec<f32>>, InferError> {
+        let read = InferError::device("read the logits");
+        let v = self.config.vocab_size;
+        let mut logits = vec![0.0f32; rows * v];
+        let out = self.scratch.logits.sub(0, rows * v).map_err(read)?;
+        self.gpu.download(&mut logits, out).map_err(read)?;
         Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).collect())
     }
 
-    /// Uploads the pass's index arrays and queues its kernels.
-    fn queue(&self, pass: &Pass) -> Result<(), DeviceError> {
+    /// Uploads the pass's index arrays and `draws`, and queues the pass's kernels (none for a
+    /// pass of no token).
+    fn queue(&self, pass: &Pass, draws: &[u32]) -> Result<(), DeviceError> {
         let (g, c, s) = (&*self.gpu, &self.config, &self.scratch);
         let (n, r) = (pass.ids.len(), pass.logit_rows.len());
         let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let mut index = Vec::with_capacity(4 * n + r + pass.tables.len());
+        let mut index = Vec::with_capacity(pass.index_len() + draws.len());
         for part in [
             &pass.ids,
             &pass.positions,
@@ -363,7 +417,11 @@ impl GpuModel {
         ] {
             index.extend_from_slice(part);
         }
+        index.extend_from_slice(draws);
         g.upload(s.index.sub(0, index.len())?, &index)?;
+        if n == 0 {
+            return Ok(());
+        }
         let ids = s.index.sub(0, n)?;
         let positions = s.index.sub(n, n)?;
         let slots = s.index.sub(3 * n, n)?;
@@ -482,6 +540,31 @@ impl GpuModel {
     }
 }
 
+impl GpuModel {
+    /// The pass appending `tokens[b]` to `seqs[b]`.
+    fn decode_pass(
+        &self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        tokens: &[u32],
+    ) -> Result<Pass, InferError> {
+        if seqs.len() != tokens.len() || seqs.len() > self.limits.rows {
+            return Err(InferError::Internal(format!(
+                "decode of {} sequences with {} tokens; a step takes at most {}",
+                seqs.len(),
+                tokens.len(),
+                self.limits.rows
+            )));
+        }
+        let mut pass = Pass::default();
+        for (b, &seq) in seqs.iter().enumerate() {
+            let first = tables.advance(seq, 1)?;
+            self.push(&mut pass, tables, seq, first, &tokens[b..=b])?;
+        }
+        Ok(pass)
+    }
+}
+
 /// The index arrays of one pass, built on the host.
 #[derive(Debug, Default)]
 struct Pass {
@@ -491,6 +574,29 @@ struct Pass {
     slots: Vec<u32>,      // (N) block * P + position % P
     logit_rows: Vec<u32>, // (R) token index of each sequence's last token
     tables: Vec<u32>,     // (R, blocks)
+}
+
+impl Pass {
+    /// Words of the pass's index arrays (the draws follow them in the index scratch).
+    fn index_len(&self) -> usize {
+        4 * self.ids.len() + self.logit_rows.len() + self.tables.len()
+    }
+}
+
+/// The sampling kernel's rule for `params`.
+fn rule(params: &SamplingParams) -> SampleRule {
+    SampleRule {
+        temperature: params.temperature,
+        top_p: params.top_p,
+        top_k: params.top_k,
+        seed: params.seed,
+    }
+}
+
+/// The draws array entry of a draw from logit row `row`.
+fn draw_words(row: usize, key: DrawKey) -> [u32; DRAW_WORDS] {
+    // Rows are below the pass's `max_batch` sequences.
+    [row as u32, key.prompt, key.sample, key.token]
 }
 
 impl Step for GpuModel {
@@ -506,7 +612,7 @@ impl Step for GpuModel {
             let full = pass.ids.len() + prompt.len() > self.limits.tokens
                 || pass.logit_rows.len() == self.limits.rows;
             if full && !pass.ids.is_empty() {
-                out.extend(self.run(&pass)?);
+                out.extend(self.run_for_logits(&pass)?);
                 pass = Pass::default();
             }
             if prompt.len() > self.limits.tokens {
@@ -520,9 +626,19 @@ impl Step for GpuModel {
             self.push(&mut pass, tables, seq, first, prompt)?;
         }
         if !pass.ids.is_empty() {
-            out.extend(self.run(&pass)?);
+            out.extend(self.run_for_logits(&pass)?);
         }
         Ok(out)
+    }
+
+    fn decode_logits(
+        &mut self,
+        tables: &mut BlockTables,
+        seqs: &[usize],
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, InferError> {
+        let pass = self.decode_pass(tables, seqs, tokens)?;
+        Ok(self.run_for_logits(&pass)?.concat())
     }
 
     fn decode(
@@ -530,21 +646,58 @@ impl Step for GpuModel {
         tables: &mut BlockTables,
         seqs: &[usize],
         tokens: &[u32],
-    ) -> Result<Vec<f32>, InferError> {
-        if seqs.len() != tokens.len() || seqs.len() > self.limits.rows {
+        draws: &[Option<DrawKey>],
+        params: &SamplingParams,
+    ) -> Result<Vec<Option<(u32, f32)>>, InferError> {
+        if seqs.len() != draws.len() {
             return Err(InferError::Internal(format!(
-                "decode of {} sequences with {} tokens; a step takes at most {}",
+                "decode of {} sequences with {} draws",
                 seqs.len(),
-                tokens.len(),
-                self.limits.rows
+                draws.len()
             )));
         }
-        let mut pass = Pass::default();
-        for (b, &seq) in seqs.iter().enumerate() {
-            let first = tables.advance(seq, 1)?;
-            self.push(&mut pass, tables, seq, first, &tokens[b..=b])?;
+        let pass = self.decode_pass(tables, seqs, tokens)?;
+        let words: Vec<u32> = draws
+            .iter()
+            .enumerate()
+            .filter_map(|(b, key)| key.map(|key| draw_words(b, key)))
+            .flatten()
+            .collect();
+        self.execute(&pass, Some((&words, rule(params))))?;
+        let mut picked = self.picked(words.len() / DRAW_WORDS)?.into_iter();
+        Ok(draws
+            .iter()
+            .map(|key| key.and_then(|_| picked.next()))
+            .collect())
+    }
+
+    fn draw(
+        &mut self,
+        rows: &[(&[f32], DrawKey)],
+        params: &SamplingParams,
+    ) -> Result<Vec<(u32, f32)>, InferError> {
+        let upload = InferError::device("upload logits to draw from");
+        let v = self.config.vocab_size;
+        let mut out = Vec::with_capacity(rows.len());
+        for chunk in rows.chunks(self.limits.rows) {
+            let mut logits = Vec::with_capacity(chunk.len() * v);
+            let mut words = Vec::with_capacity(chunk.len() * DRAW_WORDS);
+            for (row, &(values, key)) in chunk.iter().enumerate() {
+                if values.len() != v {
+                    return Err(InferError::Internal(format!(
+                        "a row of {} logits to draw from; the vocabulary has {v}",
+                        values.len()
+                    )));
+                }
+                logits.extend_from_slice(values);
+                words.extend(draw_words(row, key));
+            }
+            let dst = self.scratch.logits.sub(0, logits.len()).map_err(upload)?;
+            self.gpu.upload(dst, &logits).map_err(upload)?;
+            self.execute(&Pass::default(), Some((&words, rule(params))))?;
+            out.extend(self.picked(chunk.len())?);
         }
-        Ok(self.run(&pass)?.concat())
+        Ok(out)
     }
 
     fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError> {

@@ -131,6 +131,7 @@ fn greedy(n: usize, max_new_tokens: usize) -> SamplingParams {
         n,
         temperature: 0.0,
         top_p: 1.0,
+        top_k: 0,
         max_new_tokens,
         stop_tokens: Vec::new(),
         seed: 5,
@@ -169,7 +170,7 @@ fn forced_logits(
                     assert!(tables.prepare_append_with(seq, |a, b| step.copy_block(a, b))?);
                 }
                 let tokens: Vec<u32> = paths.iter().map(|(_, p)| p[j]).collect();
-                let logits = step.decode(tables, &seqs, &tokens)?;
+                let logits = step.decode_logits(tables, &seqs, &tokens)?;
                 for (row, o) in logits.chunks_exact(v).zip(out.iter_mut()) {
                     o.push(row.to_vec());
                 }
@@ -312,6 +313,7 @@ fn gpu_generation_repeats_after_offload_cycles_and_offload_frees_both_tags() {
         n: 3,
         temperature: 1.0,
         top_p: 0.95,
+        top_k: 0,
         max_new_tokens: 16,
         stop_tokens: vec![257],
         seed: 11,
@@ -401,4 +403,88 @@ fn engines_refuse_a_memory_manager_on_another_device() {
     let on_cpu = manager(Arc::new(CpuDevice::new(64 << 20)));
     let err = Engine::on_gpu(on_cpu, Arc::clone(&t.gpu), config(), cfg).unwrap_err();
     assert!(matches!(err, InferError::BadParameter { .. }), "{err}");
+}
+
+#[test]
+fn gpu_sampling_draws_what_the_host_sampler_draws_on_a_fixed_logit_set() {
+    let Some(t) =
+        TestGpu::open("gpu_sampling_draws_what_the_host_sampler_draws_on_a_fixed_logit_set")
+    else {
+        return;
+    };
+    let params = params(&config());
+    let mut engine = t.engine(engine_config(16, BackupPolicy::Host), &params);
+    let v = engine.model_config().vocab_size;
+    // A peaked, tied and long-tailed row: logits 8 sin(i^2) / (1 + i / 40), two ids tied.
+    let mut logits: Vec<f32> = (0..v)
+        .map(|i| {
+            let x = i as f32;
+            8.0 * (x * x * 1e-3).sin() / (1.0 + x / 40.0)
+        })
+        .collect();
+    logits[7] = logits[3];
+    let rule = |temperature, top_p, top_k| SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        seed: 21,
+        ..greedy(1, 1)
+    };
+    let draws = 4096u32;
+    for p in [
+        rule(0.0, 1.0, 0),
+        rule(1.0, 1.0, 0),
+        rule(0.7, 0.9, 0),
+        rule(1.0, 1.0, 20),
+        rule(1.3, 0.8, 50),
+    ] {
+        let keys: Vec<crate::DrawKey> = (0..draws)
+            .map(|token| crate::DrawKey {
+                prompt: token % 5,
+                sample: token / 5,
+                token,
+            })
+            .collect();
+        let rows: Vec<(&[f32], crate::DrawKey)> =
+            keys.iter().map(|&key| (logits.as_slice(), key)).collect();
+        let got = engine
+            .with_step(|step: &mut dyn Step, _| step.draw(&rows, &p))
+            .unwrap();
+        let mut same = 0;
+        let (mut host_counts, mut gpu_counts) = (vec![0u32; v], vec![0u32; v]);
+        for (&key, &(token, logprob)) in keys.iter().zip(&got) {
+            let (want, want_lp) = crate::sample_token(&logits, &p, key);
+            same += u32::from(token == want);
+            host_counts[want as usize] += 1;
+            gpu_counts[token as usize] += 1;
+            if token == want {
+                // Tolerance: 1e-4 on log-probs, the fp32 exp against the host's f64.
+                assert!(
+                    (logprob - want_lp).abs() < 1e-4,
+                    "T {} top_p {} top_k {}: log-prob {logprob} vs {want_lp}",
+                    p.temperature,
+                    p.top_p,
+                    p.top_k
+                );
+            }
+        }
+        eprintln!(
+            "T {} top_p {} top_k {}: {same} of {draws} draws equal to the host's",
+            p.temperature, p.top_p, p.top_k
+        );
+        // The same uniforms pick the same token but where fp32 and f64 masses straddle a
+        // boundary between two tokens: rare, at most 1 in 200 here.
+        assert!(same * 200 >= draws * 199, "{same} of {draws}");
+        // No token is drawn by one sampler and cut by the other's top-k / top-p.
+        let cut = |counts: &[u32], other: &[u32]| {
+            counts
+                .iter()
+                .zip(other)
+                .any(|(&c, &o)| c > 3 && o == 0)
+        };
+        assert!(
+            !cut(&host_counts, &gpu_counts) && !cut(&gpu_counts, &host_counts),
+            "the kept sets differ"
+        );
+    }
 }

@@ -10,6 +10,7 @@ mod paged;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod paged_tests;
+mod sampling;
 #[cfg(any(test, feature = "testing"))]
 #[allow(clippy::panic, clippy::print_stderr)]
 // With the `testing` feature alone, `model::gpu::testing` uses only the GPU and its lock.
@@ -26,6 +27,7 @@ mod train_tests;
 use std::sync::Arc;
 
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
+pub use sampling::{DRAW_WORDS, SampleRule};
 pub use train::{AdamWStep, HeadShape};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
@@ -38,8 +40,14 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         include_str!("kernels/forward.cu"),
         include_str!("kernels/train.cu"),
         include_str!("kernels/paged.cu"),
+        include_str!("kernels/sampling.cu"),
     ],
-    kernels: &[&FORWARD_KERNELS, &train::KERNELS, &paged::KERNELS],
+    kernels: &[
+        &FORWARD_KERNELS,
+        &train::KERNELS,
+        &paged::KERNELS,
+        &sampling::KERNELS,
+    ],
 };
 
 /// The kernels of `kernels/forward.cu`.
