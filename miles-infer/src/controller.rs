@@ -1,11 +1,15 @@
 //! The `InferenceController`: what the colocated loop drives between rollouts.
 //!
 //! Going off the device (per `--offload-rollout-level`): [`offload_kv`] drops the cache (its
-//! contents are worthless after a rollout), then [`offload_weights`] backs the weights up to the
-//! host pool (or drops them under policy `None`). Coming back, in the order that keeps peak
-//! memory low: [`onload_weights`], the weight sync ([`update_weights`]), then [`onload_kv`].
+//! contents are worthless after a rollout), [`offload_graphs`] the GPU engine's decode scratch
+//! (the static buffers its CUDA graphs replay on; the graphs themselves stay captured), then
+//! [`offload_weights`] backs the weights up to the host pool (or drops them under policy
+//! `None`). Coming back, in the order that keeps peak memory low: [`onload_weights`], the
+//! weight sync ([`update_weights`]), then [`onload_graphs`] and [`onload_kv`].
 //!
 //! [`offload_kv`]: InferenceController::offload_kv
+//! [`offload_graphs`]: InferenceController::offload_graphs
+//! [`onload_graphs`]: InferenceController::onload_graphs
 //! [`offload_weights`]: InferenceController::offload_weights
 //! [`onload_weights`]: InferenceController::onload_weights
 //! [`update_weights`]: InferenceController::update_weights
@@ -115,6 +119,38 @@ impl InferenceController {
             .map_err(InferError::memory("onload the weights"))
     }
 
+    /// Pauses `cuda_graph` on the GPU engine: the decode scratch's memory is released (its
+    /// contents dropped); the captured graphs stay valid, since it comes back at the same
+    /// addresses. `None` for an engine without that region (the CPU's).
+    ///
+    /// # Errors
+    /// [`InferError::Memory`] when the region is offloaded already or busy.
+    pub fn offload_graphs(&mut self) -> Result<Option<OffloadReport>, InferError> {
+        if !self.engine.has_graph_region() {
+            return Ok(None);
+        }
+        self.engine
+            .memory()
+            .pause(&MemoryTag::CudaGraph)
+            .map(Some)
+            .map_err(InferError::memory("offload the cuda graphs"))
+    }
+
+    /// Resumes `cuda_graph` at the same addresses; `None` for an engine without that region.
+    ///
+    /// # Errors
+    /// As [`onload_weights`](Self::onload_weights).
+    pub fn onload_graphs(&mut self) -> Result<Option<OffloadReport>, InferError> {
+        if !self.engine.has_graph_region() {
+            return Ok(None);
+        }
+        self.engine
+            .memory()
+            .resume(&MemoryTag::CudaGraph)
+            .map(Some)
+            .map_err(InferError::memory("onload the cuda graphs"))
+    }
+
     /// Resumes `kv_cache` (empty) at the same addresses.
     ///
     /// # Errors
@@ -140,8 +176,8 @@ impl InferenceController {
         weights::update_weights(&mut self.engine, tensors, self.bucket_bytes)
     }
 
-    /// Offloads per `--offload-rollout-level`: the kv cache, then the weights; `cuda_graph` is
-    /// skipped (this engine captures no graphs).
+    /// Offloads per `--offload-rollout-level`: the kv cache, the cuda graphs' scratch, then the
+    /// weights.
     ///
     /// # Errors
     /// As [`offload_kv`](Self::offload_kv) and [`offload_weights`](Self::offload_weights).
@@ -150,17 +186,17 @@ impl InferenceController {
         if self.levels.kv_cache {
             reports.push(self.offload_kv()?);
         }
+        if self.levels.cuda_graph {
+            reports.extend(self.offload_graphs()?);
+        }
         if self.levels.weights {
             reports.push(self.offload_weights()?);
-        }
-        if self.levels.cuda_graph {
-            tracing::debug!("offload level cuda_graph: this engine captures no graphs");
         }
         Ok(reports)
     }
 
     /// Brings back what is offloaded: the weights (when `tensors` is given, they are then
-    /// updated from it), then the kv cache.
+    /// updated from it), the cuda graphs' scratch, then the kv cache.
     ///
     /// # Errors
     /// As [`onload_weights`](Self::onload_weights), [`update_weights`](Self::update_weights)
@@ -175,6 +211,11 @@ impl InferenceController {
         }
         if let Some(tensors) = tensors {
             self.update_weights(tensors)?;
+        }
+        if self.engine.has_graph_region()
+            && self.state(&MemoryTag::CudaGraph)? == RegionState::Paused
+        {
+            reports.extend(self.onload_graphs()?);
         }
         if self.state(&MemoryTag::KvCache)? == RegionState::Paused {
             reports.push(self.onload_kv()?);

@@ -14,7 +14,7 @@ use miles_core::{
     Settings,
 };
 
-use crate::gpu::{self, GpuModel, Limits};
+use crate::gpu::{self, GpuBuffers, GpuModel, Limits};
 use crate::host::HostStep;
 use crate::paged::BlockTables;
 use crate::schedule::{self, Completion, GenerationStats, Step};
@@ -24,7 +24,7 @@ use crate::{InferError, SamplingParams};
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum KvCapacity {
     /// This fraction of the device memory free once the weights are allocated
-    /// (`--rollout-mem-fraction`), less the GPU step's scratch, capped at what `max_batch`
+    /// (`--rollout-mem-fraction`), less the GPU's scratch, capped at what `max_batch`
     /// sequences of the model's full context, and as many prompts, can ever hold.
     MemFraction(f64),
     /// Exactly this many blocks (tests and benchmarks that force a small cache).
@@ -45,11 +45,15 @@ pub struct EngineConfig {
     pub weights_policy: BackupPolicy,
     /// Whether the `n` samples of a prompt share its KV blocks (off only to compare against).
     pub share_prompt_blocks: bool,
+    /// On the GPU: decode steps run as CUDA graphs captured once per batch bucket (off: as
+    /// queued kernels, `--rollout-disable-cuda-graph`).
+    pub cuda_graphs: bool,
 }
 
 impl EngineConfig {
     /// The engine settings of a run: KV cache at `--rollout-mem-fraction`, host backup of the
-    /// weights, blocks of 16 positions, up to 256 sequences per step, shared prompt blocks.
+    /// weights, blocks of 16 positions, up to 256 sequences per step, shared prompt blocks,
+    /// CUDA graphs unless `--rollout-disable-cuda-graph`.
     pub fn from_settings(settings: &Settings) -> Self {
         Self {
             block_size: 16,
@@ -57,12 +61,13 @@ impl EngineConfig {
             kv_capacity: KvCapacity::MemFraction(settings.rollout_mem_fraction),
             weights_policy: BackupPolicy::Host,
             share_prompt_blocks: true,
+            cuda_graphs: !settings.rollout_disable_cuda_graph,
         }
     }
 }
 
 /// Blocks of `block_bytes` the cache gets under `config`, with `reserved` bytes of the same
-/// budget going to the step's scratch.
+/// budget going to the GPU's scratch.
 fn kv_blocks(
     memory: &MemoryManager,
     config: &EngineConfig,
@@ -114,8 +119,9 @@ pub struct Generation {
 /// Built with [`new`](Self::new) on a memory manager of the CPU device, it computes in fp32 from
 /// host views of both buffers. Built with [`on_gpu`](Self::on_gpu) on a memory manager of a CUDA
 /// device, it keeps the weights and the cache in bf16 and runs every step as GPU kernels; the
-/// `kv_cache` region then also holds the step's scratch, so offloading the two tags frees all
-/// of the engine's device memory. Weights start missing: load a checkpoint or send every tensor
+/// `kv_cache` region then also holds the prefill's scratch, and the `cuda_graph` region the
+/// decode step's (the static buffers of its CUDA graphs), so offloading the three tags frees
+/// all of the engine's device memory. Weights start missing: load a checkpoint or send every tensor
 /// with [`write_tensors`](Self::write_tensors) before generating.
 #[derive(Debug)]
 pub struct Engine {
@@ -167,8 +173,8 @@ impl Engine {
     }
 
     /// An engine for `model_config` computing on `gpu`, whose device is the one `memory`
-    /// allocates from: bf16 weights in the `weights` region; the bf16 cache and the step's
-    /// scratch in the `kv_cache` region.
+    /// allocates from: bf16 weights in the `weights` region; the bf16 cache and the prefill's
+    /// scratch in the `kv_cache` region; the decode step's scratch in the `cuda_graph` region.
     ///
     /// # Errors
     /// As [`new`](Self::new); [`InferError::BadParameter`] when `gpu` and `memory` are not on
@@ -208,19 +214,22 @@ impl Engine {
             .alloc(&MemoryTag::Weights, weight_bytes)
             .map_err(InferError::memory("allocate the weights"))?;
         let limits = Limits::new(c, config.max_batch, config.block_size);
-        let scratch_bytes = match gpu {
+        let [prefill_bytes, step_bytes] = match gpu {
             Some(_) => gpu::scratch_bytes(c, limits)?,
-            None => 0,
+            None => [0, 0],
         };
         let block_bytes = BlockTables::block_floats(c, config.block_size) * element;
-        let num_blocks = kv_blocks(&memory, &config, c, block_bytes, scratch_bytes)?;
+        // On the GPU the cache holds one spare block (the graphs' padding rows write there).
+        let spare = usize::from(gpu.is_some());
+        let reserved = prefill_bytes + step_bytes + spare * block_bytes;
+        let num_blocks = kv_blocks(&memory, &config, c, block_bytes, reserved)?;
         // Buffers of a region start at multiples of 256 bytes.
-        let cache_bytes = num_blocks * block_bytes;
+        let cache_bytes = (num_blocks + spare) * block_bytes;
         memory
             .create_region(
                 MemoryTag::KvCache,
                 BackupPolicy::None,
-                cache_bytes.next_multiple_of(256) + scratch_bytes,
+                cache_bytes.next_multiple_of(256) + prefill_bytes,
             )
             .map_err(InferError::memory("create the kv cache region"))?;
         let kv = memory
@@ -237,17 +246,29 @@ impl Engine {
                 )),
             },
             Some(gpu) => {
-                let scratch = memory
-                    .alloc(&MemoryTag::KvCache, scratch_bytes)
-                    .map_err(InferError::memory("allocate the gpu scratch"))?;
+                let prefill = memory
+                    .alloc(&MemoryTag::KvCache, prefill_bytes)
+                    .map_err(InferError::memory("allocate the prefill scratch"))?;
+                memory
+                    .create_region(MemoryTag::CudaGraph, BackupPolicy::None, step_bytes)
+                    .map_err(InferError::memory("create the cuda graph region"))?;
+                let step = memory
+                    .alloc(&MemoryTag::CudaGraph, step_bytes)
+                    .map_err(InferError::memory("allocate the decode step's scratch"))?;
+                let buffers = GpuBuffers {
+                    weights,
+                    cache: kv,
+                    prefill,
+                    step,
+                };
                 Backend::Gpu(Box::new(GpuModel::new(
                     gpu,
                     c,
                     model.layout(),
                     limits,
-                    num_blocks,
-                    config.block_size,
-                    [weights, kv, scratch],
+                    (num_blocks, config.block_size),
+                    buffers,
+                    config.cuda_graphs,
                 )?))
             }
         };
@@ -255,7 +276,8 @@ impl Engine {
             blocks = num_blocks,
             block_size = config.block_size,
             kv_bytes = cache_bytes,
-            scratch_bytes,
+            prefill_bytes,
+            step_bytes,
             weight_bytes,
             device = %memory.device().name(),
             "rollout engine ready"
@@ -515,6 +537,7 @@ impl Engine {
         let (max_batch, share_prompt_blocks) =
             (self.config.max_batch, self.config.share_prompt_blocks);
         let max_positions = c.max_position_embeddings;
+        let captured_before = self.graph_captures();
         let outcome = self.with_step(|step, tables| {
             schedule::run(
                 schedule::Compute {
@@ -529,7 +552,8 @@ impl Engine {
             )
         });
         self.tables.clear();
-        let (completions, stats) = outcome?;
+        let (completions, mut stats) = outcome?;
+        stats.graph_captures = self.graph_captures() - captured_before;
         Ok(Generation { completions, stats })
     }
 
@@ -588,6 +612,10 @@ impl Engine {
             what.push("the kv cache");
             fix.push("onload_kv");
         }
+        if kv && self.has_graph_region() && state(&MemoryTag::CudaGraph)? != RegionState::Active {
+            what.push("the cuda graphs");
+            fix.push("onload_graphs");
+        }
         if !what.is_empty() {
             let verb = if what == ["the kv cache"] {
                 "is"
@@ -601,6 +629,20 @@ impl Engine {
             });
         }
         Ok(())
+    }
+
+    /// Whether the engine has a `cuda_graph` region: the GPU engine's decode scratch, where its
+    /// graphs read and write.
+    pub fn has_graph_region(&self) -> bool {
+        matches!(self.backend, Backend::Gpu(_))
+    }
+
+    /// Decode graphs captured in the engine's life (0 on the CPU device or with graphs off).
+    pub fn graph_captures(&self) -> usize {
+        match &self.backend {
+            Backend::Gpu(model) => model.graph_captures(),
+            Backend::Host { .. } => 0,
+        }
     }
 
     /// Errors naming the weight tensors not loaded since the weights were dropped.

@@ -90,6 +90,38 @@ impl LoopEngine for InferenceController {
         )
     }
 
+    fn offload_graphs(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        if !self.engine().has_graph_region()
+            || self
+                .state(&MemoryTag::CudaGraph)
+                .map_err(wrap("offload the cuda graphs"))?
+                == RegionState::Paused
+        {
+            return Ok(Vec::new());
+        }
+        let report = InferenceController::offload_graphs(self);
+        Ok(report
+            .map_err(wrap("offload the cuda graphs"))?
+            .into_iter()
+            .collect())
+    }
+
+    fn onload_graphs(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        if !self.engine().has_graph_region()
+            || self
+                .state(&MemoryTag::CudaGraph)
+                .map_err(wrap("onload the cuda graphs"))?
+                == RegionState::Active
+        {
+            return Ok(Vec::new());
+        }
+        let report = InferenceController::onload_graphs(self);
+        Ok(report
+            .map_err(wrap("onload the cuda graphs"))?
+            .into_iter()
+            .collect())
+    }
+
     fn onload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
         self.move_tag(
             &MemoryTag::KvCache,

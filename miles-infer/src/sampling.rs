@@ -120,7 +120,10 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, key: DrawKey) -> (u
     }
     let threshold = kept_threshold(logits, &probs, params);
     let kept = |i: usize| logits[i] >= threshold;
-    let mass: f64 = (0..logits.len()).filter(|&i| kept(i)).map(|i| probs[i]).sum();
+    let mass: f64 = (0..logits.len())
+        .filter(|&i| kept(i))
+        .map(|i| probs[i])
+        .sum();
     let target = draw_uniform(params.seed, key) * mass;
     let mut acc = 0.0;
     let mut last = 0;
@@ -147,7 +150,10 @@ fn kept_threshold(logits: &[f32], probs: &[f64], params: &SamplingParams) -> f32
     };
     // Ties with the k-th logit stay in.
     let kth = logits[order[k - 1]];
-    let kept: Vec<usize> = order.into_iter().take_while(|&i| logits[i] >= kth).collect();
+    let kept: Vec<usize> = order
+        .into_iter()
+        .take_while(|&i| logits[i] >= kth)
+        .collect();
     let target = f64::from(params.top_p) * kept.iter().map(|&i| probs[i]).sum::<f64>();
     let mut mass = 0.0;
     for &i in &kept {
@@ -190,7 +196,10 @@ mod tests {
         for t in 0..draws {
             counts[sample_token(logits, p, key(t)).0 as usize] += 1;
         }
-        counts.iter().map(|&c| c as f64 / f64::from(draws)).collect()
+        counts
+            .iter()
+            .map(|&c| c as f64 / f64::from(draws))
+            .collect()
     }
 
     #[test]
@@ -265,7 +274,12 @@ mod tests {
             )
         };
         assert_eq!(at(5, 1, 2, 3), at(5, 1, 2, 3));
-        for other in [at(5, 2, 1, 3), at(6, 1, 2, 3), at(5, 1, 2, 4), at(5, 0, 0, 0)] {
+        for other in [
+            at(5, 2, 1, 3),
+            at(6, 1, 2, 3),
+            at(5, 1, 2, 4),
+            at(5, 0, 0, 0),
+        ] {
             assert_ne!(at(5, 1, 2, 3), other);
         }
         let mean = (0..10_000).map(|t| at(0, 0, 0, t)).sum::<f64>() / 10_000.0;

@@ -64,6 +64,8 @@ pub struct GenerationStats {
     pub prefix_evictions: usize,
     /// Most blocks in use at once.
     pub peak_blocks: usize,
+    /// Decode graphs captured during the call (a bucket's graph is captured once per engine).
+    pub graph_captures: usize,
     /// Seconds in prefill.
     pub prefill_seconds: f64,
     /// Seconds in decode steps.

@@ -231,6 +231,7 @@ mod tests {
             kv_capacity: KvCapacity::Blocks(8),
             weights_policy: BackupPolicy::Host,
             share_prompt_blocks: true,
+            cuda_graphs: true,
         };
         Engine::new(memory, LlamaConfig::preset("tiny").unwrap(), config).unwrap()
     }

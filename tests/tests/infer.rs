@@ -53,6 +53,7 @@ fn engine_config(policy: BackupPolicy, kv: KvCapacity) -> EngineConfig {
         kv_capacity: kv,
         weights_policy: policy,
         share_prompt_blocks: true,
+        cuda_graphs: true,
     }
 }
 

@@ -1,15 +1,22 @@
-//! `miles bench rollout`: decode throughput of the rollout engine next to the bare model's
-//! decode step, and the time of each offload / onload step per level next to a plain copy of
-//! the same bytes, with device memory after each step.
+//! `miles bench rollout`: decode throughput of the rollout engine next to a baseline (on the
+//! CPU the bare model's decode step; on CUDA transformers' `generate` on the same shapes,
+//! `bench/hf_generate.py`, and the bandwidth bound of reading the weights once per step), and
+//! the time of each offload / onload step per level next to a plain copy of the same bytes,
+//! with device memory after each step.
 
 use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Args;
+use miles_core::device::{Gpu, GpuSlice};
 use miles_core::model::{ContiguousKvCache, DecodeScratch, LlamaConfig, Transformer, init_params};
-use miles_core::{DeviceKind, MemoryTag, OffloadReport, RolloutOffloadLevel};
+use miles_core::{
+    BackupPolicy, DeviceKind, MemoryManager, MemoryTag, OffloadReport, RolloutOffloadLevel,
+};
 use miles_infer::{EngineConfig, Generation, InferenceController, NamedTensor, SamplingParams};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -36,6 +43,15 @@ pub struct BenchRolloutArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// On cuda: the transformers `generate` baseline run in the same call.
+    #[arg(long, default_value = "bench/hf_generate.py")]
+    pub torch_script: PathBuf,
+    /// On cuda: the Python that runs it (one with torch and transformers).
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// On cuda: skip the transformers baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
     /// Settings (`--preset`, `--device`, `--seed`, `--n-samples-per-prompt`,
     /// `--rollout-mem-fraction`, `--update-weight-buffer-size`, ...).
     #[command(flatten)]
@@ -117,12 +133,25 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         stop_tokens: Vec::new(),
         seed: settings.seed,
     };
+    // The first call captures the decode graphs (on CUDA); the figures are the second call's.
     let first = controller.generate(&prompts, &sampling)?;
+    let timed = controller.generate(&prompts, &sampling)?;
     // The first token of each sample comes from the prompt's prefill, the rest from decode steps.
-    let decoded = first.stats.generated_tokens - first.completions.len();
-    let engine_tps = decoded as f64 / first.stats.decode_seconds.max(1e-12);
-    let end_to_end_tps = first.stats.generated_tokens as f64 / first.stats.seconds.max(1e-12);
+    let decoded = timed.stats.generated_tokens - timed.completions.len();
+    let engine_tps = decoded as f64 / timed.stats.decode_seconds.max(1e-12);
+    let end_to_end_tps = timed.stats.generated_tokens as f64 / timed.stats.seconds.max(1e-12);
     let batch = (prompts.len() * sampling.n).min(controller.engine().config().max_batch);
+    let weight_bytes = memory.region_bytes(&MemoryTag::Weights)?;
+    let gpu = crate::gpu::gpu_for(settings.device)?;
+    let bound = match &gpu {
+        Some(gpu) => Some(bandwidth_bound(gpu, &memory, weight_bytes, batch)?),
+        None => None,
+    };
+    let torch = match (&gpu, args.no_baseline) {
+        (Some(_), false) => Some(torch_baseline(args, &config, prompts.len() * sampling.n)?),
+        _ => None,
+    };
+    let torch_tps = torch.as_ref().and_then(|t| t["tokens_per_second"].as_f64());
     // The bare decode step is the CPU model's: a baseline for the engine on the CPU device only.
     let on_cpu = memory.device().kind() == DeviceKind::Cpu;
     let bare_tps = if on_cpu {
@@ -137,7 +166,6 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         None
     };
 
-    let weight_bytes = layout.len() as u64 * 4;
     let mut steps = Vec::new();
     let mut identical = true;
     let levels: [(&'static str, &[RolloutOffloadLevel]); 3] = [
@@ -203,9 +231,20 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         "weight_bytes": weight_bytes,
         "decode_tokens_per_second": engine_tps,
         "end_to_end_tokens_per_second": end_to_end_tps,
-        "seconds": first.stats.seconds,
+        "seconds": timed.stats.seconds,
+        "prefill_seconds": timed.stats.prefill_seconds,
+        "decode_seconds": timed.stats.decode_seconds,
+        "decode_steps": timed.stats.decode_steps,
+        "first_call_seconds": first.stats.seconds,
+        "graph_captures": first.stats.graph_captures + timed.stats.graph_captures,
+        "graph_captures_in_second_call": timed.stats.graph_captures,
         "baseline_bare_decode_tokens_per_second": bare_tps,
         "decode_ratio": bare_tps.map(|bare| engine_tps / bare.max(1e-12)),
+        "device_copy_bytes_per_second": bound.as_ref().map(|b| b.copy_rate),
+        "bandwidth_bound_tokens_per_second": bound.as_ref().map(|b| b.tokens_per_second),
+        "decode_share_of_bound": bound.as_ref().map(|b| engine_tps / b.tokens_per_second),
+        "torch_generate": torch,
+        "end_to_end_ratio_to_torch": torch_tps.map(|t| end_to_end_tps / t.max(1e-12)),
         "identical_after_cycles": identical,
         "steps": steps.iter().map(Step::to_json).collect::<Vec<_>>(),
     });
@@ -234,9 +273,36 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     };
     writeln!(
         out,
-        "decode: engine {engine_tps:.0} tokens/s, {baseline}; end to end {end_to_end_tps:.0} tokens/s in {:.3} s",
-        first.stats.seconds
+        "decode: engine {engine_tps:.0} tokens/s, {baseline}; end to end {end_to_end_tps:.0} tokens/s in {:.3} s (prefill {:.3} s, {} decode steps in {:.3} s; first call {:.3} s, {} cuda graphs captured then, {} in the timed call)",
+        timed.stats.seconds,
+        timed.stats.prefill_seconds,
+        timed.stats.decode_steps,
+        timed.stats.decode_seconds,
+        first.stats.seconds,
+        first.stats.graph_captures,
+        timed.stats.graph_captures,
     )?;
+    if let Some(b) = &bound {
+        writeln!(
+            out,
+            "bandwidth bound: {:.2} GB of weights per step at the device copy rate {:.0} GB/s (read + written) = {:.3} ms a step, {:.0} tokens/s at batch {batch}; decode reaches {:.1}% of it",
+            weight_bytes as f64 / 1e9,
+            b.copy_rate / 1e9,
+            b.step_seconds * 1e3,
+            b.tokens_per_second,
+            100.0 * engine_tps / b.tokens_per_second
+        )?;
+    }
+    if let (Some(t), Some(tps)) = (&torch, torch_tps) {
+        writeln!(
+            out,
+            "transformers generate ({} cache, torch {}, same shapes): {tps:.0} tokens/s in {:.3} s; miles end to end / transformers = {:.2}",
+            t["cache"].as_str().unwrap_or("?"),
+            t["torch"].as_str().unwrap_or("?"),
+            t["seconds"].as_f64().unwrap_or(f64::NAN),
+            end_to_end_tps / tps.max(1e-12)
+        )?;
+    }
     writeln!(
         out,
         "{:<16} {:<16} {:>12} {:>10} {:>9} {:>12} {:>8} {:>14}",
@@ -269,6 +335,93 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         if identical { "yes" } else { "NO" }
     )?;
     Ok(())
+}
+
+/// The decode step's floor: reading every weight byte once, at the device-to-device copy
+/// rate measured now.
+struct Bound {
+    /// Bytes read plus bytes written per second by `cuMemcpyDtoD`.
+    copy_rate: f64,
+    /// Weight bytes over that rate.
+    step_seconds: f64,
+    /// `batch` tokens per step at that pace.
+    tokens_per_second: f64,
+}
+
+/// Copies `bytes` between two buffers of a bench region five times (after one untimed copy)
+/// and derives the bound; the region is released afterwards.
+fn bandwidth_bound(
+    gpu: &Gpu,
+    memory: &MemoryManager,
+    bytes: u64,
+    batch: usize,
+) -> anyhow::Result<Bound> {
+    let len = usize::try_from(bytes)?.next_multiple_of(256);
+    let tag = MemoryTag::Named("bench-copy".into());
+    memory.create_region(tag.clone(), BackupPolicy::None, 2 * len)?;
+    let (src, dst) = (memory.alloc(&tag, len)?, memory.alloc(&tag, len)?);
+    let (src, dst) = (
+        GpuSlice::<u32>::of(src.range())?,
+        GpuSlice::<u32>::of(dst.range())?,
+    );
+    gpu.copy(dst, src)?;
+    gpu.synchronize()?;
+    let reps = 5;
+    let start = Instant::now();
+    for _ in 0..reps {
+        gpu.copy(dst, src)?;
+    }
+    gpu.synchronize()?;
+    let seconds = start.elapsed().as_secs_f64() / f64::from(reps);
+    memory.pause(&tag)?;
+    let copy_rate = 2.0 * len as f64 / seconds.max(1e-12);
+    let step_seconds = bytes as f64 / copy_rate;
+    Ok(Bound {
+        copy_rate,
+        step_seconds,
+        tokens_per_second: batch as f64 / step_seconds,
+    })
+}
+
+/// Runs transformers' `generate` on the preset's shapes (`bench/hf_generate.py`, static
+/// cache) and returns its JSON figures.
+fn torch_baseline(
+    args: &BenchRolloutArgs,
+    model: &LlamaConfig,
+    sequences: usize,
+) -> anyhow::Result<Value> {
+    let config =
+        std::env::temp_dir().join(format!("miles-bench-rollout-{}.json", std::process::id()));
+    std::fs::write(&config, model.to_json_string())
+        .with_context(|| format!("cannot write {}", config.display()))?;
+    let output = Command::new(&args.python)
+        .arg(&args.torch_script)
+        .arg("--config")
+        .arg(&config)
+        .args(["--batch", &sequences.to_string()])
+        .args(["--prompt-len", &args.prompt_len.max(1).to_string()])
+        .args(["--new-tokens", &args.max_new_tokens.to_string()])
+        .args(["--cache", "static"])
+        .output()
+        .with_context(|| {
+            format!(
+                "cannot run {} {}; give --python, or --no-baseline",
+                args.python,
+                args.torch_script.display()
+            )
+        })?;
+    if !output.status.success() {
+        bail!(
+            "the transformers baseline failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+                .lines()
+                .last()
+                .unwrap_or("no output")
+        );
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("the baseline printed {line:?}"))
 }
 
 /// Seconds of a plain copy of the weight bytes into a fresh, pre-faulted buffer.

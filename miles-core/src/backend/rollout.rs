@@ -100,6 +100,24 @@ pub trait RolloutEngine: Send {
     /// [`EngineError`] when the device lacks room.
     fn onload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError>;
 
+    /// Releases the device memory of the engine's captured CUDA graphs (`--offload-rollout-level
+    /// cuda_graph`); the graphs replay, without recapture, once it is back. An engine without
+    /// graphs has nothing to move.
+    ///
+    /// # Errors
+    /// [`EngineError`] when the pause fails.
+    fn offload_graphs(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        Ok(Vec::new())
+    }
+
+    /// Brings the graphs' device memory back at the same addresses.
+    ///
+    /// # Errors
+    /// [`EngineError`] when the device lacks room.
+    fn onload_graphs(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
+        Ok(Vec::new())
+    }
+
     /// Writes one bucket of the trainer's weights, by Hugging Face name, into the engine.
     ///
     /// # Errors

@@ -422,6 +422,8 @@ settings_table! {
         Value clip_grad: f64 = 1.0, "NORM", "Loss", Range::Between(0.0, 1e9);
         /// Nucleus sampling of the rollout, in (0, 1]
         Value rollout_top_p: f64 = 1.0, "P", "Rollout", Range::Any;
+        /// Run the GPU engine's decode steps as queued kernels, not as captured CUDA graphs
+        Switch rollout_disable_cuda_graph: bool = false, "", "Rollout", Range::Any;
         /// Sample among the K most likely tokens only (ties at the cut kept), 0 keeps all
         Value rollout_top_k: usize = 0, "K", "Rollout", Range::Between(0.0, 16777216.0);
         /// Token ids that end a sample, besides EOS

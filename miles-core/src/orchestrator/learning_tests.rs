@@ -259,6 +259,7 @@ fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfi
         offload_rollout: false,
         offload_kv: false,
         offload_weights: false,
+        offload_graphs: false,
         bucket_bytes: 1 << 20,
         export_while_offloaded: false,
         advantage_estimator,

@@ -57,6 +57,8 @@ pub struct LoopConfig {
     pub offload_kv: bool,
     /// The engine's weights leave after each rollout.
     pub offload_weights: bool,
+    /// The engine's CUDA graph memory leaves after each rollout (it comes back with the KV cache).
+    pub offload_graphs: bool,
     /// Bytes per bucket of the weight sync.
     pub bucket_bytes: usize,
     /// The actor can export its weights while offloaded (from its host backup): the sync then
@@ -87,11 +89,6 @@ impl LoopConfig {
     /// The loop settings of a run (the settings were checked when resolved).
     pub fn from_settings(s: &Settings) -> Self {
         let rollout = RolloutOffload::of(s);
-        if rollout.cuda_graph {
-            tracing::info!(
-                "offload level cuda_graph: the rollout engine captures no graphs, nothing to move"
-            );
-        }
         Self {
             steps: s.steps,
             rollout_batch_size: s.rollout_batch_size,
@@ -105,6 +102,7 @@ impl LoopConfig {
             offload_rollout: s.offload_rollout,
             offload_kv: rollout.kv_cache,
             offload_weights: rollout.weights,
+            offload_graphs: rollout.cuda_graph,
             bucket_bytes: usize::try_from(s.update_weight_buffer_size).unwrap_or(usize::MAX),
             export_while_offloaded: false,
             advantage_estimator: s.advantage_estimator,
@@ -230,6 +228,7 @@ pub struct Orchestrator {
     /// Weights exported before the trainer slept, for the coming sync.
     staged: Option<Vec<WeightBucket>>,
     kv_offloaded: bool,
+    graphs_offloaded: bool,
     weights_offloaded: bool,
     /// Seconds the last weight export before an offload took.
     export_seconds: f64,
@@ -276,6 +275,7 @@ impl Orchestrator {
             started: Instant::now(),
             staged: None,
             kv_offloaded: false,
+            graphs_offloaded: false,
             weights_offloaded: false,
             export_seconds: 0.0,
             device_sync: false,
@@ -414,8 +414,13 @@ impl Orchestrator {
         if self.config.offload_rollout {
             self.engine.flush_cache()?;
             self.engine.offload_kv()?;
+            self.engine.offload_graphs()?;
             self.engine.offload_weights()?;
-            (self.kv_offloaded, self.weights_offloaded) = (true, true);
+            (
+                self.kv_offloaded,
+                self.graphs_offloaded,
+                self.weights_offloaded,
+            ) = (true, true, true);
             self.sample_memory("start after engine release".into());
         }
         while self.state.warmup_steps < self.config.sft_warmup_steps {
@@ -522,6 +527,10 @@ impl Orchestrator {
                     reports.extend(self.engine.offload_kv()?);
                     self.kv_offloaded = true;
                 }
+                if c.offload_graphs {
+                    reports.extend(self.engine.offload_graphs()?);
+                    self.graphs_offloaded = true;
+                }
                 if c.offload_weights {
                     reports.extend(self.engine.offload_weights()?);
                     self.weights_offloaded = true;
@@ -569,13 +578,16 @@ impl Orchestrator {
             Phase::Sync if self.device_sync => self.sync_on_device()?,
             Phase::Sync => self.sync()?,
             Phase::OnloadKv => {
-                if self.kv_offloaded {
-                    let reports = self.engine.onload_kv()?;
-                    self.kv_offloaded = false;
-                    report_bytes(&reports)
-                } else {
-                    0
+                let mut reports = Vec::new();
+                if self.graphs_offloaded {
+                    reports.extend(self.engine.onload_graphs()?);
+                    self.graphs_offloaded = false;
                 }
+                if self.kv_offloaded {
+                    reports.extend(self.engine.onload_kv()?);
+                    self.kv_offloaded = false;
+                }
+                report_bytes(&reports)
             }
         })
     }

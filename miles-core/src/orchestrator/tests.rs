@@ -440,6 +440,7 @@ fn colocated(steps: u64) -> LoopConfig {
         offload_rollout: true,
         offload_kv: true,
         offload_weights: true,
+        offload_graphs: false,
         bucket_bytes: 2 * 256 * 4,
         export_while_offloaded: false,
         advantage_estimator: AdvantageEstimator::Grpo,
@@ -523,6 +524,7 @@ fn disabled_offloads_are_never_called() {
         offload_rollout: false,
         offload_kv: false,
         offload_weights: false,
+        offload_graphs: false,
         ..colocated(2)
     };
     let (_, steps) = run(&mut orchestrator(config, &log));
@@ -556,6 +558,7 @@ fn kv_cache_level_offloads_only_the_kv_cache_after_each_rollout() {
     let log = Log::default();
     let config = LoopConfig {
         offload_weights: false,
+        offload_graphs: false,
         ..colocated(1)
     };
     run(&mut orchestrator(config, &log));

@@ -1,5 +1,6 @@
 //! The engine's GPU path: bf16 weights in the `weights` region, the bf16 paged cache and the
-//! step's scratch in the `kv_cache` region, every kernel queued on the [`Gpu`]'s stream.
+//! prefill's scratch in the `kv_cache` region, the decode step's scratch (the static buffers of
+//! its CUDA graphs) in the `cuda_graph` region, every kernel queued on the [`Gpu`]'s stream.
 //!
 //! A step (a prefill of several prompts, or a decode of one token per sequence) is one pass
 //! over `N` tokens, each with its sequence and position: embedding; per layer RMSNorm, the q,
@@ -12,16 +13,28 @@
 //! prompts' rows of logits back (once per prompt: its samples draw from them later). A fence
 //! on every buffer the pass used lets the memory manager pause the tags afterwards.
 //!
-//! A pass holds at most `max(max_position_embeddings, max_batch)` tokens (so any prompt fits
-//! whole) and `max_batch` sequences; a prefill of more is split into several passes.
+//! The decode step is captured as a CUDA graph per batch bucket (1, 2, 4, ... up to
+//! `max_batch` sequences), once in the engine's life: a step of `B` sequences runs the graph
+//! of the smallest bucket holding `B`, its other rows padding that write into a block no
+//! sequence owns. Everything a graph reads lives at fixed addresses: the weights, the cache,
+//! and the step scratch, whose index arrays, draws and sampling rule are uploaded before each
+//! replay. Offloading `cuda_graph` releases that scratch; it comes back at the same addresses
+//! and the graphs replay without recapture.
+//!
+//! A prefill pass holds at most `max(max_position_embeddings, max_batch)` tokens (so any
+//! prompt fits whole) and `max_batch` sequences; a prefill of more is split into several passes.
 
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{AddressRange, DeviceError, Gemm, Gpu, GpuElement, GpuSlice, Transpose};
+use miles_core::device::{
+    AddressRange, DeviceError, Gemm, Gpu, GpuElement, GpuGraph, GpuSlice, Transpose,
+};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
-use miles_core::ops::gpu::{DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, SampleRule};
+use miles_core::ops::gpu::{
+    DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, RULE_WORDS, SampleRule,
+};
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 
@@ -51,13 +64,21 @@ pub(crate) struct Limits {
 }
 
 impl Limits {
-    /// A pass takes any prompt whole (`max_position_embeddings` tokens), a decode step of
-    /// `max_batch` sequences, and at most `max_batch` sequences in all.
+    /// A prefill pass takes any prompt whole (`max_position_embeddings` tokens), a decode step
+    /// of `max_batch` sequences, and at most `max_batch` sequences in all.
     pub(crate) fn new(config: &LlamaConfig, max_batch: usize, block_size: usize) -> Limits {
         Limits {
             tokens: config.max_position_embeddings.max(max_batch),
             rows: max_batch,
             blocks: config.max_position_embeddings.div_ceil(block_size),
+        }
+    }
+
+    /// A decode step's: one token for each of at most `max_batch` sequences.
+    fn step(self) -> Limits {
+        Limits {
+            tokens: self.rows,
+            ..self
         }
     }
 }
@@ -97,9 +118,8 @@ struct Scratch {
     logits: GpuSlice<f32>,   // (R, V)
     cos: GpuSlice<f32>,      // (P_max, D/2)
     sin: GpuSlice<f32>,      // (P_max, D/2)
-    index: GpuSlice<u32>, // ids, positions, seq rows, slots (N each), logit rows (R), tables (R, blocks), draws (R, 4)
-    picked: GpuSlice<u32>,    // (R) drawn tokens
-    picked_lp: GpuSlice<f32>, // (R) their log-probs
+    index: GpuSlice<u32>,    // the pass's index arrays, draws and rule ([`Index`])
+    picked: GpuSlice<u32>,   // (2R) drawn tokens, then their log-probs' bits
 }
 
 impl Scratch {
@@ -124,22 +144,58 @@ impl Scratch {
             logits: at.take(r * c.vocab_size)?,
             cos: at.take(rope)?,
             sin: at.take(rope)?,
-            index: at.take(4 * n + r + r * l.blocks + DRAW_WORDS * r)?,
-            picked: at.take(r)?,
-            picked_lp: at.take(r)?,
+            index: at.take(Index::new(n, r, r, l.blocks).len)?,
+            picked: at.take(2 * r)?,
         };
         Ok((scratch, at.used))
     }
 }
 
-/// Bytes of the scratch of a pass of `limits` under `config`.
+/// Where each array of a pass lies in the index scratch, in words: `n` token ids, positions,
+/// sequence rows and slots; `r` logit rows; `r` block tables of `blocks`; `d` draws of
+/// [`DRAW_WORDS`]; the [`RULE_WORDS`] of the sampling rule.
+#[derive(Clone, Copy, Debug)]
+struct Index {
+    n: usize,
+    r: usize,
+    d: usize,
+    tables: usize,
+    draws: usize,
+    rule: usize,
+    len: usize,
+}
+
+impl Index {
+    fn new(n: usize, r: usize, d: usize, blocks: usize) -> Index {
+        let tables = 4 * n + r;
+        let draws = tables + r * blocks;
+        let rule = draws + DRAW_WORDS * d;
+        Index {
+            n,
+            r,
+            d,
+            tables,
+            draws,
+            rule,
+            len: rule + RULE_WORDS,
+        }
+    }
+}
+
+/// Bytes of the scratch of a prefill pass of `limits` under `config`, and of a decode step's.
 ///
 /// # Errors
 /// [`InferError::Device`] when a size overflows the address arithmetic.
-pub(crate) fn scratch_bytes(config: &LlamaConfig, limits: Limits) -> Result<usize, InferError> {
-    Scratch::carve(0, config, limits)
-        .map(|(_, bytes)| bytes)
-        .map_err(InferError::device("size the gpu scratch"))
+pub(crate) fn scratch_bytes(
+    config: &LlamaConfig,
+    limits: Limits,
+) -> Result<[usize; 2], InferError> {
+    let bytes = |limits| {
+        Scratch::carve(0, config, limits)
+            .map(|(_, bytes)| bytes)
+            .map_err(InferError::device("size the gpu scratch"))
+    };
+    Ok([bytes(limits)?, bytes(limits.step())?])
 }
 
 /// Checks that `gpu` computes on the device `memory` allocates from, and that the model fits
@@ -176,7 +232,22 @@ pub(crate) fn check_fit(
     Ok(())
 }
 
-/// The model on the GPU: its buffers, the cache's shape and the scratch tensors.
+/// The buffers a [`GpuModel`] computes on.
+#[derive(Debug)]
+pub(crate) struct GpuBuffers {
+    /// `(params)` bf16, in the parameter table's order (`weights` region).
+    pub weights: Buffer,
+    /// `(blocks + 1, L, 2, P, K*D)` bf16 (`kv_cache` region); the last block takes the writes
+    /// of a graph's padding rows.
+    pub cache: Buffer,
+    /// The prefill's scratch (`kv_cache` region).
+    pub prefill: Buffer,
+    /// The decode step's scratch, the graphs' static buffers (`cuda_graph` region).
+    pub step: Buffer,
+}
+
+/// The model on the GPU: its buffers, the cache's shape, the scratch tensors and the captured
+/// decode graphs.
 #[derive(Debug)]
 pub(crate) struct GpuModel {
     gpu: Arc<Gpu>,
@@ -185,15 +256,22 @@ pub(crate) struct GpuModel {
     rope: RopeTable,
     limits: Limits,
     shape: PagedCache,
-    weights: Buffer, // (params) bf16, in the parameter table's order
-    cache: Buffer,   // (blocks, L, 2, P, K*D) bf16
-    scratch_buffer: Buffer,
-    scratch: Scratch,
+    /// The block padding rows write into: past every block the tables hand out.
+    spare_block: u32,
+    buffers: GpuBuffers,
+    prefill: Scratch,
+    step: Scratch,
+    /// The decode graph of each bucket (`2^i` sequences), once captured; empty without graphs.
+    graphs: Vec<Option<GpuGraph>>,
+    /// Graphs captured in the model's life.
+    captures: usize,
 }
 
 impl GpuModel {
-    /// The model over `weights` (bf16, the parameter table's size), `cache` (`num_blocks`
-    /// blocks of `block_size` positions, bf16) and `scratch` ([`scratch_bytes`] of `limits`).
+    /// The model over `buffers`: the weights (the parameter table's size), the cache of
+    /// `num_blocks` blocks of `block_size` positions plus the spare block, the prefill scratch
+    /// and the step scratch ([`scratch_bytes`] of `limits`). With `graphs`, decode steps run
+    /// as CUDA graphs.
     ///
     /// # Errors
     /// [`InferError::Internal`] when a buffer is smaller than its contents;
@@ -203,34 +281,43 @@ impl GpuModel {
         config: &LlamaConfig,
         layout: &ParamLayout,
         limits: Limits,
-        num_blocks: usize,
-        block_size: usize,
-        buffers: [Buffer; 3],
+        (num_blocks, block_size): (usize, usize),
+        buffers: GpuBuffers,
+        graphs: bool,
     ) -> Result<GpuModel, InferError> {
-        let [weights, cache, scratch_buffer] = buffers;
         let shape = PagedCache {
-            num_blocks,
+            num_blocks: num_blocks + 1,
             num_layers: config.num_layers,
             block_size,
             kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
         };
-        let (scratch, bytes) = Scratch::carve(scratch_buffer.address(), config, limits)
-            .map_err(InferError::device("lay out the gpu scratch"))?;
-        let short = |what: &str, have: usize, need: usize| {
-            InferError::Internal(format!(
-                "the gpu {what} buffer holds {have} bytes, it needs {need}"
-            ))
-        };
+        let lay_out = InferError::device("lay out the gpu scratch");
+        let (prefill, prefill_bytes) =
+            Scratch::carve(buffers.prefill.address(), config, limits).map_err(lay_out)?;
+        let (step, step_bytes) =
+            Scratch::carve(buffers.step.address(), config, limits.step()).map_err(lay_out)?;
         for (what, buffer, need) in [
-            ("weights", &weights, layout.len() * ELEMENT_BYTES),
-            ("kv cache", &cache, shape.elems() * ELEMENT_BYTES),
-            ("scratch", &scratch_buffer, bytes),
+            ("weights", &buffers.weights, layout.len() * ELEMENT_BYTES),
+            ("kv cache", &buffers.cache, shape.elems() * ELEMENT_BYTES),
+            ("prefill scratch", &buffers.prefill, prefill_bytes),
+            ("step scratch", &buffers.step, step_bytes),
         ] {
             if buffer.len() < need {
-                return Err(short(what, buffer.len(), need));
+                return Err(InferError::Internal(format!(
+                    "the gpu {what} buffer holds {} bytes, it needs {need}",
+                    buffer.len()
+                )));
             }
         }
+        let spare_block = u32::try_from(num_blocks).map_err(|_| {
+            InferError::Internal(format!("{num_blocks} kv blocks do not fit 32 bits"))
+        })?;
+        let buckets = if graphs {
+            limits.rows.next_power_of_two().trailing_zeros() as usize + 1
+        } else {
+            0
+        };
         Ok(GpuModel {
             rope: config.rope_table(),
             gpu,
@@ -238,11 +325,18 @@ impl GpuModel {
             layout: layout.clone(),
             limits,
             shape,
-            weights,
-            cache,
-            scratch_buffer,
-            scratch,
+            spare_block,
+            buffers,
+            prefill,
+            step,
+            graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
+            captures: 0,
         })
+    }
+
+    /// Decode graphs captured so far, in the model's life.
+    pub(crate) fn graph_captures(&self) -> usize {
+        self.captures
     }
 
     /// Waits for queued kernels, so the weights can be written from the host.
@@ -270,7 +364,8 @@ impl GpuModel {
                     d.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
                 }
             });
-        self.weights
+        self.buffers
+            .weights
             .write(offset * ELEMENT_BYTES, &bytes)
             .map_err(InferError::memory("write the weights"))
     }
@@ -300,53 +395,48 @@ impl GpuModel {
             )));
         }
         let copy = InferError::device("copy the weights on the gpu");
-        let dst = GpuSlice::<bf16>::of(self.weights.range())
+        let dst = GpuSlice::<bf16>::of(self.buffers.weights.range())
             .and_then(|all| all.sub(0, len))
             .map_err(copy)?;
         self.gpu.wait_for(ready).map_err(copy)?;
         self.gpu.copy(dst, src).map_err(copy)?;
         let done = self.gpu.record_fence().map_err(copy)?;
-        self.weights.record_use(done.clone());
+        self.buffers.weights.record_use(done.clone());
         done.wait().map_err(copy)
     }
 
-    /// Uploads what a generate call needs besides the weights: the rotary tables, which live in
-    /// the `kv_cache` region and are dropped with it.
+    /// Uploads what a generate call needs besides the weights: the rotary tables of both
+    /// scratches, whose regions drop their contents when offloaded.
     ///
     /// # Errors
     /// [`InferError::Device`] when the upload fails.
     pub(crate) fn begin(&self) -> Result<(), InferError> {
         let upload = InferError::device("upload the rotary tables");
-        let s = &self.scratch;
-        for (table, values) in [(s.cos, self.rope.cos()), (s.sin, self.rope.sin())] {
-            self.gpu.upload(table, values).map_err(upload)?;
+        for s in [&self.prefill, &self.step] {
+            for (table, values) in [(s.cos, self.rope.cos()), (s.sin, self.rope.sin())] {
+                self.gpu.upload(table, values).map_err(upload)?;
+            }
         }
         Ok(())
     }
 
     fn weight(&self, kind: ParamKind, layer: usize) -> Result<GpuSlice<bf16>, DeviceError> {
         let range = self.layout.range(kind, layer);
-        GpuSlice::<bf16>::of(self.weights.range())?.sub(range.start, range.len())
+        GpuSlice::<bf16>::of(self.buffers.weights.range())?.sub(range.start, range.len())
     }
 
     fn cache_slice(&self) -> Result<GpuSlice<bf16>, DeviceError> {
-        GpuSlice::<bf16>::of(self.cache.range())?.sub(0, self.shape.elems())
+        GpuSlice::<bf16>::of(self.buffers.cache.range())?.sub(0, self.shape.elems())
     }
 
-    /// Runs one pass, then the draws of `draws` (`(D, 4)`: row, then key) under their rule,
-    /// and records the pass's fence on every buffer it used.
-    fn execute(&self, pass: &Pass, draws: Option<(&[u32], SampleRule)>) -> Result<(), InferError> {
+    /// Records a fence after the work queued so far on every buffer it may use, even when
+    /// `queued` failed after some of it was queued; returns `queued`'s error first.
+    fn fence(&self, queued: Result<(), DeviceError>) -> Result<(), InferError> {
         let step = InferError::device("run a step on the gpu");
-        let words = draws.map_or(&[][..], |(words, _)| words);
-        let queued = self.queue(pass, words).and_then(|()| match &draws {
-            Some((words, rule)) => self.sample(pass, words, rule),
-            None => Ok(()),
-        });
-        // Every buffer the pass touched waits for its last kernel before a pause, even when a
-        // launch failed after others were queued.
         let fence = self.gpu.record_fence();
         if let Ok(fence) = &fence {
-            for buffer in [&self.weights, &self.cache, &self.scratch_buffer] {
+            let b = &self.buffers;
+            for buffer in [&b.weights, &b.cache, &b.prefill, &b.step] {
                 buffer.record_use(fence.clone());
             }
         }
@@ -354,59 +444,22 @@ impl GpuModel {
         fence.map(drop).map_err(step)
     }
 
-    /// Queues the draws of `draws` over the logits of `pass` (uploaded with its index arrays).
-    fn sample(&self, pass: &Pass, draws: &[u32], rule: &SampleRule) -> Result<(), DeviceError> {
-        let d = draws.len() / DRAW_WORDS;
-        let s = &self.scratch;
-        let rows = pass.logit_rows.len().max(d);
-        self.gpu.sample_rows(
-            s.picked.sub(0, d)?,
-            s.picked_lp.sub(0, d)?,
-            s.logits.sub(0, rows * self.config.vocab_size)?,
-            s.index.sub(pass.index_len(), draws.len())?,
-            self.config.vocab_size,
-            rule,
-        )
-    }
-
-    /// Runs one pass and returns the logits `(V)` of each of its sequences.
-    fn run_for_logits(&self, pass: &Pass) -> Result<Vec<Vec<f32>>, InferError> {
-        self.execute(pass, None)?;
-        self.logits(pass.logit_rows.len())
-    }
-
-    /// The `d` drawn tokens and log-probs of the last pass.
-    fn picked(&self, d: usize) -> Result<Vec<(u32, f32)>, InferError> {
-        let read = InferError::device("read the drawn tokens");
-        let mut tokens = vec![0u32; d];
-        let mut logprobs = vec![0f32; d];
-        let s = &self.scratch;
-        self.gpu
-            .download(&mut tokens, s.picked.sub(0, d).map_err(read)?)
-            .map_err(read)?;
-        self.gpu
-            .download(&mut logprobs, s.picked_lp.sub(0, d).map_err(read)?)
-            .map_err(read)?;
-        Ok(tokens.into_iter().zip(logprobs).collect())
-    }
-
-    /// The logits `(V)` of each sequence of the last pass, `rows` of them.
-    fn logits(&self, rows: usize) -> Result<Vec<Vec<f32>>, InferError> {
-        let read = InferError::device("read the logits");
-        let v = self.config.vocab_size;
-        let mut logits = vec![0.0f32; rows * v];
-        let out = self.scratch.logits.sub(0, rows * v).map_err(read)?;
-        self.gpu.download(&mut logits, out).map_err(read)?;
-        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).collect())
-    }
-
-    /// Uploads the pass's index arrays and `draws`, and queues the pass's kernels (none for a
-    /// pass of no token).
-    fn queue(&self, pass: &Pass, draws: &[u32]) -> Result<(), DeviceError> {
-        let (g, c, s) = (&*self.gpu, &self.config, &self.scratch);
-        let (n, r) = (pass.ids.len(), pass.logit_rows.len());
-        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let mut index = Vec::with_capacity(pass.index_len() + draws.len());
+    /// Uploads the index arrays of `pass`, its `draws` (`(D, 4)`: row, then key) and `rule`
+    /// into `s`, and returns their layout.
+    fn upload(
+        &self,
+        s: &Scratch,
+        pass: &Pass,
+        draws: &[u32],
+        rule: &SampleRule,
+    ) -> Result<Index, DeviceError> {
+        let at = Index::new(
+            pass.ids.len(),
+            pass.logit_rows.len(),
+            draws.len() / DRAW_WORDS,
+            self.limits.blocks,
+        );
+        let mut index = Vec::with_capacity(at.len);
         for part in [
             &pass.ids,
             &pass.positions,
@@ -418,10 +471,38 @@ impl GpuModel {
             index.extend_from_slice(part);
         }
         index.extend_from_slice(draws);
-        g.upload(s.index.sub(0, index.len())?, &index)?;
-        if n == 0 {
-            return Ok(());
+        index.extend_from_slice(&rule.words()?);
+        self.gpu.upload(s.index.sub(0, index.len())?, &index)?;
+        Ok(at)
+    }
+
+    /// Queues the kernels of a pass laid out as `at` over `s`: the model for its tokens (none
+    /// when it has none), then its draws. Queues only (so it can be captured).
+    fn queue(&self, s: &Scratch, at: Index) -> Result<(), DeviceError> {
+        let (g, c) = (&*self.gpu, &self.config);
+        let (n, r, d) = (at.n, at.r, at.d);
+        let v = c.vocab_size;
+        if n > 0 {
+            self.queue_model(s, at)?;
         }
+        if d > 0 {
+            g.sample_rows(
+                s.picked.sub(0, d)?,
+                logprob_view(s.picked.sub(d, d)?)?,
+                s.logits.sub(0, r.max(d) * v)?,
+                s.index.sub(at.draws, DRAW_WORDS * d)?,
+                s.index.sub(at.rule, RULE_WORDS)?,
+                v,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Queues the model over the tokens of a pass laid out as `at`.
+    fn queue_model(&self, s: &Scratch, at: Index) -> Result<(), DeviceError> {
+        let (g, c) = (&*self.gpu, &self.config);
+        let (n, r) = (at.n, at.r);
+        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let ids = s.index.sub(0, n)?;
         let positions = s.index.sub(n, n)?;
         let slots = s.index.sub(3 * n, n)?;
@@ -429,7 +510,7 @@ impl GpuModel {
         let tokens = PagedTokens {
             positions,
             seq_rows: s.index.sub(2 * n, n)?,
-            tables: s.index.sub(4 * n + r, pass.tables.len())?,
+            tables: s.index.sub(at.tables, r * self.limits.blocks)?,
             max_blocks: self.limits.blocks,
         };
         let (x, ln, att, proj) = (
@@ -488,6 +569,95 @@ impl GpuModel {
         )
     }
 
+    /// Runs `pass` and its `draws` over `s` as queued kernels.
+    fn execute(
+        &self,
+        s: &Scratch,
+        pass: &Pass,
+        draws: &[u32],
+        rule: &SampleRule,
+    ) -> Result<Index, InferError> {
+        // A failed upload queued nothing of this pass.
+        let at = self
+            .upload(s, pass, draws, rule)
+            .map_err(InferError::device("upload a step's index arrays"))?;
+        self.fence(self.queue(s, at))?;
+        Ok(at)
+    }
+
+    /// Runs `pass` over the prefill scratch and returns the logits `(V)` of each of its
+    /// sequences.
+    fn run_for_logits(&self, pass: &Pass) -> Result<Vec<Vec<f32>>, InferError> {
+        let s = &self.prefill;
+        self.execute(s, pass, &[], &GREEDY)?;
+        let read = InferError::device("read the logits");
+        let (rows, v) = (pass.logit_rows.len(), self.config.vocab_size);
+        let mut logits = vec![0.0f32; rows * v];
+        let out = s.logits.sub(0, rows * v).map_err(read)?;
+        self.gpu.download(&mut logits, out).map_err(read)?;
+        Ok(logits.chunks_exact(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// The `d` tokens and log-probs the last pass over `s` drew.
+    fn picked(&self, s: &Scratch, d: usize) -> Result<Vec<(u32, f32)>, InferError> {
+        let read = InferError::device("read the drawn tokens");
+        let mut words = vec![0u32; 2 * d];
+        self.gpu
+            .download(&mut words, s.picked.sub(0, 2 * d).map_err(read)?)
+            .map_err(read)?;
+        let (tokens, logprobs) = words.split_at(d);
+        Ok(tokens
+            .iter()
+            .zip(logprobs)
+            .map(|(&token, &bits)| (token, f32::from_bits(bits)))
+            .collect())
+    }
+
+    /// Runs the decode `pass` (one token per sequence, `draws` for all of them) as the graph
+    /// of its bucket, capturing the graph the first time; falls back to queued kernels for
+    /// good, with a warning, when the driver refuses the capture.
+    fn replay(
+        &mut self,
+        pass: &Pass,
+        draws: &[u32],
+        rule: &SampleRule,
+    ) -> Result<Index, InferError> {
+        let s = self.step;
+        let bucket = pass.logit_rows.len().next_power_of_two().trailing_zeros() as usize;
+        let at = self
+            .upload(&s, pass, draws, rule)
+            .map_err(InferError::device("upload a step's index arrays"))?;
+        if self.graphs[bucket].is_none() {
+            match self.gpu.capture(|| self.queue(&s, at)) {
+                Ok(graph) => {
+                    self.captures += 1;
+                    tracing::info!(
+                        sequences = 1usize << bucket,
+                        captured = self.captures,
+                        "captured the decode step's cuda graph for this batch bucket; it replays from now on"
+                    );
+                    self.graphs[bucket] = Some(graph);
+                }
+                Err(error) => {
+                    tracing::warn!(
+                        %error,
+                        "the driver refused to capture the decode step; it runs as queued kernels from now on"
+                    );
+                    self.graphs.clear();
+                    let queued = self.queue(&s, at);
+                    self.fence(queued)?;
+                    return Ok(at);
+                }
+            }
+        }
+        let queued = match &self.graphs[bucket] {
+            Some(graph) => self.gpu.replay(graph),
+            None => self.queue(&s, at),
+        };
+        self.fence(queued)?;
+        Ok(at)
+    }
+
     /// Adds `tokens` at positions `first..` of `seq` to `pass`, with one row of logits for
     /// the last of them.
     fn push(
@@ -538,9 +708,28 @@ impl GpuModel {
         }
         Ok(())
     }
-}
 
-impl GpuModel {
+    /// Pads the decode `pass` to `rows` sequences: each extra row feeds token 0 at position 0
+    /// of a table holding the spare block alone, so it writes nowhere a sequence reads.
+    fn pad(&self, pass: &mut Pass, rows: usize) -> Result<(), InferError> {
+        let slot = self
+            .shape
+            .slot(self.spare_block as usize, 0)
+            .map_err(InferError::device("address the kv cache"))?;
+        while pass.logit_rows.len() < rows {
+            let row = pass.logit_rows.len() as u32;
+            pass.ids.push(0);
+            pass.positions.push(0);
+            pass.seq_rows.push(row);
+            pass.slots.push(slot);
+            pass.logit_rows.push(row);
+            let start = pass.tables.len();
+            pass.tables.resize(start + self.limits.blocks, 0);
+            pass.tables[start] = self.spare_block;
+        }
+        Ok(())
+    }
+
     /// The pass appending `tokens[b]` to `seqs[b]`.
     fn decode_pass(
         &self,
@@ -576,11 +765,20 @@ struct Pass {
     tables: Vec<u32>,     // (R, blocks)
 }
 
-impl Pass {
-    /// Words of the pass's index arrays (the draws follow them in the index scratch).
-    fn index_len(&self) -> usize {
-        4 * self.ids.len() + self.logit_rows.len() + self.tables.len()
-    }
+/// The rule uploaded with a pass that draws nothing.
+const GREEDY: SampleRule = SampleRule {
+    temperature: 0.0,
+    top_p: 1.0,
+    top_k: 0,
+    seed: 0,
+};
+
+/// The second half of the drawn words, where the kernel writes log-probs, as fp32.
+fn logprob_view(words: GpuSlice<u32>) -> Result<GpuSlice<f32>, DeviceError> {
+    GpuSlice::of(AddressRange {
+        start: words.address(),
+        len: words.bytes(),
+    })
 }
 
 /// The sampling kernel's rule for `params`.
@@ -656,18 +854,42 @@ impl Step for GpuModel {
                 draws.len()
             )));
         }
-        let pass = self.decode_pass(tables, seqs, tokens)?;
-        let words: Vec<u32> = draws
-            .iter()
-            .enumerate()
-            .filter_map(|(b, key)| key.map(|key| draw_words(b, key)))
-            .flatten()
+        let mut pass = self.decode_pass(tables, seqs, tokens)?;
+        let rule = rule(params);
+        if self.graphs.is_empty() {
+            let words: Vec<u32> = draws
+                .iter()
+                .enumerate()
+                .filter_map(|(b, key)| key.map(|key| draw_words(b, key)))
+                .flatten()
+                .collect();
+            let s = self.step;
+            let at = self.execute(&s, &pass, &words, &rule)?;
+            let mut picked = self.picked(&s, at.d)?.into_iter();
+            return Ok(draws
+                .iter()
+                .map(|key| key.and_then(|_| picked.next()))
+                .collect());
+        }
+        // A graph draws for every row of its bucket; rows that asked for none are dropped.
+        self.pad(
+            &mut pass,
+            seqs.len().next_power_of_two().min(self.limits.rows),
+        )?;
+        let idle = DrawKey {
+            prompt: 0,
+            sample: 0,
+            token: 0,
+        };
+        let words: Vec<u32> = (0..pass.logit_rows.len())
+            .flat_map(|b| draw_words(b, draws.get(b).copied().flatten().unwrap_or(idle)))
             .collect();
-        self.execute(&pass, Some((&words, rule(params))))?;
-        let mut picked = self.picked(words.len() / DRAW_WORDS)?.into_iter();
+        let at = self.replay(&pass, &words, &rule)?;
+        let picked = self.picked(&self.step, at.d)?;
         Ok(draws
             .iter()
-            .map(|key| key.and_then(|_| picked.next()))
+            .zip(picked)
+            .map(|(key, picked)| key.map(|_| picked))
             .collect())
     }
 
@@ -678,6 +900,8 @@ impl Step for GpuModel {
     ) -> Result<Vec<(u32, f32)>, InferError> {
         let upload = InferError::device("upload logits to draw from");
         let v = self.config.vocab_size;
+        let s = self.step;
+        let rule = rule(params);
         let mut out = Vec::with_capacity(rows.len());
         for chunk in rows.chunks(self.limits.rows) {
             let mut logits = Vec::with_capacity(chunk.len() * v);
@@ -692,10 +916,10 @@ impl Step for GpuModel {
                 logits.extend_from_slice(values);
                 words.extend(draw_words(row, key));
             }
-            let dst = self.scratch.logits.sub(0, logits.len()).map_err(upload)?;
+            let dst = s.logits.sub(0, logits.len()).map_err(upload)?;
             self.gpu.upload(dst, &logits).map_err(upload)?;
-            self.execute(&Pass::default(), Some((&words, rule(params))))?;
-            out.extend(self.picked(chunk.len())?);
+            self.execute(&s, &Pass::default(), &words, &rule)?;
+            out.extend(self.picked(&s, chunk.len())?);
         }
         Ok(out)
     }
@@ -710,7 +934,7 @@ impl Step for GpuModel {
         );
         self.gpu.copy(dst, src).map_err(copy)?;
         let fence = self.gpu.record_fence().map_err(copy)?;
-        self.cache.record_use(fence);
+        self.buffers.cache.record_use(fence);
         Ok(())
     }
 }

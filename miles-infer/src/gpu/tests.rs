@@ -49,6 +49,7 @@ fn engine_config(blocks: usize, weights_policy: BackupPolicy) -> EngineConfig {
         kv_capacity: KvCapacity::Blocks(blocks),
         weights_policy,
         share_prompt_blocks: true,
+        cuda_graphs: true,
     }
 }
 
@@ -322,13 +323,19 @@ fn gpu_generation_repeats_after_offload_cycles_and_offload_frees_both_tags() {
         let engine = t.engine(engine_config(128, policy), &params);
         let memory = Arc::clone(engine.memory());
         let layout = engine.layout().clone();
-        let levels = [RolloutOffloadLevel::KvCache, RolloutOffloadLevel::Weight];
+        let levels = [
+            RolloutOffloadLevel::KvCache,
+            RolloutOffloadLevel::CudaGraph,
+            RolloutOffloadLevel::Weight,
+        ];
         let mut controller = InferenceController::new(
             engine,
             miles_core::RolloutOffload::from_levels(&levels),
             1 << 20,
         );
         let first = controller.generate(&prompts(), &sampling).unwrap();
+        let captured = controller.engine().graph_captures();
+        assert!(captured > 0, "the decode steps ran as graphs");
         for cycle in 0..2 {
             controller.offload().unwrap();
             for (tag, bytes) in memory.resident_bytes() {
@@ -348,6 +355,11 @@ fn gpu_generation_repeats_after_offload_cycles_and_offload_frees_both_tags() {
             assert_eq!(
                 first.completions, again.completions,
                 "cycle {cycle} with weights backup {policy}"
+            );
+            assert_eq!(
+                controller.engine().graph_captures(),
+                captured,
+                "the graphs replay after the cycle without recapture"
             );
         }
         assert!(
@@ -477,14 +489,46 @@ fn gpu_sampling_draws_what_the_host_sampler_draws_on_a_fixed_logit_set() {
         assert!(same * 200 >= draws * 199, "{same} of {draws}");
         // No token is drawn by one sampler and cut by the other's top-k / top-p.
         let cut = |counts: &[u32], other: &[u32]| {
-            counts
-                .iter()
-                .zip(other)
-                .any(|(&c, &o)| c > 3 && o == 0)
+            counts.iter().zip(other).any(|(&c, &o)| c > 3 && o == 0)
         };
         assert!(
             !cut(&host_counts, &gpu_counts) && !cut(&gpu_counts, &host_counts),
             "the kept sets differ"
         );
     }
+}
+
+#[test]
+fn gpu_decode_graphs_give_the_tokens_of_queued_kernels() {
+    let Some(t) = TestGpu::open("gpu_decode_graphs_give_the_tokens_of_queued_kernels") else {
+        return;
+    };
+    let params = params(&config());
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 40,
+        ..greedy(2, 12)
+    };
+    // 4 prompts x 2 samples fill the bucket of 8 exactly, so both run the same products.
+    let run = |cuda_graphs| {
+        let cfg = EngineConfig {
+            cuda_graphs,
+            ..engine_config(128, BackupPolicy::Host)
+        };
+        let mut engine = t.engine(cfg, &params);
+        let out = engine.generate(&prompts(), &sampling).unwrap();
+        (out, engine.graph_captures())
+    };
+    let (graphs, captured) = run(true);
+    let (kernels, none) = run(false);
+    assert!(captured > 0 && none == 0, "{captured} and {none} captures");
+    assert_eq!(graphs.completions, kernels.completions);
+    // Fewer sequences than a bucket: padding rows write only the spare block.
+    let cfg = engine_config(128, BackupPolicy::Host);
+    let mut engine = t.engine(cfg, &params);
+    let three = engine.generate(&prompts()[..3], &greedy(1, 12)).unwrap();
+    let again = engine.generate(&prompts()[..3], &greedy(1, 12)).unwrap();
+    assert_eq!(three.completions, again.completions);
+    assert_eq!(again.stats.graph_captures, 0, "{:?}", again.stats);
 }

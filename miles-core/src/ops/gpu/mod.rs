@@ -27,7 +27,7 @@ mod train_tests;
 use std::sync::Arc;
 
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
-pub use sampling::{DRAW_WORDS, SampleRule};
+pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
 pub use train::{AdamWStep, HeadShape};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};

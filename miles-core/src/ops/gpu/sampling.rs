@@ -15,6 +15,9 @@ const SAMPLE_THREADS: u32 = 1024;
 /// Words of one draw in the draws array: the logit row, then the three numbers of its key.
 pub const DRAW_WORDS: usize = 4;
 
+/// Words of a [`SampleRule`] in device memory ([`SampleRule::words`]).
+pub const RULE_WORDS: usize = 5;
+
 /// How a token is drawn: the host sampler's rule (miles-infer's `sample_token`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SampleRule {
@@ -28,11 +31,29 @@ pub struct SampleRule {
     pub seed: u64,
 }
 
+impl SampleRule {
+    /// The rule as the kernel reads it from device memory: temperature and top-p bits, top-k,
+    /// the seed's low and high words.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for a top-k over `i32::MAX`.
+    pub fn words(&self) -> Result<[u32; RULE_WORDS], DeviceError> {
+        let top_k = as_i32("top_k", self.top_k)? as u32;
+        Ok([
+            self.temperature.to_bits(),
+            self.top_p.to_bits(),
+            top_k,
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+        ])
+    }
+}
+
 impl Gpu {
     /// For each draw `i` of `draws (D, 4)` (`[row, prompt, sample, token index]`), draws a
-    /// token from row `row` of `logits (R, V)` under `rule` into `tokens[i]`, with its log-prob
-    /// under the temperature-scaled distribution in `logprobs[i]`. Rows are trusted to lie
-    /// below `R` (the engine builds them).
+    /// token from row `row` of `logits (R, V)` under `rule` (a [`SampleRule::words`] on the
+    /// device) into `tokens[i]`, with its log-prob under the temperature-scaled distribution in
+    /// `logprobs[i]`. Rows are trusted to lie below `R` (the engine builds them).
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] for mismatched lengths; the launch's error.
@@ -42,8 +63,8 @@ impl Gpu {
         logprobs: GpuSlice<f32>,
         logits: GpuSlice<f32>,
         draws: GpuSlice<u32>,
+        rule: GpuSlice<u32>,
         vocab: usize,
-        rule: &SampleRule,
     ) -> Result<(), DeviceError> {
         let d = draws.len() / DRAW_WORDS;
         if d * DRAW_WORDS != draws.len() {
@@ -53,6 +74,7 @@ impl Gpu {
                 actual: draws.len(),
             });
         }
+        rule.expect_len("sample rule", RULE_WORDS)?;
         tokens.expect_len("sampled tokens", d)?;
         logprobs.expect_len("sampled log-probs", d)?;
         if vocab == 0 || !logits.len().is_multiple_of(vocab) {
@@ -65,13 +87,7 @@ impl Gpu {
         if d == 0 {
             return Ok(());
         }
-        let args = (
-            as_i32("vocab", vocab)?,
-            rule.temperature,
-            rule.top_p,
-            as_i32("top_k", rule.top_k)?,
-            rule.seed,
-        );
+        let vocab = as_i32("vocab", vocab)?;
         self.launch(
             "sample_rows",
             per_row(d, SAMPLE_THREADS),
@@ -80,11 +96,8 @@ impl Gpu {
                 &logprobs.address(),
                 &logits.address(),
                 &draws.address(),
-                &args.0,
-                &args.1,
-                &args.2,
-                &args.3,
-                &args.4,
+                &rule.address(),
+                &vocab,
             ],
         )
     }

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, PushKernelArg, sys};
 use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
@@ -329,6 +329,41 @@ impl Gpu {
         .map_err(cuda("cuMemcpyDtoDAsync"))
     }
 
+    /// Records the work `queue` puts on the compute stream into a graph instead of running
+    /// it, and instantiates the graph. Nothing that waits (an upload, a download, a
+    /// synchronize) may be queued meanwhile. The capture ends whatever `queue` returns.
+    ///
+    /// # Errors
+    /// `queue`'s error; the driver's (a call the capture does not allow, say).
+    pub fn capture(
+        &self,
+        queue: impl FnOnce() -> Result<(), DeviceError>,
+    ) -> Result<GpuGraph, DeviceError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda("cuStreamBeginCapture"))?;
+        let queued = queue();
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(cuda("cuStreamEndCapture"));
+        queued?;
+        let graph = graph?.ok_or_else(|| DeviceError::Cuda {
+            call: "cuStreamEndCapture",
+            message: "the capture recorded no work".into(),
+        })?;
+        graph.upload().map_err(cuda("cuGraphUpload"))?;
+        Ok(GpuGraph { graph })
+    }
+
+    /// Queues one replay of `graph` on the compute stream.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn replay(&self, graph: &GpuGraph) -> Result<(), DeviceError> {
+        graph.graph.launch().map_err(cuda("cuGraphLaunch"))
+    }
+
     fn kernel(&self, name: &'static str) -> Result<&CudaFunction, DeviceError> {
         self.kernels.get(name).ok_or_else(|| DeviceError::Cuda {
             call: "cuModuleGetFunction",
@@ -359,6 +394,23 @@ impl Gpu {
             .map_err(cuda("cuLaunchKernel"))
     }
 }
+
+/// Work captured from the compute stream by [`Gpu::capture`], replayed by [`Gpu::replay`]:
+/// the same kernels with the same arguments (device addresses included) each time.
+pub struct GpuGraph {
+    graph: CudaGraph,
+}
+
+impl std::fmt::Debug for GpuGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuGraph").finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the driver's graph objects must not be used by two threads at once. A `GpuGraph` is
+// `Send` but not `Sync`: it moves between threads whole, and only its owner launches it (through
+// `&self` on one thread at a time) or drops it.
+unsafe impl Send for GpuGraph {}
 
 /// A kernel argument: a plain value pushed by reference.
 pub(crate) trait KernelArg {

@@ -10,8 +10,12 @@
 // The cuts are found by bisection over an order-preserving 32-bit key of the logits (32 block
 // reductions each), so nothing is sorted and nothing of the row is written.
 //
+// The rule is read from device memory, not passed by value, so that a captured CUDA graph
+// replays with the rule and seed of each call: rule = [temperature bits, top_p bits, top_k,
+// seed low word, seed high word].
+//
 // sample_rows(unsigned* tokens, float* logprobs, const float* logits, const unsigned* draws,
-//             int vocab, float temperature, float top_p, int top_k, unsigned long long seed)
+//             const unsigned* rule, int vocab)
 //     one block per draw; draws is (D, 4): logit row, prompt, sample, token index
 
 #define SAMPLE_THREADS 1024
@@ -81,8 +85,11 @@ __device__ double mass_from(const float* x, int vocab, float m, float t, unsigne
 }
 
 extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, const float* logits,
-                                       const unsigned int* draws, int vocab, float temperature,
-                                       float top_p, int top_k, unsigned long long seed) {
+                                       const unsigned int* draws, const unsigned int* rule,
+                                       int vocab) {
+    const float temperature = __uint_as_float(rule[0]), top_p = __uint_as_float(rule[1]);
+    const int top_k = (int)rule[2];
+    const unsigned long long seed = (unsigned long long)rule[3] | ((unsigned long long)rule[4] << 32);
     __shared__ double dscratch[32];
     __shared__ unsigned int uscratch[32];
     __shared__ float best_value[32];
