@@ -26,7 +26,7 @@ mod train_tests;
 use std::sync::Arc;
 
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
-pub use train::{AdamWStep, HeadShape};
+pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, HeadShape};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
 
@@ -43,11 +43,12 @@ pub const PROGRAM: KernelProgram = KernelProgram {
 };
 
 /// The kernels of `kernels/forward.cu`.
-const FORWARD_KERNELS: [&str; 7] = [
+const FORWARD_KERNELS: [&str; 8] = [
     "cast_f32_to_bf16",
     "cast_bf16_to_f32",
     "embedding_forward",
     "rmsnorm_forward",
+    "bias_add",
     "rope_forward",
     "swiglu_forward",
     "residual_add",
