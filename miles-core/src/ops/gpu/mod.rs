@@ -5,6 +5,9 @@
 //! The raw launch, the compute stream and the libraries live in [`crate::device`]; everything
 //! here is safe code.
 
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod bias_norm_tests;
 mod elementwise;
 mod paged;
 #[cfg(test)]
