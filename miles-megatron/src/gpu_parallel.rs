@@ -9,7 +9,8 @@ use half::bf16;
 use miles_core::BackendError;
 use miles_core::device::{Gpu, GpuSlice, NcclComm};
 use miles_core::model::{
-    GpuTrainer, LlamaConfig, ModelError, ParamLayout, TrainerGroup, standalone_gpu_trainer,
+    GpuTrainer, LlamaConfig, ModelError, ParamKind, ParamLayout, TrainerGroup,
+    standalone_gpu_trainer,
 };
 
 use crate::shard::{Split, scatter, shard_config, split_of};
@@ -18,14 +19,18 @@ use crate::shard::{Split, scatter, shard_config, split_of};
 /// the model ([`shard_weights`]): q, k, v, gate and up hold their rows, o and down their
 /// columns, and the embedding, norms and head are whole on every rank. Every rank sees the
 /// whole batch. The forward pass sums the o and down products over the group, the backward
-/// pass the gradients entering the two norms of each layer (bf16, NCCL); the whole tensors'
-/// gradients are then rank 0's on every rank (the kernels' atomics may differ in the last bit),
-/// so those tensors stay equal, and the gradient norm counts them once.
+/// pass the gradients entering the two norms of each layer (bf16, NCCL); the per-head q/k norms
+/// (qwen3), whole on every rank but applied to each rank's own heads, have their gradients
+/// summed over the group (fp32); the whole tensors' gradients are then rank 0's on every rank
+/// (the kernels' atomics may differ in the last bit), so those tensors stay equal, and the
+/// gradient norm counts them once.
 pub struct TensorParallelGroup {
     gpu: Arc<Gpu>,
     comm: Mutex<NcclComm>,
     /// The parameter ranges every rank holds whole.
     replicated: Vec<Range<usize>>,
+    /// The q/k norm weights among them: each rank's gradient covers its own heads only.
+    head_norms: Vec<Range<usize>>,
 }
 
 impl std::fmt::Debug for TensorParallelGroup {
@@ -46,10 +51,17 @@ impl TensorParallelGroup {
             .filter(|spec| split_of(spec.kind) == Split::Replicated)
             .map(|spec| spec.range())
             .collect();
+        let head_norms = layout
+            .specs()
+            .iter()
+            .filter(|spec| matches!(spec.kind, ParamKind::QNorm | ParamKind::KNorm))
+            .map(|spec| spec.range())
+            .collect();
         TensorParallelGroup {
             gpu: Arc::clone(comm.gpu()),
             comm: Mutex::new(comm),
             replicated,
+            head_norms,
         }
     }
 
@@ -87,6 +99,9 @@ impl TrainerGroup for TensorParallelGroup {
         nll: f64,
     ) -> Result<f64, ModelError> {
         let comm = self.comm();
+        for range in &self.head_norms {
+            comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
+        }
         for range in &self.replicated {
             comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
         }
@@ -184,19 +199,40 @@ mod tests {
 
     use miles_core::device::NcclComm;
     use miles_core::model::gpu_testing::{
-        Batch, assert_pair_follows, bf16_params, gentle, losses, losses_alone, manager, tiny,
-        two_gpus,
+        Batch, assert_pair_follows, family_params, gentle, losses, losses_alone, manager, tiny,
+        tiny_family, two_gpus,
     };
 
     use super::*;
 
     #[test]
     fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() {
-        let Some(gpus) = two_gpus("gpu_tensor_parallel_pair_follows_one_gpu") else {
+        pair_follows_one_gpu("gpu_tensor_parallel_pair_follows_one_gpu", tiny());
+    }
+
+    #[test]
+    fn gpu_tensor_parallel_pair_follows_one_gpu_with_qwen2_biases() {
+        pair_follows_one_gpu(
+            "gpu_tensor_parallel_pair_follows_one_gpu_with_qwen2_biases",
+            tiny_family("qwen2"),
+        );
+    }
+
+    #[test]
+    fn gpu_tensor_parallel_pair_follows_one_gpu_with_qwen3_qk_norms_summed_over_heads() {
+        pair_follows_one_gpu(
+            "gpu_tensor_parallel_pair_follows_one_gpu_with_qwen3_qk_norms",
+            tiny_family("qwen3"),
+        );
+    }
+
+    /// Two tensor-parallel ranks of `config` (random biases and q/k norm weights where it has
+    /// them) against one GPU, step by step, their whole tensors equal throughout.
+    fn pair_follows_one_gpu(test: &str, config: LlamaConfig) {
+        let Some(gpus) = two_gpus(test) else {
             return;
         };
-        let config = tiny();
-        let params = Arc::new(bf16_params(&config, 61));
+        let params = Arc::new(family_params(&config, 61));
         let data = Arc::new(Batch::random(62, config.vocab_size));
         let alone = losses_alone(&gpus[0], &config, &params, &data);
         let id = NcclComm::unique_id().unwrap();

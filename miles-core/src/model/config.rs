@@ -565,21 +565,22 @@ impl LlamaConfig {
         out
     }
 
-    /// Checks that the CUDA kernels compute this model: they implement neither the q/k/v
-    /// biases nor the q/k norms yet.
+    /// Checks that the CUDA path (the GPU trainer and the GPU rollout engine, which `--device
+    /// cuda` runs together) computes this model: every family, biases and q/k norms included,
+    /// with a head dim the engine's paged attention takes (it keeps a head's channels in
+    /// registers, at most [`PAGED_MAX_HEAD_DIM`](crate::ops::gpu::PAGED_MAX_HEAD_DIM)).
     ///
     /// # Errors
-    /// [`ModelError::Config`] naming the family and what it needs.
+    /// [`ModelError::Config`] naming `head_dim` and its value.
     pub fn check_gpu_support(&self) -> Result<(), ModelError> {
-        let missing = match (self.qkv_bias, self.qk_norm) {
-            (true, _) => "q/k/v biases",
-            (_, true) => "q/k norms",
-            _ => return Ok(()),
-        };
-        Err(ModelError::Config(format!(
-            "model_type = \"{}\" needs {missing}, which the cuda kernels do not compute yet; use --device cpu",
-            self.family.model_type()
-        )))
+        let max = crate::ops::gpu::PAGED_MAX_HEAD_DIM;
+        if self.head_dim > max {
+            return Err(ModelError::Config(format!(
+                "head_dim = {} is not implemented by the cuda kernels (the rollout engine's paged attention takes at most {max}); use --device cpu",
+                self.head_dim
+            )));
+        }
+        Ok(())
     }
 
     /// Parameters of the model.

@@ -4,7 +4,8 @@
 //!
 //! A step (a prefill of several prompts, or a decode of one token per sequence) is one pass
 //! over `N` tokens, each with its sequence and position: embedding; per layer RMSNorm, the q,
-//! k, v products, RoPE at each token's position, the new keys and values written into the
+//! k, v products (with their biases, and the per-head q/k norms, in the families that have
+//! them), RoPE at each token's position, the new keys and values written into the
 //! cache through the block tables, paged attention over each sequence's cached positions, the
 //! o product and the residual, RMSNorm, gate and up, SwiGLU, down and the residual; then the
 //! final norm and the LM head (fp32 logits) for the rows that need logits only: the last token
@@ -536,6 +537,16 @@ impl GpuModel {
             g.gemm(linear(n, qd, h), q, ln, w(ParamKind::QProj)?)?; // (N, H*D)
             g.gemm(linear(n, kvd, h), k, ln, w(ParamKind::KProj)?)?; // (N, K*D)
             g.gemm(linear(n, kvd, h), v, ln, w(ParamKind::VProj)?)?; // (N, K*D)
+            if c.qkv_bias {
+                g.bias_add(q, w(ParamKind::QBias)?)?;
+                g.bias_add(k, w(ParamKind::KBias)?)?;
+                g.bias_add(v, w(ParamKind::VBias)?)?;
+            }
+            if c.qk_norm {
+                // Per head (rows of D), in place, before the rotation.
+                g.rmsnorm_forward(q, None, q, w(ParamKind::QNorm)?, eps)?; // (N, H, D)
+                g.rmsnorm_forward(k, None, k, w(ParamKind::KNorm)?, eps)?; // (N, K, D)
+            }
             g.rope_forward(q, positions, s.cos, s.sin, c.num_heads, c.head_dim)?;
             g.rope_forward(k, positions, s.cos, s.sin, c.num_kv_heads, c.head_dim)?;
             g.paged_kv_write(cache, &self.shape, l, k, v, slots)?;

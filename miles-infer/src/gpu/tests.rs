@@ -532,3 +532,118 @@ fn gpu_decode_graphs_give_the_tokens_of_queued_kernels() {
     assert_eq!(three.completions, again.completions);
     assert_eq!(again.stats.graph_captures, 0, "{:?}", again.stats);
 }
+
+/// The tiny preset as a model of `model_type`: `qwen2` (q/k/v biases, tied head) or `qwen3`
+/// (per-head q/k norms, `head_dim` 24 where hidden / heads is 16, an untied head).
+fn family_config(model_type: &str) -> LlamaConfig {
+    let preset = include_str!("../../../miles-core/presets/tiny.json");
+    let mut json = preset.replace(
+        "\"model_type\": \"llama\"",
+        &format!("\"model_type\": \"{model_type}\""),
+    );
+    if model_type == "qwen3" {
+        json = json
+            .replace(
+                "\"hidden_size\": 64,",
+                "\"head_dim\": 24,\n  \"hidden_size\": 64,",
+            )
+            .replace(
+                "\"tie_word_embeddings\": true",
+                "\"tie_word_embeddings\": false",
+            );
+    }
+    let config = LlamaConfig::from_json_str(&json).unwrap();
+    assert_eq!(config.family.model_type(), model_type);
+    config
+}
+
+/// [`params`] of `config` with every bias drawn from ±0.1 and every q/k norm weight from
+/// 0.5..1.5 (initialised to zeros and ones, they would leave their kernels untested), rounded
+/// to bf16.
+fn family_params(config: &LlamaConfig) -> Vec<f32> {
+    use miles_core::model::ParamKind;
+    use rand::{RngExt, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+    let mut params = params(config);
+    for spec in ParamLayout::new(config).specs() {
+        let draw: fn(f32) -> f32 = match spec.kind {
+            ParamKind::QBias | ParamKind::KBias | ParamKind::VBias => |u| (u * 2.0 - 1.0) * 0.1,
+            ParamKind::QNorm | ParamKind::KNorm => |u| 0.5 + u,
+            _ => continue,
+        };
+        for p in &mut params[spec.range()] {
+            *p = bf16::from_f32(draw(rng.random::<f32>())).to_f32();
+        }
+    }
+    params
+}
+
+#[test]
+fn gpu_greedy_generation_matches_the_cpu_engine_with_qwen2_biases_and_qwen3_qk_norms() {
+    let test = "gpu_greedy_generation_matches_the_cpu_engine_with_qwen2_biases_and_qwen3_qk_norms";
+    let Some(t) = TestGpu::open(test) else {
+        return;
+    };
+    for model_type in ["qwen2", "qwen3"] {
+        let model = family_config(model_type);
+        let params = family_params(&model);
+        let cfg = engine_config(128, BackupPolicy::Host);
+        let on_cpu = manager(Arc::new(CpuDevice::new(256 << 20)));
+        let mut cpu = load(
+            Engine::new(on_cpu, model.clone(), cfg.clone()).unwrap(),
+            &params,
+        );
+        let on_gpu = manager(Arc::clone(&t.memory_device));
+        let engine = Engine::on_gpu(on_gpu, Arc::clone(&t.gpu), model, cfg).unwrap();
+        let mut gpu = load(engine, &params);
+        let prompts = prompts();
+        let want = cpu.generate(&prompts, &greedy(1, 10)).unwrap();
+        let got = gpu.generate(&prompts, &greedy(1, 10)).unwrap();
+
+        // Logits step by step along the GPU's greedy paths.
+        let paths = paths_of(&got.completions);
+        let cpu_logits = forced_logits(&mut cpu, &prompts, &paths);
+        let gpu_logits = forced_logits(&mut gpu, &prompts, &paths);
+        let mut worst_rel = 0.0f32;
+        let mut deltas: Vec<Vec<f32>> = Vec::new();
+        for (c, g) in cpu_logits.iter().zip(&gpu_logits) {
+            let mut per_step = Vec::new();
+            for (cs, gs) in c.iter().zip(g) {
+                let (rel, abs) = worst(gs, cs);
+                worst_rel = worst_rel.max(rel);
+                per_step.push(abs);
+            }
+            deltas.push(per_step);
+        }
+        eprintln!(
+            "{model_type}: gpu vs cpu logits: worst relative difference {worst_rel:.3e} (tolerance {LOGIT_TOLERANCE:.1e})"
+        );
+        assert!(worst_rel <= LOGIT_TOLERANCE, "{model_type}");
+        assert_near_greedy(&paths, &cpu_logits);
+
+        // Greedy tokens are the CPU's wherever its choice is clear of the GPU's rounding (a
+        // top-2 margin over four times the largest logit difference at that step).
+        let mut compared = 0;
+        for (i, (c, g)) in want.completions.iter().zip(&got.completions).enumerate() {
+            assert_eq!(c.prompt_index, g.prompt_index);
+            for (j, (&cpu_token, &gpu_token)) in c.tokens.iter().zip(&g.tokens).enumerate() {
+                let (best, margin) = argmax_and_margin(&cpu_logits[i][j]);
+                assert_eq!(best as u32, cpu_token, "the cpu repeats its own choice");
+                if margin <= 4.0 * deltas[i][j] {
+                    break;
+                }
+                assert_eq!(
+                    gpu_token, cpu_token,
+                    "{model_type} prompt {} token {j}: cpu margin {margin}",
+                    c.prompt_index
+                );
+                compared += 1;
+            }
+        }
+        eprintln!("{model_type}: greedy tokens compared: {compared}");
+        assert!(
+            compared >= prompts.len(),
+            "{model_type}: too few clear greedy choices to compare ({compared})"
+        );
+    }
+}

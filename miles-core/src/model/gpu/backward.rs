@@ -23,6 +23,9 @@ struct Flow<'a> {
     d_q: GpuSlice<bf16>,       // (B, T, H*D)
     d_k: GpuSlice<bf16>,       // (B, T, K*D)
     d_v: GpuSlice<bf16>,       // (B, T, K*D)
+    d_q_pre: GpuSlice<bf16>,   // (B, T, H*D) (empty without q/k norms)
+    d_k_pre: GpuSlice<bf16>,   // (B, T, K*D) (empty without q/k norms)
+    partials: GpuSlice<f32>,   // the column sums' scratch (empty without biases or q/k norms)
     d_gate: GpuSlice<bf16>,    // (B, T, F)
     d_up: GpuSlice<bf16>,      // (B, T, F)
     d_sw: GpuSlice<bf16>,      // (B, T, F)
@@ -42,6 +45,9 @@ impl<'a> Flow<'a> {
             d_q: acts.bf(&a.d_q)?,
             d_k: acts.bf(&a.d_k)?,
             d_v: acts.bf(&a.d_v)?,
+            d_q_pre: acts.bf(&a.d_q_pre)?,
+            d_k_pre: acts.bf(&a.d_k_pre)?,
+            partials: acts.f(&a.col_partials)?,
             d_gate: acts.bf(&a.d_gate)?,
             d_up: acts.bf(&a.d_up)?,
             d_sw: acts.bf(&a.d_swiglu)?,
@@ -144,15 +150,48 @@ impl GpuTransformer {
             w.post_norm,
             la.rstd2,
         )?;
-        // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))).
+        // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))), with
+        // the biases and q/k norms of the families that have them.
         gpu.gemm(input_grad(n, qd, h), flow.d_att_out, d_res, w.o)?;
         gpu.gemm(weight_grad(h, qd, n), dw.o, d_res, la.att_out)?;
         self.attention_backward(gpu, la, flow, acts)?;
-        gpu.gemm(input_grad(n, h, qd), flow.d_ln, flow.d_q, w.q)?;
-        gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_k, w.k)?;
+        // The gradients of the q and k products' outputs: through the q/k norms when there are.
+        let (dq_lin, dk_lin) = match (w.qk_norm, dw.qk_norm) {
+            (Some([qn, kn]), Some([d_qn, d_kn])) => {
+                gpu.zero(flow.d_q_pre)?;
+                gpu.zero(flow.d_k_pre)?;
+                gpu.head_rmsnorm_backward(
+                    flow.d_q_pre,
+                    d_qn,
+                    flow.d_q,
+                    la.q_pre,
+                    qn,
+                    la.q_rstd,
+                    flow.partials,
+                )?;
+                gpu.head_rmsnorm_backward(
+                    flow.d_k_pre,
+                    d_kn,
+                    flow.d_k,
+                    la.k_pre,
+                    kn,
+                    la.k_rstd,
+                    flow.partials,
+                )?;
+                (flow.d_q_pre, flow.d_k_pre)
+            }
+            _ => (flow.d_q, flow.d_k),
+        };
+        if let Some([d_qb, d_kb, d_vb]) = dw.qkv_bias {
+            gpu.bias_backward(d_qb, dq_lin, flow.partials)?;
+            gpu.bias_backward(d_kb, dk_lin, flow.partials)?;
+            gpu.bias_backward(d_vb, flow.d_v, flow.partials)?;
+        }
+        gpu.gemm(input_grad(n, h, qd), flow.d_ln, dq_lin, w.q)?;
+        gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, dk_lin, w.k)?;
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_v, w.v)?;
-        gpu.gemm(weight_grad(qd, h, n), dw.q, flow.d_q, la.ln1)?;
-        gpu.gemm(weight_grad(kvd, h, n), dw.k, flow.d_k, la.ln1)?;
+        gpu.gemm(weight_grad(qd, h, n), dw.q, dq_lin, la.ln1)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.k, dk_lin, la.ln1)?;
         gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, la.ln1)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(

@@ -153,7 +153,9 @@ impl GpuTransformer {
     }
 
     /// Layer `l`'s forward pass: `res_out = res_mid + down(swiglu(gate(ln2), up(ln2)))` with
-    /// `res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1)))`.
+    /// `res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1)))`; the q, k and v
+    /// products take their biases and q and k their per-head norms (before the rotation) in
+    /// the families that have them, as the CPU model does.
     fn layer_forward(
         &self,
         gpu: &Gpu,
@@ -174,9 +176,23 @@ impl GpuTransformer {
         // y (n, out) = x (n, in) W^T, W stored (out, in).
         let linear = |out: usize, inp: usize| Gemm::new(n, out, inp, Transpose::No, Transpose::Yes);
         gpu.rmsnorm_forward(la.ln1, Some(la.rstd1), la.res_in, w.input_norm, eps)?;
-        gpu.gemm(linear(qd, h), la.q, la.ln1, w.q)?; // (B, T, H*D)
-        gpu.gemm(linear(kvd, h), la.k, la.ln1, w.k)?; // (B, T, K*D)
+        // With q/k norms the products land in q_pre and k_pre and are normed into q and k.
+        let (q_lin, k_lin) = match w.qk_norm {
+            Some(_) => (la.q_pre, la.k_pre),
+            None => (la.q, la.k),
+        };
+        gpu.gemm(linear(qd, h), q_lin, la.ln1, w.q)?; // (B, T, H*D)
+        gpu.gemm(linear(kvd, h), k_lin, la.ln1, w.k)?; // (B, T, K*D)
         gpu.gemm(linear(kvd, h), la.v, la.ln1, w.v)?; // (B, T, K*D)
+        if let Some([qb, kb, vb]) = w.qkv_bias {
+            gpu.bias_add(q_lin, qb)?;
+            gpu.bias_add(k_lin, kb)?;
+            gpu.bias_add(la.v, vb)?;
+        }
+        if let Some([qn, kn]) = w.qk_norm {
+            gpu.rmsnorm_forward(la.q, Some(la.q_rstd), la.q_pre, qn, eps)?; // (B, T, H, D)
+            gpu.rmsnorm_forward(la.k, Some(la.k_rstd), la.k_pre, kn, eps)?; // (B, T, K, D)
+        }
         gpu.rope_forward(la.q, pos, cos, sin, c.num_heads, c.head_dim)?;
         gpu.rope_forward(la.k, pos, cos, sin, c.num_kv_heads, c.head_dim)?;
         self.attention_forward(gpu, la, acts)?; // (B, T, H*D), probs (B, H, T, T)

@@ -14,6 +14,7 @@ use half::bf16;
 use crate::device::{DeviceError, GpuElement, GpuSlice};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, TrainBatch};
+use crate::ops::gpu::COLUMN_SUM_CHUNKS;
 
 /// Where each activation of one batch shape lives, in elements of its type's buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +27,8 @@ pub struct GpuActivationLayout {
     pub(super) q: Range<usize>,            // (L, B, T, H*D), rotated
     pub(super) k: Range<usize>,            // (L, B, T, K*D), rotated
     pub(super) v: Range<usize>,            // (L, B, T, K*D)
+    pub(super) q_pre: Range<usize>,        // (L, B, T, H*D) before the q norm (q/k norms only)
+    pub(super) k_pre: Range<usize>,        // (L, B, T, K*D) before the k norm (q/k norms only)
     pub(super) probs: Range<usize>,        // (L, B, H, T, T)
     pub(super) att_out: Range<usize>,      // (L, B, T, H*D)
     pub(super) residual_mid: Range<usize>, // (L, B, T, C)
@@ -44,6 +47,8 @@ pub struct GpuActivationLayout {
     pub(super) d_q: Range<usize>,          // (B, T, H*D)
     pub(super) d_k: Range<usize>,          // (B, T, K*D)
     pub(super) d_v: Range<usize>,          // (B, T, K*D)
+    pub(super) d_q_pre: Range<usize>,      // (B, T, H*D) (q/k norms only)
+    pub(super) d_k_pre: Range<usize>,      // (B, T, K*D) (q/k norms only)
     pub(super) d_qh: Range<usize>,         // (B, H, T, D)
     pub(super) d_kh: Range<usize>,         // (B, H, T, D)
     pub(super) d_vh: Range<usize>,         // (B, H, T, D)
@@ -57,8 +62,13 @@ pub struct GpuActivationLayout {
     pub(super) ln1_rstd: Range<usize>, // (L, B, T)
     pub(super) ln2_rstd: Range<usize>, // (L, B, T)
     pub(super) lnf_rstd: Range<usize>, // (B, T)
-    pub(super) scores: Range<usize>,   // (B, H, T, T) scratch; dP in the backward pass
-    pub(super) logits: Range<usize>,   // (B, T, V)
+    pub(super) q_rstd: Range<usize>,   // (L, B, T, H) (q/k norms only)
+    pub(super) k_rstd: Range<usize>,   // (L, B, T, K) (q/k norms only)
+    /// Scratch of the column sums (bias and q/k norm weight gradients), `(COLUMN_SUM_CHUNKS,
+    /// H*D)`; empty for a model with neither.
+    pub(super) col_partials: Range<usize>,
+    pub(super) scores: Range<usize>, // (B, H, T, T) scratch; dP in the backward pass
+    pub(super) logits: Range<usize>, // (B, T, V)
     pub(super) logprobs: Range<usize>, // (B, T)
     /// The uploaded fp32 inputs, contiguous: `weights`, `rope_cos`, `rope_sin`.
     pub(super) f32_inputs: Range<usize>,
@@ -96,6 +106,8 @@ impl GpuActivationLayout {
             c.vocab_size,
         );
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let qk = usize::from(c.qk_norm);
+        let sums = usize::from(c.qk_norm || c.qkv_bias) * COLUMN_SUM_CHUNKS * qd;
         let split = batch * c.num_heads * seq * c.head_dim;
         let square = batch * c.num_heads * seq * seq;
         let mut b = Cursor(0);
@@ -106,6 +118,8 @@ impl GpuActivationLayout {
         let q = b.take(l * n * qd);
         let k = b.take(l * n * kvd);
         let vv = b.take(l * n * kvd);
+        let q_pre = b.take(qk * l * n * qd);
+        let k_pre = b.take(qk * l * n * kvd);
         let probs = b.take(l * square);
         let att_out = b.take(l * n * qd);
         let residual_mid = b.take(l * n * h);
@@ -121,6 +135,8 @@ impl GpuActivationLayout {
         let d_q = b.take(n * qd);
         let d_k = b.take(n * kvd);
         let d_v = b.take(n * kvd);
+        let d_q_pre = b.take(qk * n * qd);
+        let d_k_pre = b.take(qk * n * kvd);
         let (d_qh, d_kh, d_vh) = (b.take(split), b.take(split), b.take(split));
         let d_scores = b.take(square);
         let d_gate = b.take(n * f);
@@ -130,6 +146,9 @@ impl GpuActivationLayout {
         let ln1_rstd = f32s.take(l * n);
         let ln2_rstd = f32s.take(l * n);
         let lnf_rstd = f32s.take(n);
+        let q_rstd = f32s.take(qk * l * n * c.num_heads);
+        let k_rstd = f32s.take(qk * l * n * c.num_kv_heads);
+        let col_partials = f32s.take(sums);
         let scores = f32s.take(square);
         let logits = f32s.take(n * v);
         let logprobs = f32s.take(n);
@@ -149,6 +168,8 @@ impl GpuActivationLayout {
             q,
             k,
             v: vv,
+            q_pre,
+            k_pre,
             probs,
             att_out,
             residual_mid,
@@ -167,6 +188,8 @@ impl GpuActivationLayout {
             d_q,
             d_k,
             d_v,
+            d_q_pre,
+            d_k_pre,
             d_qh,
             d_kh,
             d_vh,
@@ -179,6 +202,9 @@ impl GpuActivationLayout {
             ln1_rstd,
             ln2_rstd,
             lnf_rstd,
+            q_rstd,
+            k_rstd,
+            col_partials,
             scores,
             logits,
             logprobs,
@@ -322,6 +348,10 @@ impl GpuActivations {
             q: self.bf(&per(&a.q))?,
             k: self.bf(&per(&a.k))?,
             v: self.bf(&per(&a.v))?,
+            q_pre: self.bf(&per(&a.q_pre))?,
+            k_pre: self.bf(&per(&a.k_pre))?,
+            q_rstd: self.f(&per(&a.q_rstd))?,
+            k_rstd: self.f(&per(&a.k_rstd))?,
             probs: self.bf(&per(&a.probs))?,
             att_out: self.bf(&per(&a.att_out))?,
             res_mid: self.bf(&per(&a.residual_mid))?,
@@ -347,6 +377,10 @@ pub(super) struct LayerActs {
     pub q: GpuSlice<bf16>,       // (B, T, H*D)
     pub k: GpuSlice<bf16>,       // (B, T, K*D)
     pub v: GpuSlice<bf16>,       // (B, T, K*D)
+    pub q_pre: GpuSlice<bf16>,   // (B, T, H*D) before the q norm (empty without q/k norms)
+    pub k_pre: GpuSlice<bf16>,   // (B, T, K*D) before the k norm (empty without q/k norms)
+    pub q_rstd: GpuSlice<f32>,   // (B, T, H) (empty without q/k norms)
+    pub k_rstd: GpuSlice<f32>,   // (B, T, K) (empty without q/k norms)
     pub probs: GpuSlice<bf16>,   // (B, H, T, T)
     pub att_out: GpuSlice<bf16>, // (B, T, H*D)
     pub res_mid: GpuSlice<bf16>, // (B, T, C)
@@ -364,14 +398,22 @@ mod tests {
 
     #[test]
     fn gpu_activation_layout_tiles_each_buffer_without_gaps() {
-        let c = LlamaConfig::preset("small").unwrap();
-        let a = GpuActivationLayout::new(&c, 3, 17);
+        let qwen3 = crate::model::family_tests::family_config("qwen3");
+        for c in [LlamaConfig::preset("small").unwrap(), qwen3] {
+            tiles_without_gaps(&c);
+        }
+    }
+
+    fn tiles_without_gaps(c: &LlamaConfig) {
+        let a = GpuActivationLayout::new(c, 3, 17);
         let mut bf = [
             &a.residual,
             &a.ln1,
             &a.q,
             &a.k,
             &a.v,
+            &a.q_pre,
+            &a.k_pre,
             &a.probs,
             &a.att_out,
             &a.residual_mid,
@@ -390,6 +432,8 @@ mod tests {
             &a.d_q,
             &a.d_k,
             &a.d_v,
+            &a.d_q_pre,
+            &a.d_k_pre,
             &a.d_qh,
             &a.d_kh,
             &a.d_vh,
@@ -399,18 +443,28 @@ mod tests {
             &a.d_swiglu,
             &a.d_logits,
         ];
-        bf.sort_by_key(|r| r.start);
+        // Empty ranges (the q/k norms' of a model without them) first among equal starts.
+        bf.sort_by_key(|r| (r.start, r.end));
         let end = bf.iter().fold(0, |next, r| {
             assert_eq!(r.start, next, "gap or overlap before {r:?}");
             r.end
         });
         assert_eq!(end, a.bf16_len());
         let n = 3 * 17;
+        let qk = usize::from(c.qk_norm);
+        assert_eq!(a.q_pre.len(), qk * c.num_layers * n * c.q_dim());
+        assert_eq!(a.q_rstd.len(), qk * c.num_layers * n * c.num_heads);
+        assert_eq!(a.k_rstd.len(), qk * c.num_layers * n * c.num_kv_heads);
+        assert_eq!(
+            a.col_partials.len(),
+            qk * COLUMN_SUM_CHUNKS * c.q_dim(),
+            "the column sums' scratch exists only for the q/k norms' and biases' gradients"
+        );
         assert_eq!(a.probs.len(), c.num_layers * 3 * c.num_heads * 17 * 17);
         assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
         assert_eq!(a.f32_inputs.end, a.f32_len());
         assert_eq!(a.u32_len(), 3 * n);
-        let smaller = GpuActivationLayout::new(&c, 2, 17);
+        let smaller = GpuActivationLayout::new(c, 2, 17);
         assert!(a.holds(&smaller) && !smaller.holds(&a));
     }
 }

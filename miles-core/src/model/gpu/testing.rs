@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use super::{GpuTrainer, GpuTrainerSpec};
 use crate::device::{CudaDevice, Device, Gpu};
 use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager};
-use crate::model::{LlamaConfig, ParamLayout, TrainBatch, init_params};
+use crate::model::{LlamaConfig, ParamKind, ParamLayout, TrainBatch, init_params};
 use crate::ops::AdamWConfig;
 use crate::ops::gpu::testing::TestGpu;
 
@@ -26,6 +26,42 @@ pub const T: usize = 17;
 /// The tiny preset.
 pub fn tiny() -> LlamaConfig {
     LlamaConfig::preset("tiny").unwrap()
+}
+
+/// The tiny preset as a model of `model_type`: `qwen2` (q/k/v biases, tied head) or `qwen3`
+/// (per-head q/k norms, `head_dim` 24 where hidden / heads is 16, an untied head).
+pub fn tiny_family(model_type: &str) -> LlamaConfig {
+    let mut v: serde_json::Value =
+        serde_json::from_str(include_str!("../../../presets/tiny.json")).unwrap();
+    v["model_type"] = model_type.into();
+    if let Some(fields) = v.as_object_mut() {
+        fields.remove("architectures");
+    }
+    if model_type == "qwen3" {
+        v["head_dim"] = 24.into();
+        v["tie_word_embeddings"] = false.into();
+    }
+    LlamaConfig::from_json_str(&v.to_string()).unwrap()
+}
+
+/// [`bf16_params`] with every bias drawn from ±0.1 and every q/k norm weight from 0.5..1.5
+/// (Hugging Face starts them at zeros and ones, which would leave their kernels untested),
+/// rounded to bf16.
+pub fn family_params(config: &LlamaConfig, seed: u64) -> Vec<f32> {
+    let layout = ParamLayout::new(config);
+    let mut params = bf16_params(config, seed);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37_79b9);
+    for spec in layout.specs() {
+        let draw: fn(f32) -> f32 = match spec.kind {
+            ParamKind::QBias | ParamKind::KBias | ParamKind::VBias => |u| (u * 2.0 - 1.0) * 0.1,
+            ParamKind::QNorm | ParamKind::KNorm => |u| 0.5 + u,
+            _ => continue,
+        };
+        for p in &mut params[spec.range()] {
+            *p = bf16::from_f32(draw(rng.random::<f32>())).to_f32();
+        }
+    }
+    params
 }
 
 /// Hugging Face initialisation from `seed`, rounded to bf16 so both devices start equal.

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::testing::{B, Batch, T, bf16_params, manager, spec, tiny};
+use super::testing::{
+    B, Batch, T, bf16_params, family_params, gentle, manager, spec, tiny, tiny_family,
+};
 use super::*;
 use crate::memory::{BackupPolicy, MemoryTag, RegionState};
 use crate::model::{
@@ -97,7 +99,8 @@ fn forward_and_backward_match_the_cpu(test: &str, config: LlamaConfig) {
     };
     let model = GpuTransformer::new(config.clone());
     let cpu = Transformer::new(config.clone());
-    let params = bf16_params(&config, 21);
+    // Random biases and q/k norm weights where the family has them.
+    let params = family_params(&config, 21);
     let data = Batch::random(22, config.vocab_size);
     let batch = data.view();
 
@@ -152,6 +155,99 @@ fn gpu_forward_and_backward_match_the_cpu_with_one_kv_head_and_an_untied_head() 
     forward_and_backward_match_the_cpu(
         "gpu_forward_and_backward_match_the_cpu_with_one_kv_head_and_an_untied_head",
         tiny_one_kv_head_untied(),
+    );
+}
+
+#[test]
+fn gpu_forward_and_backward_match_the_cpu_with_qwen2_biases() {
+    forward_and_backward_match_the_cpu(
+        "gpu_forward_and_backward_match_the_cpu_with_qwen2_biases",
+        tiny_family("qwen2"),
+    );
+}
+
+#[test]
+fn gpu_forward_and_backward_match_the_cpu_with_qwen3_qk_norms_and_head_dim() {
+    forward_and_backward_match_the_cpu(
+        "gpu_forward_and_backward_match_the_cpu_with_qwen3_qk_norms_and_head_dim",
+        tiny_family("qwen3"),
+    );
+}
+
+/// The GPU trainer on `config` (random biases and q/k norm weights) against the CPU model: the
+/// loss and every tensor kind's gradient of one batch, then the loss over five AdamW steps at
+/// lr 1e-3.
+fn gpu_trainer_follows_the_cpu(test: &str, config: LlamaConfig) {
+    let Some(t) = TestGpu::open(test, 1) else {
+        return;
+    };
+    let gpu = Arc::new(t.gpu);
+    let params = family_params(&config, 71);
+    let data = Batch::random(72, config.vocab_size);
+    let batch = data.view();
+    let spec = gentle(config.clone());
+    let mut trainer =
+        GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec.clone(), &params).unwrap();
+    let loss = trainer.compute_grads(&batch).unwrap();
+    let grads = trainer.grads().unwrap();
+
+    let model = Transformer::new(config);
+    let al = model.activation_layout(B, T).unwrap();
+    let mut acts = vec![0.0; al.len()];
+    let mut cpu_grads = vec![0.0; params.len()];
+    let cpu_loss = model.forward(&params, &mut acts, &al, &batch).unwrap();
+    model
+        .backward(&params, &mut cpu_grads, &mut acts, &al, &batch)
+        .unwrap();
+    let rel = (loss - cpu_loss).abs() / cpu_loss.abs();
+    eprintln!("{test}: loss {loss} vs cpu {cpu_loss} (relative {rel:.3e})");
+    assert!(rel < LOSS_TOLERANCE, "loss {loss} vs cpu {cpu_loss}");
+    assert_grads_agree(
+        test,
+        trainer.layout(),
+        &grads,
+        &cpu_grads,
+        GRAD_COSINE,
+        GRAD_NORM_TOLERANCE,
+    );
+
+    let mut cpu = Trainer::new(model, params.clone(), spec.adamw).unwrap();
+    let mut losses = Vec::new();
+    for step in 1..=5 {
+        let want = cpu.train_step(&batch).unwrap();
+        let got = trainer.train_step(&batch, step).unwrap();
+        let rel = (got.loss - want.loss).abs() / want.loss.abs();
+        eprintln!(
+            "{test} step {step}: loss {} vs cpu {} (relative {rel:.3e})",
+            got.loss, want.loss
+        );
+        assert!(
+            rel < TRAJECTORY_TOLERANCE,
+            "step {step}: loss {} vs cpu {}",
+            got.loss,
+            want.loss
+        );
+        losses.push(got.loss);
+    }
+    assert!(
+        losses[4] < losses[0],
+        "five steps on one batch did not lower the loss: {losses:?}"
+    );
+}
+
+#[test]
+fn gpu_trainer_follows_the_cpu_on_a_qwen2_model() {
+    gpu_trainer_follows_the_cpu(
+        "gpu_trainer_follows_the_cpu_on_a_qwen2_model",
+        tiny_family("qwen2"),
+    );
+}
+
+#[test]
+fn gpu_trainer_follows_the_cpu_on_a_qwen3_model() {
+    gpu_trainer_follows_the_cpu(
+        "gpu_trainer_follows_the_cpu_on_a_qwen3_model",
+        tiny_family("qwen3"),
     );
 }
 

@@ -95,8 +95,9 @@ impl GpuTrainer {
     /// the gpu's device.
     ///
     /// # Errors
-    /// [`ModelError::BufferLength`] for `params` of the wrong length; [`ModelError::Batch`]
-    /// for `max_batch_tokens` 0; [`ModelError::DeviceMismatch`];
+    /// [`ModelError::Config`] for a model the CUDA path does not compute
+    /// ([`LlamaConfig::check_gpu_support`]); [`ModelError::BufferLength`] for `params` of the
+    /// wrong length; [`ModelError::Batch`] for `max_batch_tokens` 0; [`ModelError::DeviceMismatch`];
     /// [`ModelError::Memory`] when a region exists already or the device is out of memory;
     /// [`ModelError::Gpu`] when the upload fails.
     pub fn new(

@@ -16,7 +16,8 @@ pub(super) fn tensor<T: GpuElement>(
     buf.sub(r.start, r.end - r.start)
 }
 
-/// The nine tensors of one decoder layer in a flat buffer (weights or their gradients).
+/// The tensors of one decoder layer in a flat buffer (weights or their gradients): the nine of
+/// every model, and the biases and q/k norms of the families that have them.
 pub(super) struct LayerTensors<T> {
     pub input_norm: GpuSlice<T>, // (C)
     pub q: GpuSlice<T>,          // (H*D, C)
@@ -27,6 +28,10 @@ pub(super) struct LayerTensors<T> {
     pub gate: GpuSlice<T>,       // (F, C)
     pub up: GpuSlice<T>,         // (F, C)
     pub down: GpuSlice<T>,       // (C, F)
+    /// The q `(H*D)`, k and v `(K*D)` biases.
+    pub qkv_bias: Option<[GpuSlice<T>; 3]>,
+    /// The per-head q and k norm weights `(D)`.
+    pub qk_norm: Option<[GpuSlice<T>; 2]>,
 }
 
 impl<T: GpuElement> LayerTensors<T> {
@@ -37,7 +42,24 @@ impl<T: GpuElement> LayerTensors<T> {
         l: usize,
     ) -> Result<LayerTensors<T>, DeviceError> {
         let t = |kind| tensor(layout, buf, kind, l);
+        let has = |kind| layout.get(kind, l).is_some();
+        let qkv_bias = if has(ParamKind::QBias) {
+            Some([
+                t(ParamKind::QBias)?,
+                t(ParamKind::KBias)?,
+                t(ParamKind::VBias)?,
+            ])
+        } else {
+            None
+        };
+        let qk_norm = if has(ParamKind::QNorm) {
+            Some([t(ParamKind::QNorm)?, t(ParamKind::KNorm)?])
+        } else {
+            None
+        };
         Ok(LayerTensors {
+            qkv_bias,
+            qk_norm,
             input_norm: t(ParamKind::InputNorm)?,
             q: t(ParamKind::QProj)?,
             k: t(ParamKind::KProj)?,

@@ -82,7 +82,9 @@ impl Gpu {
     }
 
     /// RMSNorm of each row of `x (N, C)` with weight `w (C)` into `out`; `rstd (N)` gets each
-    /// row's reciprocal RMS when given (training keeps it for the backward pass).
+    /// row's reciprocal RMS when given (training keeps it for the backward pass). `out` may be
+    /// `x` itself (normalised in place). With `w` of one head's `D` channels and `x` of `(N,
+    /// heads, D)`, it is the per-head norm of queries or keys (`N * heads` rows).
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
@@ -123,6 +125,28 @@ impl Gpu {
                 &c32,
                 &eps,
             ],
+        )
+    }
+
+    /// `x (N, C) += bias (C)` on every row (the q, k and v biases).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] when `x` is not whole rows of the bias's length; the
+    /// launch's error.
+    pub fn bias_add(&self, x: GpuSlice<bf16>, bias: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        let c = bias.len();
+        if c == 0 || !x.len().is_multiple_of(c) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "bias input",
+                expected: c,
+                actual: x.len(),
+            });
+        }
+        let (n, c32) = (as_i64(x.len()), as_i32("bias width", c)?);
+        self.launch(
+            "bias_add",
+            elementwise(x.len()),
+            &[&x.address(), &bias.address(), &n, &c32],
         )
     }
 

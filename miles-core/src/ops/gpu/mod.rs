@@ -5,6 +5,9 @@
 //! The raw launch, the compute stream and the libraries live in [`crate::device`]; everything
 //! here is safe code.
 
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod bias_norm_tests;
 mod elementwise;
 mod paged;
 #[cfg(test)]
@@ -28,7 +31,7 @@ use std::sync::Arc;
 
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
-pub use train::{AdamWStep, HeadShape};
+pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, HeadShape};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
 
@@ -51,11 +54,12 @@ pub const PROGRAM: KernelProgram = KernelProgram {
 };
 
 /// The kernels of `kernels/forward.cu`.
-const FORWARD_KERNELS: [&str; 7] = [
+const FORWARD_KERNELS: [&str; 8] = [
     "cast_f32_to_bf16",
     "cast_bf16_to_f32",
     "embedding_forward",
     "rmsnorm_forward",
+    "bias_add",
     "rope_forward",
     "swiglu_forward",
     "residual_add",

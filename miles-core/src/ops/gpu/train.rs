@@ -11,12 +11,14 @@ use half::bf16;
 use super::elementwise::as_i32;
 use super::{elementwise, per_row};
 use crate::device::DeviceError;
-use crate::device::{Gpu, GpuSlice};
+use crate::device::{Gpu, GpuSlice, LaunchConfig};
 use crate::ops::{AdamWConfig, AdamWScalars};
 
 /// The kernels of `kernels/train.cu`.
-pub(super) const KERNELS: [&str; 11] = [
+pub(super) const KERNELS: [&str; 13] = [
     "rmsnorm_backward",
+    "column_partials",
+    "column_reduce",
     "rope_backward",
     "swiglu_backward",
     "embedding_backward",
@@ -32,6 +34,17 @@ pub(super) const KERNELS: [&str; 11] = [
 /// Threads per block of the per-row kernels. Their wrappers return before launching when there
 /// is no row: `per_row` launches at least one block, which would touch row 0 of empty tensors.
 const ROW_THREADS: u32 = 256;
+
+/// Chunks of rows a column sum ([`Gpu::bias_backward`], [`Gpu::head_rmsnorm_backward`]) splits
+/// its rows into, each summed by its own blocks into a row of partial sums: the scratch those
+/// take is `COLUMN_SUM_CHUNKS` times the columns.
+pub const COLUMN_SUM_CHUNKS: usize = 64;
+
+/// Rows a block of `column_partials` strides over at once (`COLUMN_ROWS` of `train.cu`).
+const COLUMN_ROWS: u32 = 8;
+
+/// Columns a block of `column_partials` sums (a warp's lanes).
+const COLUMN_LANES: usize = 32;
 
 /// The shape of a head reshape: `batch` sequences of `seq` positions, `head_dim` channels per
 /// head, `rows_heads` heads in the `(B, T, heads*D)` layout and `split_heads` in `(B, H, T, D)`.
@@ -123,6 +136,14 @@ fn rows_of(what: &'static str, len: usize, width: usize) -> Result<usize, Device
     Ok(len / width)
 }
 
+/// The operands of a column sum: `a (rows, cols)`, optionally times `b (rows, cols)`
+/// elementwise and each row times `scale (rows)`.
+struct ColumnTerms {
+    a: GpuSlice<bf16>,
+    b: Option<GpuSlice<bf16>>,
+    scale: Option<GpuSlice<f32>>,
+}
+
 impl Gpu {
     /// Backward of [`Gpu::rmsnorm_forward`]: `dx += d(x)` (bf16) and `dw += d(w)` (fp32), from
     /// `dout`, the forward's input `x`, weight `w` and saved `rstd`.
@@ -138,28 +159,153 @@ impl Gpu {
         w: GpuSlice<bf16>,
         rstd: GpuSlice<f32>,
     ) -> Result<(), DeviceError> {
+        self.rmsnorm_backward_rows(dx, Some(dw), dout, x, w, rstd)
+            .map(drop)
+    }
+
+    /// Backward of the per-head norm of queries or keys ([`Gpu::rmsnorm_forward`] over rows of
+    /// one head's `D` channels): `dx += d(x)` (bf16) as [`Gpu::rmsnorm_backward`] gives it, and
+    /// `dw (D) += d(w)` (fp32) summed over every token and head in a fixed order, without
+    /// atomics, so that it repeats bit for bit. `partials` is fp32 scratch of at least
+    /// [`COLUMN_SUM_CHUNKS`]` * D` elements.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_rmsnorm_backward(
+        &self,
+        dx: GpuSlice<bf16>,
+        dw: GpuSlice<f32>,
+        dout: GpuSlice<bf16>,
+        x: GpuSlice<bf16>,
+        w: GpuSlice<bf16>,
+        rstd: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
+        dw.expect_len("rmsnorm dw", w.len())?;
+        let rows = self.rmsnorm_backward_rows(dx, None, dout, x, w, rstd)?;
+        let terms = ColumnTerms {
+            a: dout,
+            b: Some(x),
+            scale: Some(rstd),
+        };
+        self.column_sums(dw, terms, rows, partials)
+    }
+
+    /// Backward of [`Gpu::bias_add`]: `dbias (C) +=` the sum of the rows of `dout (N, C)`
+    /// (fp32), in a fixed order without atomics, so that it repeats bit for bit. `partials` is
+    /// fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * C` elements.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn bias_backward(
+        &self,
+        dbias: GpuSlice<f32>,
+        dout: GpuSlice<bf16>,
+        partials: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
+        let rows = rows_of("bias dout", dout.len(), dbias.len())?;
+        let terms = ColumnTerms {
+            a: dout,
+            b: None,
+            scale: None,
+        };
+        self.column_sums(dbias, terms, rows, partials)
+    }
+
+    /// The rmsnorm backward kernel, `dw` added to only when given; returns the rows.
+    fn rmsnorm_backward_rows(
+        &self,
+        dx: GpuSlice<bf16>,
+        dw: Option<GpuSlice<f32>>,
+        dout: GpuSlice<bf16>,
+        x: GpuSlice<bf16>,
+        w: GpuSlice<bf16>,
+        rstd: GpuSlice<f32>,
+    ) -> Result<usize, DeviceError> {
         let c = w.len();
         let rows = rows_of("rmsnorm input", x.len(), c)?;
         dx.expect_len("rmsnorm dx", x.len())?;
         dout.expect_len("rmsnorm dout", x.len())?;
-        dw.expect_len("rmsnorm dw", c)?;
+        if let Some(dw) = dw {
+            dw.expect_len("rmsnorm dw", c)?;
+        }
         rstd.expect_len("rmsnorm rstd", rows)?;
         let c32 = as_i32("rmsnorm width", c)?;
         if rows == 0 {
-            return Ok(());
+            return Ok(0);
         }
+        let dw_addr = dw.map_or(0u64, |d| d.address());
         self.launch(
             "rmsnorm_backward",
             per_row(rows, ROW_THREADS),
             &[
                 &dx.address(),
-                &dw.address(),
+                &dw_addr,
                 &dout.address(),
                 &x.address(),
                 &w.address(),
                 &rstd.address(),
                 &c32,
             ],
+        )?;
+        Ok(rows)
+    }
+
+    /// `out (cols) +=` the column sums of `terms` over `rows` rows: [`COLUMN_SUM_CHUNKS`]
+    /// chunks of rows summed into `partials`, then the chunks added in order.
+    fn column_sums(
+        &self,
+        out: GpuSlice<f32>,
+        terms: ColumnTerms,
+        rows: usize,
+        partials: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
+        let cols = out.len();
+        let n = rows * cols;
+        terms.a.expect_len("column sum input", n)?;
+        if let Some(b) = terms.b {
+            b.expect_len("column sum factor", n)?;
+        }
+        if let Some(scale) = terms.scale {
+            scale.expect_len("column sum row scale", rows)?;
+        }
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let chunks = COLUMN_SUM_CHUNKS.min(rows);
+        if partials.len() < chunks * cols {
+            return Err(DeviceError::ShapeMismatch {
+                what: "column sum partials (COLUMN_SUM_CHUNKS x columns)",
+                expected: chunks * cols,
+                actual: partials.len(),
+            });
+        }
+        let (rows64, per_chunk) = (rows as i64, rows.div_ceil(chunks) as i64);
+        let (cols32, chunks32) = (as_i32("column sum columns", cols)?, chunks as i32);
+        let addr = |s: Option<GpuSlice<f32>>| s.map_or(0u64, |s| s.address());
+        let b_addr = terms.b.map_or(0u64, |b| b.address());
+        self.launch(
+            "column_partials",
+            LaunchConfig {
+                grid_dim: (cols.div_ceil(COLUMN_LANES) as u32, chunks32 as u32, 1),
+                block_dim: (COLUMN_LANES as u32, COLUMN_ROWS, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                &partials.address(),
+                &terms.a.address(),
+                &b_addr,
+                &addr(terms.scale),
+                &rows64,
+                &cols32,
+                &per_chunk,
+            ],
+        )?;
+        self.launch(
+            "column_reduce",
+            elementwise(cols),
+            &[&out.address(), &partials.address(), &chunks32, &cols32],
         )
     }
 

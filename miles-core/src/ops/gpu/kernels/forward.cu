@@ -27,6 +27,7 @@ extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids,
 }
 
 // out = x / rms(x) * w per row, rstd[row] = 1 / rms(x); one block a row, 32 floats of shared.
+// out may be x (each thread writes only the values it alone reads after the block's sum).
 extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w,
                                            int c, float eps) {
     __shared__ float scratch[32];
@@ -42,6 +43,15 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
     bf16* o = out + row * c;
     for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+}
+
+// x (rows, c) += b (c) on every row, elementwise over the n = rows * c values (the q, k and v
+// biases).
+extern "C" __global__ void bias_add(bf16* x, const bf16* b, long long n, int c) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % c]));
+    }
 }
 
 // Rotary embedding in place on x (n, heads, d), rotate-half convention (Hugging Face Llama):

@@ -3,8 +3,12 @@
 // are those its wrapper in `train.rs` passes (pointers as 64-bit addresses, `int` for i32,
 // `long long` for i64, `float` for f32).
 //
-// rmsnorm_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x, const bf16* w,
+// rmsnorm_backward(bf16* dx, float* dw_or_null, const bf16* dout, const bf16* x, const bf16* w,
 //                  const float* rstd, int c)                                   one block a row
+// column_partials(float* partial, const bf16* a, const bf16* b_or_null,
+//                 const float* scale_or_null, long long rows, int cols,
+//                 long long rows_per_chunk)       blocks of (32, COLUMN_ROWS): 32 columns, a chunk
+// column_reduce(float* out, const float* partial, int chunks, int cols)      one thread a column
 // rope_backward(bf16* dx, const unsigned* positions, const float* cos, const float* sin,
 //               long long n, int heads, int d)                                one thread a pair
 // swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up,
@@ -26,7 +30,7 @@
 //              float beta2, float eps, float grad_scale)                      grid-stride
 
 // One row of c columns a block: dx += r*w*dout - r^3/c * sum(dout*w*x) * x (bf16, read-modify-
-// write), dw += dout*x*r (fp32 atomics: many rows share a column).
+// write), and when dw is not null dw += dout*x*r (fp32 atomics: many rows share a column).
 extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x,
                                            const bf16* w, const float* rstd, int c) {
     __shared__ float scratch[32];
@@ -44,7 +48,50 @@ extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dou
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
         const float dy = bf2f(dyr[j]), xv = bf2f(xr[j]);
         dxr[j] = f2bf(bf2f(dxr[j]) + (r * bf2f(w[j]) * dy - k * xv));
-        atomicAdd(dw + j, dy * xv * r);
+        if (dw) atomicAdd(dw + j, dy * xv * r);
+    }
+}
+
+// Rows a block of column_partials strides over at once (its blockDim.y).
+#define COLUMN_ROWS 8
+
+// Deterministic column sums, without atomics, in two kernels. column_partials: block (x, k) sums
+// columns 32x .. 32x + 31 over chunk k of the rows (rows k * rows_per_chunk .. , fewer in the
+// last, none past the end) of a[r, j] * b[r, j] * scale[r] (a null b or scale counts as 1):
+// thread (lane, y) adds rows y, y + COLUMN_ROWS, ... in order, then lane's column adds the
+// COLUMN_ROWS sums in order into partial[k * cols + j] (overwritten, 0 for an empty chunk).
+extern "C" __global__ void column_partials(float* partial, const bf16* a, const bf16* b,
+                                           const float* scale, long long rows, int cols,
+                                           long long rows_per_chunk) {
+    __shared__ float sums[COLUMN_ROWS][33];
+    const int j = blockIdx.x * 32 + threadIdx.x;
+    const long long first = (long long)blockIdx.y * rows_per_chunk;
+    const long long end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+    float s = 0.0f;
+    if (j < cols) {
+        for (long long r = first + threadIdx.y; r < end; r += COLUMN_ROWS) {
+            float v = bf2f(a[r * cols + j]);
+            if (b) v *= bf2f(b[r * cols + j]);
+            if (scale) v *= scale[r];
+            s += v;
+        }
+    }
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < cols) {
+        float t = 0.0f;
+        for (int y = 0; y < COLUMN_ROWS; ++y) t += sums[y][threadIdx.x];
+        partial[(long long)blockIdx.y * cols + j] = t;
+    }
+}
+
+// out[j] += sum over k < chunks, in order, of partial[k * cols + j]; one thread a column.
+extern "C" __global__ void column_reduce(float* out, const float* partial, int chunks, int cols) {
+    for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < cols;
+         j += (long long)gridDim.x * blockDim.x) {
+        float t = 0.0f;
+        for (int k = 0; k < chunks; ++k) t += partial[(long long)k * cols + j];
+        out[j] += t;
     }
 }
 
