@@ -26,7 +26,7 @@ mod train_tests;
 use std::sync::Arc;
 
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
-pub use train::{AdamWStep, HeadShape};
+pub use train::{AdamWStep, GpuMoments, HeadShape};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
 
