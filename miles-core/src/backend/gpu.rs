@@ -228,6 +228,7 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
             grad_norm: report.optimizer.grad_norm,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: start.elapsed().as_secs_f64(),
+            optimizer_stream: report.optimizer_stream,
         })
     }
 
