@@ -313,3 +313,164 @@ fn load(
         None => Err(lost(store, bucket, "its last write failed")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::device::CpuDevice;
+    use crate::store::HostPool;
+
+    const BUCKET: usize = 8192;
+
+    /// Seven buckets (the last one short) over three slots of a CPU device, each written once
+    /// with seeded bytes.
+    struct Bench {
+        stream: BucketStream,
+        device: Arc<dyn Device>,
+        expected: Vec<Vec<u8>>,
+        dir: tempfile::TempDir,
+    }
+
+    impl Bench {
+        fn new(seed: u64) -> Bench {
+            let device: Arc<dyn Device> = Arc::new(CpuDevice::new(16 << 20));
+            let arena = device.reserve(2 << 20).unwrap();
+            device.commit(arena).unwrap();
+            let slots = (0..STREAM_SLOTS)
+                .map(|i| arena.slice(i * BUCKET, BUCKET).unwrap())
+                .collect();
+            let sizes: Vec<usize> = (0..7).map(|k| if k == 6 { 4096 } else { BUCKET }).collect();
+            let dir = tempfile::tempdir().unwrap();
+            let pool = Arc::new(HostPool::new(Arc::clone(&device)));
+            let store = Arc::new(DiskStore::new(dir.path(), 0, BUCKET, pool).unwrap());
+            let mut stream = BucketStream::new(store, Arc::clone(&device), slots, sizes.clone());
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let mut expected = Vec::new();
+            for (k, &size) in sizes.iter().enumerate() {
+                let bytes: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+                device.write(&bytes, stream.slot(k).unwrap()).unwrap();
+                assert_eq!(stream.write(k).unwrap(), size as u64);
+                expected.push(bytes);
+            }
+            Bench {
+                stream,
+                device,
+                expected,
+                dir,
+            }
+        }
+
+        /// One walk that adds `k + 1` to every byte of bucket `k`; returns the buckets it
+        /// updated.
+        fn walk(&mut self) -> (Result<StreamStats, StoreError>, Vec<usize>) {
+            let device = Arc::clone(&self.device);
+            let mut updated = Vec::new();
+            let result = self.stream.walk(|k, slot| -> Result<Fence, StoreError> {
+                let mut bytes = vec![0u8; slot.len];
+                device.read(slot, &mut bytes)?;
+                bytes
+                    .iter_mut()
+                    .for_each(|b| *b = b.wrapping_add(k as u8 + 1));
+                device.write(&bytes, slot)?;
+                updated.push(k);
+                Ok(Fence::signalled())
+            });
+            (result, updated)
+        }
+
+        fn check_on_disk(&self) {
+            for (k, want) in self.expected.iter().enumerate() {
+                self.stream.read(k).unwrap();
+                let mut got = vec![0u8; want.len()];
+                self.device
+                    .read(self.stream.slot(k).unwrap(), &mut got)
+                    .unwrap();
+                assert!(got == *want, "bucket {k} differs from what was written");
+            }
+        }
+
+        fn bump(&mut self, buckets: std::ops::Range<usize>) {
+            for k in buckets {
+                let add = k as u8 + 1;
+                self.expected[k]
+                    .iter_mut()
+                    .for_each(|b| *b = b.wrapping_add(add));
+            }
+        }
+    }
+
+    #[test]
+    fn walks_update_every_bucket_once_and_write_it_back_over_several_steps() {
+        let mut bench = Bench::new(71);
+        let total: u64 = bench.expected.iter().map(|b| b.len() as u64).sum();
+        for _ in 0..3 {
+            let (stats, updated) = bench.walk();
+            let stats = stats.unwrap();
+            assert_eq!(updated, (0..7).collect::<Vec<_>>());
+            assert_eq!((stats.bytes_read, stats.bytes_written), (total, total));
+            assert!(stats.wait_seconds >= 0.0);
+            bench.bump(0..7);
+        }
+        bench.check_on_disk();
+    }
+
+    #[test]
+    fn a_corrupted_bucket_stops_the_walk_before_its_update_and_keeps_the_others_consistent() {
+        let mut bench = Bench::new(72);
+        let data = bench
+            .dir
+            .path()
+            .join("offload/rank-0/named-optimizer-bucket-00003/data.bin");
+        let mut bytes = std::fs::read(&data).unwrap();
+        bytes[100] ^= 0x40;
+        std::fs::write(&data, bytes).unwrap();
+        let (result, updated) = bench.walk();
+        let err = result.unwrap_err();
+        assert!(matches!(err, StoreError::ChecksumMismatch { .. }), "{err}");
+        assert!(err.to_string().contains("checksum mismatch"), "{err}");
+        assert_eq!(
+            updated,
+            [0, 1, 2],
+            "no bucket from the corrupted one on is updated"
+        );
+        // The buckets before it were written back updated; the corrupted one's files are kept.
+        bench.bump(0..3);
+        for k in [0, 1, 2, 4, 5, 6] {
+            bench.stream.read(k).unwrap();
+            let mut got = vec![0u8; bench.expected[k].len()];
+            bench
+                .device
+                .read(bench.stream.slot(k).unwrap(), &mut got)
+                .unwrap();
+            assert!(got == bench.expected[k], "bucket {k} differs");
+        }
+        assert!(data.exists(), "the corrupted bucket's file is kept");
+        assert!(matches!(
+            bench.stream.read(3),
+            Err(StoreError::ChecksumMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_bucket_never_written_is_reported_lost_by_name() {
+        let device: Arc<dyn Device> = Arc::new(CpuDevice::new(4 << 20));
+        let arena = device.reserve(2 << 20).unwrap();
+        device.commit(arena).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Arc::new(HostPool::new(Arc::clone(&device)));
+        let store = Arc::new(DiskStore::new(dir.path(), 0, BUCKET, pool).unwrap());
+        let slots = vec![arena.slice(0, BUCKET).unwrap()];
+        let mut stream = BucketStream::new(store, device, slots, vec![BUCKET, BUCKET]);
+        let err = stream
+            .walk(|_, _| -> Result<Fence, StoreError> { Ok(Fence::signalled()) })
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::StreamBucketLost { bucket: 0, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("--load"), "{err}");
+    }
+}
