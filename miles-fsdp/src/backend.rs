@@ -300,6 +300,7 @@ impl TrainBackend for FsdpBackend {
             grad_norm: results[0].1,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: started.elapsed().as_secs_f64(),
+            optimizer_stream: None,
         })
     }
 

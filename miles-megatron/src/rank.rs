@@ -22,7 +22,7 @@ use miles_core::{
 };
 
 use crate::shard::{Split, split_of};
-use crate::stream::{StreamedMoments, arena_bytes, dtype_bytes, stream_tag};
+use crate::stream::{StreamedMoments, arena_bytes, stream_tag};
 
 /// Where a rank sits in the grid: `rank = dp_rank * tp + tp_rank`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +156,7 @@ impl Rank {
                 Moments::Resident { m, v }
             }
             Some(stream) => {
-                let per_elem = 2 * dtype_bytes(stream.dtype);
+                let per_elem = 2 * miles_core::ops::moment_bytes(stream.dtype);
                 let bucket_elems = (stream.bucket_bytes / per_elem).max(1);
                 let arena = arena_bytes(stream.dtype, shard_len, bucket_elems);
                 manager.create_region(stream_tag(), BackupPolicy::None, arena)?;

@@ -548,6 +548,7 @@ impl TrainBackend for MegatronTrainer {
             grad_norm,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: start.elapsed().as_secs_f64(),
+            optimizer_stream: None,
         })
     }
 

@@ -17,11 +17,11 @@ use super::{
     BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
     WeightSink, export_full_weights, load_checkpoint_of,
 };
-use crate::config::{OffloadTarget, Settings, TrainOffload};
+use crate::config::{OffloadTarget, OptimizerStream, Settings, TrainOffload};
 use crate::device::{Device, Gpu};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
-    GpuTrainer, GpuTrainerSpec, LlamaConfig, ParamLayout, TrainerGroup, init_params,
+    GpuTrainer, GpuTrainerSpec, LlamaConfig, MomentStream, ParamLayout, TrainerGroup, init_params,
     save_checkpoint,
 };
 use crate::ops::AdamWConfig;
@@ -97,11 +97,12 @@ impl<F: OptimizerFiles> GpuBackend<F> {
 
     /// A trainer of `config` on `gpu` starting from the full weights `params`, offloading to
     /// `--offload-train-target` (with its disk settings; rank `rank` of a job writes its own
-    /// files there), keeping `--train-memory-margin-bytes` free on resume, with the learning
+    /// files there), its AdamW moments streamed through the disk with
+    /// `--stream-optimizer-state-to-disk`, keeping `--train-memory-margin-bytes` free on resume, with the learning
     /// rate of `settings`.
     ///
     /// # Errors
-    /// [`BackendError::Settings`] for a disk target without a directory;
+    /// [`BackendError::Settings`] for a disk target or streaming without a directory;
     /// [`BackendError::Memory`] or [`BackendError::Model`] when the state does not fit the GPU.
     pub fn new(
         gpu: Arc<Gpu>,
@@ -110,10 +111,12 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         params: &[f32],
         rank: usize,
     ) -> Result<GpuBackend<F>, BackendError> {
-        let offload = TrainOffload::of(settings).map_err(|error| BackendError::Settings {
+        let refused = |error: crate::config::SettingsError| BackendError::Settings {
             backend: F::NAME,
             reason: error.to_string(),
-        })?;
+        };
+        let offload = TrainOffload::of(settings).map_err(refused)?;
+        let stream = OptimizerStream::of(settings).map_err(refused)?;
         let device: Arc<dyn Device> = gpu.device().clone();
         let memory = Arc::new(MemoryManager::new(
             device,
@@ -131,6 +134,10 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             },
             backup: offload.policy(),
             max_batch_tokens: MAX_BATCH_TOKENS,
+            stream: stream.map(|stream| MomentStream {
+                dtype: stream.dtype,
+                disk: stream.disk(rank),
+            }),
         };
         let trainer = GpuTrainer::new(gpu, Arc::clone(&memory), spec, params)?;
         let started = Instant::now();
@@ -221,6 +228,7 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
             grad_norm: report.optimizer.grad_norm,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: start.elapsed().as_secs_f64(),
+            optimizer_stream: report.optimizer_stream,
         })
     }
 

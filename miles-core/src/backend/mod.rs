@@ -26,7 +26,7 @@ use crate::config::OffloadTarget;
 use crate::device::{Device, Fence, GpuSlice};
 use crate::memory::{MemoryError, MemoryTag, OffloadReport};
 use crate::model::{LlamaConfig, ModelError, TrainBatch};
-use crate::store::StoreError;
+use crate::store::{StoreError, StreamStats};
 
 pub use critic::Critic;
 pub use gpu::{GpuBackend, OptimizerFiles};
@@ -131,6 +131,10 @@ pub struct StepStats {
     pub tokens: u64,
     /// Wall time of the step.
     pub seconds: f64,
+    /// What the step read and wrote of optimizer state streamed through the disk
+    /// (`--stream-optimizer-state-to-disk`) and how long it waited for it; `None` when the
+    /// backend does not report it (resident state).
+    pub optimizer_stream: Option<StreamStats>,
 }
 
 /// One rank's share of an offload or onload.

@@ -28,6 +28,9 @@ pub struct RlMetrics {
     pub train_tokens_per_second: f64,
     /// Mean reward of the evaluation pass run after this step, when one ran.
     pub eval_reward_mean: Option<f32>,
+    /// What the actor's optimizer steps read and wrote of state streamed through the disk, and
+    /// the seconds they waited for it, when it streams.
+    pub optimizer_stream: Option<crate::store::StreamStats>,
 }
 
 impl RlMetrics {
@@ -56,6 +59,18 @@ impl RlMetrics {
         }
         if let Some(eval) = self.eval_reward_mean {
             fields.insert("eval_reward_mean".to_owned(), json!(eval));
+        }
+        if let Some(stream) = &self.optimizer_stream {
+            for (key, value) in [
+                ("optimizer_stream_read_bytes", json!(stream.bytes_read)),
+                (
+                    "optimizer_stream_written_bytes",
+                    json!(stream.bytes_written),
+                ),
+                ("optimizer_stream_wait_seconds", json!(stream.wait_seconds)),
+            ] {
+                fields.insert(key.to_owned(), value);
+            }
         }
         fields
     }

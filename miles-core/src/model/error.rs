@@ -59,6 +59,10 @@ pub enum ModelError {
     /// The memory manager failed (a region, an allocation, a pause or a resume).
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// Streamed optimizer state could not be read or written (a checksum mismatch, a failed
+    /// write, a bucket lost to an earlier failure).
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
     /// An operation that needs the trainer's tensors on the device, called while offloaded.
     #[error("cannot {action}: the trainer's tensors are offloaded; call onload first")]
     Offloaded {

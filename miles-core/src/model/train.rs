@@ -75,7 +75,11 @@ pub fn train_step(
     let loss = model.forward(params, acts, al, batch)?;
     model.backward(params, grads, acts, al, batch)?;
     let optimizer = adamw_step(params, grads, m, v, step, adamw);
-    Ok(StepReport { loss, optimizer })
+    Ok(StepReport {
+        loss,
+        optimizer,
+        optimizer_stream: None,
+    })
 }
 
 /// What one training step did.
@@ -85,6 +89,9 @@ pub struct StepReport {
     pub loss: f32,
     /// The optimizer step.
     pub optimizer: AdamWStepStats,
+    /// What the step read and wrote of optimizer state streamed through the disk, and how long
+    /// it waited for it; `None` when the state is resident.
+    pub optimizer_stream: Option<crate::store::StreamStats>,
 }
 
 /// A model with its own `Vec` buffers and optimizer: forward, backward and AdamW, one step at a
@@ -148,7 +155,11 @@ impl Trainer {
             .backward(params, grads, &mut self.acts, &al, batch)?;
         self.step += 1;
         let optimizer = adamw_step(params, grads, m, v, self.step, &self.adamw);
-        Ok(StepReport { loss, optimizer })
+        Ok(StepReport {
+            loss,
+            optimizer,
+            optimizer_stream: None,
+        })
     }
 
     /// The forward pass alone: the loss, with the per-token log-probs `(B, T)` in `logprobs`.

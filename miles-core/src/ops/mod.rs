@@ -12,6 +12,7 @@ mod embedding;
 pub mod gpu;
 mod matmul;
 mod matmul_rows;
+mod moments;
 mod residual;
 mod rmsnorm;
 mod rope;
@@ -35,6 +36,7 @@ pub use matmul::{
     matmul_forward_naive,
 };
 pub use matmul_rows::matmul_rows_forward;
+pub use moments::{decode_moments, encode_moments, moment_bytes};
 pub use residual::residual_forward;
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{RopeScaling, RopeTable, rope_backward, rope_forward};

@@ -84,6 +84,7 @@ impl TrainBackend for ModelActor {
             grad_norm: 0.0,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
+            optimizer_stream: None,
         })
     }
     fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {

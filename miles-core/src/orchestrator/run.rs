@@ -546,6 +546,7 @@ impl Orchestrator {
                     (rl.pg_loss, rl.kl, rl.clip_fraction) =
                         (stats.pg_loss, stats.kl, stats.clip_fraction);
                     rl.grad_norm = stats.grad_norm;
+                    rl.optimizer_stream = stats.optimizer_stream;
                     rl.lr = stats.lr;
                     rl.train_tokens_per_second = stats.tokens as f64 / stats.seconds.max(1e-9);
                     self.state.step = metrics.step;

@@ -167,6 +167,7 @@ impl TrainBackend for FakeActor {
             grad_norm: signal.abs(),
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
+            optimizer_stream: None,
         })
     }
     fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {

@@ -63,6 +63,19 @@ pub enum StoreError {
         /// What is wrong with it, and the fix.
         reason: Unsafe,
     },
+    /// A streamed bucket whose last write failed (or whose streaming thread died): its state is
+    /// not on disk.
+    #[error(
+        "bucket {bucket} of the streamed optimizer state under {dir} is not on disk ({reason}); restart from a checkpoint (--load)"
+    )]
+    StreamBucketLost {
+        /// The rank directory.
+        dir: PathBuf,
+        /// Index of the bucket.
+        bucket: usize,
+        /// What happened to it.
+        reason: &'static str,
+    },
     /// Another job holds the lock of the rank directory.
     #[error(
         "offload directory {dir} is in use by another job (pid {}); give each job its own --offload-train-disk-dir, or wait for that job to end",

@@ -5,8 +5,10 @@ mod disk;
 mod error;
 mod host_pool;
 mod rank_dir;
+mod stream;
 
 pub use disk::{DiskBackup, DiskStore};
 pub use error::{StoreError, Unsafe};
 pub use host_pool::HostPool;
 pub use rank_dir::RankDir;
+pub use stream::{BucketStream, STREAM_SLOTS, StreamStats};

@@ -12,6 +12,7 @@ mod forward;
 mod group;
 mod layout;
 mod sizing;
+mod stream;
 #[cfg(any(test, feature = "testing"))]
 #[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr, missing_docs)]
 pub mod testing;
@@ -24,4 +25,5 @@ mod weights;
 pub use forward::{ForwardMode, GpuTransformer};
 pub use group::TrainerGroup;
 pub use layout::{GpuActivationLayout, GpuActivations};
+pub use stream::MomentStream;
 pub use trainer::{GpuTrainer, GpuTrainerSpec, standalone_gpu_trainer};

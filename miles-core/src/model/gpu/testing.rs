@@ -133,6 +133,7 @@ pub fn spec(config: LlamaConfig, backup: BackupPolicy, max_batch_tokens: usize) 
         },
         backup,
         max_batch_tokens,
+        stream: None,
     }
 }
 

@@ -7,6 +7,7 @@ use half::bf16;
 
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
+use super::stream::{MomentStream, StreamedMoments};
 use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, TrainerGroup};
 use crate::device::{Device, DeviceError, Fence, Gpu, GpuElement, GpuSlice};
 use crate::memory::{
@@ -14,8 +15,9 @@ use crate::memory::{
     RegionState,
 };
 use crate::model::{LlamaConfig, ModelError, ParamLayout, StepReport, TrainBatch};
-use crate::ops::gpu::AdamWStep;
+use crate::ops::gpu::{AdamWStep, GpuMoments};
 use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
+use crate::store::StreamStats;
 
 /// The trainer's regions, in the order [`GpuTrainer::offload`] pauses them.
 const TAGS: [MemoryTag; 4] = [
@@ -38,6 +40,18 @@ pub struct GpuTrainerSpec {
     /// Activations are sized for this many tokens; a larger batch runs as micro-batches of
     /// whole sequences whose gradients add up.
     pub max_batch_tokens: usize,
+    /// The AdamW moments on disk, streamed through each optimizer step a few buckets at a
+    /// time (`--stream-optimizer-state-to-disk`); `None`: resident in
+    /// [`MemoryTag::Optimizer`].
+    pub stream: Option<MomentStream>,
+}
+
+/// Where the AdamW moments live.
+enum Moments {
+    /// On the device: (P) fp32 each, in [`MemoryTag::Optimizer`].
+    Resident { m: Buffer, v: Buffer },
+    /// On disk, staged through a few device slots.
+    Streamed(StreamedMoments),
 }
 
 /// The activation buffers: allocated for one batch shape, reused for every shape they hold.
@@ -51,7 +65,9 @@ struct ActivationBuffers {
 /// A transformer trained with AdamW on one GPU, its state in memory-manager regions:
 /// [`MemoryTag::Params`] (bf16 weights), [`MemoryTag::Optimizer`] (fp32 master weights and
 /// both moments), [`MemoryTag::Grads`] (fp32) and [`MemoryTag::Activations`] (everything
-/// per step, inputs included).
+/// per step, inputs included). With streamed moments ([`GpuTrainerSpec::stream`]) the
+/// optimizer region holds the master weights only, and a fifth region (`optimizer-stream`,
+/// dropped on offload) the few device slots the moments stream through.
 ///
 /// The trainer creates the four regions; the manager must not have them yet, and keeps them
 /// after the trainer drops (one trainer per manager). Every call that queues GPU work records
@@ -68,8 +84,7 @@ pub struct GpuTrainer {
     max_batch_tokens: usize,
     params: Buffer, // (P) bf16, Params
     master: Buffer, // (P) fp32, Optimizer
-    m: Buffer,      // (P) fp32, Optimizer
-    v: Buffer,      // (P) fp32, Optimizer
+    moments: Moments,
     grads: Buffer,  // (P) fp32, Grads
     scalar: Buffer, // (2) fp32, Activations: the loss's sum over ranks, then sums of squares
     acts: Option<ActivationBuffers>,
@@ -99,7 +114,8 @@ impl GpuTrainer {
     /// ([`LlamaConfig::check_gpu_support`]); [`ModelError::BufferLength`] for `params` of the
     /// wrong length; [`ModelError::Batch`] for `max_batch_tokens` 0; [`ModelError::DeviceMismatch`];
     /// [`ModelError::Memory`] when a region exists already or the device is out of memory;
-    /// [`ModelError::Gpu`] when the upload fails.
+    /// [`ModelError::Gpu`] when the upload fails; [`ModelError::Store`] when streamed moments
+    /// cannot be written to their disk store.
     pub fn new(
         gpu: Arc<Gpu>,
         memory: Arc<MemoryManager>,
@@ -122,19 +138,30 @@ impl GpuTrainer {
         let n = model.layout().len();
         let (half, full) = (n * size_of::<bf16>(), n * size_of::<f32>());
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
+        let optimizer_buffers = if spec.stream.is_some() { 1 } else { 3 };
         for (tag, policy, bytes) in [
             (MemoryTag::Params, spec.backup, half + BLOCK_SLACK),
-            (MemoryTag::Optimizer, spec.backup, 3 * (full + BLOCK_SLACK)),
+            (
+                MemoryTag::Optimizer,
+                spec.backup,
+                optimizer_buffers * (full + BLOCK_SLACK),
+            ),
             (MemoryTag::Grads, BackupPolicy::None, full + BLOCK_SLACK),
             (MemoryTag::Activations, BackupPolicy::None, act_bytes),
         ] {
             memory.create_region(tag, policy, bytes)?;
         }
+        let moments = match &spec.stream {
+            None => Moments::Resident {
+                m: memory.alloc(&MemoryTag::Optimizer, full)?,
+                v: memory.alloc(&MemoryTag::Optimizer, full)?,
+            },
+            Some(stream) => Moments::Streamed(StreamedMoments::new(&memory, stream, n)?),
+        };
         let trainer = GpuTrainer {
             params: memory.alloc(&MemoryTag::Params, half)?,
             master: memory.alloc(&MemoryTag::Optimizer, full)?,
-            m: memory.alloc(&MemoryTag::Optimizer, full)?,
-            v: memory.alloc(&MemoryTag::Optimizer, full)?,
+            moments,
             grads: memory.alloc(&MemoryTag::Grads, full)?,
             scalar: memory.alloc(&MemoryTag::Activations, 2 * size_of::<f32>())?,
             gpu,
@@ -146,8 +173,10 @@ impl GpuTrainer {
             offloaded: false,
             group: None,
         };
-        trainer.gpu.zero(slice::<f32>(&trainer.m)?)?;
-        trainer.gpu.zero(slice::<f32>(&trainer.v)?)?;
+        if let Moments::Resident { m, v } = &trainer.moments {
+            trainer.gpu.zero(slice::<f32>(m)?)?;
+            trainer.gpu.zero(slice::<f32>(v)?)?;
+        }
         trainer.gpu.zero(slice::<f32>(&trainer.grads)?)?;
         trainer.upload_params(params)?;
         tracing::debug!(
@@ -194,8 +223,12 @@ impl GpuTrainer {
             return Err(ModelError::InvalidStep { step });
         }
         let loss = self.compute_grads(batch)?;
-        let optimizer = self.apply_grads(step)?;
-        Ok(StepReport { loss, optimizer })
+        let (optimizer, optimizer_stream) = self.apply_grads(step)?;
+        Ok(StepReport {
+            loss,
+            optimizer,
+            optimizer_stream,
+        })
     }
 
     /// Makes this trainer one rank of `group`: from now on the trainer calls it at the points
@@ -260,11 +293,20 @@ impl GpuTrainer {
 
     /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
     /// the clipping factor as `ops::clip_scale` computes it, then the update of the master
-    /// weights, moments and bf16 weights.
+    /// weights, moments and bf16 weights; with streamed moments, also what the step read
+    /// and wrote and how long it waited for the disk.
+    ///
+    /// With streamed moments a failed read (a checksum mismatch, say) stops the step: the
+    /// buckets before it are updated and written back, the failing bucket and those after it
+    /// keep their weights and moments, and the error says which file failed.
     ///
     /// # Errors
-    /// [`ModelError::InvalidStep`], [`ModelError::Offloaded`]; [`ModelError::Gpu`].
-    pub fn apply_grads(&mut self, step: u64) -> Result<AdamWStepStats, ModelError> {
+    /// [`ModelError::InvalidStep`], [`ModelError::Offloaded`]; [`ModelError::Gpu`];
+    /// [`ModelError::Store`] for streamed moments.
+    pub fn apply_grads(
+        &mut self,
+        step: u64,
+    ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         if step == 0 {
             return Err(ModelError::InvalidStep { step });
         }
@@ -325,25 +367,44 @@ impl GpuTrainer {
         self.upload_params(params)
     }
 
-    /// The AdamW moments `(m, v)`, in [`ParamLayout`](crate::model::ParamLayout) order.
+    /// The AdamW moments `(m, v)`, in [`ParamLayout`](crate::model::ParamLayout) order (read
+    /// from disk when streamed).
     ///
     /// # Errors
-    /// As [`master_params`](Self::master_params).
+    /// As [`master_params`](Self::master_params); [`ModelError::Store`] for streamed moments.
     pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         self.ensure_active("read the optimizer moments")?;
-        Ok((self.download(&self.m)?, self.download(&self.v)?))
+        match &self.moments {
+            Moments::Resident { m, v } => Ok((self.download(m)?, self.download(v)?)),
+            Moments::Streamed(streamed) => streamed.read_all(self.model.layout().len()),
+        }
     }
 
-    /// Replaces the AdamW moments.
+    /// Bytes of device memory the optimizer state takes: the master weights, and the moments
+    /// (all of them when resident, the stream's slots when streamed).
+    pub fn optimizer_device_bytes(&self) -> usize {
+        let moments = match &self.moments {
+            Moments::Resident { m, v } => m.len() + v.len(),
+            Moments::Streamed(streamed) => streamed.slot_bytes(),
+        };
+        self.master.len() + moments
+    }
+
+    /// Replaces the AdamW moments (rounded to the stream's dtype when streamed).
     ///
     /// # Errors
-    /// As [`set_params`](Self::set_params).
+    /// As [`set_params`](Self::set_params); [`ModelError::Store`] for streamed moments.
     pub fn set_moments(&mut self, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
         self.model.layout().check("adamw m", m)?;
         self.model.layout().check("adamw v", v)?;
         self.ensure_active("set the optimizer moments")?;
-        self.gpu.upload(slice(&self.m)?, m)?;
-        self.gpu.upload(slice(&self.v)?, v)?;
+        match &mut self.moments {
+            Moments::Resident { m: dm, v: dv } => {
+                self.gpu.upload(slice(dm)?, m)?;
+                self.gpu.upload(slice(dv)?, v)?;
+            }
+            Moments::Streamed(streamed) => streamed.write_all(m, v)?,
+        }
         Ok(())
     }
 
@@ -358,8 +419,9 @@ impl GpuTrainer {
     }
 
     /// Records a fence after the queued work, then pauses [`MemoryTag::Params`],
-    /// [`MemoryTag::Optimizer`], [`MemoryTag::Grads`] and [`MemoryTag::Activations`]; returns
-    /// their reports in that order. A failed pause resumes the tags paused before it.
+    /// [`MemoryTag::Optimizer`], [`MemoryTag::Grads`] and [`MemoryTag::Activations`] (and the
+    /// slots of streamed moments); returns their reports in that order. A failed pause
+    /// resumes the tags paused before it.
     ///
     /// # Errors
     /// [`ModelError::Offloaded`] when offloaded already; [`ModelError::Memory`] from a pause.
@@ -368,12 +430,12 @@ impl GpuTrainer {
             return Err(ModelError::Offloaded { action: "offload" });
         }
         self.record_fences()?;
-        let reports = self.memory.pause_all(&TAGS)?;
+        let reports = self.memory.pause_all(&self.tags())?;
         self.offloaded = true;
         Ok(reports)
     }
 
-    /// Resumes the four regions (same order as [`offload`](Self::offload)) and zeroes the
+    /// Resumes the regions (same order as [`offload`](Self::offload)) and zeroes the
     /// gradients. A failed resume pauses the tags resumed before it again, so the trainer
     /// stays offloaded.
     ///
@@ -384,7 +446,7 @@ impl GpuTrainer {
         if !self.offloaded {
             return Err(ModelError::NotOffloaded);
         }
-        let reports = self.memory.resume_all(&TAGS)?;
+        let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
@@ -392,12 +454,21 @@ impl GpuTrainer {
         Ok(reports)
     }
 
-    /// Errors unless the trainer is onloaded and its four regions are active.
+    /// The trainer's regions, in the order [`offload`](Self::offload) pauses them.
+    fn tags(&self) -> Vec<MemoryTag> {
+        let mut tags = TAGS.to_vec();
+        if let Moments::Streamed(_) = self.moments {
+            tags.push(StreamedMoments::tag());
+        }
+        tags
+    }
+
+    /// Errors unless the trainer is onloaded and its regions are active.
     fn ensure_active(&self, action: &'static str) -> Result<(), ModelError> {
         if self.offloaded {
             return Err(ModelError::Offloaded { action });
         }
-        for tag in &TAGS {
+        for tag in &self.tags() {
             match self.memory.state(tag)? {
                 RegionState::Active => {}
                 RegionState::Paused => {
@@ -469,8 +540,11 @@ impl GpuTrainer {
     }
 
     /// The gradients' global norm, the clipping factor and the AdamW update, as
-    /// `ops::adamw_step` computes them.
-    fn adamw_step(&self, step: u64) -> Result<AdamWStepStats, ModelError> {
+    /// `ops::adamw_step` computes them, and what streamed moments moved.
+    fn adamw_step(
+        &mut self,
+        step: u64,
+    ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         let grads = slice::<f32>(&self.grads)?;
         let sums = slice::<f32>(&self.scalar)?;
         let first = sums.sub(0, 1)?;
@@ -486,19 +560,29 @@ impl GpuTrainer {
         };
         let grad_norm = norm_sq.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
-        self.gpu.adamw_update(
-            slice(&self.master)?,
-            slice(&self.params)?,
-            slice(&self.m)?,
-            slice(&self.v)?,
-            grads,
-            AdamWStep::new(&self.adamw, step, clip),
-        )?;
-        Ok(AdamWStepStats {
+        let s = AdamWStep::new(&self.adamw, step, clip);
+        let (master, params) = (slice(&self.master)?, slice(&self.params)?);
+        let n = self.model.layout().len();
+        let stream = match &mut self.moments {
+            Moments::Resident { m, v } => {
+                let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
+                self.gpu.adamw_update(master, params, moments, grads, s)?;
+                None
+            }
+            Moments::Streamed(streamed) => Some(streamed.update(
+                &self.gpu,
+                master.sub(0, n)?,
+                params.sub(0, n)?,
+                grads.sub(0, n)?,
+                s,
+            )?),
+        };
+        let stats = AdamWStepStats {
             step,
             grad_norm,
             clip_scale: clip,
-        })
+        };
+        Ok((stats, stream))
     }
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
@@ -558,16 +642,13 @@ impl GpuTrainer {
     /// Tells every buffer that the work queued so far uses it.
     fn record_fences(&self) -> Result<(), ModelError> {
         let fence = self.gpu.record_fence()?;
-        let state = [
-            &self.params,
-            &self.master,
-            &self.m,
-            &self.v,
-            &self.grads,
-            &self.scalar,
-        ];
+        let state = [&self.params, &self.master, &self.grads, &self.scalar];
+        let moments: Vec<&Buffer> = match &self.moments {
+            Moments::Resident { m, v } => vec![m, v],
+            Moments::Streamed(streamed) => streamed.slots().iter().collect(),
+        };
         let acts = self.acts.iter().flat_map(|a| [&a.bf16, &a.f32, &a.u32]);
-        for buffer in state.into_iter().chain(acts) {
+        for buffer in state.into_iter().chain(moments).chain(acts) {
             buffer.record_use(fence.clone());
         }
         Ok(())
@@ -599,6 +680,7 @@ pub fn standalone_gpu_trainer(
         adamw: AdamWConfig::default(),
         backup: BackupPolicy::None,
         max_batch_tokens,
+        stream: None,
     };
     GpuTrainer::new(gpu, memory, spec, params)
 }

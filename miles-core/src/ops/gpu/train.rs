@@ -6,7 +6,7 @@
 //! `causal_softmax_forward` turns the fp32 scores into bf16 probabilities, and `from_heads`
 //! brings outputs (and, summing each group, the k and v gradients) back to `(B, T, heads*D)`.
 
-use half::bf16;
+use half::{bf16, f16};
 
 use super::elementwise::as_i32;
 use super::{elementwise, per_row};
@@ -15,7 +15,7 @@ use crate::device::{Gpu, GpuSlice, LaunchConfig};
 use crate::ops::{AdamWConfig, AdamWScalars};
 
 /// The kernels of `kernels/train.cu`.
-pub(super) const KERNELS: [&str; 13] = [
+pub(super) const KERNELS: [&str; 15] = [
     "rmsnorm_backward",
     "column_partials",
     "column_reduce",
@@ -29,6 +29,8 @@ pub(super) const KERNELS: [&str; 13] = [
     "crossentropy",
     "sum_of_squares",
     "adamw_update",
+    "adamw_update_bf16_moments",
+    "adamw_update_f16_moments",
 ];
 
 /// Threads per block of the per-row kernels. Their wrappers return before launching when there
@@ -122,6 +124,51 @@ impl AdamWStep {
             eps: cfg.eps,
             grad_scale,
         }
+    }
+}
+
+/// AdamW's two moments `(m, v)` on the device, in their storage type.
+#[derive(Clone, Copy, Debug)]
+pub enum GpuMoments {
+    /// fp32 moments (resident, or streamed in fp32).
+    Fp32(GpuSlice<f32>, GpuSlice<f32>),
+    /// bf16 moments (streamed in bf16).
+    Bf16(GpuSlice<bf16>, GpuSlice<bf16>),
+    /// IEEE half moments (streamed in fp16).
+    Fp16(GpuSlice<f16>, GpuSlice<f16>),
+}
+
+impl GpuMoments {
+    /// The kernel for this storage type and the moments' addresses, once both hold `n`
+    /// elements.
+    fn check(&self, n: usize) -> Result<(&'static str, u64, u64), DeviceError> {
+        let (kernel, (m, m_len), (v, v_len)) = match self {
+            GpuMoments::Fp32(m, v) => (
+                "adamw_update",
+                (m.address(), m.len()),
+                (v.address(), v.len()),
+            ),
+            GpuMoments::Bf16(m, v) => (
+                "adamw_update_bf16_moments",
+                (m.address(), m.len()),
+                (v.address(), v.len()),
+            ),
+            GpuMoments::Fp16(m, v) => (
+                "adamw_update_f16_moments",
+                (m.address(), m.len()),
+                (v.address(), v.len()),
+            ),
+        };
+        for (what, len) in [("adamw m", m_len), ("adamw v", v_len)] {
+            if len != n {
+                return Err(DeviceError::ShapeMismatch {
+                    what,
+                    expected: n,
+                    actual: len,
+                });
+            }
+        }
+        Ok((kernel, m, v))
     }
 }
 
@@ -553,8 +600,9 @@ impl Gpu {
         )
     }
 
-    /// One AdamW step as `ops::adamw_update` takes it, on fp32 `master` weights and moments
-    /// `m`, `v` from fp32 `grads`; `params` gets the updated weights rounded to bf16.
+    /// One AdamW step as `ops::adamw_update` takes it, on fp32 `master` weights and the
+    /// `moments` from fp32 `grads`; `params` gets the updated weights rounded to bf16. Moments
+    /// stored in a half type are widened, updated in fp32 and rounded back to nearest even.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
@@ -562,25 +610,23 @@ impl Gpu {
         &self,
         master: GpuSlice<f32>,
         params: GpuSlice<bf16>,
-        m: GpuSlice<f32>,
-        v: GpuSlice<f32>,
+        moments: GpuMoments,
         grads: GpuSlice<f32>,
         s: AdamWStep,
     ) -> Result<(), DeviceError> {
         let n = master.len();
         params.expect_len("adamw params", n)?;
-        for (what, x) in [("adamw m", m), ("adamw v", v), ("adamw grads", grads)] {
-            x.expect_len(what, n)?;
-        }
+        grads.expect_len("adamw grads", n)?;
+        let (kernel, m, v) = moments.check(n)?;
         let n64 = n as i64;
         self.launch(
-            "adamw_update",
+            kernel,
             elementwise(n),
             &[
                 &master.address(),
                 &params.address(),
-                &m.address(),
-                &v.address(),
+                &m,
+                &v,
                 &grads.address(),
                 &n64,
                 &s.step_size,

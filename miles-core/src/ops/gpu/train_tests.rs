@@ -6,7 +6,7 @@
 use half::bf16;
 
 use super::testing::{TestGpu, assert_close};
-use super::{AdamWStep, HeadShape};
+use super::{AdamWStep, GpuMoments, HeadShape};
 use crate::device::DeviceError;
 use crate::device::{Gemm, Transpose};
 use crate::ops::testing::seeded_vec as seeded;
@@ -576,8 +576,7 @@ fn gpu_adamw_three_steps_match_the_cpu_with_clipping_and_weight_decay() {
         ok(t.gpu.adamw_update(
             master,
             params,
-            m,
-            v,
+            GpuMoments::Fp32(m, v),
             grads,
             AdamWStep::new(&cfg, step, scale),
         ));

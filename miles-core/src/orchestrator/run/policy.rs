@@ -15,6 +15,7 @@ use super::Orchestrator;
 use crate::backend::Batch;
 use crate::orchestrator::OrchestratorError;
 use crate::orchestrator::batch::{Sequence, build_batch};
+use crate::store::StreamStats;
 
 /// What the actor's steps over one rollout measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -35,6 +36,8 @@ pub(super) struct PolicyStats {
     pub tokens: u64,
     /// Wall seconds of the optimizer steps and the passes they needed.
     pub seconds: f64,
+    /// What the steps moved of optimizer state streamed through the disk, summed.
+    pub optimizer_stream: Option<StreamStats>,
 }
 
 impl Orchestrator {
@@ -118,6 +121,12 @@ impl Orchestrator {
             losses.push(step.loss);
             stats.grad_norm = stats.grad_norm.max(step.grad_norm);
             stats.tokens += step.tokens;
+            if let Some(moved) = &step.optimizer_stream {
+                stats
+                    .optimizer_stream
+                    .get_or_insert_with(StreamStats::default)
+                    .add(moved);
+            }
         }
         let per_token = |sum: f64| (sum / trained.max(1) as f64) as f32;
         stats.loss = super::mean_std(&losses).0;

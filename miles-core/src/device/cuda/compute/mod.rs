@@ -49,6 +49,7 @@ pub trait GpuElement: Copy + Send + Sync + 'static {}
 impl GpuElement for f32 {}
 impl GpuElement for bf16 {}
 impl GpuElement for u32 {}
+impl GpuElement for half::f16 {}
 
 /// `len` elements of `T` at a device address: a view, owning nothing.
 #[derive(Debug)]

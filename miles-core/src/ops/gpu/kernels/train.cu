@@ -28,6 +28,8 @@
 // adamw_update(float* master, bf16* params, float* m, float* v, const float* grads,
 //              long long n, float step_size, float bias2_sqrt, float decay, float beta1,
 //              float beta2, float eps, float grad_scale)                      grid-stride
+// adamw_update_bf16_moments, adamw_update_f16_moments: the same with m and v stored as bf16 or
+//              IEEE half (unsigned short*)                                    grid-stride
 
 // One row of c columns a block: dx += r*w*dout - r^3/c * sum(dout*w*x) * x (bf16, read-modify-
 // write), and when dw is not null dw += dout*x*r (fp32 atomics: many rows share a column).
@@ -255,25 +257,90 @@ extern "C" __global__ void sum_of_squares(float* acc, const float* x, long long 
     if (threadIdx.x == 0) atomicAdd(acc, s);
 }
 
-// One AdamW step with ops::adamw_update's arithmetic, operation for operation (explicitly
-// rounded so the compiler fuses nothing into FMAs): the fp32 master weights and moments update,
-// params get the master weights rounded to bf16.
+// IEEE half as a raw 16-bit word, converted by the hardware (round to nearest even, as the
+// `half` crate's `f16::from_f32`): no header needed under NVRTC.
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// One element of an AdamW step with ops::adamw_update's arithmetic, operation for operation
+// (explicitly rounded so the compiler fuses nothing into FMAs): the moments `mi`, `vi` update
+// in place; returns the new master weight.
+__device__ __forceinline__ float adamw_element(float master, float grad, float* mi, float* vi,
+                                               float step_size, float bias2_sqrt, float decay,
+                                               float beta1, float beta2, float eps,
+                                               float grad_scale) {
+    const float one_minus_b1 = __fsub_rn(1.0f, beta1), one_minus_b2 = __fsub_rn(1.0f, beta2);
+    const float g = __fmul_rn(grad, grad_scale);
+    float p = __fmul_rn(master, decay);
+    const float m = __fadd_rn(__fmul_rn(beta1, *mi), __fmul_rn(one_minus_b1, g));
+    const float v = __fadd_rn(__fmul_rn(beta2, *vi), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bias2_sqrt), eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(step_size, m), denom));
+    *mi = m;
+    *vi = v;
+    return p;
+}
+
+// One AdamW step on fp32 master weights and moments; params get the master weights rounded to
+// bf16.
 extern "C" __global__ void adamw_update(float* master, bf16* params, float* m, float* v,
                                         const float* grads, long long n, float step_size,
                                         float bias2_sqrt, float decay, float beta1, float beta2,
                                         float eps, float grad_scale) {
-    const float one_minus_b1 = __fsub_rn(1.0f, beta1), one_minus_b2 = __fsub_rn(1.0f, beta2);
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float g = __fmul_rn(grads[i], grad_scale);
-        float p = __fmul_rn(master[i], decay);
-        const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(one_minus_b1, g));
-        const float vi =
-            __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bias2_sqrt), eps);
-        p = __fsub_rn(p, __fdiv_rn(__fmul_rn(step_size, mi), denom));
+        float mi = m[i], vi = v[i];
+        const float p = adamw_element(master[i], grads[i], &mi, &vi, step_size, bias2_sqrt,
+                                      decay, beta1, beta2, eps, grad_scale);
         m[i] = mi;
         v[i] = vi;
+        master[i] = p;
+        params[i] = f2bf(p);
+    }
+}
+
+// The fp32 step on moments stored as bf16 (streamed optimizer state): each moment widened,
+// updated in fp32, rounded back to nearest even, as the host's codec of the disk bytes does.
+extern "C" __global__ void adamw_update_bf16_moments(float* master, bf16* params, bf16* m,
+                                                     bf16* v, const float* grads, long long n,
+                                                     float step_size, float bias2_sqrt,
+                                                     float decay, float beta1, float beta2,
+                                                     float eps, float grad_scale) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float mi = bf2f(m[i]), vi = bf2f(v[i]);
+        const float p = adamw_element(master[i], grads[i], &mi, &vi, step_size, bias2_sqrt,
+                                      decay, beta1, beta2, eps, grad_scale);
+        m[i] = f2bf(mi);
+        v[i] = f2bf(vi);
+        master[i] = p;
+        params[i] = f2bf(p);
+    }
+}
+
+// As `adamw_update_bf16_moments`, the moments stored as IEEE half.
+extern "C" __global__ void adamw_update_f16_moments(float* master, bf16* params,
+                                                    unsigned short* m, unsigned short* v,
+                                                    const float* grads, long long n,
+                                                    float step_size, float bias2_sqrt,
+                                                    float decay, float beta1, float beta2,
+                                                    float eps, float grad_scale) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float mi = h2f(m[i]), vi = h2f(v[i]);
+        const float p = adamw_element(master[i], grads[i], &mi, &vi, step_size, bias2_sqrt,
+                                      decay, beta1, beta2, eps, grad_scale);
+        m[i] = f2h(mi);
+        v[i] = f2h(vi);
         master[i] = p;
         params[i] = f2bf(p);
     }
