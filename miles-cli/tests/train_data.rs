@@ -50,8 +50,6 @@ fn the_main_job_raises_the_math_reward_on_the_example_dataset() {
         "train",
         "--config",
         "examples/colocate-cpu.toml",
-        "--steps",
-        "120",
         "--metrics",
         metrics.to_str().unwrap(),
         "--memory-timeline",
@@ -59,9 +57,9 @@ fn the_main_job_raises_the_math_reward_on_the_example_dataset() {
     ]);
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let r = rewards(&metrics);
-    assert_eq!(r.len(), 120);
+    assert_eq!(r.len(), 200);
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
-    let (first, last) = (mean(&r[..20]), mean(&r[100..]));
+    let (first, last) = (mean(&r[..20]), mean(&r[160..]));
     assert!(
         last > first + 0.1,
         "reward {first:.3} -> {last:.3} (needs +0.1): {r:?}"
