@@ -18,6 +18,10 @@ pub struct RlMetrics {
     pub kl: f32,
     /// Share of the trained tokens whose importance ratio the clip held.
     pub clip_fraction: f32,
+    /// Mean entropy of the policy over the trained (response) tokens, before each update;
+    /// `None` where the actor does not measure it (the cuda trainers), and then left out of
+    /// the line rather than written as 0.
+    pub entropy: Option<f32>,
     /// Largest gradient norm, before clipping, of the step's optimizer steps.
     pub grad_norm: f32,
     /// Learning rate of the step's optimizer steps.
@@ -31,7 +35,8 @@ pub struct RlMetrics {
 }
 
 impl RlMetrics {
-    /// The scalars as JSON keys of a step's line (`eval_reward_mean` only when one ran).
+    /// The scalars as JSON keys of a step's line (`entropy` only where measured,
+    /// `eval_reward_mean` only when one ran).
     pub fn json_fields(&self) -> Map<String, Value> {
         let mut fields = Map::new();
         for (key, value) in [
@@ -53,6 +58,9 @@ impl RlMetrics {
             ),
         ] {
             fields.insert(key.to_owned(), value);
+        }
+        if let Some(entropy) = self.entropy {
+            fields.insert("entropy".to_owned(), json!(entropy));
         }
         if let Some(eval) = self.eval_reward_mean {
             fields.insert("eval_reward_mean".to_owned(), json!(eval));
@@ -128,6 +136,9 @@ impl super::StepMetrics {
             human_bytes(moved),
             human_bytes(self.peak_device_memory_bytes),
         );
+        if let Some(entropy) = rl.entropy {
+            line.push_str(&format!("  entropy {}", three_digits(f64::from(entropy))));
+        }
         if let Some(eval) = rl.eval_reward_mean {
             line.push_str(&format!("  eval {}", three_digits(f64::from(eval))));
         }

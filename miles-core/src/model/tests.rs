@@ -55,6 +55,8 @@ fn gradient_check(tied: bool) {
         targets: &targets,
         weights: &weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let al = model.activation_layout(b, t).unwrap();
     let mut acts = vec![0.0; al.len()];
@@ -130,6 +132,8 @@ fn kv_cache_decoding_gives_the_full_forward_logits_token_by_token() {
         targets: &inputs,
         weights: &weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let al = model.activation_layout(b, t).unwrap();
     let mut acts = vec![0.0; al.len()];
@@ -191,6 +195,8 @@ fn training_tiny_on_a_short_text_halves_the_loss() {
         targets: &ids[1..],
         weights: &weights,
         normaliser: t as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let adamw = AdamWConfig {
         lr: 1e-2,
@@ -258,6 +264,8 @@ fn loss_is_the_weighted_sum_of_log_probs_over_the_normaliser_and_zero_weights_ma
             targets,
             weights: &weights,
             normaliser: 3.5,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let loss = model.forward(&params, &mut acts, &al, &batch).unwrap();
         let lp = Transformer::logprobs(&al, &acts).to_vec();
@@ -304,6 +312,8 @@ fn prefill_then_decoding_gives_the_full_forward_logits() {
         targets: &inputs,
         weights: &weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let al = model.activation_layout(1, t).unwrap();
     let mut acts = vec![0.0; al.len()];

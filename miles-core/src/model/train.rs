@@ -73,9 +73,14 @@ pub fn train_step(
     model.layout().check("adamw v", v)?;
     grads.fill(0.0);
     let loss = model.forward(params, acts, al, batch)?;
+    let entropy = batch.entropy_sum(Transformer::entropies(al, acts));
     model.backward(params, grads, acts, al, batch)?;
     let optimizer = adamw_step(params, grads, m, v, step, adamw);
-    Ok(StepReport { loss, optimizer })
+    Ok(StepReport {
+        loss,
+        optimizer,
+        entropy,
+    })
 }
 
 /// What one training step did.
@@ -85,6 +90,9 @@ pub struct StepReport {
     pub loss: f32,
     /// The optimizer step.
     pub optimizer: AdamWStepStats,
+    /// The batch's `Σ mask_t H_t / normaliser` before the update
+    /// ([`TrainBatch::entropy_mask`]); `None` without a mask or where it is not measured.
+    pub entropy: Option<f32>,
 }
 
 /// A model with its own `Vec` buffers and optimizer: forward, backward and AdamW, one step at a
@@ -144,11 +152,16 @@ impl Trainer {
         } = &mut self.buffers;
         grads.fill(0.0);
         let loss = self.model.forward(params, &mut self.acts, &al, batch)?;
+        let entropy = batch.entropy_sum(Transformer::entropies(&al, &self.acts));
         self.model
             .backward(params, grads, &mut self.acts, &al, batch)?;
         self.step += 1;
         let optimizer = adamw_step(params, grads, m, v, self.step, &self.adamw);
-        Ok(StepReport { loss, optimizer })
+        Ok(StepReport {
+            loss,
+            optimizer,
+            entropy,
+        })
     }
 
     /// The forward pass alone: the loss, with the per-token log-probs `(B, T)` in `logprobs`.
@@ -217,6 +230,8 @@ pub fn scoring_batch<'a>(
         targets: &tokens[1..],
         weights,
         normaliser: t as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     })
 }
 

@@ -82,6 +82,7 @@ impl TrainBackend for ModelActor {
             step: self.step,
             loss: report.loss,
             grad_norm: 0.0,
+            entropy: report.entropy,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
         })
@@ -144,6 +145,8 @@ impl ModelEngine {
             targets: ids,
             weights: &weights,
             normaliser: 1.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         self.model
             .forward(&self.params, &mut acts, &al, &batch)

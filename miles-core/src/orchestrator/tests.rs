@@ -165,6 +165,7 @@ impl TrainBackend for FakeActor {
                 signal + self.checksum() * 1e-3
             },
             grad_norm: signal.abs(),
+            entropy: None,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
         })

@@ -343,6 +343,8 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
         targets: &long,
         weights: &long_weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     assert!(
         matches!(split.train_step(&long_batch, 1), Err(ModelError::Batch(m)) if m.contains("max_batch_tokens"))
