@@ -156,7 +156,11 @@ fn the_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_masked_mean_en
         .chunks(v)
         .map(|x| {
             let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let lse = f64::from(max) + x.iter().map(|&z| f64::from(z - max).exp()).sum::<f64>().ln();
+            let lse = f64::from(max)
+                + x.iter()
+                    .map(|&z| f64::from(z - max).exp())
+                    .sum::<f64>()
+                    .ln();
             -x.iter()
                 .map(|&z| {
                     let lp = f64::from(z) - lse;
@@ -165,8 +169,15 @@ fn the_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_masked_mean_en
                 .sum::<f64>()
         })
         .collect();
-    let mean: f64 = entropy.iter().zip(&mask).map(|(h, &m)| h * f64::from(m)).sum::<f64>() / 5.0;
-    let measured = plain.entropy_sum(Transformer::entropies(&al, &acts)).unwrap();
+    let mean: f64 = entropy
+        .iter()
+        .zip(&mask)
+        .map(|(h, &m)| h * f64::from(m))
+        .sum::<f64>()
+        / 5.0;
+    let measured = plain
+        .entropy_sum(Transformer::entropies(&al, &acts))
+        .unwrap();
     assert!(
         (f64::from(measured) - mean).abs() < 1e-5 * mean,
         "measured mean entropy {measured} vs {mean}"
