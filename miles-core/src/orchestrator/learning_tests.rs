@@ -301,6 +301,39 @@ fn grpo_raises_the_mean_reward_on_the_repeat_task() {
 }
 
 #[test]
+fn the_entropy_is_measured_every_step_and_the_bonus_keeps_it_above_the_plain_run() {
+    let run = |entropy_coef: f32| {
+        let mut config = repeat_task(4, AdvantageEstimator::Grpo);
+        config.rl.entropy_coef = entropy_coef;
+        let mut o = Orchestrator::new(
+            config,
+            Box::new(ModelActor::new(1, 5e-3)),
+            Box::new(engine()),
+            tokenizer(),
+        );
+        let mut entropies = Vec::new();
+        o.run(&mut |m| entropies.push(m.rl.entropy.unwrap()))
+            .unwrap();
+        entropies
+    };
+    let (plain, bonus) = (run(0.0), run(1.0));
+    println!("mean response entropy per step: plain {plain:?}, with a bonus of 1 {bonus:?}");
+    let ln_v = (tiny().vocab_size as f32).ln();
+    assert!(
+        plain.iter().chain(&bonus).all(|&h| h > 0.0 && h <= ln_v),
+        "entropies lie in (0, ln V = {ln_v}]: {plain:?} {bonus:?}"
+    );
+    assert_eq!(
+        plain[0], bonus[0],
+        "the first step measures before any update"
+    );
+    assert!(
+        bonus[3] > plain[3],
+        "the bonus raises the entropy: {bonus:?} vs {plain:?}"
+    );
+}
+
+#[test]
 fn lm_critic_values_move_to_their_targets() {
     let mut critic = LmCritic::new(Box::new(ModelActor::new(5, 1e-2)), tokenizer().pad);
     let t = tokenizer();
