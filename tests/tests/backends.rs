@@ -129,6 +129,9 @@ fn weights(backend: &mut dyn TrainBackend) -> Vec<f32> {
     all
 }
 
+/// A backend behind the contract.
+type Backend = Box<dyn TrainBackend>;
+
 #[test]
 fn a_step_in_micro_batches_gives_the_whole_batch_step_on_megatron_and_fsdp() {
     // The response tokens (the weighted targets) carry an entropy bonus, so its gradient is
@@ -137,7 +140,7 @@ fn a_step_in_micro_batches_gives_the_whole_batch_step_on_megatron_and_fsdp() {
     step.entropy_mask = Some(step.weights.iter().map(|&w| f32::from(w != 0.0)).collect());
     step.entropy_coef = 0.05;
     let next = batch(1);
-    let cases: [(&str, Box<dyn TrainBackend>, Box<dyn TrainBackend>); 4] = [
+    let cases: [(&str, Backend, Backend); 4] = [
         (
             "megatron dp 1, micro-batches of 1",
             Box::new(megatron(1)),
