@@ -115,7 +115,8 @@ pub fn human_seconds(seconds: f64) -> String {
 
 impl super::StepMetrics {
     /// The step in one console line: reward, lengths, KL, clip share, gradient norm, loss,
-    /// throughputs, the switch's time and bytes moved, and the memory peak.
+    /// throughputs, the switch's time and bytes moved, the memory peak, and the entropy where
+    /// it was measured.
     pub fn summary(&self) -> String {
         let rl = &self.rl;
         let moved: u64 = self.bytes_moved.iter().sum();
@@ -164,5 +165,19 @@ mod tests {
         assert_eq!(human_bytes(3 << 30), "3.00 GiB");
         assert_eq!(human_seconds(0.00637), "6.37 ms");
         assert_eq!(human_seconds(2.5), "2.50 s");
+    }
+
+    #[test]
+    fn the_entropy_is_a_key_and_on_the_console_only_where_measured() {
+        let mut step = super::super::StepMetrics::default();
+        assert!(!step.rl.json_fields().contains_key("entropy"));
+        assert!(!step.summary().contains("entropy"));
+        step.rl.entropy = Some(1.5);
+        assert_eq!(step.rl.json_fields()["entropy"], json!(1.5));
+        assert!(
+            step.summary().contains("entropy 1.50"),
+            "{}",
+            step.summary()
+        );
     }
 }
