@@ -89,6 +89,19 @@ pub fn check_device(settings: &Settings) -> anyhow::Result<()> {
         )
         .into());
     }
+    if settings.entropy_coef != 0.0 {
+        return Err(BadSettings(format!(
+            "--entropy-coef {}: the entropy bonus runs on the cpu device only (the cuda trainers' fused cross-entropy keeps no full distribution to differentiate); drop --entropy-coef or pass --device cpu",
+            settings.entropy_coef
+        ))
+        .into());
+    }
+    if let Some(n) = settings.micro_batch_size {
+        return Err(BadSettings(format!(
+            "--micro-batch-size {n}: the cuda trainers cut their own micro-batches to fit their activation budget and do not take a size; drop --micro-batch-size or pass --device cpu"
+        ))
+        .into());
+    }
     if miles_core::orchestrator::LrSchedule::from_settings(settings).varies() {
         return Err(BadSettings(
             "the gpu trainers keep one learning rate; drop --lr-warmup-iters and --lr-decay-style, or pass --device cpu".into(),

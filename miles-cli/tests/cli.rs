@@ -739,3 +739,19 @@ fn bad_sampling_values_of_generate_exit_2_naming_them() {
         assert!(err.contains(named), "{flag} {value}: {err}");
     }
 }
+
+#[test]
+fn trainer_flags_the_cuda_trainers_lack_are_bad_settings_naming_the_flag_and_the_device() {
+    for (flag, value) in [("--entropy-coef", "0.1"), ("--micro-batch-size", "2")] {
+        let (_, err) = expect(
+            &["train", "--device", "cuda", flag, value, "--steps", "1"],
+            2,
+        );
+        assert!(
+            err.contains(flag) && err.contains("--device cpu"),
+            "{flag}: {err}"
+        );
+    }
+    let (_, err) = expect(&["train", "--rollout-stop", "", "--steps", "1"], 2);
+    assert!(err.contains("--rollout-stop"), "{err}");
+}

@@ -299,3 +299,54 @@ fn the_learning_rate_warms_up_then_decays_on_the_megatron_backend() {
         .fold(0.0, f64::max);
     assert!(lrs.len() == 4 && worst < 1e-9, "{lrs:?} vs {expected:?}");
 }
+
+#[test]
+fn an_entropy_bonus_micro_batches_and_stop_strings_run_on_both_cpu_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dataset(dir.path());
+    for backend in ["megatron", "fsdp"] {
+        let metrics = dir.path().join(format!("{backend}.jsonl"));
+        let dump = dir.path().join(format!("{backend}-rollouts.jsonl"));
+        let mut args = base(&data, &metrics);
+        args.extend(
+            [
+                "--train-backend",
+                backend,
+                "--steps",
+                "2",
+                "--entropy-coef",
+                "0.01",
+                "--micro-batch-size",
+                "3",
+                "--rollout-stop",
+                "1",
+                "2",
+                "--dump-rollouts",
+                dump.to_str().unwrap(),
+            ]
+            .map(str::to_owned),
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let output = miles(&args);
+        assert_eq!(
+            output.status.code(),
+            Some(0),
+            "{backend}: {}",
+            stderr(&output)
+        );
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        for line in text.lines().skip(1) {
+            let step: serde_json::Value = serde_json::from_str(line).unwrap();
+            let entropy = step["entropy"].as_f64().unwrap();
+            assert!(entropy > 0.0, "{backend}: {step}");
+        }
+        for line in std::fs::read_to_string(&dump).unwrap().lines() {
+            let sample: serde_json::Value = serde_json::from_str(line).unwrap();
+            let response = sample["response"].as_str().unwrap();
+            assert!(
+                !response.contains('1') && !response.contains('2'),
+                "{backend}: a stop string survived in {sample}"
+            );
+        }
+    }
+}

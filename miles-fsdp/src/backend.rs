@@ -39,6 +39,9 @@ pub struct FsdpBackend {
     model: Transformer,
     plan: UnitPlan,
     adamw: AdamWConfig,
+    /// Sequences per forward and backward pass of a rank (`--micro-batch-size`); `None`: a
+    /// rank's share in one pass.
+    micro_batch_size: Option<usize>,
     ranks: Vec<Rank>,
     native: bool,
     target: OffloadTarget,
@@ -138,6 +141,7 @@ impl FsdpBackend {
         );
         Ok(FsdpBackend {
             model,
+            micro_batch_size: settings.micro_batch_size,
             plan,
             adamw: AdamWConfig {
                 lr: settings.lr as f32,
@@ -288,16 +292,23 @@ impl TrainBackend for FsdpBackend {
         let started = Instant::now();
         let step = self.step + 1;
         let (model, plan, adamw) = (&self.model, &self.plan, &self.adamw);
+        let micro = self.micro_batch_size;
         let results = on_ranks(&mut self.ranks, |rank, comm| {
             let rows = batch.rows(batch.share(comm.rank(), dp));
-            rank.train_step(comm, model, plan, &rows, adamw, step)
+            rank.train_step(comm, model, plan, &rows, micro, adamw, step)
         })?;
         self.step = step;
-        let loss = results.iter().map(|(l, _)| f64::from(*l)).sum::<f64>() as f32;
+        let loss = results.iter().map(|(l, ..)| f64::from(*l)).sum::<f64>() as f32;
+        let entropy = results
+            .iter()
+            .map(|(.., e)| e.map(f64::from))
+            .sum::<Option<f64>>()
+            .map(|e| e as f32);
         Ok(StepStats {
             step,
             loss,
             grad_norm: results[0].1,
+            entropy,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: started.elapsed().as_secs_f64(),
             optimizer_stream: None,
@@ -308,10 +319,10 @@ impl TrainBackend for FsdpBackend {
         self.check_onloaded("compute log-probs")?;
         let dp = self.ranks.len();
         batch.check(dp)?;
-        let (model, plan) = (&self.model, &self.plan);
+        let (model, plan, micro) = (&self.model, &self.plan, self.micro_batch_size);
         let results = on_ranks(&mut self.ranks, |rank, comm| {
             let rows = batch.rows(batch.share(comm.rank(), dp));
-            rank.logprobs(comm, model, plan, &rows)
+            rank.logprobs(comm, model, plan, &rows, micro)
         })?;
         let loss = results.iter().map(|(_, l)| f64::from(*l)).sum::<f64>() as f32;
         let logprobs = results.into_iter().flat_map(|(lp, _)| lp).collect();
@@ -471,6 +482,8 @@ mod tests {
             targets: (0..n as u32).map(|i| (i * 53 + 7) % 256).collect(),
             weights: (0..n).map(|i| 0.5 + (i % 3) as f32).collect(),
             normaliser: n as f32,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         }
     }
 

@@ -29,6 +29,8 @@
 //!     targets: [&tokens[1..17], &tokens[17..33]].concat(),
 //!     weights: vec![1.0; 32],
 //!     normaliser: 32.0,
+//!     entropy_mask: None,
+//!     entropy_coef: 0.0,
 //! };
 //! let first = fsdp.train_step(&batch)?;
 //! let second = fsdp.train_step(&batch)?;

@@ -68,8 +68,9 @@ impl Rank {
         )?;
         let gather_tag = MemoryTag::Named(GATHER_TAG.into());
         let largest_shard = plan.units().iter().map(|u| u.shard_len).max().unwrap_or(0);
-        let staging = if setup.native { largest_shard } else { 0 };
-        let gather_elems = plan.gathered_len() + plan.gathered_grad_len() + staging;
+        // Staging: a shard on its way to the device (native offload) or a later micro-batch's
+        // reduced gradient on its way into the shard's.
+        let gather_elems = plan.gathered_len() + plan.gathered_grad_len() + largest_shard;
         memory.create_region(
             gather_tag.clone(),
             BackupPolicy::None,
@@ -92,8 +93,8 @@ impl Rank {
         let n = plan.shard_total();
         let mut local = vec![0.0; n];
         plan.shard_of(full, rank, &mut local);
+        let staging = memory.alloc(&gather_tag, largest_shard * F32)?;
         let (shards, mut tags) = if setup.native {
-            let staging = memory.alloc(&gather_tag, largest_shard * F32)?;
             let store = ShardStore::Host {
                 params: local,
                 grads: vec![0.0; n],
@@ -118,6 +119,7 @@ impl Rank {
                 grads: zeroed(&MemoryTag::Grads)?,
                 m: zeroed(&MemoryTag::Optimizer)?,
                 v: zeroed(&MemoryTag::Optimizer)?,
+                staging,
             };
             let tags = vec![MemoryTag::Params, MemoryTag::Optimizer, MemoryTag::Grads];
             (store, tags)
@@ -155,36 +157,50 @@ impl Rank {
         &self.memory
     }
 
-    /// One training step on this rank's `batch` rows: forward and backward unit by unit, the
-    /// gradients reduce-scattered unit by unit, AdamW on the local shard. Returns this rank's
-    /// part of the loss and the global gradient norm.
+    /// One training step on this rank's `batch` rows, in micro-batches of `micro_batch_size`
+    /// sequences: forward and backward unit by unit, the gradients reduce-scattered unit by
+    /// unit and added up over the micro-batches, then AdamW on the local shard. Returns this
+    /// rank's part of the loss, the global gradient norm and this rank's part of the entropy
+    /// sum (with an entropy mask).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn train_step(
         &mut self,
         comm: &dyn Communicator,
         model: &Transformer,
         plan: &UnitPlan,
         batch: &TrainBatch<'_>,
+        micro_batch_size: Option<usize>,
         adamw: &AdamWConfig,
         step: u64,
-    ) -> Result<(f32, f32), BackendError> {
+    ) -> Result<(f32, f32, Option<f32>), BackendError> {
         self.peak_device_bytes = 0;
-        let loss = self.forward(comm, model, plan, batch)?;
-        self.backward(comm, model, plan, batch)?;
+        let (mut loss, mut entropy) = (0.0, batch.entropy_mask.map(|_| 0.0));
+        for (i, micro) in batch.micro_batches(micro_batch_size).iter().enumerate() {
+            let (part, share) = self.forward(comm, model, plan, micro)?;
+            loss += part;
+            entropy = entropy.zip(share).map(|(sum, share)| sum + share);
+            self.backward(comm, model, plan, micro, i > 0)?;
+        }
         let grad_norm = self.shards.optimizer_step(comm, adamw, step)?;
-        Ok((loss, grad_norm))
+        Ok((loss, grad_norm, entropy))
     }
 
-    /// The forward pass alone: this rank's part of the loss and its rows' log-probs `(B, T)`.
+    /// The forward pass alone, in micro-batches of `micro_batch_size` sequences: this rank's
+    /// part of the loss and its rows' log-probs `(B, T)`.
     pub(crate) fn logprobs(
         &mut self,
         comm: &dyn Communicator,
         model: &Transformer,
         plan: &UnitPlan,
         batch: &TrainBatch<'_>,
+        micro_batch_size: Option<usize>,
     ) -> Result<(Vec<f32>, f32), BackendError> {
-        let loss = self.forward(comm, model, plan, batch)?;
-        let (al, acts) = self.acts.fit(&self.memory, model, batch)?;
-        let logprobs = Transformer::logprobs(al, &acts.view::<f32>()?).to_vec();
+        let (mut logprobs, mut loss) = (Vec::with_capacity(batch.batch * batch.seq), 0.0);
+        for micro in batch.micro_batches(micro_batch_size) {
+            loss += self.forward(comm, model, plan, &micro)?.0;
+            let (al, acts) = self.acts.fit(&self.memory, model, &micro)?;
+            logprobs.extend_from_slice(Transformer::logprobs(&al, &acts.view::<f32>()?));
+        }
         Ok((logprobs, loss))
     }
 
@@ -194,9 +210,9 @@ impl Rank {
         model: &Transformer,
         plan: &UnitPlan,
         batch: &TrainBatch<'_>,
-    ) -> Result<f32, BackendError> {
+    ) -> Result<(f32, Option<f32>), BackendError> {
         let r = plan.ranks();
-        let loss = {
+        let pass = {
             let Rank {
                 shards,
                 gathered,
@@ -206,30 +222,35 @@ impl Rank {
             } = self;
             let (al, acts) = acts.fit(memory, model, batch)?;
             let mut acts = acts.view_mut::<f32>()?;
+            let acts = &mut acts[..al.len()];
             let mut g = gathered.view_mut::<f32>()?;
             let e = plan.embedding();
             shards.gather(comm, e, &mut g[..e.padded_len(r)])?;
-            model.embed_forward(&g[..e.range.len()], &mut acts, al, batch)?;
+            model.embed_forward(&g[..e.range.len()], acts, &al, batch)?;
             for l in 0..model.config().num_layers {
                 let u = plan.layer(l);
                 shards.gather(comm, u, &mut g[..u.padded_len(r)])?;
-                model.layer_forward(l, &g[..u.range.len()], &mut acts, al, batch)?;
+                model.layer_forward(l, &g[..u.range.len()], acts, &al, batch)?;
             }
             gather_head(shards, comm, plan, &mut g)?;
             let (norm, head) = head_weights(model, plan, &g);
-            model.head_forward(norm, head, &mut acts, al, batch)?
+            let loss = model.head_forward(norm, head, acts, &al, batch)?;
+            (loss, batch.entropy_sum(Transformer::entropies(&al, acts)))
         };
         self.sample_device()?;
-        Ok(loss)
+        Ok(pass)
     }
 
-    /// The backward pass after [`forward`](Self::forward) (which left the head gathered).
+    /// The backward pass after [`forward`](Self::forward) (which left the head gathered); with
+    /// `accumulate`, each unit's reduced gradient is added to the shard's (a later micro-batch
+    /// of the step) instead of replacing it.
     fn backward(
         &mut self,
         comm: &dyn Communicator,
         model: &Transformer,
         plan: &UnitPlan,
         batch: &TrainBatch<'_>,
+        accumulate: bool,
     ) -> Result<(), BackendError> {
         let r = plan.ranks();
         let Rank {
@@ -243,6 +264,7 @@ impl Rank {
         } = self;
         let (al, acts) = acts.fit(memory, model, batch)?;
         let mut acts = acts.view_mut::<f32>()?;
+        let (acts, al) = (&mut acts[..al.len()], &al);
         let mut g = gathered.view_mut::<f32>()?;
         let mut dg = gathered_grads.view_mut::<f32>()?;
         let (e, h) = (plan.embedding(), plan.head());
@@ -257,12 +279,12 @@ impl Rank {
             let c = norm.len();
             if plan.tied() {
                 let d_head = &mut acc[..e.range.len()];
-                model.head_backward(norm, head, &mut work[..c], d_head, &mut acts, al, batch)?;
+                model.head_backward(norm, head, &mut work[..c], d_head, acts, al, batch)?;
             } else {
                 let (d_norm, d_head) = work[..h.range.len()].split_at_mut(c);
-                model.head_backward(norm, head, d_norm, d_head, &mut acts, al, batch)?;
+                model.head_backward(norm, head, d_norm, d_head, acts, al, batch)?;
             }
-            shards.reduce_grads(comm, h, &work[..hp])?;
+            shards.reduce_grads(comm, h, &work[..hp], accumulate)?;
         }
         let mut peak = 0;
         for l in (0..model.config().num_layers).rev() {
@@ -270,8 +292,8 @@ impl Rank {
             let (n, up) = (u.range.len(), u.padded_len(r));
             shards.gather(comm, u, &mut g[..up])?;
             work[..up].fill(0.0);
-            model.layer_backward(l, &g[..n], &mut work[..n], &mut acts, al, batch)?;
-            shards.reduce_grads(comm, u, &work[..up])?;
+            model.layer_backward(l, &g[..n], &mut work[..n], acts, al, batch)?;
+            shards.reduce_grads(comm, u, &work[..up], accumulate)?;
             peak = peak.max(committed(device.as_ref())?);
         }
         let ep = e.padded_len(r);
@@ -281,8 +303,8 @@ impl Rank {
             work[..ep].fill(0.0);
             &mut work[..ep]
         };
-        model.embed_backward(&mut d_emb[..e.range.len()], &acts, al, batch)?;
-        shards.reduce_grads(comm, e, d_emb)?;
+        model.embed_backward(&mut d_emb[..e.range.len()], acts, al, batch)?;
+        shards.reduce_grads(comm, e, d_emb, accumulate)?;
         self.peak_device_bytes = self.peak_device_bytes.max(peak);
         Ok(())
     }
@@ -341,30 +363,27 @@ impl Rank {
     }
 }
 
-/// The activation buffer of the current batch shape, in the `activations` region.
+/// The activation buffer, in the `activations` region.
 #[derive(Debug)]
-struct Activations(Option<(ActivationLayout, Buffer)>);
+struct Activations(Option<Buffer>);
 
 impl Activations {
-    /// The layout and buffer for `batch`: the current ones while the shape stays, else the old
-    /// buffer freed and a new one allocated. The backward pass finds the forward pass's.
+    /// The layout of `batch` and a buffer whose start holds it: the current buffer while it is
+    /// large enough (the micro-batches of a step share the first's), else the old one freed and
+    /// a new one allocated. The backward pass finds the forward pass's.
     fn fit(
         &mut self,
         memory: &MemoryManager,
         model: &Transformer,
         batch: &TrainBatch<'_>,
-    ) -> Result<(&ActivationLayout, &mut Buffer), BackendError> {
-        let stale = |al: &ActivationLayout| (al.batch, al.seq) != (batch.batch, batch.seq);
-        if matches!(&self.0, Some((al, _)) if stale(al)) {
+    ) -> Result<(ActivationLayout, &mut Buffer), BackendError> {
+        let al = model.activation_layout(batch.batch, batch.seq)?;
+        if self.0.as_ref().is_some_and(|b| b.len() < al.len() * F32) {
             self.0 = None;
         }
-        let (al, buffer) = match &mut self.0 {
+        let buffer = match &mut self.0 {
             Some(current) => current,
-            empty => {
-                let al = model.activation_layout(batch.batch, batch.seq)?;
-                let buffer = memory.alloc(&MemoryTag::Activations, al.len() * F32)?;
-                empty.insert((al, buffer))
-            }
+            empty => empty.insert(memory.alloc(&MemoryTag::Activations, al.len() * F32)?),
         };
         Ok((al, buffer))
     }

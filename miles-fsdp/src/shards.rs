@@ -27,12 +27,14 @@ pub(crate) enum StatePart {
 #[derive(Debug)]
 pub(crate) enum ShardStore {
     /// In device regions: `params` under `Params`, `m` and `v` under `Optimizer`, `grads` under
-    /// `Grads`.
+    /// `Grads`; a later micro-batch's reduced gradient lands in `staging` (the gather region)
+    /// before it is added to `grads`.
     Device {
         params: Buffer,
         grads: Buffer,
         m: Buffer,
         v: Buffer,
+        staging: Buffer,
     },
     /// Native CPU offload: in host memory; a unit's shard crosses to the device through
     /// `staging` before the all-gather, and its reduced gradient comes back through it.
@@ -70,22 +72,37 @@ impl ShardStore {
     }
 
     /// Sums `unit`'s full gradient `full` (its padded length) over the ranks and keeps this
-    /// rank's shard of the sum.
+    /// rank's shard of the sum; with `accumulate`, adds it to the shard's gradient instead (a
+    /// later micro-batch of the step).
     pub(crate) fn reduce_grads(
         &mut self,
         comm: &dyn Communicator,
         unit: &Unit,
         full: &[f32],
+        accumulate: bool,
     ) -> Result<(), BackendError> {
+        let n = unit.shard_len;
         match self {
-            ShardStore::Device { grads, .. } => {
+            ShardStore::Device { grads, staging, .. } => {
                 let mut shards = grads.view_mut::<f32>()?;
-                comm.reduce_scatter_sum(full, &mut shards[unit.shard_range()])?;
+                let shard = &mut shards[unit.shard_range()];
+                if accumulate {
+                    let mut part = staging.view_mut::<f32>()?;
+                    comm.reduce_scatter_sum(full, &mut part[..n])?;
+                    add_into(shard, &part[..n]);
+                } else {
+                    comm.reduce_scatter_sum(full, shard)?;
+                }
             }
             ShardStore::Host { grads, staging, .. } => {
-                let n = unit.shard_len;
-                comm.reduce_scatter_sum(full, &mut staging.view_mut::<f32>()?[..n])?;
-                grads[unit.shard_range()].copy_from_slice(&staging.view::<f32>()?[..n]);
+                let mut part = staging.view_mut::<f32>()?;
+                comm.reduce_scatter_sum(full, &mut part[..n])?;
+                let shard = &mut grads[unit.shard_range()];
+                if accumulate {
+                    add_into(shard, &part[..n]);
+                } else {
+                    shard.copy_from_slice(&part[..n]);
+                }
             }
         }
         Ok(())
@@ -106,6 +123,7 @@ impl ShardStore {
                 grads,
                 m,
                 v,
+                ..
             } => {
                 let (mut p, mut g) = (params.view_mut::<f32>()?, grads.view_mut::<f32>()?);
                 let (mut m, mut v) = (m.view_mut::<f32>()?, v.view_mut::<f32>()?);
@@ -149,6 +167,13 @@ impl ShardStore {
             | (ShardStore::Host { v: b, .. }, StatePart::ExpAvgSq) => b.copy_from_slice(shards),
         }
         Ok(())
+    }
+}
+
+/// `dst += src`, element by element.
+fn add_into(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += s;
     }
 }
 

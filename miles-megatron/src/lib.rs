@@ -22,6 +22,8 @@
 //!     targets: tokens[1..].to_vec(),
 //!     weights: vec![1.0; 16],
 //!     normaliser: 16.0,
+//!     entropy_mask: None,
+//!     entropy_coef: 0.0,
 //! };
 //! let first = trainer.train_step(&batch)?;
 //! let second = trainer.train_step(&batch)?;

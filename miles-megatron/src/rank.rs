@@ -61,6 +61,17 @@ pub(crate) struct RankSpec {
     pub backup: BackupPolicy,
     pub disk: Option<DiskSettings>,
     pub stream: Option<StreamSpec>,
+    pub micro_batch_size: Option<usize>,
+}
+
+/// What the forward passes over a rank's rows gave.
+struct Pass {
+    /// The rows' share of the loss.
+    loss: f32,
+    /// The rows' share of `Σ mask_t H_t / normaliser`, with an entropy mask.
+    entropy: Option<f32>,
+    /// The rows' per-token log-probs `(B, T)`.
+    logprobs: Vec<f32>,
 }
 
 /// Optimizer streaming settings.
@@ -93,7 +104,8 @@ pub(crate) struct Rank {
     grads: Buffer,
     grad_shard: Buffer,
     moments: Moments,
-    acts: Option<(ActivationLayout, Buffer)>,
+    acts: Option<Buffer>,
+    micro_batch_size: Option<usize>,
     /// Spans of the local layout and whether each is replicated over tensor parallelism.
     spans: Vec<(Range<usize>, bool)>,
     pub step: u64,
@@ -195,6 +207,7 @@ impl Rank {
             grad_shard,
             moments,
             acts: None,
+            micro_batch_size: spec.micro_batch_size,
             spans,
             step: 0,
             offloaded: false,
@@ -231,63 +244,85 @@ impl Rank {
         self.model.layout()
     }
 
+    /// The activation layout of `batch`, with a buffer that holds it: the current buffer while
+    /// it is large enough (the micro-batches of a step share the first's), else a new one.
     fn activations(&mut self, batch: &TrainBatch<'_>) -> Result<ActivationLayout, BackendError> {
-        if let Some((al, _)) = &self.acts
-            && al.batch == batch.batch
-            && al.seq == batch.seq
+        let al = self.model.activation_layout(batch.batch, batch.seq)?;
+        if self
+            .acts
+            .as_ref()
+            .is_some_and(|b| b.len() >= al.len() * F32)
         {
-            return Ok(al.clone());
+            return Ok(al);
         }
-        if let Some((_, old)) = self.acts.take() {
+        if let Some(old) = self.acts.take() {
             old.free().map_err(|e| e.error)?;
         }
-        let al = self.model.activation_layout(batch.batch, batch.seq)?;
         let buffer = self
             .manager
             .alloc(&MemoryTag::Activations, al.len() * F32)?;
-        self.acts = Some((al.clone(), buffer));
+        self.acts = Some(buffer);
         Ok(al)
     }
 
-    /// Forward and backward on this rank's rows; returns the rows' share of the loss. Leaves
-    /// the gradients in the `grads` buffer.
+    /// Forward (and with `backward`, backward) over this rank's rows in micro-batches of
+    /// `micro_batch_size` sequences, the gradients of each added into the zeroed `grads`
+    /// buffer. Returns the rows' share of the loss and of the entropy sum, and their log-probs.
     fn forward_backward(
         &mut self,
         tp: &dyn Communicator,
         batch: &TrainBatch<'_>,
         backward: bool,
-    ) -> Result<(f32, Vec<f32>), BackendError> {
-        let al = self.activations(batch)?;
-        let tp = Some(tp);
-        let Rank {
-            model,
-            params,
-            grads,
-            acts,
-            local_len,
-            ..
-        } = self;
-        let Some((_, acts)) = acts else {
-            return Err(BackendError::Batch(
-                "no activation buffer was allocated for this batch".to_string(),
-            ));
-        };
-        let params = params.view::<f32>()?;
-        let mut acts = acts.view_mut::<f32>()?;
-        let loss = model.forward_tp(&params[..*local_len], &mut acts, &al, batch, tp)?;
+    ) -> Result<Pass, BackendError> {
         if backward {
-            let mut grads = grads.view_mut::<f32>()?;
-            grads.fill(0.0);
-            model.backward_tp(
-                &params[..*local_len],
-                &mut grads[..*local_len],
-                &mut acts,
-                &al,
-                batch,
-                tp,
-            )?;
+            self.grads.view_mut::<f32>()?.fill(0.0);
         }
-        Ok((loss, Transformer::logprobs(&al, &acts).to_vec()))
+        let mut pass = Pass {
+            loss: 0.0,
+            entropy: batch.entropy_mask.map(|_| 0.0),
+            logprobs: Vec::with_capacity(batch.batch * batch.seq),
+        };
+        for micro in batch.micro_batches(self.micro_batch_size) {
+            let al = self.activations(&micro)?;
+            let tp = Some(tp);
+            let Rank {
+                model,
+                params,
+                grads,
+                acts,
+                local_len,
+                ..
+            } = self;
+            let Some(acts) = acts else {
+                return Err(BackendError::Batch(
+                    "no activation buffer was allocated for this batch".to_string(),
+                ));
+            };
+            let params = params.view::<f32>()?;
+            let mut acts = acts.view_mut::<f32>()?;
+            let acts = &mut acts[..al.len()];
+            pass.loss += model.forward_tp(&params[..*local_len], acts, &al, &micro, tp)?;
+            if let (Some(sum), Some(part)) = (
+                pass.entropy.as_mut(),
+                micro.entropy_sum(Transformer::entropies(&al, acts)),
+            ) {
+                *sum += part;
+            }
+            pass.logprobs
+                .extend_from_slice(Transformer::logprobs(&al, acts));
+            if backward {
+                let mut grads = grads.view_mut::<f32>()?;
+                model.backward_tp(
+                    &params[..*local_len],
+                    &mut grads[..*local_len],
+                    acts,
+                    &al,
+                    &micro,
+                    tp,
+                )?;
+            }
+        }
+        Ok(pass)
     }
 
     /// Per-token log-probs of `batch` (this rank's rows) and their share of the loss.
@@ -296,7 +331,8 @@ impl Rank {
         batch: &TrainBatch<'_>,
     ) -> Result<(f32, Vec<f32>), BackendError> {
         self.with_comms("compute log-probs", |rank, comms| {
-            rank.forward_backward(&*comms.tp, batch, false)
+            let pass = rank.forward_backward(&*comms.tp, batch, false)?;
+            Ok((pass.loss, pass.logprobs))
         })
     }
 
@@ -305,12 +341,13 @@ impl Rank {
         self.adamw.lr = lr;
     }
 
-    /// One step on this rank's rows: forward, backward, reduce-scatter, global norm, AdamW on
-    /// the owned slice, all-gather. Returns the rows' share of the loss and the grad norm.
+    /// One step on this rank's rows: forward and backward (micro-batch by micro-batch),
+    /// reduce-scatter, global norm, AdamW on the owned slice, all-gather. Returns the rows'
+    /// share of the loss, the grad norm and the rows' share of the entropy sum.
     pub(crate) fn train_step(
         &mut self,
         batch: &TrainBatch<'_>,
-    ) -> Result<(f32, f32), BackendError> {
+    ) -> Result<(f32, f32, Option<f32>), BackendError> {
         self.with_comms("train", |rank, comms| rank.step_with(comms, batch))
     }
 
@@ -318,8 +355,8 @@ impl Rank {
         &mut self,
         comms: &Comms,
         batch: &TrainBatch<'_>,
-    ) -> Result<(f32, f32), BackendError> {
-        let (loss, _) = self.forward_backward(&*comms.tp, batch, true)?;
+    ) -> Result<(f32, f32, Option<f32>), BackendError> {
+        let Pass { loss, entropy, .. } = self.forward_backward(&*comms.tp, batch, true)?;
         let dp_rank = self.grid.dp_rank();
         let owned = dp_rank * self.shard_len..(dp_rank + 1) * self.shard_len;
         {
@@ -382,7 +419,7 @@ impl Rank {
         drop(grad_shard);
         let mut params = self.params.view_mut::<f32>()?;
         comms.dp.all_gather(&owned_params, &mut params)?;
-        Ok((loss, grad_norm))
+        Ok((loss, grad_norm, entropy))
     }
 
     fn check_active(&self, op: &'static str) -> Result<(), BackendError> {

@@ -31,6 +31,7 @@ enum Reply {
     Step {
         loss: f32,
         grad_norm: f32,
+        entropy: Option<f32>,
     },
     Logprobs {
         loss: f32,
@@ -71,6 +72,10 @@ pub struct MegatronOptions {
     pub offload: TrainOffload,
     /// Keep the Adam moments on disk, streamed bucket by bucket.
     pub stream_optimizer: Option<OptimizerStream>,
+    /// Sequences per forward and backward pass of a rank (`--micro-batch-size`): a rank's share
+    /// of a step runs in micro-batches of this many whose gradients add up before the one
+    /// optimizer step; `None` runs the share in one pass.
+    pub micro_batch_size: Option<usize>,
 }
 
 impl Default for MegatronOptions {
@@ -84,6 +89,7 @@ impl Default for MegatronOptions {
             margin_bytes: 0,
             offload: TrainOffload::Host,
             stream_optimizer: None,
+            micro_batch_size: None,
         }
     }
 }
@@ -119,6 +125,7 @@ impl MegatronOptions {
             margin_bytes: settings.train_memory_margin_bytes,
             offload: TrainOffload::of(settings).map_err(refused)?,
             stream_optimizer: OptimizerStream::of(settings).map_err(refused)?,
+            micro_batch_size: settings.micro_batch_size,
         })
     }
 }
@@ -188,6 +195,7 @@ impl MegatronTrainer {
                     bucket_bytes: stream.bucket_bytes,
                     disk: stream.disk(rank),
                 }),
+                micro_batch_size: options.micro_batch_size,
             };
             workers.push(spawn_rank(
                 spec,
@@ -524,19 +532,25 @@ impl TrainBackend for MegatronTrainer {
             let batch = Arc::clone(&shared);
             let rows = batch.share(grids[r].dp_rank(), dp);
             Box::new(move |rank| {
-                let (loss, grad_norm) = rank.train_step(&batch.rows(rows))?;
-                Ok(Reply::Step { loss, grad_norm })
+                let (loss, grad_norm, entropy) = rank.train_step(&batch.rows(rows))?;
+                Ok(Reply::Step {
+                    loss,
+                    grad_norm,
+                    entropy,
+                })
             })
         })?;
-        let (mut loss, mut grad_norm) = (0.0f32, 0.0f32);
+        let (mut loss, mut grad_norm, mut entropy) = (0.0f32, 0.0f32, None);
         for reply in self.per_dp(replies) {
             match reply {
                 Reply::Step {
                     loss: part,
                     grad_norm: norm,
+                    entropy: share,
                 } => {
                     loss += part;
                     grad_norm = norm;
+                    entropy = share.map(|e| e + entropy.unwrap_or(0.0));
                 }
                 other => return Err(unexpected(&other)),
             }
@@ -546,6 +560,7 @@ impl TrainBackend for MegatronTrainer {
             step: self.step,
             loss,
             grad_norm,
+            entropy,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: start.elapsed().as_secs_f64(),
             optimizer_stream: None,

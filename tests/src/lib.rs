@@ -29,5 +29,7 @@ pub fn seeded_batch(config: &LlamaConfig, step: usize, b: usize, t: usize) -> Ba
             })
             .collect(),
         normaliser: n as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     }
 }

@@ -33,9 +33,15 @@ fn tiny() -> LlamaConfig {
 
 /// The fsdp backend at `dp` ranks, one CPU device each, initialised from [`SEED`].
 fn fsdp(dp: usize) -> FsdpBackend {
+    fsdp_in_micro_batches(dp, None)
+}
+
+/// [`fsdp`] with each rank's share of a step in micro-batches of `micro` sequences.
+fn fsdp_in_micro_batches(dp: usize, micro: Option<usize>) -> FsdpBackend {
     let settings = Settings {
         train_backend: TrainBackendKind::Fsdp,
         data_parallel_size: dp,
+        micro_batch_size: micro,
         lr: LR,
         seed: SEED,
         device_memory_gib: 0.5,
@@ -51,6 +57,11 @@ fn fsdp(dp: usize) -> FsdpBackend {
 /// The megatron backend at TP=1 and `dp` ranks, from the weights [`SEED`] gives, with the
 /// fsdp backend's AdamW settings.
 fn megatron(dp: usize) -> MegatronTrainer {
+    megatron_in_micro_batches(dp, None)
+}
+
+/// [`megatron`] with each rank's share of a step in micro-batches of `micro` sequences.
+fn megatron_in_micro_batches(dp: usize, micro: Option<usize>) -> MegatronTrainer {
     let config = tiny();
     let params = init_weights(&config, SEED).unwrap();
     let options = MegatronOptions {
@@ -61,6 +72,7 @@ fn megatron(dp: usize) -> MegatronTrainer {
             ..AdamWConfig::default()
         },
         device_bytes: 256 << 20,
+        micro_batch_size: micro,
         ..MegatronOptions::default()
     };
     MegatronTrainer::new(config, &params, options).unwrap()
@@ -101,6 +113,106 @@ fn fsdp_at_dp_1_2_and_4_gives_the_megatron_losses_at_tp1_dp1_over_five_steps() {
         assert!(
             worst < 1e-5,
             "fsdp dp {dp}: losses {losses:?} vs megatron {reference:?}, worst relative {worst:e}"
+        );
+    }
+}
+
+/// The full weights of `backend`, in layout order.
+fn weights(backend: &mut dyn TrainBackend) -> Vec<f32> {
+    let mut all = Vec::new();
+    backend
+        .export_weights(usize::MAX, &mut |bucket| {
+            all.extend(bucket.tensors.into_iter().flat_map(|t| t.data));
+            Ok(())
+        })
+        .unwrap();
+    all
+}
+
+/// A backend behind the contract.
+type Backend = Box<dyn TrainBackend>;
+
+#[test]
+fn a_step_in_micro_batches_gives_the_whole_batch_step_on_megatron_and_fsdp() {
+    // The response tokens (the weighted targets) carry an entropy bonus, so its gradient is
+    // accumulated over the micro-batches too.
+    let mut step = batch(0);
+    step.entropy_mask = Some(step.weights.iter().map(|&w| f32::from(w != 0.0)).collect());
+    step.entropy_coef = 0.05;
+    let next = batch(1);
+    let cases: [(&str, Backend, Backend); 4] = [
+        (
+            "megatron dp 1, micro-batches of 1",
+            Box::new(megatron(1)),
+            Box::new(megatron_in_micro_batches(1, Some(1))),
+        ),
+        (
+            "megatron dp 2, micro-batches of 1",
+            Box::new(megatron(2)),
+            Box::new(megatron_in_micro_batches(2, Some(1))),
+        ),
+        (
+            "fsdp dp 1, micro-batches of 3 (3 + 1)",
+            Box::new(fsdp(1)),
+            Box::new(fsdp_in_micro_batches(1, Some(3))),
+        ),
+        (
+            "fsdp dp 2, micro-batches of 1",
+            Box::new(fsdp(2)),
+            Box::new(fsdp_in_micro_batches(2, Some(1))),
+        ),
+    ];
+    for (what, mut whole, mut micro) in cases {
+        let (a, b) = (
+            whole.train_step(&step).unwrap(),
+            micro.train_step(&step).unwrap(),
+        );
+        let (ea, eb) = (a.entropy.unwrap(), b.entropy.unwrap());
+        assert!(
+            ea > 1.0,
+            "{what}: the tiny model's entropy is near ln V, got {ea}"
+        );
+        let (wa, wb) = (weights(&mut *whole), weights(&mut *micro));
+        let moved = wa
+            .iter()
+            .zip(&weights(&mut megatron(1)))
+            .filter(|(x, y)| x != y)
+            .count();
+        assert!(
+            moved > wa.len() / 2,
+            "{what}: the step moved {moved} weights"
+        );
+        // fp32 sums in other orders: 1e-5 relative on the loss, the entropy and the gradient
+        // norm. On a weight, AdamW's first step is lr * g / (|g| + eps): where |g| is near eps
+        // (1e-8) the rounding of a sum that cancels to near 0 moves it by up to lr * dg / eps,
+        // so weights are held to lr * 1e-2 (a lost or doubled micro-batch moves them by ~lr).
+        let worst_weight = wa
+            .iter()
+            .zip(&wb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!(
+            "{what}: loss {} vs {}, entropy {ea} vs {eb}, gradient norm {} vs {}, largest weight difference {worst_weight:e}",
+            a.loss, b.loss, a.grad_norm, b.grad_norm
+        );
+        assert!(
+            worst_relative(&[b.loss, eb, b.grad_norm], &[a.loss, ea, a.grad_norm]) < 1e-5,
+            "{what}: loss {} vs {}, entropy {eb} vs {ea}, gradient norm {} vs {}",
+            b.loss,
+            a.loss,
+            b.grad_norm,
+            a.grad_norm
+        );
+        assert!(
+            worst_weight < (LR as f32) * 1e-2,
+            "{what}: largest weight difference {worst_weight:e}"
+        );
+        let (lp_whole, loss_whole) = whole.logprobs(&next).unwrap();
+        let (lp_micro, loss_micro) = micro.logprobs(&next).unwrap();
+        let worst_lp = worst_relative(&lp_micro, &lp_whole);
+        assert!(
+            worst_lp < 1e-4 && worst_relative(&[loss_micro], &[loss_whole]) < 1e-5,
+            "{what}: log-probs after the step differ by {worst_lp:e} relative"
         );
     }
 }

@@ -523,6 +523,8 @@ fn train_batch(b: usize, t: usize, seed: u64) -> Batch {
         targets: rows.iter().flat_map(|r| &r[1..]).copied().collect(),
         weights: vec![1.0; b * t],
         normaliser: (b * t) as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     }
 }
 

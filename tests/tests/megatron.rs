@@ -40,6 +40,8 @@ fn batch(seed: u64, b: usize, t: usize) -> Batch {
         targets,
         weights,
         normaliser: (b * t) as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     }
 }
 

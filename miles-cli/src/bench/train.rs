@@ -91,6 +91,8 @@ pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> Batch {
         targets,
         weights: vec![1.0; b * t],
         normaliser: (b * t) as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     }
 }
 

@@ -235,6 +235,7 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
             step: self.step,
             loss: report.loss,
             grad_norm: report.optimizer.grad_norm,
+            entropy: report.entropy,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: start.elapsed().as_secs_f64(),
             optimizer_stream: report.optimizer_stream,

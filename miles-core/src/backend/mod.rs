@@ -53,6 +53,12 @@ pub struct Batch {
     pub weights: Vec<f32>,
     /// The divisor of the weighted sum (for example the count of unmasked targets).
     pub normaliser: f32,
+    /// Which targets' entropy the step measures and rewards `(B, T)`: 1 on response tokens, 0
+    /// elsewhere; `None` measures none ([`StepStats::entropy`] is then `None`).
+    pub entropy_mask: Option<Vec<f32>>,
+    /// The entropy bonus: the loss falls by `entropy_coef * Σ mask_t H_t / normaliser`; 0 adds
+    /// nothing (and every backend accepts it).
+    pub entropy_coef: f32,
 }
 
 impl Batch {
@@ -65,6 +71,8 @@ impl Batch {
             targets: &self.targets,
             weights: &self.weights,
             normaliser: self.normaliser,
+            entropy_mask: self.entropy_mask.as_deref(),
+            entropy_coef: self.entropy_coef,
         }
     }
 
@@ -94,6 +102,10 @@ impl Batch {
             ("inputs", self.inputs.len()),
             ("targets", self.targets.len()),
             ("weights", self.weights.len()),
+            (
+                "entropy mask",
+                self.entropy_mask.as_ref().map_or(n, Vec::len),
+            ),
         ] {
             if len != n {
                 return Err(BackendError::Batch(format!(
@@ -127,6 +139,10 @@ pub struct StepStats {
     pub loss: f32,
     /// Global L2 norm of the gradients before clipping.
     pub grad_norm: f32,
+    /// `Σ mask_t H_t / normaliser` of the batch's entropy mask under the weights before the
+    /// update (the mean entropy of the response tokens, with the loop's batches); `None`
+    /// without a mask, or from a backend that does not measure it (the GPU trainers).
+    pub entropy: Option<f32>,
     /// Token positions processed (`B * T`).
     pub tokens: u64,
     /// Wall time of the step.
@@ -496,6 +512,8 @@ mod tests {
             targets: (1..=n as u32).collect(),
             weights: (0..n).map(|i| 0.5 + i as f32).collect(),
             normaliser: n as f32,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         }
     }
 

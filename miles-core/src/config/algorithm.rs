@@ -108,6 +108,9 @@ pub(crate) fn check(s: &Settings) -> Vec<SettingsError> {
     if s.lr_decay_iters == Some(0) {
         refuse("--lr-decay-iters must be at least 1 (got 0)".into());
     }
+    if s.rollout_stop.iter().any(String::is_empty) {
+        refuse("--rollout-stop holds an empty string, which would end every sample at its first token; give non-empty strings".into());
+    }
     if s.input_key.is_empty() {
         refuse("--input-key must name a field of the rows (got an empty name)".into());
     }

@@ -348,6 +348,8 @@ settings_table! {
         Value n_samples_per_prompt: usize = 4, "N", "Run", Range::Between(1.0, 4096.0);
         /// Samples per optimizer step; must divide prompts x samples
         Value global_batch_size: usize = 32, "N", "Run", Range::Between(1.0, 1_048_576.0);
+        /// Sequences per forward and backward pass of a rank's share of a train step; their gradients add up before the one optimizer step (none: the whole share in one pass)
+        Optional micro_batch_size: usize = None, "N", "Run", Range::Between(1.0, 1_048_576.0);
         /// AdamW learning rate
         Value lr: f64 = 1e-4, "LR", "Run", Range::AboveUpTo(0.0, 1.0);
         /// Seed of every random choice
@@ -418,6 +420,8 @@ settings_table! {
         Value kl_loss_coef: f64 = 0.0, "C", "Loss", Range::Between(0.0, 1e6);
         /// Estimator of the KL penalty
         Value kl_loss_type: KlLossType = KlLossType::K1, "k1|k2|k3", "Loss", Range::Any;
+        /// Entropy bonus: the loss falls by this times the policy's mean entropy over the response tokens (cpu device)
+        Value entropy_coef: f64 = 0.0, "C", "Loss", Range::Between(-1e6, 1e6);
         /// Clip the global gradient norm to this, 0 never clips
         Value clip_grad: f64 = 1.0, "NORM", "Loss", Range::Between(0.0, 1e9);
         /// Nucleus sampling of the rollout, in (0, 1]
@@ -428,6 +432,8 @@ settings_table! {
         Value rollout_top_k: usize = 0, "K", "Rollout", Range::Between(0.0, 16777216.0);
         /// Token ids that end a sample, besides EOS
         Many rollout_stop_token_ids: u32 = Vec::new(), "ID", "Rollout", Range::Any;
+        /// Strings that end a sample: it is cut after the token that completes the first one, and the text the reward reads ends before it
+        Many rollout_stop: String = Vec::new(), "STR", "Rollout", Range::Any;
         /// JSON-lines file of evaluation prompts (same keys as --prompt-data), never trained on
         Optional eval_prompt_data: PathBuf = None, "FILE", "Eval", Range::Any;
         /// Evaluate before steps 1, N + 1, 2N + 1, ...

@@ -18,6 +18,10 @@ pub struct RlMetrics {
     pub kl: f32,
     /// Share of the trained tokens whose importance ratio the clip held.
     pub clip_fraction: f32,
+    /// Mean entropy of the policy over the trained (response) tokens, before each update;
+    /// `None` where the actor does not measure it (the cuda trainers), and then left out of
+    /// the line rather than written as 0.
+    pub entropy: Option<f32>,
     /// Largest gradient norm, before clipping, of the step's optimizer steps.
     pub grad_norm: f32,
     /// Learning rate of the step's optimizer steps.
@@ -34,7 +38,8 @@ pub struct RlMetrics {
 }
 
 impl RlMetrics {
-    /// The scalars as JSON keys of a step's line (`eval_reward_mean` only when one ran).
+    /// The scalars as JSON keys of a step's line (`entropy` only where measured,
+    /// `eval_reward_mean` only when one ran).
     pub fn json_fields(&self) -> Map<String, Value> {
         let mut fields = Map::new();
         for (key, value) in [
@@ -56,6 +61,9 @@ impl RlMetrics {
             ),
         ] {
             fields.insert(key.to_owned(), value);
+        }
+        if let Some(entropy) = self.entropy {
+            fields.insert("entropy".to_owned(), json!(entropy));
         }
         if let Some(eval) = self.eval_reward_mean {
             fields.insert("eval_reward_mean".to_owned(), json!(eval));
@@ -122,7 +130,8 @@ pub fn human_seconds(seconds: f64) -> String {
 
 impl super::StepMetrics {
     /// The step in one console line: reward, lengths, KL, clip share, gradient norm, loss,
-    /// throughputs, the switch's time and bytes moved, and the memory peak.
+    /// throughputs, the switch's time and bytes moved, the memory peak, and the entropy where
+    /// it was measured.
     pub fn summary(&self) -> String {
         let rl = &self.rl;
         let moved: u64 = self.bytes_moved.iter().sum();
@@ -143,6 +152,9 @@ impl super::StepMetrics {
             human_bytes(moved),
             human_bytes(self.peak_device_memory_bytes),
         );
+        if let Some(entropy) = rl.entropy {
+            line.push_str(&format!("  entropy {}", three_digits(f64::from(entropy))));
+        }
         if let Some(eval) = rl.eval_reward_mean {
             line.push_str(&format!("  eval {}", three_digits(f64::from(eval))));
         }
@@ -168,5 +180,19 @@ mod tests {
         assert_eq!(human_bytes(3 << 30), "3.00 GiB");
         assert_eq!(human_seconds(0.00637), "6.37 ms");
         assert_eq!(human_seconds(2.5), "2.50 s");
+    }
+
+    #[test]
+    fn the_entropy_is_a_key_and_on_the_console_only_where_measured() {
+        let mut step = super::super::StepMetrics::default();
+        assert!(!step.rl.json_fields().contains_key("entropy"));
+        assert!(!step.summary().contains("entropy"));
+        step.rl.entropy = Some(1.5);
+        assert_eq!(step.rl.json_fields()["entropy"], json!(1.5));
+        assert!(
+            step.summary().contains("entropy 1.50"),
+            "{}",
+            step.summary()
+        );
     }
 }

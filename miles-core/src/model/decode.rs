@@ -373,6 +373,8 @@ impl Transformer {
             targets: tokens,
             weights: &weights,
             normaliser: 1.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         self.forward(params, &mut acts, &al, &batch)?;
         for pos in 0..t {

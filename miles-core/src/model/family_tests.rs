@@ -258,6 +258,8 @@ impl Case {
             targets: &self.targets,
             weights: &self.weights,
             normaliser: 3.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         }
     }
 
@@ -386,6 +388,8 @@ fn every_family_decodes_with_a_kv_cache_as_the_full_forward_pass_computes() {
             targets: tokens,
             weights: &case.weights[..t],
             normaliser: 1.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let al = case.model.activation_layout(1, t).unwrap();
         let mut acts = vec![0.0; al.len()];

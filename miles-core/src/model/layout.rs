@@ -331,6 +331,8 @@ pub struct ActivationLayout {
     pub probs: Range<usize>,
     /// Log-probability of each target `(B, T)`.
     pub logprobs: Range<usize>,
+    /// Entropy of each position's next-token distribution `(B, T)`.
+    pub entropy: Range<usize>,
     /// Backward scratch: gradient of the residual stream `(B, T, C)`.
     pub d_residual: Range<usize>,
     /// Backward scratch: gradient of a norm output `(B, T, C)`.
@@ -406,6 +408,7 @@ impl ActivationLayout {
             logits: take(n * v),
             probs: take(n * v),
             logprobs: take(n),
+            entropy: take(n),
             d_residual: take(n * h),
             d_ln: take(n * h),
             d_att_out: take(n * qd),

@@ -226,6 +226,8 @@ mod tests {
             targets: &targets,
             weights: &weights,
             normaliser: 7.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let al = model.activation_layout(b, t).unwrap();
 
@@ -324,6 +326,8 @@ mod tests {
             targets: &[2, 3],
             weights: &[1.0, 1.0],
             normaliser: 2.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let w = vec![0.5; model.layout().layer_range(0).len()];
         let err = model.layer_forward(2, &w, &mut acts, &al, &batch);

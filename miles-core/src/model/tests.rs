@@ -37,7 +37,9 @@ fn random_tokens(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
 }
 
-fn gradient_check(tied: bool) {
+/// Checks every tensor's gradient against central differences of the loss; with
+/// `entropy_coef`, the loss holds the entropy bonus over a random mask of the targets.
+fn gradient_check(tied: bool, entropy_coef: f32) {
     let model = Transformer::new(tiny(tied));
     let params = spread_params(&model, 11);
     let (b, t) = (2, 7);
@@ -48,6 +50,9 @@ fn gradient_check(tied: bool) {
     let weights: Vec<f32> = (0..b * t)
         .map(|_| rng.random::<f32>() * 2.0 - 0.5)
         .collect();
+    let mask: Vec<f32> = (0..b * t)
+        .map(|_| f32::from(rng.random::<bool>()))
+        .collect();
     let batch = TrainBatch {
         batch: b,
         seq: t,
@@ -55,6 +60,8 @@ fn gradient_check(tied: bool) {
         targets: &targets,
         weights: &weights,
         normaliser: 1.0,
+        entropy_mask: (entropy_coef != 0.0).then_some(&mask[..]),
+        entropy_coef,
     };
     let al = model.activation_layout(b, t).unwrap();
     let mut acts = vec![0.0; al.len()];
@@ -106,12 +113,86 @@ fn gradient_check(tied: bool) {
 
 #[test]
 fn gradients_match_finite_differences_for_every_tensor_tied() {
-    gradient_check(true);
+    gradient_check(true, 0.0);
 }
 
 #[test]
 fn gradients_match_finite_differences_for_every_tensor_untied() {
-    gradient_check(false);
+    gradient_check(false, 0.0);
+}
+
+#[test]
+fn gradients_with_an_entropy_bonus_match_finite_differences_for_every_tensor() {
+    // A large coefficient, so the bonus's share of every gradient is what is checked.
+    gradient_check(false, 5.0);
+}
+
+#[test]
+fn the_entropy_bonus_lowers_the_loss_by_its_coefficient_times_the_masked_mean_entropy() {
+    let model = Transformer::new(tiny(false));
+    let params = spread_params(&model, 31);
+    let (b, t) = (2, 5);
+    let v = model.config().vocab_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(32);
+    let inputs = random_tokens(&mut rng, b * t, v);
+    let weights: Vec<f32> = (0..b * t).map(|_| rng.random::<f32>() - 0.3).collect();
+    let mask = [0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0];
+    let plain = TrainBatch {
+        batch: b,
+        seq: t,
+        inputs: &inputs,
+        targets: &inputs,
+        weights: &weights,
+        normaliser: 5.0,
+        entropy_mask: Some(&mask),
+        entropy_coef: 0.0,
+    };
+    let al = model.activation_layout(b, t).unwrap();
+    let mut acts = vec![0.0; al.len()];
+    let ce = model.forward(&params, &mut acts, &al, &plain).unwrap();
+    // The entropy of each position from its logits, in f64: -Σ p log p.
+    let logits = Transformer::logits(&al, &acts);
+    let entropy: Vec<f64> = logits
+        .chunks(v)
+        .map(|x| {
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = f64::from(max)
+                + x.iter()
+                    .map(|&z| f64::from(z - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            -x.iter()
+                .map(|&z| {
+                    let lp = f64::from(z) - lse;
+                    lp.exp() * lp
+                })
+                .sum::<f64>()
+        })
+        .collect();
+    let mean: f64 = entropy
+        .iter()
+        .zip(&mask)
+        .map(|(h, &m)| h * f64::from(m))
+        .sum::<f64>()
+        / 5.0;
+    let measured = plain
+        .entropy_sum(Transformer::entropies(&al, &acts))
+        .unwrap();
+    assert!(
+        (f64::from(measured) - mean).abs() < 1e-5 * mean,
+        "measured mean entropy {measured} vs {mean}"
+    );
+    let bonus = TrainBatch {
+        entropy_coef: 0.25,
+        ..plain
+    };
+    let with_bonus = model.forward(&params, &mut acts, &al, &bonus).unwrap();
+    let want = f64::from(ce) - 0.25 * mean;
+    // f32 losses of about 5: 1e-5 relative.
+    assert!(
+        (f64::from(with_bonus) - want).abs() < 1e-5 * want.abs().max(1.0),
+        "loss with the bonus {with_bonus} vs {want} (cross-entropy {ce}, mean entropy {mean})"
+    );
 }
 
 #[test]
@@ -130,6 +211,8 @@ fn kv_cache_decoding_gives_the_full_forward_logits_token_by_token() {
         targets: &inputs,
         weights: &weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let al = model.activation_layout(b, t).unwrap();
     let mut acts = vec![0.0; al.len()];
@@ -191,6 +274,8 @@ fn training_tiny_on_a_short_text_halves_the_loss() {
         targets: &ids[1..],
         weights: &weights,
         normaliser: t as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let adamw = AdamWConfig {
         lr: 1e-2,
@@ -258,6 +343,8 @@ fn loss_is_the_weighted_sum_of_log_probs_over_the_normaliser_and_zero_weights_ma
             targets,
             weights: &weights,
             normaliser: 3.5,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let loss = model.forward(&params, &mut acts, &al, &batch).unwrap();
         let lp = Transformer::logprobs(&al, &acts).to_vec();
@@ -304,6 +391,8 @@ fn prefill_then_decoding_gives_the_full_forward_logits() {
         targets: &inputs,
         weights: &weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     let al = model.activation_layout(1, t).unwrap();
     let mut acts = vec![0.0; al.len()];

@@ -73,12 +73,14 @@ pub fn train_step(
     model.layout().check("adamw v", v)?;
     grads.fill(0.0);
     let loss = model.forward(params, acts, al, batch)?;
+    let entropy = batch.entropy_sum(Transformer::entropies(al, acts));
     model.backward(params, grads, acts, al, batch)?;
     let optimizer = adamw_step(params, grads, m, v, step, adamw);
     Ok(StepReport {
         loss,
         optimizer,
         optimizer_stream: None,
+        entropy,
     })
 }
 
@@ -92,6 +94,9 @@ pub struct StepReport {
     /// What the step read and wrote of optimizer state streamed through the disk, and how long
     /// it waited for it; `None` when the state is resident.
     pub optimizer_stream: Option<crate::store::StreamStats>,
+    /// The batch's `Σ mask_t H_t / normaliser` before the update
+    /// ([`TrainBatch::entropy_mask`]); `None` without a mask or where it is not measured.
+    pub entropy: Option<f32>,
 }
 
 /// A model with its own `Vec` buffers and optimizer: forward, backward and AdamW, one step at a
@@ -151,6 +156,7 @@ impl Trainer {
         } = &mut self.buffers;
         grads.fill(0.0);
         let loss = self.model.forward(params, &mut self.acts, &al, batch)?;
+        let entropy = batch.entropy_sum(Transformer::entropies(&al, &self.acts));
         self.model
             .backward(params, grads, &mut self.acts, &al, batch)?;
         self.step += 1;
@@ -159,6 +165,7 @@ impl Trainer {
             loss,
             optimizer,
             optimizer_stream: None,
+            entropy,
         })
     }
 
@@ -228,6 +235,8 @@ pub fn scoring_batch<'a>(
         targets: &tokens[1..],
         weights,
         normaliser: t as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     })
 }
 

@@ -13,8 +13,9 @@ use crate::comm::Communicator;
 use crate::ops::{
     AttentionShape, MatmulProfile, RopeTable, attention_backward, attention_forward, bias_backward,
     bias_forward, crossentropy_backward, crossentropy_forward, embedding_backward,
-    embedding_forward, matmul_backward, matmul_forward, residual_forward, rmsnorm_backward,
-    rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward,
+    embedding_forward, entropy_backward, matmul_backward, matmul_forward, residual_forward,
+    rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, swiglu_backward,
+    swiglu_forward,
 };
 
 /// Sums `buf` over the tensor-parallel group, when there is one.
@@ -40,6 +41,13 @@ pub struct TrainBatch<'a> {
     pub weights: &'a [f32],
     /// The loss is the weighted sum of negative log-probs divided by this.
     pub normaliser: f32,
+    /// Which targets' entropy the step measures and rewards `(B, T)`, 1 on response tokens and
+    /// 0 elsewhere; `None` measures none.
+    pub entropy_mask: Option<&'a [f32]>,
+    /// The entropy bonus: the loss falls by `entropy_coef * Σ mask_t H_t / normaliser` (with the
+    /// loop's batches, whose normaliser counts the response tokens, the coefficient times their
+    /// mean entropy); 0 adds nothing.
+    pub entropy_coef: f32,
 }
 
 impl<'a> TrainBatch<'a> {
@@ -52,9 +60,34 @@ impl<'a> TrainBatch<'a> {
             seq: t,
             inputs: &self.inputs[tokens.clone()],
             targets: &self.targets[tokens.clone()],
-            weights: &self.weights[tokens],
+            weights: &self.weights[tokens.clone()],
             normaliser: self.normaliser,
+            entropy_mask: self.entropy_mask.map(|m| &m[tokens]),
+            entropy_coef: self.entropy_coef,
         }
+    }
+
+    /// The batch cut into runs of at most `size` whole sequences (`None`: the batch itself),
+    /// each with the batch's normaliser, so that their losses and gradients add up to the
+    /// batch's.
+    pub fn micro_batches(&self, size: Option<usize>) -> Vec<TrainBatch<'a>> {
+        let per = size.unwrap_or(self.batch).max(1);
+        (0..self.batch)
+            .step_by(per)
+            .map(|first| self.sequences(first..(first + per).min(self.batch)))
+            .collect()
+    }
+
+    /// `Σ mask_t H_t / normaliser` of `entropy (B, T)`, the per-position entropies of this
+    /// batch; `None` without an entropy mask.
+    pub fn entropy_sum(&self, entropy: &[f32]) -> Option<f32> {
+        let mask = self.entropy_mask?;
+        let sum: f64 = mask
+            .iter()
+            .zip(entropy)
+            .map(|(&m, &h)| f64::from(m) * f64::from(h))
+            .sum();
+        Some((sum / f64::from(self.normaliser)) as f32)
     }
 
     /// Rank `rank`'s part of the batch over `world` data-parallel ranks: a contiguous run of
@@ -231,6 +264,7 @@ impl Transformer {
             ("inputs", b.inputs.len()),
             ("targets", b.targets.len()),
             ("weights", b.weights.len()),
+            ("entropy mask", b.entropy_mask.map_or(n, <[f32]>::len)),
         ] {
             if len != n {
                 return Err(ModelError::Batch(format!(
@@ -243,6 +277,12 @@ impl Transformer {
             return Err(ModelError::Batch(format!(
                 "normaliser {} must be positive and finite",
                 b.normaliser
+            )));
+        }
+        if b.entropy_coef != 0.0 && b.entropy_mask.is_none() {
+            return Err(ModelError::Batch(format!(
+                "entropy coefficient {} without an entropy mask; mark the response tokens",
+                b.entropy_coef
             )));
         }
         self.check_tokens(b.inputs)?;
@@ -421,7 +461,7 @@ impl Transformer {
             c.num_layers,
             c.vocab_size,
         );
-        let [res_last, lnf, lnf_rstd, logits, probs, logprobs] = carve(
+        let [res_last, lnf, lnf_rstd, logits, probs, logprobs, entropy] = carve(
             acts,
             [
                 &layer_block(&al.residual, l_n, l_n + 1),
@@ -430,19 +470,26 @@ impl Transformer {
                 &al.logits,
                 &al.probs,
                 &al.logprobs,
+                &al.entropy,
             ],
         )
         .ok_or_else(overlap)?;
         rmsnorm_forward(lnf, lnf_rstd, res_last, norm_w, c.rms_norm_eps);
         matmul_forward(logits, lnf, head, n, h, v, self.profile())?; // (B, T, V)
-        let loss = crossentropy_forward(
+        let mut loss = crossentropy_forward(
             probs,
             logprobs,
+            entropy,
             logits,
             batch.targets,
             batch.weights,
             batch.normaliser,
         );
+        if batch.entropy_coef != 0.0
+            && let Some(bonus) = batch.entropy_sum(entropy)
+        {
+            loss -= f64::from(batch.entropy_coef) * f64::from(bonus);
+        }
         Ok(loss as f32)
     }
 
@@ -521,12 +568,22 @@ impl Transformer {
             c.num_layers,
             c.vocab_size,
         );
-        let [res_last, lnf, lnf_rstd, probs, d_logits, d_ln, d_res] = carve(
+        let [
+            res_last,
+            lnf,
+            lnf_rstd,
+            logits,
+            probs,
+            d_logits,
+            d_ln,
+            d_res,
+        ] = carve(
             acts,
             [
                 &layer_block(&al.residual, l_n, l_n + 1),
                 &al.lnf,
                 &al.lnf_rstd,
+                &al.logits,
                 &al.probs,
                 &al.d_logits,
                 &al.d_ln,
@@ -542,6 +599,18 @@ impl Transformer {
             batch.weights,
             batch.normaliser,
         );
+        if batch.entropy_coef != 0.0
+            && let Some(mask) = batch.entropy_mask
+        {
+            entropy_backward(
+                d_logits,
+                probs,
+                logits,
+                mask,
+                batch.entropy_coef,
+                batch.normaliser,
+            );
+        }
         d_ln.fill(0.0);
         matmul_backward(d_ln, d_head, d_logits, lnf, head, n, h, v, self.profile())?;
         d_res.fill(0.0);
@@ -820,6 +889,12 @@ impl Transformer {
     /// The per-token log-probs the last forward pass left in `acts`, `(B, T)`.
     pub fn logprobs<'a>(al: &ActivationLayout, acts: &'a [f32]) -> &'a [f32] {
         &acts[al.logprobs.clone()]
+    }
+
+    /// The entropy of each position's distribution the last forward pass left in `acts`,
+    /// `(B, T)`.
+    pub fn entropies<'a>(al: &ActivationLayout, acts: &'a [f32]) -> &'a [f32] {
+        &acts[al.entropy.clone()]
     }
 
     /// The logits the last forward pass left in `acts`, `(B, T, V)`.

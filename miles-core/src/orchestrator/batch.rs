@@ -51,6 +51,8 @@ pub fn build_batch(sequences: &[Sequence<'_>], pad: u32) -> Batch {
         targets,
         weights,
         normaliser: counted.max(1) as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     }
 }
 

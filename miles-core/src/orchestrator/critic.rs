@@ -60,6 +60,8 @@ impl LmCritic {
             targets,
             weights,
             normaliser: rows.len().max(1) as f32,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         }
     }
 }

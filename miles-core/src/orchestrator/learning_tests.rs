@@ -82,6 +82,7 @@ impl TrainBackend for ModelActor {
             step: self.step,
             loss: report.loss,
             grad_norm: 0.0,
+            entropy: report.entropy,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
             optimizer_stream: None,
@@ -145,6 +146,8 @@ impl ModelEngine {
             targets: ids,
             weights: &weights,
             normaliser: 1.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         self.model
             .forward(&self.params, &mut acts, &al, &batch)
@@ -296,6 +299,39 @@ fn grpo_raises_the_mean_reward_on_the_repeat_task() {
     assert!(
         end > start + 0.1,
         "reward {start} -> {end} (needs +0.1): {r:?}"
+    );
+}
+
+#[test]
+fn the_entropy_is_measured_every_step_and_the_bonus_keeps_it_above_the_plain_run() {
+    let run = |entropy_coef: f32| {
+        let mut config = repeat_task(4, AdvantageEstimator::Grpo);
+        config.rl.entropy_coef = entropy_coef;
+        let mut o = Orchestrator::new(
+            config,
+            Box::new(ModelActor::new(1, 5e-3)),
+            Box::new(engine()),
+            tokenizer(),
+        );
+        let mut entropies = Vec::new();
+        o.run(&mut |m| entropies.push(m.rl.entropy.unwrap()))
+            .unwrap();
+        entropies
+    };
+    let (plain, bonus) = (run(0.0), run(1.0));
+    println!("mean response entropy per step: plain {plain:?}, with a bonus of 1 {bonus:?}");
+    let ln_v = (tiny().vocab_size as f32).ln();
+    assert!(
+        plain.iter().chain(&bonus).all(|&h| h > 0.0 && h <= ln_v),
+        "entropies lie in (0, ln V = {ln_v}]: {plain:?} {bonus:?}"
+    );
+    assert_eq!(
+        plain[0], bonus[0],
+        "the first step measures before any update"
+    );
+    assert!(
+        bonus[3] > plain[3],
+        "the bonus raises the entropy: {bonus:?} vs {plain:?}"
     );
 }
 

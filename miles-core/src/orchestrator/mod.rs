@@ -31,6 +31,7 @@ mod reward;
 mod run;
 mod schedule;
 mod state;
+mod stop;
 mod task;
 #[cfg(test)]
 mod tests;

@@ -26,6 +26,10 @@ pub struct RlOptions {
     pub top_k: usize,
     /// Token ids that end a sample, besides EOS.
     pub stop_token_ids: Vec<u32>,
+    /// Strings that end a sample: it is cut after the token completing the first one.
+    pub stop_strings: Vec<String>,
+    /// The entropy bonus: the loss falls by this times the mean entropy of the response tokens.
+    pub entropy_coef: f32,
     /// Evaluate before every this many steps, when evaluation rows are given.
     pub eval_interval: Option<u64>,
     /// Sampling temperature of evaluation.
@@ -43,6 +47,8 @@ impl RlOptions {
             top_p: s.rollout_top_p as f32,
             top_k: s.rollout_top_k,
             stop_token_ids: s.rollout_stop_token_ids.clone(),
+            stop_strings: s.rollout_stop.clone(),
+            entropy_coef: s.entropy_coef as f32,
             eval_interval: s.eval_interval,
             eval_temperature: s.eval_temperature as f32,
             dump_rollouts: s.dump_rollouts.clone(),

@@ -23,6 +23,7 @@ use super::options::{DATA_RESPONSE_LEN, RlOptions};
 use super::reference::ReferenceModel;
 use super::reward::{BuiltinReward, Reward, RewardError, RewardRequest};
 use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
+use super::stop::cut_at_stop_strings;
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 use crate::backend::{Critic, RolloutEngine, Sample, Sampling};
 
@@ -545,6 +546,7 @@ impl Orchestrator {
                     let rl = &mut metrics.rl;
                     (rl.pg_loss, rl.kl, rl.clip_fraction) =
                         (stats.pg_loss, stats.kl, stats.clip_fraction);
+                    rl.entropy = stats.entropy;
                     rl.grad_norm = stats.grad_norm;
                     rl.optimizer_stream = stats.optimizer_stream;
                     rl.lr = stats.lr;
@@ -604,7 +606,7 @@ impl Orchestrator {
             .collect::<Result<Vec<_>, _>>()?;
         let sampling = self.sampling(step);
         let n = c.n_samples_per_prompt;
-        let samples = self.engine.generate(&prompts, n, &sampling)?;
+        let mut samples = self.engine.generate(&prompts, n, &sampling)?;
         if samples.len() != prompts.len() || samples.iter().any(|s| s.len() != n) {
             return Err(OrchestratorError::Rollout {
                 got: format!(
@@ -615,7 +617,8 @@ impl Orchestrator {
                 expected: format!("{} prompts x {n} samples", prompts.len()),
             });
         }
-        let (rewards, responses) = self.score(&problems, &samples)?;
+        let texts = self.responses(&mut samples);
+        let (rewards, responses) = self.score(&problems, &samples, texts)?;
         Ok(Rollout {
             problems,
             prompts,
@@ -643,25 +646,38 @@ impl Orchestrator {
         }
     }
 
-    /// The reward and the text of every sample, by prompt then sample.
+    /// The text of every sample, by prompt then sample, each cut at the first stop string
+    /// (`--rollout-stop`) with its tokens: without one, the sample's text without its stop
+    /// token.
+    fn responses(&self, samples: &mut [Vec<Sample>]) -> Vec<Vec<String>> {
+        let t = &self.tokenizer;
+        let stops = &self.config.rl.stop_strings;
+        let decode = |ids: &[u32]| t.decode(ids);
+        samples
+            .iter_mut()
+            .map(|group| {
+                group
+                    .iter_mut()
+                    .map(|s| {
+                        cut_at_stop_strings(s, stops, &decode).unwrap_or_else(|| {
+                            let end =
+                                s.tokens.len() - usize::from(s.stopped && !s.tokens.is_empty());
+                            t.decode(&s.tokens[..end])
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The reward of every sample with its text `responses` (as [`responses`](Self::responses)
+    /// gives them), by prompt then sample; returns the texts flattened alongside.
     fn score(
         &mut self,
         problems: &[Problem],
         samples: &[Vec<Sample>],
+        responses: Vec<Vec<String>>,
     ) -> Result<(Vec<f32>, Vec<String>), OrchestratorError> {
-        let t = &self.tokenizer;
-        let responses: Vec<Vec<String>> = samples
-            .iter()
-            .map(|group| {
-                group
-                    .iter()
-                    .map(|s| {
-                        let end = s.tokens.len() - usize::from(s.stopped && !s.tokens.is_empty());
-                        t.decode(&s.tokens[..end])
-                    })
-                    .collect()
-            })
-            .collect();
         let requests: Vec<RewardRequest<'_>> = problems
             .iter()
             .zip(samples.iter().zip(&responses))

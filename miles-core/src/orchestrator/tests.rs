@@ -165,6 +165,7 @@ impl TrainBackend for FakeActor {
                 signal + self.checksum() * 1e-3
             },
             grad_norm: signal.abs(),
+            entropy: None,
             tokens: (batch.batch * batch.seq) as u64,
             seconds: 0.0,
             optimizer_stream: None,
@@ -297,6 +298,8 @@ struct FakeEngine {
     weights_offloaded: bool,
     tokenizer: ByteTokenizer,
     stop_during_generate: Option<Arc<AtomicBool>>,
+    /// The stop tokens of every generate call.
+    stop_tokens: Arc<Mutex<Vec<Vec<u32>>>>,
     /// Takes the trainer's weights on the device, as a GPU engine on the trainer's device would.
     takes_device_weights: bool,
 }
@@ -316,6 +319,7 @@ impl FakeEngine {
             weights_offloaded: false,
             tokenizer: tokenizer(),
             stop_during_generate: None,
+            stop_tokens: Arc::default(),
             takes_device_weights: false,
         }
     }
@@ -342,6 +346,10 @@ impl RolloutEngine for FakeEngine {
         if let Some(flag) = &self.stop_during_generate {
             flag.store(true, Ordering::SeqCst);
         }
+        self.stop_tokens
+            .lock()
+            .unwrap()
+            .push(sampling.stop_tokens.clone());
         let eos = self.tokenizer.eos;
         Ok((0..prompts.len())
             .map(|i| {
@@ -623,6 +631,95 @@ fn offloaded_tags_hold_no_device_memory_and_the_peak_stays_below_both_phases() {
     }
 }
 
+/// One JSON value per line of `path`.
+fn json_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn stop_strings_cut_the_samples_the_reward_sees_and_stop_ids_join_the_eos() {
+    let dir = tempfile::tempdir().unwrap();
+    // One step: its rollout depends on the seed and the starting weights alone, so both runs
+    // sample the same completions (digits, some ended by EOS) before any cut.
+    let rollout = |stops: &[&str], name: &str| {
+        let mut config = colocated(1);
+        config.rollout_batch_size = 8;
+        config.global_batch_size = 32;
+        config.rl.stop_strings = stops.iter().map(|s| (*s).to_owned()).collect();
+        config.rl.stop_token_ids = vec![5];
+        config.rl.dump_rollouts = Some(dir.path().join(name));
+        let log = Log::default();
+        let engine = FakeEngine::new(&log);
+        let seen = Arc::clone(&engine.stop_tokens);
+        let mut o = Orchestrator::new(
+            config,
+            Box::new(FakeActor::new(&log)),
+            Box::new(engine),
+            tokenizer(),
+        );
+        let (_, steps) = run(&mut o);
+        let seen = seen.lock().unwrap().clone();
+        (
+            json_lines(&dir.path().join(name)),
+            steps[0].rl.clone(),
+            seen,
+        )
+    };
+    let (plain, plain_rl, seen) = rollout(&[], "plain.jsonl");
+    let (cut, cut_rl, _) = rollout(&["7", "34"], "cut.jsonl");
+    let eos = tokenizer().eos;
+    assert_eq!(
+        seen,
+        [vec![eos, 5]],
+        "the stop ids join the tokenizer's EOS"
+    );
+    let (mut cuts, mut truncated, mut tokens) = (0, 0, 0);
+    for (p, c) in plain.iter().zip(&cut) {
+        let text = p["response"].as_str().unwrap();
+        let first = ["7", "34"]
+            .iter()
+            .filter_map(|s| text.find(s).map(|i| i + s.len()))
+            .min();
+        let (response, len, stopped) = match first {
+            Some(end) => {
+                cuts += 1;
+                let stop = if text[..end].ends_with('7') { 1 } else { 2 };
+                (&text[..end - stop], end, true)
+            }
+            None => (
+                text,
+                p["tokens"].as_u64().unwrap() as usize,
+                p["stopped"].as_bool().unwrap(),
+            ),
+        };
+        assert_eq!(c["response"], response, "{p} cut to {c}");
+        assert_eq!(
+            c["tokens"].as_u64().unwrap() as usize,
+            len,
+            "{p} cut to {c}"
+        );
+        assert_eq!(c["stopped"], stopped, "{p} cut to {c}");
+        truncated += usize::from(!stopped);
+        tokens += len;
+    }
+    let count = plain.len() as f32;
+    assert!(
+        cuts > 0 && cuts < plain.len() && truncated > 0,
+        "{cuts} cut, {truncated} truncated of {count}"
+    );
+    assert_eq!(
+        cut_rl.truncated_fraction,
+        truncated as f32 / count,
+        "a cut sample stopped"
+    );
+    assert!(cut_rl.truncated_fraction < plain_rl.truncated_fraction);
+    assert_eq!(cut_rl.response_len_mean, tokens as f32 / count);
+}
+
 #[test]
 fn metrics_file_has_a_line_per_step_and_the_timeline_is_drawn() {
     let dir = tempfile::tempdir().unwrap();
@@ -640,6 +737,10 @@ fn metrics_file_has_a_line_per_step_and_the_timeline_is_drawn() {
     assert!(lines[0]["header"]["run_id"].is_string(), "{}", lines[0]);
     for (line, m) in lines[1..].iter().zip(&steps) {
         assert_eq!(line["step"], m.step);
+        assert!(
+            line.get("entropy").is_none(),
+            "an actor that does not measure the entropy gets no entropy key, not a 0: {line}"
+        );
         assert_eq!(line["reward_mean"].as_f64().unwrap() as f32, m.reward_mean);
         assert!(
             line["device_memory_bytes"]["after_onload_kv"]

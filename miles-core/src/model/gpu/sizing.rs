@@ -45,6 +45,8 @@ mod tests {
             targets: &inputs,
             weights: &weights,
             normaliser: 15.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let parts: Vec<TrainBatch<'_>> = (0..2).map(|r| batch.shard(r, 2).unwrap()).collect();
         assert_eq!((parts[0].batch, parts[1].batch), (3, 2));
@@ -68,6 +70,8 @@ mod tests {
             targets: &targets,
             weights: &weights,
             normaliser: 7.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         };
         let cuts = micro_batches(&batch, 7);
         assert_eq!(cuts.iter().map(|m| m.batch).collect::<Vec<_>>(), [2, 2, 1]);

@@ -109,6 +109,8 @@ impl Batch {
             targets: &self.targets,
             weights: &self.weights,
             normaliser: (B * T) as f32,
+            entropy_mask: None,
+            entropy_coef: 0.0,
         }
     }
 }

@@ -439,6 +439,8 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
         targets: &long,
         weights: &long_weights,
         normaliser: 1.0,
+        entropy_mask: None,
+        entropy_coef: 0.0,
     };
     assert!(
         matches!(split.train_step(&long_batch, 1), Err(ModelError::Batch(m)) if m.contains("max_batch_tokens"))
@@ -526,7 +528,11 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
         if dtype == MomentDtype::Fp32 {
             let (m, v) = streamed.moments().unwrap();
             for (what, got, want) in [
-                ("master weights", streamed.master_params().unwrap(), want_master.clone()),
+                (
+                    "master weights",
+                    streamed.master_params().unwrap(),
+                    want_master.clone(),
+                ),
                 ("first moments", m, want_m.clone()),
                 ("second moments", v, want_v.clone()),
             ] {

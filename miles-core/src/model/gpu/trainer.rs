@@ -228,6 +228,7 @@ impl GpuTrainer {
             loss,
             optimizer,
             optimizer_stream,
+            entropy: None,
         })
     }
 
@@ -486,9 +487,16 @@ impl GpuTrainer {
         Ok(())
     }
 
-    /// The model's checks, and sequences no longer than `max_batch_tokens`.
+    /// The model's checks, sequences no longer than `max_batch_tokens`, and no entropy bonus
+    /// (the fused cross-entropy keeps no full distribution to differentiate the entropy of).
     fn check_batch(&self, batch: &TrainBatch<'_>) -> Result<(), ModelError> {
         self.model.check_batch(batch)?;
+        if batch.entropy_coef != 0.0 {
+            return Err(ModelError::Batch(format!(
+                "the gpu trainer has no entropy bonus (coefficient {}); drop --entropy-coef or pass --device cpu",
+                batch.entropy_coef
+            )));
+        }
         if batch.seq > self.max_batch_tokens {
             return Err(ModelError::Batch(format!(
                 "a sequence of {} tokens exceeds max_batch_tokens {}; raise max_batch_tokens to at least {}",

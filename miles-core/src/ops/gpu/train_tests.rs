@@ -404,6 +404,7 @@ fn gpu_crossentropy_matches_the_cpu_logprobs_and_gradients() {
     crossentropy_forward(
         &mut probs,
         &mut want_lp,
+        &mut vec![0.0; n],
         &logits_host,
         &targets_host,
         &weights_host,
@@ -484,6 +485,7 @@ fn gpu_crossentropy_turns_a_nan_logit_or_a_bad_target_into_nan() {
     crossentropy_forward(
         &mut probs,
         &mut want_lp,
+        &mut [0.0; 2],
         &good_logits,
         &good_targets,
         &[1.0, 1.0],

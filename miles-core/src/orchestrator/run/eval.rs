@@ -42,8 +42,9 @@ impl Orchestrator {
             seed: stream_seed(self.config.seed, Stream::Sampling, EVAL_SEED_OFFSET + step),
             ..self.sampling(step)
         };
-        let samples = self.engine.generate(&prompts, 1, &sampling)?;
-        let (rewards, _) = self.score(&problems, &samples)?;
+        let mut samples = self.engine.generate(&prompts, 1, &sampling)?;
+        let texts = self.responses(&mut samples);
+        let (rewards, _) = self.score(&problems, &samples, texts)?;
         let mean = super::mean_std(&rewards).0;
         tracing::info!(step, rows = rewards.len(), reward_mean = mean, "evaluation");
         Ok(Some(mean))

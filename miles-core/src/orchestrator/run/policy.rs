@@ -5,7 +5,9 @@
 //! The rollout trains in global batches, one optimizer step each. The first batch is on-policy
 //! (ratio 1); the log-probs of the later batches under the rollout's weights are computed
 //! before the first step, and each batch's current log-probs just before its own. Without a KL
-//! penalty and with one batch the weights are the advantages and no extra pass runs.
+//! penalty and with one batch the weights are the advantages and no extra pass runs. Every
+//! step's batch marks its response tokens, so the actor measures their entropy and, with
+//! `--entropy-coef`, adds the entropy bonus to the loss.
 //!
 //! [`PolicyLoss`]: crate::orchestrator::PolicyLoss
 
@@ -28,6 +30,9 @@ pub(super) struct PolicyStats {
     pub kl: f32,
     /// Share of the trained tokens whose ratio the clip held.
     pub clip_fraction: f32,
+    /// Mean entropy of the policy over the trained tokens, before each step's update; `None`
+    /// where the actor does not measure it.
+    pub entropy: Option<f32>,
     /// Largest gradient norm (before clipping) of the steps.
     pub grad_norm: f32,
     /// Learning rate of the last step.
@@ -75,17 +80,19 @@ impl Orchestrator {
             }
         }
         let mut losses = Vec::with_capacity(batches.len());
+        // The entropy sums of the steps times their normalisers, and the normalisers.
+        let (mut entropy, mut entropy_tokens) = (Some(0.0f64), 0.0f64);
         for (i, (batch, chunk)) in batches.iter().zip(&chunks).enumerate() {
-            let step_batch = if shaped {
+            // Continuation targets: those a weight of 1 marks.
+            let ones: Vec<Sequence<'_>> = chunk
+                .iter()
+                .map(|s| Sequence { weight: 1.0, ..*s })
+                .collect();
+            let mask = build_batch(&ones, pad).weights;
+            let mut step_batch = if shaped {
                 let current = self.logprobs(batch)?;
                 let old = olds[i].as_deref().unwrap_or(&current);
                 let reference = refs.get(i).map(Vec::as_slice);
-                // Continuation targets: those a weight of 1 marks.
-                let ones: Vec<Sequence<'_>> = chunk
-                    .iter()
-                    .map(|s| Sequence { weight: 1.0, ..*s })
-                    .collect();
-                let mask = build_batch(&ones, pad).weights;
                 let mut shaped = batch.clone();
                 for t in 0..batch.weights.len() {
                     if mask[t] == 0.0 {
@@ -106,6 +113,8 @@ impl Orchestrator {
                 trained += batch.normaliser as usize;
                 batch.clone()
             };
+            step_batch.entropy_mask = Some(mask);
+            step_batch.entropy_coef = self.config.rl.entropy_coef;
             let schedule = self.config.rl.lr;
             stats.lr = schedule.at(self.state.step * batches.len() as u64 + i as u64 + 1);
             if schedule.varies() {
@@ -119,6 +128,11 @@ impl Orchestrator {
                 .map_err(OrchestratorError::train("actor", "train"))?;
             super::check_finite("actor", "step", rl_step, &step)?;
             losses.push(step.loss);
+            let tokens = f64::from(step_batch.normaliser);
+            entropy = entropy
+                .zip(step.entropy)
+                .map(|(sum, e)| sum + f64::from(e) * tokens);
+            entropy_tokens += tokens;
             stats.grad_norm = stats.grad_norm.max(step.grad_norm);
             stats.tokens += step.tokens;
             if let Some(moved) = &step.optimizer_stream {
@@ -133,6 +147,7 @@ impl Orchestrator {
         stats.pg_loss = per_token(surrogate);
         stats.kl = per_token(kl);
         stats.clip_fraction = clipped as f32 / trained.max(1) as f32;
+        stats.entropy = entropy.map(|sum| (sum / entropy_tokens.max(1.0)) as f32);
         stats.seconds = started.elapsed().as_secs_f64();
         Ok(stats)
     }
