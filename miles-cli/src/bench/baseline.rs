@@ -1,15 +1,52 @@
-//! Plain-copy baselines the offload benches measure in the same run: a single-threaded memcpy
-//! and an O_DIRECT write and read of the same bytes.
+//! Baselines the benches measure in the same run: a single-threaded memcpy and an O_DIRECT
+//! write and read of the same bytes (offload benches), and the Python scripts of the PyTorch
+//! baselines (train and rollout benches).
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use miles_core::device::OpenedDevice;
 use miles_core::{Buffer, CudaDevice, Device, HostBuffer};
+
+/// Runs the baseline script `script` with `python` and `args` and returns the JSON object its
+/// last line of output holds; `what` names the baseline in errors.
+///
+/// # Errors
+/// The script cannot start, fails (with the last line of its stderr), or prints no JSON.
+pub fn python_json(
+    python: &str,
+    script: &Path,
+    args: &[String],
+    what: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let output = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .with_context(|| {
+            format!(
+                "cannot run {python} {}; give --python, or --no-baseline",
+                script.display()
+            )
+        })?;
+    if !output.status.success() {
+        bail!(
+            "the {what} baseline failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+                .lines()
+                .last()
+                .unwrap_or("no output")
+        );
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("the {what} baseline printed {line:?}"))
+}
 
 /// A seeded, incompressible byte pattern of `len` bytes.
 pub fn pattern_block(len: usize) -> Vec<u8> {

@@ -6,11 +6,10 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::Args;
 use miles_core::device::{Gpu, GpuSlice};
 use miles_core::model::{ContiguousKvCache, DecodeScratch, LlamaConfig, Transformer, init_params};
@@ -22,6 +21,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{Value, json};
 
+use crate::bench::baseline::python_json;
 use crate::generate::build_engine;
 use crate::settings_args::SettingsArgs;
 
@@ -394,34 +394,24 @@ fn torch_baseline(
         std::env::temp_dir().join(format!("miles-bench-rollout-{}.json", std::process::id()));
     std::fs::write(&config, model.to_json_string())
         .with_context(|| format!("cannot write {}", config.display()))?;
-    let output = Command::new(&args.python)
-        .arg(&args.torch_script)
-        .arg("--config")
-        .arg(&config)
-        .args(["--batch", &sequences.to_string()])
-        .args(["--prompt-len", &args.prompt_len.max(1).to_string()])
-        .args(["--new-tokens", &args.max_new_tokens.to_string()])
-        .args(["--cache", "static"])
-        .output()
-        .with_context(|| {
-            format!(
-                "cannot run {} {}; give --python, or --no-baseline",
-                args.python,
-                args.torch_script.display()
-            )
-        })?;
-    if !output.status.success() {
-        bail!(
-            "the transformers baseline failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-                .lines()
-                .last()
-                .unwrap_or("no output")
-        );
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).with_context(|| format!("the baseline printed {line:?}"))
+    let script_args = [
+        "--config".into(),
+        config.display().to_string(),
+        "--batch".into(),
+        sequences.to_string(),
+        "--prompt-len".into(),
+        args.prompt_len.max(1).to_string(),
+        "--new-tokens".into(),
+        args.max_new_tokens.to_string(),
+        "--cache".into(),
+        "static".into(),
+    ];
+    python_json(
+        &args.python,
+        &args.torch_script,
+        &script_args,
+        "transformers",
+    )
 }
 
 /// Seconds of a plain copy of the weight bytes into a fresh, pre-faulted buffer.

@@ -5,7 +5,6 @@
 //! (`--nproc-per-node`, or a launcher), data parallelism over their GPUs against one GPU.
 
 use std::io::Write;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +17,7 @@ use miles_core::model::{
 use miles_core::{Batch, DeviceChoice, LaunchEnv};
 use serde_json::Value;
 
+use crate::bench::baseline::python_json;
 use crate::bench::train::{BenchTrainArgs, text_batch};
 use crate::settings_args::BadSettings;
 
@@ -301,33 +301,20 @@ fn torch_baseline(
     config: &std::path::Path,
     attn: &str,
 ) -> anyhow::Result<Value> {
-    let output = Command::new(&args.python)
-        .arg(&args.torch_script)
-        .arg("--config")
-        .arg(config)
-        .args(["--batch", &args.batch.to_string()])
-        .args(["--seq", &args.seq.to_string()])
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--warmup", &args.warmup.max(1).to_string()])
-        .args(["--attn", attn])
-        .output()
-        .with_context(|| {
-            format!(
-                "cannot run {} {}; give --python, or --no-baseline",
-                args.python,
-                args.torch_script.display()
-            )
-        })?;
-    if !output.status.success() {
-        bail!(
-            "the pytorch baseline ({attn}) failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-                .lines()
-                .last()
-                .unwrap_or("no output")
-        );
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).with_context(|| format!("the baseline printed {line:?}"))
+    let script_args = [
+        "--config".into(),
+        config.display().to_string(),
+        "--batch".into(),
+        args.batch.to_string(),
+        "--seq".into(),
+        args.seq.to_string(),
+        "--steps".into(),
+        args.steps.to_string(),
+        "--warmup".into(),
+        args.warmup.max(1).to_string(),
+        "--attn".into(),
+        attn.to_string(),
+    ];
+    let what = format!("pytorch ({attn})");
+    python_json(&args.python, &args.torch_script, &script_args, &what)
 }
