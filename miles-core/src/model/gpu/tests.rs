@@ -473,7 +473,7 @@ fn streamed_spec(
 }
 
 #[test]
-#[ignore = "fails on the H200 (2026-12-01): about a quarter of the master weights differ from the resident step's after 4 steps, up to 2.2e-3 relative, while the losses are bit-equal; the CLI refuses streaming on the gpu until this passes (run with --ignored)"]
+#[ignore = "fails on the H200 (2026-12-01): without offload cycles the 4th loss is already off (1.8e-6 relative); with them the losses are bit-equal but a quarter of the master weights differ (up to 2.2e-3 relative); the CLI refuses streaming on the gpu until this passes (run with --ignored)"]
 fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
     use crate::choice::MomentDtype;
     let test = "streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments";
@@ -496,7 +496,12 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
     drop(resident);
     // bf16 moments round each update's moments to 8 bits, the weights to bf16: at lr 1e-3 over
     // four steps the losses stay within the parallel tests' 1e-2 relative.
-    for (dtype, tolerance) in [(MomentDtype::Fp32, 0.0f32), (MomentDtype::Bf16, 1e-2)] {
+    // Without offload cycles first: a difference there is the walk's, not the cycles'.
+    for (dtype, tolerance, cycles) in [
+        (MomentDtype::Fp32, 0.0f32, false),
+        (MomentDtype::Fp32, 0.0, true),
+        (MomentDtype::Bf16, 1e-2, true),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let spec = streamed_spec(config.clone(), dtype, dir.path());
         let memory = manager(&gpu);
@@ -514,8 +519,10 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
             );
             got.push(report.loss);
             // Offload cycles between steps, as a colocated run does: the slots are dropped.
-            streamed.offload().unwrap();
-            streamed.onload().unwrap();
+            if cycles {
+                streamed.offload().unwrap();
+                streamed.onload().unwrap();
+            }
         }
         for (step, (g, w)) in got.iter().zip(&want).enumerate() {
             let rel = (g - w).abs() / w.abs();
@@ -539,13 +546,16 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
                 let differ: Vec<usize> = (0..want.len())
                     .filter(|&i| got[i].to_bits() != want[i].to_bits())
                     .collect();
+                // Elements per 64 KiB bucket of fp32 moments (m and v): 8192.
+                let mut buckets: Vec<usize> = differ.iter().map(|&i| i / 8192).collect();
+                buckets.dedup();
                 let worst = differ
                     .iter()
                     .map(|&i| (got[i] - want[i]).abs() / want[i].abs().max(1e-30))
                     .fold(0.0f32, f32::max);
                 assert!(
                     differ.is_empty(),
-                    "{what}: {} of {} differ (indices {:?}..{:?}, worst relative {worst:.3e})",
+                    "{what} (offload cycles: {cycles}): {} of {} differ (indices {:?}..{:?}, in buckets {buckets:?}, worst relative {worst:.3e})",
                     differ.len(),
                     want.len(),
                     differ.first(),
