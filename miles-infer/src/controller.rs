@@ -121,33 +121,26 @@ impl InferenceController {
 
     /// Pauses `cuda_graph` on the GPU engine: the decode scratch's memory is released (its
     /// contents dropped); the captured graphs stay valid, since it comes back at the same
-    /// addresses. `None` for an engine without that region (the CPU's).
+    /// addresses.
     ///
     /// # Errors
-    /// [`InferError::Memory`] when the region is offloaded already or busy.
-    pub fn offload_graphs(&mut self) -> Result<Option<OffloadReport>, InferError> {
-        if !self.engine.has_graph_region() {
-            return Ok(None);
-        }
+    /// [`InferError::Memory`] when the region is offloaded already, busy, or absent (the CPU
+    /// engine has none: see [`Engine::has_graph_region`]).
+    pub fn offload_graphs(&mut self) -> Result<OffloadReport, InferError> {
         self.engine
             .memory()
             .pause(&MemoryTag::CudaGraph)
-            .map(Some)
             .map_err(InferError::memory("offload the cuda graphs"))
     }
 
-    /// Resumes `cuda_graph` at the same addresses; `None` for an engine without that region.
+    /// Resumes `cuda_graph` at the same addresses.
     ///
     /// # Errors
-    /// As [`onload_weights`](Self::onload_weights).
-    pub fn onload_graphs(&mut self) -> Result<Option<OffloadReport>, InferError> {
-        if !self.engine.has_graph_region() {
-            return Ok(None);
-        }
+    /// As [`onload_weights`](Self::onload_weights); absent on the CPU engine.
+    pub fn onload_graphs(&mut self) -> Result<OffloadReport, InferError> {
         self.engine
             .memory()
             .resume(&MemoryTag::CudaGraph)
-            .map(Some)
             .map_err(InferError::memory("onload the cuda graphs"))
     }
 
@@ -186,8 +179,8 @@ impl InferenceController {
         if self.levels.kv_cache {
             reports.push(self.offload_kv()?);
         }
-        if self.levels.cuda_graph {
-            reports.extend(self.offload_graphs()?);
+        if self.levels.cuda_graph && self.engine.has_graph_region() {
+            reports.push(self.offload_graphs()?);
         }
         if self.levels.weights {
             reports.push(self.offload_weights()?);
@@ -215,7 +208,7 @@ impl InferenceController {
         if self.engine.has_graph_region()
             && self.state(&MemoryTag::CudaGraph)? == RegionState::Paused
         {
-            reports.extend(self.onload_graphs()?);
+            reports.push(self.onload_graphs()?);
         }
         if self.state(&MemoryTag::KvCache)? == RegionState::Paused {
             reports.push(self.onload_kv()?);

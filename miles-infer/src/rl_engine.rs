@@ -91,35 +91,27 @@ impl LoopEngine for InferenceController {
     }
 
     fn offload_graphs(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
-        if !self.engine().has_graph_region()
-            || self
-                .state(&MemoryTag::CudaGraph)
-                .map_err(wrap("offload the cuda graphs"))?
-                == RegionState::Paused
-        {
+        if !self.engine().has_graph_region() {
             return Ok(Vec::new());
         }
-        let report = InferenceController::offload_graphs(self);
-        Ok(report
-            .map_err(wrap("offload the cuda graphs"))?
-            .into_iter()
-            .collect())
+        self.move_tag(
+            &MemoryTag::CudaGraph,
+            RegionState::Paused,
+            "offload the cuda graphs",
+            Self::offload_graphs,
+        )
     }
 
     fn onload_graphs(&mut self) -> Result<Vec<OffloadReport>, EngineError> {
-        if !self.engine().has_graph_region()
-            || self
-                .state(&MemoryTag::CudaGraph)
-                .map_err(wrap("onload the cuda graphs"))?
-                == RegionState::Active
-        {
+        if !self.engine().has_graph_region() {
             return Ok(Vec::new());
         }
-        let report = InferenceController::onload_graphs(self);
-        Ok(report
-            .map_err(wrap("onload the cuda graphs"))?
-            .into_iter()
-            .collect())
+        self.move_tag(
+            &MemoryTag::CudaGraph,
+            RegionState::Active,
+            "onload the cuda graphs",
+            Self::onload_graphs,
+        )
     }
 
     fn onload_kv(&mut self) -> Result<Vec<OffloadReport>, EngineError> {

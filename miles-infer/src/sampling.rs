@@ -299,6 +299,7 @@ mod tests {
             ),
             (params(-1.0, 1.0, 0), "temperature"),
             (params(1.0, 0.0, 0), "top_p"),
+            (params(1.0, 1.0, u32::MAX as usize + 1), "top_k"),
             (
                 SamplingParams {
                     max_new_tokens: 0,

@@ -638,8 +638,9 @@ impl GpuModel {
         let at = self
             .upload(&s, pass, draws, rule)
             .map_err(InferError::device("upload a step's index arrays"))?;
-        if self.graphs[bucket].is_none() {
-            match self.gpu.capture(|| self.queue(&s, at)) {
+        let graph = match self.graphs[bucket].take() {
+            Some(graph) => graph,
+            None => match self.gpu.capture(|| self.queue(&s, at)) {
                 Ok(graph) => {
                     self.captures += 1;
                     tracing::info!(
@@ -647,7 +648,7 @@ impl GpuModel {
                         captured = self.captures,
                         "captured the decode step's cuda graph for this batch bucket; it replays from now on"
                     );
-                    self.graphs[bucket] = Some(graph);
+                    graph
                 }
                 Err(error) => {
                     tracing::warn!(
@@ -655,16 +656,13 @@ impl GpuModel {
                         "the driver refused to capture the decode step; it runs as queued kernels from now on"
                     );
                     self.graphs.clear();
-                    let queued = self.queue(&s, at);
-                    self.fence(queued)?;
+                    self.fence(self.queue(&s, at))?;
                     return Ok(at);
                 }
-            }
-        }
-        let queued = match &self.graphs[bucket] {
-            Some(graph) => self.gpu.replay(graph),
-            None => self.queue(&s, at),
+            },
         };
+        let queued = self.gpu.replay(&graph);
+        self.graphs[bucket] = Some(graph);
         self.fence(queued)?;
         Ok(at)
     }
