@@ -96,12 +96,6 @@ pub fn check_device(settings: &Settings) -> anyhow::Result<()> {
         ))
         .into());
     }
-    if settings.stream_optimizer_state_to_disk {
-        return Err(BadSettings(
-            "--stream-optimizer-state-to-disk is not yet bit-exact on the gpu (its master weights drift from the resident step's, bench/RESULTS.md round 17); drop it or pass --device cpu".into(),
-        )
-        .into());
-    }
     if let Some(n) = settings.micro_batch_size {
         return Err(BadSettings(format!(
             "--micro-batch-size {n}: the cuda trainers cut their own micro-batches to fit their activation budget and do not take a size; drop --micro-batch-size or pass --device cpu"

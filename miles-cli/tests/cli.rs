@@ -752,24 +752,6 @@ fn trainer_flags_the_cuda_trainers_lack_are_bad_settings_naming_the_flag_and_the
             "{flag}: {err}"
         );
     }
-    let dir = tempfile::tempdir().unwrap();
-    let (_, err) = expect(
-        &[
-            "train",
-            "--device",
-            "cuda",
-            "--stream-optimizer-state-to-disk",
-            "--offload-train-disk-dir",
-            dir.path().to_str().unwrap(),
-            "--steps",
-            "1",
-        ],
-        2,
-    );
-    assert!(
-        err.contains("--stream-optimizer-state-to-disk") && err.contains("--device cpu"),
-        "{err}"
-    );
     let (_, err) = expect(&["train", "--rollout-stop", "", "--steps", "1"], 2);
     assert!(err.contains("--rollout-stop"), "{err}");
 }

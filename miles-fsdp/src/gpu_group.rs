@@ -85,12 +85,11 @@ impl TrainerGroup for DataParallelGroup {
         gpu: &Gpu,
         grads: GpuSlice<f32>,
         sums: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
     ) -> Result<f32, ModelError> {
-        // The sum's atomics add in any order, so replicas of the same gradients can differ in
-        // the last bit; rank 0's sum clips every rank alike, keeping the replicas equal.
-        let first = sums.sub(0, 1)?;
-        gpu.sum_of_squares(first, grads)?;
-        self.comm().broadcast(first, 0)?;
+        // The all-reduced gradients are the same on every rank, and the sum adds them in a fixed
+        // order: every replica finds the same norm, clips alike and stays equal.
+        gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
         let mut sum = [0.0f32; 2];
         gpu.download(&mut sum, sums)?;
         Ok(sum[0])

@@ -21,9 +21,8 @@ use crate::shard::{Split, scatter, shard_config, split_of};
 /// whole batch. The forward pass sums the o and down products over the group, the backward
 /// pass the gradients entering the two norms of each layer (bf16, NCCL); the per-head q/k norms
 /// (qwen3), whole on every rank but applied to each rank's own heads, have their gradients
-/// summed over the group (fp32); the whole tensors' gradients are then rank 0's on every rank
-/// (the kernels' atomics may differ in the last bit), so those tensors stay equal, and the
-/// gradient norm counts them once.
+/// summed over the group (fp32); the whole tensors' gradients are then rank 0's on every rank,
+/// so those tensors stay equal by construction, and the gradient norm counts them once.
 pub struct TensorParallelGroup {
     gpu: Arc<Gpu>,
     comm: Mutex<NcclComm>,
@@ -114,6 +113,7 @@ impl TrainerGroup for TensorParallelGroup {
         gpu: &Gpu,
         grads: GpuSlice<f32>,
         sums: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
     ) -> Result<f32, ModelError> {
         // Shards in the first sum, whole tensors (the same on every rank) in the second:
         // summed over the group, the second counts them `world` times.
@@ -125,10 +125,10 @@ impl TrainerGroup for TensorParallelGroup {
             .chain(std::iter::once(&(grads.len()..grads.len())))
         {
             if range.start > start {
-                gpu.sum_of_squares(first, grads.sub(start, range.start - start)?)?;
+                gpu.sum_of_squares(first, grads.sub(start, range.start - start)?, partials)?;
             }
             if !range.is_empty() {
-                gpu.sum_of_squares(second, grads.sub(range.start, range.len())?)?;
+                gpu.sum_of_squares(second, grads.sub(range.start, range.len())?, partials)?;
             }
             start = range.end;
         }

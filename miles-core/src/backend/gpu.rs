@@ -117,15 +117,6 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         };
         let offload = TrainOffload::of(settings).map_err(refused)?;
         let stream = OptimizerStream::of(settings).map_err(refused)?;
-        if stream.is_some() {
-            // On the H200 the streamed step's master weights differed from the resident step's
-            // (`streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments`):
-            // refused until it is bit-exact, rather than train silently off.
-            return Err(BackendError::Settings {
-                backend: F::NAME,
-                reason: "--stream-optimizer-state-to-disk is not yet bit-exact on the gpu (its master weights drift from the resident step's); drop it, or use --device cpu".into(),
-            });
-        }
         let device: Arc<dyn Device> = gpu.device().clone();
         let memory = Arc::new(MemoryManager::new(
             device,

@@ -30,7 +30,7 @@ pub use attention::{
 };
 pub use bias::{bias_backward, bias_forward};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, entropy_backward};
-pub use embedding::{embedding_backward, embedding_forward};
+pub use embedding::{embedding_backward, embedding_forward, embedding_rows};
 pub use matmul::{
     GemmCall, MatmulProfile, matmul_backward, matmul_backward_naive, matmul_forward,
     matmul_forward_naive,

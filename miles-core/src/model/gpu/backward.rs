@@ -25,7 +25,7 @@ struct Flow<'a> {
     d_v: GpuSlice<bf16>,       // (B, T, K*D)
     d_q_pre: GpuSlice<bf16>,   // (B, T, H*D) (empty without q/k norms)
     d_k_pre: GpuSlice<bf16>,   // (B, T, K*D) (empty without q/k norms)
-    partials: GpuSlice<f32>,   // the column sums' scratch (empty without biases or q/k norms)
+    partials: GpuSlice<f32>,   // the column sums' scratch
     d_gate: GpuSlice<bf16>,    // (B, T, F)
     d_up: GpuSlice<bf16>,      // (B, T, F)
     d_sw: GpuSlice<bf16>,      // (B, T, F)
@@ -102,6 +102,7 @@ impl GpuTransformer {
             acts.bf(&layer_block(&a.residual, layers, layers + 1))?,
             tensor(lay, params, ParamKind::FinalNorm, 0)?,
             acts.f(&a.lnf_rstd)?,
+            flow.partials,
         )?;
         for l in (0..layers).rev() {
             let w = LayerTensors::of(lay, params, l)?;
@@ -112,6 +113,8 @@ impl GpuTransformer {
             tensor(lay, grads, ParamKind::Embedding, 0)?,
             flow.d_res,
             acts.u(&a.inputs)?,
+            acts.u(&a.input_order)?,
+            acts.u(&a.input_starts)?,
             h,
         )?;
         Ok(())
@@ -149,6 +152,7 @@ impl GpuTransformer {
             la.res_mid,
             w.post_norm,
             la.rstd2,
+            flow.partials,
         )?;
         // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))), with
         // the biases and q/k norms of the families that have them.
@@ -160,7 +164,7 @@ impl GpuTransformer {
             (Some([qn, kn]), Some([d_qn, d_kn])) => {
                 gpu.zero(flow.d_q_pre)?;
                 gpu.zero(flow.d_k_pre)?;
-                gpu.head_rmsnorm_backward(
+                gpu.rmsnorm_backward(
                     flow.d_q_pre,
                     d_qn,
                     flow.d_q,
@@ -169,7 +173,7 @@ impl GpuTransformer {
                     la.q_rstd,
                     flow.partials,
                 )?;
-                gpu.head_rmsnorm_backward(
+                gpu.rmsnorm_backward(
                     flow.d_k_pre,
                     d_kn,
                     flow.d_k,
@@ -201,6 +205,7 @@ impl GpuTransformer {
             la.res_in,
             w.input_norm,
             la.rstd1,
+            flow.partials,
         )?;
         Ok(())
     }

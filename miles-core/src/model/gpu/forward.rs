@@ -9,6 +9,7 @@ use super::weights::{LayerTensors, tensor};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
+use crate::ops::embedding_rows;
 use crate::ops::gpu::HeadShape;
 
 /// What a forward pass is for.
@@ -122,8 +123,8 @@ impl GpuTransformer {
         (nll_sum(logprobs, batch.weights) / f64::from(batch.normaliser)) as f32
     }
 
-    /// Uploads the ids, targets and positions (one copy) and the weights and the first `T`
-    /// rows of the rotary tables (another).
+    /// Uploads the ids, targets, positions and the rows grouped by id (one copy) and the
+    /// weights and the first `T` rows of the rotary tables (another).
     fn upload_inputs(
         &self,
         gpu: &Gpu,
@@ -131,10 +132,13 @@ impl GpuTransformer {
         batch: &TrainBatch<'_>,
     ) -> Result<(), ModelError> {
         let (n, t) = (batch.batch * batch.seq, batch.seq);
-        let mut ids = Vec::with_capacity(3 * n);
+        let (order, starts) = embedding_rows(batch.inputs);
+        let mut ids = Vec::with_capacity(5 * n + 1);
         ids.extend_from_slice(batch.inputs);
         ids.extend_from_slice(batch.targets);
         ids.extend((0..n).map(|i| (i % t) as u32));
+        ids.extend_from_slice(&order);
+        ids.extend_from_slice(&starts);
         gpu.upload(acts.u32_all(), &ids)?;
         let rows = t * self.config().head_dim / 2;
         let rope = self.model.rope();

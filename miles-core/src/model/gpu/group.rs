@@ -52,7 +52,8 @@ pub trait TrainerGroup: Send + Sync {
 
     /// The squared global norm of the gradients over the group, the same on every rank (it
     /// sets the clipping factor, and ranks that clip apart drift apart). `sums` is two zeroed
-    /// fp32 elements of scratch on the device.
+    /// fp32 elements of scratch on the device, `partials` the scratch of
+    /// [`Gpu::sum_of_squares`].
     ///
     /// # Errors
     /// [`ModelError::Gpu`] when a kernel, a copy or a collective fails.
@@ -61,5 +62,6 @@ pub trait TrainerGroup: Send + Sync {
         gpu: &Gpu,
         grads: GpuSlice<f32>,
         sums: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
     ) -> Result<f32, ModelError>;
 }

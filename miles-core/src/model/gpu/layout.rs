@@ -64,8 +64,8 @@ pub struct GpuActivationLayout {
     pub(super) lnf_rstd: Range<usize>, // (B, T)
     pub(super) q_rstd: Range<usize>,   // (L, B, T, H) (q/k norms only)
     pub(super) k_rstd: Range<usize>,   // (L, B, T, K) (q/k norms only)
-    /// Scratch of the column sums (bias and q/k norm weight gradients), `(COLUMN_SUM_CHUNKS,
-    /// H*D)`; empty for a model with neither.
+    /// Scratch of the column sums (the norms' and biases' weight gradients), `(COLUMN_SUM_CHUNKS,
+    /// max(C, H*D))`.
     pub(super) col_partials: Range<usize>,
     pub(super) scores: Range<usize>, // (B, H, T, T) scratch; dP in the backward pass
     pub(super) logits: Range<usize>, // (B, T, V)
@@ -80,6 +80,9 @@ pub struct GpuActivationLayout {
     pub(super) inputs: Range<usize>,    // (B, T)
     pub(super) targets: Range<usize>,   // (B, T)
     pub(super) positions: Range<usize>, // (B, T)
+    /// The rows grouped by input id, for the embedding's backward (`ops::embedding_rows`).
+    pub(super) input_order: Range<usize>, // (B*T)
+    pub(super) input_starts: Range<usize>, // (B*T + 1)
     u32_len: usize,
 }
 
@@ -107,7 +110,12 @@ impl GpuActivationLayout {
         );
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let qk = usize::from(c.qk_norm);
-        let sums = usize::from(c.qk_norm || c.qkv_bias) * COLUMN_SUM_CHUNKS * qd;
+        let widest = if c.qk_norm || c.qkv_bias {
+            qd.max(h)
+        } else {
+            h
+        };
+        let sums = COLUMN_SUM_CHUNKS * widest;
         let split = batch * c.num_heads * seq * c.head_dim;
         let square = batch * c.num_heads * seq * seq;
         let mut b = Cursor(0);
@@ -160,6 +168,8 @@ impl GpuActivationLayout {
         let inputs = u32s.take(n);
         let targets = u32s.take(n);
         let positions = u32s.take(n);
+        let input_order = u32s.take(n);
+        let input_starts = u32s.take(n + 1);
         GpuActivationLayout {
             batch,
             seq,
@@ -216,6 +226,8 @@ impl GpuActivationLayout {
             inputs,
             targets,
             positions,
+            input_order,
+            input_starts,
             u32_len: u32s.0,
         }
     }
@@ -457,13 +469,13 @@ mod tests {
         assert_eq!(a.k_rstd.len(), qk * c.num_layers * n * c.num_kv_heads);
         assert_eq!(
             a.col_partials.len(),
-            qk * COLUMN_SUM_CHUNKS * c.q_dim(),
-            "the column sums' scratch exists only for the q/k norms' and biases' gradients"
+            COLUMN_SUM_CHUNKS * c.hidden_size.max(qk * c.q_dim()),
+            "the column sums' scratch holds the widest norm or bias"
         );
         assert_eq!(a.probs.len(), c.num_layers * 3 * c.num_heads * 17 * 17);
         assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
         assert_eq!(a.f32_inputs.end, a.f32_len());
-        assert_eq!(a.u32_len(), 3 * n);
+        assert_eq!(a.u32_len(), 5 * n + 1);
         let smaller = GpuActivationLayout::new(c, 2, 17);
         assert!(a.holds(&smaller) && !smaller.holds(&a));
     }

@@ -3,6 +3,7 @@
 
 use super::GpuActivationLayout;
 use crate::model::{LlamaConfig, TrainBatch};
+use crate::ops::gpu::SQUARE_PARTIALS;
 
 /// Room for one buffer's rounding to the memory manager's block alignment.
 pub(super) const BLOCK_SLACK: usize = 256;
@@ -27,8 +28,12 @@ pub(super) fn activation_arena_bytes(c: &LlamaConfig, max_tokens: usize) -> usiz
         .map(|t| GpuActivationLayout::new(c, max_tokens / t, t).bytes())
         .max()
         .unwrap_or(0);
-    largest + 4 * BLOCK_SLACK
+    largest + SCALAR_BYTES + 4 * BLOCK_SLACK
 }
+
+/// The trainer's scalar scratch in the activations' region: the loss's sum over ranks, two sums
+/// of squares and their partial sums.
+pub(super) const SCALAR_BYTES: usize = (2 + SQUARE_PARTIALS) * size_of::<f32>();
 
 #[cfg(test)]
 mod tests {

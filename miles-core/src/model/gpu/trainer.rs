@@ -6,7 +6,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::forward::nll_sum;
-use super::sizing::{BLOCK_SLACK, activation_arena_bytes, micro_batches};
+use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
 use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, TrainerGroup};
 use crate::device::{Device, DeviceError, Fence, Gpu, GpuElement, GpuSlice};
@@ -15,7 +15,7 @@ use crate::memory::{
     RegionState,
 };
 use crate::model::{LlamaConfig, ModelError, ParamLayout, StepReport, TrainBatch};
-use crate::ops::gpu::{AdamWStep, GpuMoments};
+use crate::ops::gpu::{AdamWStep, GpuMoments, SQUARE_PARTIALS};
 use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
 use crate::store::StreamStats;
 
@@ -86,7 +86,7 @@ pub struct GpuTrainer {
     master: Buffer, // (P) fp32, Optimizer
     moments: Moments,
     grads: Buffer,  // (P) fp32, Grads
-    scalar: Buffer, // (2) fp32, Activations: the loss's sum over ranks, then sums of squares
+    scalar: Buffer, // (SCALAR_BYTES) fp32, Activations
     acts: Option<ActivationBuffers>,
     offloaded: bool,
     /// The parallel group this trainer is one rank of, if any.
@@ -163,7 +163,7 @@ impl GpuTrainer {
             master: memory.alloc(&MemoryTag::Optimizer, full)?,
             moments,
             grads: memory.alloc(&MemoryTag::Grads, full)?,
-            scalar: memory.alloc(&MemoryTag::Activations, 2 * size_of::<f32>())?,
+            scalar: memory.alloc(&MemoryTag::Activations, SCALAR_BYTES)?,
             gpu,
             memory,
             model,
@@ -554,17 +554,17 @@ impl GpuTrainer {
         step: u64,
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         let grads = slice::<f32>(&self.grads)?;
-        let sums = slice::<f32>(&self.scalar)?;
-        let first = sums.sub(0, 1)?;
+        let scalar = slice::<f32>(&self.scalar)?;
+        let (sums, partials) = (scalar.sub(0, 2)?, scalar.sub(2, SQUARE_PARTIALS)?);
         self.gpu.zero(sums)?;
         let norm_sq = match &self.group {
             None => {
                 let mut sum = [0.0f32; 2];
-                self.gpu.sum_of_squares(first, grads)?;
+                self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
                 self.gpu.download(&mut sum, sums)?;
                 sum[0]
             }
-            Some(group) => group.grad_norm_sq(&self.gpu, grads, sums)?,
+            Some(group) => group.grad_norm_sq(&self.gpu, grads, sums, partials)?,
         };
         let grad_norm = norm_sq.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);

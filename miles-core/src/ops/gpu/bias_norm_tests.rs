@@ -150,10 +150,9 @@ fn gpu_per_head_rmsnorm_backward_matches_the_cpu_and_its_weight_gradient_repeats
     rmsnorm_forward(&mut normed, &mut rstd_host, &x_host, &w_host, 1e-6);
     let rstd = t.put(&rstd_host);
     let partials = t.alloc::<f32>(COLUMN_SUM_CHUNKS * d);
+    ok(t.gpu.rmsnorm_backward(dx, dw, dout, x, w, rstd, partials));
     ok(t.gpu
-        .head_rmsnorm_backward(dx, dw, dout, x, w, rstd, partials));
-    ok(t.gpu
-        .head_rmsnorm_backward(dx_again, dw_again, dout, x, w, rstd, partials));
+        .rmsnorm_backward(dx_again, dw_again, dout, x, w, rstd, partials));
     let mut want_dw = dw_start.clone();
     rmsnorm_backward(
         &mut want_dx,

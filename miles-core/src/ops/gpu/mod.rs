@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
-pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, HeadShape};
+pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, HeadShape, SQUARE_PARTIALS};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
 

@@ -15,7 +15,7 @@ use crate::device::{Gpu, GpuSlice, LaunchConfig};
 use crate::ops::{AdamWConfig, AdamWScalars};
 
 /// The kernels of `kernels/train.cu`.
-pub(super) const KERNELS: [&str; 15] = [
+pub(super) const KERNELS: [&str; 16] = [
     "rmsnorm_backward",
     "column_partials",
     "column_reduce",
@@ -27,7 +27,8 @@ pub(super) const KERNELS: [&str; 15] = [
     "causal_softmax_forward",
     "causal_softmax_backward",
     "crossentropy",
-    "sum_of_squares",
+    "square_partials",
+    "sum_partials",
     "adamw_update",
     "adamw_update_bf16_moments",
     "adamw_update_f16_moments",
@@ -37,10 +38,14 @@ pub(super) const KERNELS: [&str; 15] = [
 /// is no row: `per_row` launches at least one block, which would touch row 0 of empty tensors.
 const ROW_THREADS: u32 = 256;
 
-/// Chunks of rows a column sum ([`Gpu::bias_backward`], [`Gpu::head_rmsnorm_backward`]) splits
+/// Chunks of rows a column sum ([`Gpu::bias_backward`], [`Gpu::rmsnorm_backward`]) splits
 /// its rows into, each summed by its own blocks into a row of partial sums: the scratch those
 /// take is `COLUMN_SUM_CHUNKS` times the columns.
 pub const COLUMN_SUM_CHUNKS: usize = 64;
+
+/// Blocks of `square_partials`, fixed so that a sum of squares adds in the same order every run:
+/// the scratch [`Gpu::sum_of_squares`] takes. At most the threads of one block of `sum_partials`.
+pub const SQUARE_PARTIALS: usize = 1024;
 
 /// Rows a block of `column_partials` strides over at once (`COLUMN_ROWS` of `train.cu`).
 const COLUMN_ROWS: u32 = 8;
@@ -192,34 +197,17 @@ struct ColumnTerms {
 }
 
 impl Gpu {
-    /// Backward of [`Gpu::rmsnorm_forward`]: `dx += d(x)` (bf16) and `dw += d(w)` (fp32), from
-    /// `dout`, the forward's input `x`, weight `w` and saved `rstd`.
-    ///
-    /// # Errors
-    /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn rmsnorm_backward(
-        &self,
-        dx: GpuSlice<bf16>,
-        dw: GpuSlice<f32>,
-        dout: GpuSlice<bf16>,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        rstd: GpuSlice<f32>,
-    ) -> Result<(), DeviceError> {
-        self.rmsnorm_backward_rows(dx, Some(dw), dout, x, w, rstd)
-            .map(drop)
-    }
-
-    /// Backward of the per-head norm of queries or keys ([`Gpu::rmsnorm_forward`] over rows of
-    /// one head's `D` channels): `dx += d(x)` (bf16) as [`Gpu::rmsnorm_backward`] gives it, and
-    /// `dw (D) += d(w)` (fp32) summed over every token and head in a fixed order, without
-    /// atomics, so that it repeats bit for bit. `partials` is fp32 scratch of at least
-    /// [`COLUMN_SUM_CHUNKS`]` * D` elements.
+    /// Backward of [`Gpu::rmsnorm_forward`] over rows of `w.len()` channels (a layer's norm, or
+    /// the per-head norm of queries or keys over rows of one head's `D` channels): `dx += d(x)`
+    /// (bf16) and `dw += d(w)` (fp32) from `dout`, the forward's input `x`, weight `w` and saved
+    /// `rstd`. `dw` is summed over the rows in a fixed order, without atomics, so that it repeats
+    /// bit for bit; `partials` is fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * w.len()`
+    /// elements.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
     #[allow(clippy::too_many_arguments)]
-    pub fn head_rmsnorm_backward(
+    pub fn rmsnorm_backward(
         &self,
         dx: GpuSlice<bf16>,
         dw: GpuSlice<f32>,
@@ -229,8 +217,28 @@ impl Gpu {
         rstd: GpuSlice<f32>,
         partials: GpuSlice<f32>,
     ) -> Result<(), DeviceError> {
-        dw.expect_len("rmsnorm dw", w.len())?;
-        let rows = self.rmsnorm_backward_rows(dx, None, dout, x, w, rstd)?;
+        let c = w.len();
+        dw.expect_len("rmsnorm dw", c)?;
+        let rows = rows_of("rmsnorm input", x.len(), c)?;
+        dx.expect_len("rmsnorm dx", x.len())?;
+        dout.expect_len("rmsnorm dout", x.len())?;
+        rstd.expect_len("rmsnorm rstd", rows)?;
+        let c32 = as_i32("rmsnorm width", c)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        self.launch(
+            "rmsnorm_backward",
+            per_row(rows, ROW_THREADS),
+            &[
+                &dx.address(),
+                &dout.address(),
+                &x.address(),
+                &w.address(),
+                &rstd.address(),
+                &c32,
+            ],
+        )?;
         let terms = ColumnTerms {
             a: dout,
             b: Some(x),
@@ -258,45 +266,6 @@ impl Gpu {
             scale: None,
         };
         self.column_sums(dbias, terms, rows, partials)
-    }
-
-    /// The rmsnorm backward kernel, `dw` added to only when given; returns the rows.
-    fn rmsnorm_backward_rows(
-        &self,
-        dx: GpuSlice<bf16>,
-        dw: Option<GpuSlice<f32>>,
-        dout: GpuSlice<bf16>,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        rstd: GpuSlice<f32>,
-    ) -> Result<usize, DeviceError> {
-        let c = w.len();
-        let rows = rows_of("rmsnorm input", x.len(), c)?;
-        dx.expect_len("rmsnorm dx", x.len())?;
-        dout.expect_len("rmsnorm dout", x.len())?;
-        if let Some(dw) = dw {
-            dw.expect_len("rmsnorm dw", c)?;
-        }
-        rstd.expect_len("rmsnorm rstd", rows)?;
-        let c32 = as_i32("rmsnorm width", c)?;
-        if rows == 0 {
-            return Ok(0);
-        }
-        let dw_addr = dw.map_or(0u64, |d| d.address());
-        self.launch(
-            "rmsnorm_backward",
-            per_row(rows, ROW_THREADS),
-            &[
-                &dx.address(),
-                &dw_addr,
-                &dout.address(),
-                &x.address(),
-                &w.address(),
-                &rstd.address(),
-                &c32,
-            ],
-        )?;
-        Ok(rows)
     }
 
     /// `out (cols) +=` the column sums of `terms` over `rows` rows: [`COLUMN_SUM_CHUNKS`]
@@ -428,8 +397,10 @@ impl Gpu {
         )
     }
 
-    /// Backward of [`Gpu::embedding_forward`]: `dtable[ids[i]] += dout[i]` (fp32, atomic, so
-    /// repeated ids add up).
+    /// Backward of [`Gpu::embedding_forward`]: `dtable[ids[i]] += dout[i]` for every row `i`,
+    /// the rows of each id summed in row order without atomics, so that it repeats bit for bit.
+    /// `order` and `starts` are [`embedding_rows`](crate::ops::embedding_rows)`(ids)` on the
+    /// device.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
@@ -438,9 +409,13 @@ impl Gpu {
         dtable: GpuSlice<f32>,
         dout: GpuSlice<bf16>,
         ids: GpuSlice<u32>,
+        order: GpuSlice<u32>,
+        starts: GpuSlice<u32>,
         c: usize,
     ) -> Result<(), DeviceError> {
         dout.expect_len("embedding dout", ids.len() * c)?;
+        order.expect_len("embedding row order", ids.len())?;
+        starts.expect_len("embedding id starts", ids.len() + 1)?;
         rows_of("embedding dtable", dtable.len(), c)?;
         let c32 = as_i32("embedding width", c)?;
         if ids.is_empty() {
@@ -449,7 +424,14 @@ impl Gpu {
         self.launch(
             "embedding_backward",
             per_row(ids.len(), ROW_THREADS),
-            &[&dtable.address(), &dout.address(), &ids.address(), &c32],
+            &[
+                &dtable.address(),
+                &dout.address(),
+                &ids.address(),
+                &order.address(),
+                &starts.address(),
+                &c32,
+            ],
         )
     }
 
@@ -586,17 +568,44 @@ impl Gpu {
         )
     }
 
-    /// `acc[0] += sum(x^2)` (fp32 atomics over block partial sums).
+    /// `acc[0] += sum(x^2)` (fp32), in a fixed order without atomics, so that it repeats bit for
+    /// bit: [`SQUARE_PARTIALS`] block sums into `partials`, then their sum.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn sum_of_squares(&self, acc: GpuSlice<f32>, x: GpuSlice<f32>) -> Result<(), DeviceError> {
+    pub fn sum_of_squares(
+        &self,
+        acc: GpuSlice<f32>,
+        x: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
         acc.expect_len("sum of squares accumulator", 1)?;
+        if partials.len() < SQUARE_PARTIALS {
+            return Err(DeviceError::ShapeMismatch {
+                what: "sum of squares partials (SQUARE_PARTIALS)",
+                expected: SQUARE_PARTIALS,
+                actual: partials.len(),
+            });
+        }
         let n = x.len() as i64;
+        let count = SQUARE_PARTIALS as i32;
         self.launch(
-            "sum_of_squares",
-            elementwise(x.len()),
-            &[&acc.address(), &x.address(), &n],
+            "square_partials",
+            LaunchConfig {
+                grid_dim: (SQUARE_PARTIALS as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[&partials.address(), &x.address(), &n],
+        )?;
+        self.launch(
+            "sum_partials",
+            LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (SQUARE_PARTIALS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[&acc.address(), &partials.address(), &count],
         )
     }
 

@@ -6,14 +6,14 @@
 use half::bf16;
 
 use super::testing::{TestGpu, assert_close};
-use super::{AdamWStep, GpuMoments, HeadShape};
+use super::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, HeadShape, SQUARE_PARTIALS};
 use crate::device::DeviceError;
 use crate::device::{Gemm, Transpose};
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{
     AdamWConfig, AttentionShape, RopeTable, adamw_update, attention_backward, attention_forward,
-    clip_scale, crossentropy_backward, crossentropy_forward, embedding_backward, global_grad_norm,
-    rmsnorm_backward, rmsnorm_forward, rope_backward, swiglu_backward,
+    clip_scale, crossentropy_backward, crossentropy_forward, embedding_backward, embedding_rows,
+    global_grad_norm, rmsnorm_backward, rmsnorm_forward, rope_backward, swiglu_backward,
 };
 
 /// One bf16 rounding of a result computed in fp32 (at most 2^-8, 0.39%, of its size) plus fp32
@@ -84,8 +84,11 @@ fn rows_index(s: HeadShape, b: usize, t: usize, g: usize, c: usize) -> usize {
 }
 
 #[test]
-fn gpu_rmsnorm_backward_adds_the_cpu_gradients() {
-    let Some(mut t) = TestGpu::open("gpu_rmsnorm_backward_adds_the_cpu_gradients", ARENA) else {
+fn gpu_rmsnorm_backward_adds_the_cpu_gradients_and_repeats_bit_for_bit() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_rmsnorm_backward_adds_the_cpu_gradients_and_repeats_bit_for_bit",
+        ARENA,
+    ) else {
         return;
     };
     // 320 columns: more than a block's 256 threads.
@@ -99,7 +102,11 @@ fn gpu_rmsnorm_backward_adds_the_cpu_gradients() {
     let (mut normed, mut rstd_host) = (vec![0.0; rows * c], vec![0.0; rows]);
     rmsnorm_forward(&mut normed, &mut rstd_host, &x_host, &w_host, 1e-5);
     let rstd = t.put(&rstd_host);
-    ok(t.gpu.rmsnorm_backward(dx, dw, dout, x, w, rstd));
+    let partials = t.alloc::<f32>(COLUMN_SUM_CHUNKS * c);
+    let (dx_again, dw_again) = (t.put_bf16(&want_dx).0, t.put(&want_dw));
+    ok(t.gpu.rmsnorm_backward(dx, dw, dout, x, w, rstd, partials));
+    ok(t.gpu
+        .rmsnorm_backward(dx_again, dw_again, dout, x, w, rstd, partials));
     rmsnorm_backward(
         &mut want_dx,
         &mut want_dw,
@@ -111,6 +118,12 @@ fn gpu_rmsnorm_backward_adds_the_cpu_gradients() {
     assert_close("rmsnorm dx (+=)", &t.get_bf16(dx), &want_dx, BF16_TOLERANCE);
     // fp32 sums of 37 rows in another order.
     assert_close("rmsnorm dw (+=)", &t.get(dw), &want_dw, 1e-4);
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(t.get(dw_again)),
+        bits(t.get(dw)),
+        "dw repeats bit for bit"
+    );
 }
 
 #[test]
@@ -177,9 +190,9 @@ fn gpu_swiglu_backward_overwrites_with_the_cpu_gradients() {
 }
 
 #[test]
-fn gpu_embedding_backward_adds_every_row_of_repeated_ids() {
+fn gpu_embedding_backward_adds_every_row_of_repeated_ids_and_repeats_bit_for_bit() {
     let Some(mut t) = TestGpu::open(
-        "gpu_embedding_backward_adds_every_row_of_repeated_ids",
+        "gpu_embedding_backward_adds_every_row_of_repeated_ids_and_repeats_bit_for_bit",
         ARENA,
     ) else {
         return;
@@ -191,10 +204,28 @@ fn gpu_embedding_backward_adds_every_row_of_repeated_ids() {
     let dtable = t.put(&want);
     let (dout, dout_host) = t.put_bf16(&seeded(34, n * c));
     let ids_dev = t.put(&ids);
-    ok(t.gpu.embedding_backward(dtable, dout, ids_dev, c));
+    let (order_host, starts_host) = embedding_rows(&ids);
+    let (order, starts) = (t.put(&order_host), t.put(&starts_host));
+    let again = t.put(&want);
+    ok(t.gpu
+        .embedding_backward(dtable, dout, ids_dev, order, starts, c));
+    ok(t.gpu
+        .embedding_backward(again, dout, ids_dev, order, starts, c));
     embedding_backward(&mut want, &dout_host, &ids, c);
     // At most three fp32 additions per value, in another order.
     assert_close("embedding dtable (+=)", &t.get(dtable), &want, 1e-6);
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(t.get(again)),
+        bits(t.get(dtable)),
+        "repeats bit for bit"
+    );
+    let short = t.put(&order_host[1..]);
+    assert!(matches!(
+        t.gpu
+            .embedding_backward(dtable, dout, ids_dev, short, starts, c),
+        Err(DeviceError::ShapeMismatch { .. })
+    ));
 }
 
 #[test]
@@ -509,27 +540,37 @@ fn gpu_crossentropy_turns_a_nan_logit_or_a_bad_target_into_nan() {
 }
 
 #[test]
-fn gpu_sum_of_squares_adds_the_squared_global_norm() {
-    let Some(mut t) = TestGpu::open("gpu_sum_of_squares_adds_the_squared_global_norm", ARENA)
-    else {
+fn gpu_sum_of_squares_adds_the_squared_global_norm_and_repeats_bit_for_bit() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_sum_of_squares_adds_the_squared_global_norm_and_repeats_bit_for_bit",
+        ARENA,
+    ) else {
         return;
     };
     let n = 300_001;
     let mut x_host = seeded(49, n);
     let x = t.put(&x_host);
     let start = 2.5f32;
-    let acc = t.put(&[start]);
-    ok(t.gpu.sum_of_squares(acc, x));
+    let (acc, again) = (t.put(&[start]), t.put(&[start]));
+    let partials = t.alloc::<f32>(SQUARE_PARTIALS);
+    ok(t.gpu.sum_of_squares(acc, x, partials));
+    ok(t.gpu.sum_of_squares(again, x, partials));
     let norm = f64::from(global_grad_norm(&x_host));
     let want = (f64::from(start) + norm * norm) as f32;
-    // About 1200 fp32 atomic additions of block partials into a total near 1e5.
+    // 1024 block partials of about 300 squares each, summed in a tree: a total near 1e5.
     assert_close("sum of squares (+=)", &t.get(acc), &[want], 1e-4);
+    assert_eq!(t.get(again)[0].to_bits(), t.get(acc)[0].to_bits());
+    let short = t.alloc::<f32>(SQUARE_PARTIALS - 1);
+    assert!(matches!(
+        t.gpu.sum_of_squares(acc, x, short),
+        Err(DeviceError::ShapeMismatch { .. })
+    ));
 
     // A NaN gradient shows in the norm, never clipped away.
     x_host[123_457] = f32::NAN;
     ok(t.gpu.upload(x, &x_host));
     ok(t.gpu.upload(acc, &[0.0]));
-    ok(t.gpu.sum_of_squares(acc, x));
+    ok(t.gpu.sum_of_squares(acc, x, partials));
     let got = t.get(acc)[0];
     assert!(
         got.is_nan(),

@@ -3,8 +3,8 @@
 // are those its wrapper in `train.rs` passes (pointers as 64-bit addresses, `int` for i32,
 // `long long` for i64, `float` for f32).
 //
-// rmsnorm_backward(bf16* dx, float* dw_or_null, const bf16* dout, const bf16* x, const bf16* w,
-//                  const float* rstd, int c)                                   one block a row
+// rmsnorm_backward(bf16* dx, const bf16* dout, const bf16* x, const bf16* w, const float* rstd,
+//                  int c)                                                      one block a row
 // column_partials(float* partial, const bf16* a, const bf16* b_or_null,
 //                 const float* scale_or_null, long long rows, int cols,
 //                 long long rows_per_chunk)       blocks of (32, COLUMN_ROWS): 32 columns, a chunk
@@ -13,8 +13,8 @@
 //               long long n, int heads, int d)                                one thread a pair
 // swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up,
 //                 long long n)                                              one thread a value
-// embedding_backward(float* dtable, const bf16* dout, const unsigned* ids, int c)
-//                                                                             one block a row
+// embedding_backward(float* dtable, const bf16* dout, const unsigned* ids,
+//                    const unsigned* order, const unsigned* starts, int c)  one block an id
 // to_heads(bf16* split, const bf16* rows, int b, int t, int rows_heads, int split_heads, int d)
 // from_heads(bf16* rows, const bf16* split, int b, int t, int rows_heads, int split_heads,
 //            int d)                                                 grid-stride over outputs
@@ -24,7 +24,8 @@
 // crossentropy(float* logprobs, bf16* dlogits_or_null, const float* logits,
 //              const unsigned* targets, const float* weights, int v, float normaliser)
 //                                                                             one block a row
-// sum_of_squares(float* acc, const float* x, long long n)                   grid-stride, atomics
+// square_partials(float* partial, const float* x, long long n)   SQUARE_BLOCKS blocks, grid-stride
+// sum_partials(float* acc, const float* partial, int count)                  one block
 // adamw_update(float* master, bf16* params, float* m, float* v, const float* grads,
 //              long long n, float step_size, float bias2_sqrt, float decay, float beta1,
 //              float beta2, float eps, float grad_scale)                      grid-stride
@@ -32,8 +33,8 @@
 //              IEEE half (unsigned short*)                                    grid-stride
 
 // One row of c columns a block: dx += r*w*dout - r^3/c * sum(dout*w*x) * x (bf16, read-modify-
-// write), and when dw is not null dw += dout*x*r (fp32 atomics: many rows share a column).
-extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x,
+// write). The weight's gradient, a column sum over the rows, is column_partials' work.
+extern "C" __global__ void rmsnorm_backward(bf16* dx, const bf16* dout, const bf16* x,
                                            const bf16* w, const float* rstd, int c) {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
@@ -50,7 +51,6 @@ extern "C" __global__ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dou
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
         const float dy = bf2f(dyr[j]), xv = bf2f(xr[j]);
         dxr[j] = f2bf(bf2f(dxr[j]) + (r * bf2f(w[j]) * dy - k * xv));
-        if (dw) atomicAdd(dw + j, dy * xv * r);
     }
 }
 
@@ -130,13 +130,20 @@ extern "C" __global__ void swiglu_backward(bf16* dgate, bf16* dup, const bf16* d
     }
 }
 
-// dtable[ids[row]] += dout[row] (fp32 atomics: repeated ids add up); one block a row.
+// dtable[id] += the sum of dout over the rows of that id, in row order, without atomics: block s
+// takes the rows order[starts[s]] .. order[starts[s + 1] - 1] (all of one id, ascending); a block
+// whose range is empty (past the last distinct id) does nothing.
 extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout,
-                                              const unsigned int* ids, int c) {
-    const long long row = blockIdx.x;
-    float* dst = dtable + (long long)ids[row] * c;
-    const bf16* src = dout + row * c;
-    for (int j = threadIdx.x; j < c; j += blockDim.x) atomicAdd(dst + j, bf2f(src[j]));
+                                              const unsigned int* ids, const unsigned int* order,
+                                              const unsigned int* starts, int c) {
+    const unsigned int first = starts[blockIdx.x], end = starts[blockIdx.x + 1];
+    if (first == end) return;
+    float* dst = dtable + (long long)ids[order[first]] * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) {
+        float s = 0.0f;
+        for (unsigned int i = first; i < end; ++i) s += bf2f(dout[(long long)order[i] * c + j]);
+        dst[j] += s;
+    }
 }
 
 // split (b, split_heads, t, d) from rows (b, t, rows_heads * d): split head h copies rows head
@@ -245,8 +252,9 @@ extern "C" __global__ void crossentropy(float* logprobs, bf16* dlogits, const fl
     }
 }
 
-// acc[0] += sum(x^2): a partial sum per thread, then per block, then one atomic per block.
-extern "C" __global__ void sum_of_squares(float* acc, const float* x, long long n) {
+// partial[block] = the sum of x^2 over the block's grid-stride elements. The grid and block are
+// fixed (the wrapper's SQUARE_BLOCKS), so every run adds in the same order.
+extern "C" __global__ void square_partials(float* partial, const float* x, long long n) {
     __shared__ float scratch[32];
     float s = 0.0f;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
@@ -254,7 +262,15 @@ extern "C" __global__ void sum_of_squares(float* acc, const float* x, long long 
         s += x[i] * x[i];
     }
     s = block_sum(s, scratch);
-    if (threadIdx.x == 0) atomicAdd(acc, s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// acc[0] += the sum of partial[0 .. count), count <= blockDim.x; one block.
+extern "C" __global__ void sum_partials(float* acc, const float* partial, int count) {
+    __shared__ float scratch[32];
+    const float v = (int)threadIdx.x < count ? partial[threadIdx.x] : 0.0f;
+    const float s = block_sum(v, scratch);
+    if (threadIdx.x == 0) acc[0] += s;
 }
 
 // IEEE half as a raw 16-bit word, converted by the hardware (round to nearest even, as the
