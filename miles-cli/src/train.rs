@@ -105,6 +105,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let (mut group, comm) = job.map_or((None, None), |(group, comm)| (Some(group), Some(comm)));
     let actor = build_actor(&settings, comm)?;
     let critic = build_critic(&settings, tokenizer.pad())?;
+    if let Some(gpu) = crate::gpu::gpu_for(settings.device)? {
+        // What this process may hold on its gpu: what is free and what its trainer and engine
+        // hold already (another process's memory does not count).
+        let mut tags = actor.device_memory();
+        tags.extend(engine.resident_bytes());
+        if let Some(critic) = &critic {
+            tags.extend(critic.device_memory());
+        }
+        let held: u64 = tags.iter().map(|(_, bytes)| bytes).sum();
+        loop_config.device_bytes =
+            Some(miles_core::Device::memory_info(&**gpu.device())?.free + held);
+    }
     let mut orchestrator =
         Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(signal.flag());
     if let Some(critic) = critic {

@@ -329,6 +329,8 @@ settings_table! {
         /// Storage type of Adam moments on disk
         Value stream_optimizer_state_moment_dtype: MomentDtype = MomentDtype::Fp32,
             "fp32|bf16|fp16", "Offload", Range::Any;
+        /// Where the device holds training and rollout with the margin, keep both resident
+        Switch offload_when_needed: bool = false, "", "Offload", Range::Any;
         /// Resume refuses unless free memory >= need + this margin, in bytes
         Value train_memory_margin_bytes: u64 = 1 << 30, "N", "Offload",
             Range::Between(0.0, 1_125_899_906_842_624.0);

@@ -88,8 +88,12 @@ pub struct StepMetrics {
     pub loss: f32,
     /// Whether a stop signal ended the step after training, before its last phases.
     pub interrupted: bool,
-    /// Wall seconds of each phase, indexed like [`Phase::ALL`] (0 for a phase that did not run).
+    /// Wall seconds the loop spent in each phase, indexed like [`Phase::ALL`] (0 for a phase
+    /// that did not run); for a move that ran behind other work, the time waited for it.
     pub phase_seconds: [f64; 9],
+    /// Seconds of the moves that ran behind other work (the actor's offload and onload on the
+    /// mover's thread), their own time, counted in the step that waited for them.
+    pub behind_seconds: [f64; 9],
     /// Bytes each phase moved (offloaded, onloaded or synchronised), indexed like [`Phase::ALL`].
     pub bytes_moved: [u64; 9],
     /// Device memory in use at each phase boundary: `step_start`, then `after_<phase>`.
@@ -113,6 +117,20 @@ impl StepMetrics {
         self.device_memory_bytes.push((name, bytes));
     }
 
+    /// Adds a move that ran behind other work: its own seconds and its bytes.
+    pub fn add_behind(&mut self, phase: Phase, seconds: f64, bytes: u64) {
+        self.behind_seconds[phase.index()] += seconds;
+        self.bytes_moved[phase.index()] += bytes;
+    }
+
+    /// Seconds the loop waited for moves, not hidden behind work: the loop's seconds in
+    /// `offload_rollout`, `onload_train` and the switch ([`switch_seconds`](Self::switch_seconds)).
+    pub fn exposed_switch_seconds(&self) -> f64 {
+        self.seconds(Phase::OffloadRollout)
+            + self.seconds(Phase::OnloadTrain)
+            + self.switch_seconds()
+    }
+
     /// Seconds of `phase`.
     pub fn seconds(&self, phase: Phase) -> f64 {
         self.phase_seconds[phase.index()]
@@ -123,8 +141,8 @@ impl StepMetrics {
         self.bytes_moved[phase.index()]
     }
 
-    /// Seconds of the switch from training to rollout: `offload_train + onload_weights + sync +
-    /// onload_kv`, what the GPU sits without work of either side.
+    /// The loop's seconds in the switch from training to rollout: `offload_train +
+    /// onload_weights + sync + onload_kv`, what the GPU sits without work of either side.
     pub fn switch_seconds(&self) -> f64 {
         [
             Phase::OffloadTrain,
@@ -138,7 +156,8 @@ impl StepMetrics {
     }
 
     /// The step as one JSON object with the keys `step`, `reward_mean`, `reward_std`, `loss`,
-    /// `interrupted`, `phase_seconds`, `bytes_moved`, `switch_seconds`, `device_memory_bytes`,
+    /// `interrupted`, `phase_seconds`, `behind_seconds`, `bytes_moved`, `switch_seconds`,
+    /// `exposed_switch_seconds`, `device_memory_bytes`,
     /// `peak_device_memory_bytes`, and the keys of [`RlMetrics::json_fields`].
     pub fn to_json(&self) -> Value {
         let by_phase = |value: &dyn Fn(Phase) -> Value| -> Map<String, Value> {
@@ -159,8 +178,10 @@ impl StepMetrics {
             "loss": self.loss,
             "interrupted": self.interrupted,
             "phase_seconds": by_phase(&|p| json!(self.seconds(p))),
+            "behind_seconds": by_phase(&|p| json!(self.behind_seconds[p.index()])),
             "bytes_moved": by_phase(&|p| json!(self.bytes(p))),
             "switch_seconds": self.switch_seconds(),
+            "exposed_switch_seconds": self.exposed_switch_seconds(),
             "device_memory_bytes": memory,
             "peak_device_memory_bytes": self.peak_device_memory_bytes,
         });
@@ -380,6 +401,7 @@ mod tests {
         };
         m.add(Phase::OffloadRollout, 0.5, 4096);
         m.add(Phase::Sync, 0.25, 1024);
+        m.add_behind(Phase::OffloadTrain, 0.75, 2048);
         m.boundary("step_start".into(), 10);
         m.boundary("after_generate".into(), 30);
         m.boundary("after_offload_rollout".into(), 5);
@@ -389,9 +411,11 @@ mod tests {
         assert_eq!(
             keys,
             [
+                "behind_seconds",
                 "bytes_moved",
                 "clip_fraction",
                 "device_memory_bytes",
+                "exposed_switch_seconds",
                 "grad_norm",
                 "interrupted",
                 "kl",
@@ -418,6 +442,14 @@ mod tests {
         assert_eq!(v["bytes_moved"]["offload_rollout"], 4096);
         assert_eq!(v["phase_seconds"]["sync"], 0.25);
         assert_eq!(v["switch_seconds"], m.switch_seconds());
+        assert_eq!(v["exposed_switch_seconds"], m.exposed_switch_seconds());
+        assert_eq!(
+            m.exposed_switch_seconds(),
+            0.75,
+            "offload_rollout and sync, not the move behind"
+        );
+        assert_eq!(v["behind_seconds"]["offload_train"], 0.75);
+        assert_eq!(v["bytes_moved"]["offload_train"], 2048);
         assert_eq!(v["device_memory_bytes"]["after_generate"], 30);
         assert_eq!(v["peak_device_memory_bytes"], 30);
         assert_eq!(v["step"], 3);

@@ -130,7 +130,8 @@ pub fn human_seconds(seconds: f64) -> String {
 
 impl super::StepMetrics {
     /// The step in one console line: reward, lengths, KL, clip share, gradient norm, loss,
-    /// throughputs, the switch's time and bytes moved, the memory peak, and the entropy where
+    /// throughputs, the seconds waited for moves and the bytes moved, the memory peak, and the
+    /// entropy where
     /// it was measured.
     pub fn summary(&self) -> String {
         let rl = &self.rl;
@@ -148,7 +149,7 @@ impl super::StepMetrics {
             three_digits(f64::from(self.loss)),
             three_digits(rl.rollout_tokens_per_second),
             three_digits(rl.train_tokens_per_second),
-            human_seconds(self.switch_seconds()),
+            human_seconds(self.exposed_switch_seconds()),
             human_bytes(moved),
             human_bytes(self.peak_device_memory_bytes),
         );

@@ -28,6 +28,7 @@ use super::task::{Problem, ProblemSource, Stream, stream_seed};
 use crate::backend::{Critic, RolloutEngine, Sample, Sampling};
 
 mod eval;
+mod mover;
 mod policy;
 mod sync;
 
@@ -62,6 +63,14 @@ pub struct LoopConfig {
     pub offload_graphs: bool,
     /// Bytes per bucket of the weight sync.
     pub bucket_bytes: usize,
+    /// Capacity of the device trainer and engine share, if they share one: where it holds both
+    /// phases' memory with `margin_bytes` to spare, the actor's moves run behind other work
+    /// (`None`: one after another).
+    pub device_bytes: Option<u64>,
+    /// Memory a resume must leave free (`--train-memory-margin-bytes`).
+    pub margin_bytes: u64,
+    /// Where the device holds both phases, nothing moves (`--offload-when-needed`).
+    pub offload_when_needed: bool,
     /// The actor can export its weights while offloaded (from its host backup): the sync then
     /// runs after the trainer sleeps, as DESIGN section 8 orders, and the weights cross the host
     /// link once per step. Off: the weights are exported into host memory just before the
@@ -105,6 +114,9 @@ impl LoopConfig {
             offload_weights: rollout.weights,
             offload_graphs: rollout.cuda_graph,
             bucket_bytes: usize::try_from(s.update_weight_buffer_size).unwrap_or(usize::MAX),
+            device_bytes: None,
+            margin_bytes: s.train_memory_margin_bytes,
+            offload_when_needed: s.offload_when_needed,
             export_while_offloaded: false,
             advantage_estimator: s.advantage_estimator,
             save: s.save.clone(),
@@ -213,7 +225,7 @@ enum Next {
 /// rollout engine in the order of DESIGN section 8, honouring every offload switch.
 pub struct Orchestrator {
     config: LoopConfig,
-    actor: Box<dyn TrainBackend>,
+    actor: mover::Actor,
     critic: Option<Box<dyn Critic>>,
     reference: Option<ReferenceModel>,
     eval: Option<PromptDataset>,
@@ -237,6 +249,11 @@ pub struct Orchestrator {
     device_sync: bool,
     /// The step of the newest checkpoint in `config.save`, once one is there.
     saved_step: Option<u64>,
+    /// The most device memory the trainer side (actor, critic, reference) and the engine have
+    /// held at a boundary.
+    peaks: (u64, u64),
+    /// Whether the log said that the device holds both phases.
+    told_fit: bool,
 }
 
 impl Orchestrator {
@@ -261,7 +278,7 @@ impl Orchestrator {
         };
         Self {
             config,
-            actor,
+            actor: mover::Actor::new(actor),
             critic: None,
             reference: None,
             eval: None,
@@ -281,6 +298,8 @@ impl Orchestrator {
             export_seconds: 0.0,
             device_sync: false,
             saved_step: None,
+            peaks: (0, 0),
+            told_fit: false,
         }
     }
 
@@ -382,9 +401,10 @@ impl Orchestrator {
             }
         }
         if interrupted && self.config.save.is_some() && self.saved_step != Some(self.state.step) {
-            self.onload_train()?;
+            self.onload_train(&mut StepMetrics::default())?;
             self.save()?;
         }
+        self.actor.wait()?;
         if let Some(path) = &self.config.memory_timeline {
             self.timeline.write_svg(path)?;
         }
@@ -412,7 +432,7 @@ impl Orchestrator {
     /// the trainer sleeps; the KV cache comes back.
     fn start(&mut self) -> Result<Next, OrchestratorError> {
         self.sample_memory("start".into());
-        if self.config.offload_rollout {
+        if self.config.offload_rollout && !self.keep_resident() {
             self.engine.flush_cache()?;
             self.engine.offload_kv()?;
             self.engine.offload_graphs()?;
@@ -431,7 +451,7 @@ impl Orchestrator {
             self.warmup_step()?;
         }
         if self.config.rl.loss.kl.is_some() && self.reference.is_none() {
-            self.reference = Some(ReferenceModel::of_actor(&mut *self.actor)?);
+            self.reference = Some(ReferenceModel::of_actor(&mut **self.actor.get()?)?);
             tracing::info!(
                 "reference model of the kl penalty: the actor's weights at the start of rl, under tag ref"
             );
@@ -439,7 +459,7 @@ impl Orchestrator {
         let mut ignored = StepMetrics::default();
         for phase in self.tail()? {
             if phase == Phase::OffloadTrain {
-                if self.config.offload_train {
+                if self.config.offload_train && !self.keep_resident() {
                     self.offload_train()?;
                     // The start sequence keeps no phase timings.
                     self.export_seconds = 0.0;
@@ -465,6 +485,7 @@ impl Orchestrator {
         };
         let total = self.sample_memory(format!("step {step} step_start"));
         metrics.boundary("step_start".into(), total);
+        self.tell_fit();
         let mut rollout = None;
         for phase in HEAD {
             if let Next::Stop = self.step_phase(phase, &mut metrics, &mut rollout)? {
@@ -490,6 +511,7 @@ impl Orchestrator {
         let bytes = match phase {
             Phase::Generate => {
                 metrics.rl.eval_reward_mean = self.evaluate_if_due(metrics.step)?;
+                self.onload_train_behind();
                 let generated = self.generate(metrics.step)?;
                 if let Some(dump) = &mut self.dump {
                     dump.write(metrics.step, &generated)?;
@@ -521,6 +543,7 @@ impl Orchestrator {
         let c = &self.config;
         Ok(match phase {
             Phase::Generate => 0,
+            Phase::OffloadRollout if self.keep_resident() => 0,
             Phase::OffloadRollout => {
                 let mut reports = Vec::new();
                 if c.offload_kv {
@@ -538,7 +561,7 @@ impl Orchestrator {
                 }
                 report_bytes(&reports)
             }
-            Phase::OnloadTrain => self.onload_train()?,
+            Phase::OnloadTrain => self.onload_train(metrics)?,
             Phase::Train => {
                 if let Some(rollout) = rollout {
                     let stats = self.train(rollout, metrics.step)?;
@@ -563,7 +586,7 @@ impl Orchestrator {
                 0
             }
             Phase::OffloadTrain => {
-                if c.offload_train {
+                if c.offload_train && !self.keep_resident() {
                     self.offload_train()?
                 } else {
                     0
@@ -797,9 +820,11 @@ impl Orchestrator {
                 weight: 1.0,
             })
             .collect();
+        let batch = build_batch(&sequences, self.tokenizer.pad());
         let stats = self
             .actor
-            .train_step(&build_batch(&sequences, self.tokenizer.pad()))
+            .get()?
+            .train_step(&batch)
             .map_err(OrchestratorError::train("actor", "run a warm-up step"))?;
         check_finite("actor", "warm-up step", index, &stats)?;
         self.state.warmup_steps = index;
@@ -841,6 +866,7 @@ impl Orchestrator {
         let partial = save.join(format!(".{name}{PARTIAL}"));
         std::fs::create_dir_all(partial.join("actor")).map_err(io("create", &partial))?;
         self.actor
+            .get()?
             .save(&partial.join("actor"))
             .map_err(OrchestratorError::train("actor", "save"))?;
         if let Some(options) = &self.config.save_options {
@@ -877,6 +903,7 @@ impl Orchestrator {
             tracing::info!(dir = %dir.display(), "initial weights from a checkpoint without loop state");
             return self
                 .actor
+                .get()?
                 .load(&dir)
                 .map_err(OrchestratorError::train("actor", "load"));
         }
@@ -889,6 +916,7 @@ impl Orchestrator {
             );
         }
         self.actor
+            .get()?
             .load(&dir.join("actor"))
             .map_err(OrchestratorError::train("actor", "load"))?;
         if let Some(critic) = &mut self.critic {
@@ -909,23 +937,79 @@ impl Orchestrator {
         Ok(())
     }
 
+    /// Whether the shared device holds both phases' peaks with the margin to spare (said once
+    /// in the log).
+    fn holds_both(&self) -> bool {
+        let Some(total) = self.config.device_bytes else {
+            return false;
+        };
+        let (train, rollout) = self.peaks;
+        train > 0 && rollout > 0 && train + rollout + self.config.margin_bytes <= total
+    }
+
+    /// Whether `--offload-when-needed` keeps both phases resident.
+    fn keep_resident(&self) -> bool {
+        self.config.offload_when_needed && self.holds_both()
+    }
+
+    /// Says once what the device holds and what the loop does about it.
+    fn tell_fit(&mut self) {
+        if self.told_fit
+            || !self.holds_both()
+            || !(self.config.offload_train || self.config.offload_rollout)
+        {
+            return;
+        }
+        self.told_fit = true;
+        let (train, rollout) = self.peaks;
+        let total = self.config.device_bytes.unwrap_or_default();
+        if self.config.offload_when_needed {
+            tracing::info!(
+                train,
+                rollout,
+                margin = self.config.margin_bytes,
+                total,
+                "the device holds both phases with the margin: --offload-when-needed keeps them resident, nothing moves"
+            );
+        } else if self.critic.is_none() {
+            tracing::info!(
+                train,
+                rollout,
+                margin = self.config.margin_bytes,
+                total,
+                "the device holds both phases with the margin: the trainer's moves run behind the switch and the rollout (--offload-when-needed would keep them resident)"
+            );
+        } else {
+            tracing::info!(
+                train,
+                rollout,
+                margin = self.config.margin_bytes,
+                total,
+                "the device holds both phases with the margin (--offload-when-needed would keep them resident); with a critic the moves run one after another"
+            );
+        }
+    }
+
     /// Records device memory per tag at a boundary; returns the total in use.
     fn sample_memory(&mut self, label: String) -> u64 {
         let mut tags: Vec<(String, u64)> = Vec::new();
         let mut add = |owner: &str, list: Vec<(crate::memory::MemoryTag, u64)>| {
+            let bytes = list.iter().map(|(_, bytes)| bytes).sum::<u64>();
             tags.extend(
                 list.into_iter()
                     .map(|(tag, bytes)| (format!("{owner}/{tag}"), bytes)),
             );
+            bytes
         };
-        add("train", self.actor.device_memory());
+        let mut trainer = add("train", self.actor.device_memory());
         if let Some(critic) = &self.critic {
-            add("critic", critic.device_memory());
+            trainer += add("critic", critic.device_memory());
         }
         if let Some(reference) = &self.reference {
-            add("ref", reference.device_memory());
+            trainer += add("ref", reference.device_memory());
         }
-        add("rollout", self.engine.resident_bytes());
+        let rollout = add("rollout", self.engine.resident_bytes());
+        self.peaks = (self.peaks.0.max(trainer), self.peaks.1.max(rollout));
         let sample = TimelineSample {
             seconds: self.started.elapsed().as_secs_f64(),
             label,

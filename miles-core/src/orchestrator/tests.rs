@@ -23,6 +23,7 @@ use crate::memory::{
 use crate::metrics::{Phase, StepMetrics};
 use crate::model::{ByteTokenizer, LlamaConfig};
 
+mod moves;
 mod sync;
 
 type Log = Arc<Mutex<Vec<String>>>;
@@ -86,6 +87,8 @@ struct FakeActor {
     stop_during_train: Option<Arc<AtomicBool>>,
     /// The optimizer step from which the loss is NaN, as broken weights give.
     nan_from_step: Option<u64>,
+    /// The offload after this many optimizer steps fails, as a full disk would.
+    fail_offload_at_step: Option<u64>,
 }
 
 const TRAIN_TAGS: [MemoryTag; 2] = [MemoryTag::Params, MemoryTag::Grads];
@@ -110,6 +113,7 @@ impl FakeActor {
             device_weights: None,
             stop_during_train: None,
             nan_from_step: None,
+            fail_offload_at_step: None,
         }
     }
 
@@ -178,6 +182,12 @@ impl TrainBackend for FakeActor {
         note(&self.log, "actor.offload");
         if self.is_offloaded() {
             return Err(BackendError::Offloaded { op: "offload" });
+        }
+        if self.fail_offload_at_step == Some(self.step) {
+            return Err(BackendError::Settings {
+                backend: "fake",
+                reason: "injected offload fault".into(),
+            });
         }
         self.offloaded = true;
         Ok(stats(pause(&self.memory, &TRAIN_TAGS)))
@@ -451,6 +461,9 @@ fn colocated(steps: u64) -> LoopConfig {
         offload_weights: true,
         offload_graphs: false,
         bucket_bytes: 2 * 256 * 4,
+        device_bytes: None,
+        margin_bytes: 0,
+        offload_when_needed: false,
         export_while_offloaded: false,
         advantage_estimator: AdvantageEstimator::Grpo,
         save: None,

@@ -119,11 +119,13 @@ impl Orchestrator {
             stats.lr = schedule.at(self.state.step * batches.len() as u64 + i as u64 + 1);
             if schedule.varies() {
                 self.actor
+                    .get()?
                     .set_lr(stats.lr as f32)
                     .map_err(OrchestratorError::train("actor", "set its learning rate"))?;
             }
             let step = self
                 .actor
+                .get()?
                 .train_step(&step_batch)
                 .map_err(OrchestratorError::train("actor", "train"))?;
             super::check_finite("actor", "step", rl_step, &step)?;
@@ -155,6 +157,7 @@ impl Orchestrator {
     /// The actor's log-probs of `batch`'s targets now.
     fn logprobs(&mut self, batch: &Batch) -> Result<Vec<f32>, OrchestratorError> {
         self.actor
+            .get()?
             .logprobs(batch)
             .map(|(logprobs, _)| logprobs)
             .map_err(OrchestratorError::train("actor", "compute log-probs"))

@@ -1,12 +1,19 @@
 //! The switch from training to rollout: the trainer sleeps and wakes, and the weights go from
 //! the trainer to the engine, through the host or, on one device, by a device copy.
+//!
+//! Where the device holds both phases with the margin ([`Orchestrator::holds_both`]), the
+//! actor's moves run behind other work on the mover's thread ([`super::mover`]): its offload
+//! while the engine's weights and KV cache come in and the next rollout starts, its onload while
+//! the rollout runs; the loop waits for them only where it needs the actor, and that wait is
+//! what the step's `onload_train` seconds count. With `--offload-when-needed` nothing moves
+//! there at all.
 
 use std::time::Instant;
 
 use super::Orchestrator;
 use crate::backend::BackendError;
 use crate::backend::EngineError;
-use crate::metrics::Phase;
+use crate::metrics::{Phase, StepMetrics};
 use crate::orchestrator::OrchestratorError;
 
 /// The tail of DESIGN section 8: the trainer sleeps, then the weights cross the host link into
@@ -34,6 +41,7 @@ impl Orchestrator {
     pub(super) fn tail(&mut self) -> Result<[Phase; 4], OrchestratorError> {
         let weights = self
             .actor
+            .get()?
             .device_weights()
             .map_err(OrchestratorError::train("actor", "show its device weights"))?;
         self.device_sync = weights.is_some_and(|w| self.engine.accepts_device_weights(&w));
@@ -44,15 +52,25 @@ impl Orchestrator {
         })
     }
 
-    pub(super) fn onload_train(&mut self) -> Result<u64, OrchestratorError> {
+    /// Wakes actor, critic and reference: waits for the actor's moves in flight (counted into
+    /// `metrics` with their own seconds, [`StepMetrics::add_behind`]), then onloads what is
+    /// still offloaded; returns the bytes moved here.
+    pub(super) fn onload_train(
+        &mut self,
+        metrics: &mut StepMetrics,
+    ) -> Result<u64, OrchestratorError> {
+        for moved in self.actor.wait()? {
+            metrics.add_behind(moved.phase, moved.seconds, moved.bytes);
+        }
         let mut bytes = 0;
-        if self.actor.is_offloaded() {
-            let stats = self
-                .actor
+        let mut actor = self.actor.get()?;
+        if actor.is_offloaded() {
+            let stats = actor
                 .onload()
                 .map_err(OrchestratorError::train("actor", "onload"))?;
             bytes += stats.bytes();
         }
+        drop(actor);
         if let Some(critic) = &mut self.critic
             && critic.is_offloaded()
         {
@@ -69,13 +87,29 @@ impl Orchestrator {
         Ok(bytes)
     }
 
+    /// Starts the actor's onload behind the rollout when its moves run behind work and it is
+    /// (or is about to be) offloaded.
+    pub(super) fn onload_train_behind(&mut self) {
+        if self.config.offload_train && self.moves_behind() && self.actor.will_be_offloaded() {
+            self.actor.start(Phase::OnloadTrain);
+        }
+    }
+
+    /// Whether the actor's moves run behind other work: the device holds both phases with the
+    /// margin, and there is no critic (whose moves stay in line).
+    pub(super) fn moves_behind(&self) -> bool {
+        self.critic.is_none() && self.holds_both()
+    }
+
     /// Stages the weights for the coming sync unless the actor exports while offloaded or the
-    /// weights were copied on the device already, then offloads actor and critic to the target.
+    /// weights were copied on the device already, then offloads actor and critic to the target
+    /// (the actor behind the rest of the switch where [`moves_behind`](Self::moves_behind)).
     pub(super) fn offload_train(&mut self) -> Result<u64, OrchestratorError> {
         if !self.config.export_while_offloaded && !self.device_sync {
             let started = Instant::now();
             let mut staged = Vec::new();
             self.actor
+                .get()?
                 .export_weights(self.config.bucket_bytes, &mut |bucket| {
                     staged.push(bucket);
                     Ok(())
@@ -84,11 +118,17 @@ impl Orchestrator {
             self.staged = Some(staged);
             self.export_seconds = started.elapsed().as_secs_f64();
         }
-        let stats = self
-            .actor
-            .offload()
-            .map_err(OrchestratorError::train("actor", "offload"))?;
-        let mut bytes = stats.bytes();
+        let mut bytes = 0;
+        if self.moves_behind() {
+            self.actor.start(Phase::OffloadTrain);
+        } else {
+            let stats = self
+                .actor
+                .get()?
+                .offload()
+                .map_err(OrchestratorError::train("actor", "offload"))?;
+            bytes += stats.bytes();
+        }
         if let Some(critic) = &mut self.critic {
             let stats = critic
                 .offload()
@@ -118,6 +158,7 @@ impl Orchestrator {
         let mut failure: Option<EngineError> = None;
         let exported = self
             .actor
+            .get()?
             .export_weights(self.config.bucket_bytes, &mut |bucket| match engine
                 .update_weights(&bucket)
             {
@@ -144,6 +185,7 @@ impl Orchestrator {
     pub(super) fn sync_on_device(&mut self) -> Result<u64, OrchestratorError> {
         let weights = self
             .actor
+            .get()?
             .device_weights()
             .map_err(OrchestratorError::train("actor", "show its device weights"))?;
         if let Some(weights) = weights

@@ -1,0 +1,131 @@
+//! The actor behind a lock, so that its offload and onload can run on a thread of their own
+//! while the loop goes on with the engine: the trainer's state leaves the device while the
+//! engine's weights come in, and comes back while the rollout runs. Any other use of the actor
+//! waits for the move in flight and fails with its error.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::Instant;
+
+use crate::backend::{BackendError, TrainBackend};
+use crate::memory::MemoryTag;
+use crate::metrics::Phase;
+use crate::orchestrator::OrchestratorError;
+
+/// A move that ran on the mover's thread: [`Phase::OffloadTrain`] or [`Phase::OnloadTrain`],
+/// its bytes and its own seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Moved {
+    pub phase: Phase,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+type MoveThread = JoinHandle<Result<Vec<Moved>, OrchestratorError>>;
+
+/// The actor's backend and the moves of its state in flight.
+pub(super) struct Actor {
+    backend: Arc<Mutex<Box<dyn TrainBackend>>>,
+    name: &'static str,
+    /// The moves started and not yet waited for, in order (each thread waits for the one before).
+    moving: Option<MoveThread>,
+    /// Where the moves in flight leave the state: offloaded or not.
+    offloaded_after: Option<bool>,
+    /// The backend's device memory when last read without waiting.
+    memory: Vec<(MemoryTag, u64)>,
+}
+
+impl Actor {
+    pub(super) fn new(backend: Box<dyn TrainBackend>) -> Actor {
+        let (memory, name) = (backend.device_memory(), backend.name());
+        Actor {
+            backend: Arc::new(Mutex::new(backend)),
+            name,
+            moving: None,
+            offloaded_after: None,
+            memory,
+        }
+    }
+
+    /// The backend, once the moves in flight are done.
+    ///
+    /// # Errors
+    /// The first failed move's error (the backend documents the state a failed move leaves).
+    pub(super) fn get(
+        &mut self,
+    ) -> Result<MutexGuard<'_, Box<dyn TrainBackend>>, OrchestratorError> {
+        self.wait()?;
+        Ok(lock(&self.backend))
+    }
+
+    /// Waits for the moves in flight; returns them.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub(super) fn wait(&mut self) -> Result<Vec<Moved>, OrchestratorError> {
+        self.offloaded_after = None;
+        match self.moving.take() {
+            Some(thread) => join(thread, self.name),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Whether the state is offloaded once the moves in flight are done.
+    pub(super) fn will_be_offloaded(&self) -> bool {
+        self.offloaded_after
+            .unwrap_or_else(|| lock(&self.backend).is_offloaded())
+    }
+
+    /// Starts `phase` ([`Phase::OffloadTrain`] or [`Phase::OnloadTrain`]) on a thread of its
+    /// own, after the moves in flight; [`wait`](Self::wait) returns it.
+    pub(super) fn start(&mut self, phase: Phase) {
+        let before = self.moving.take();
+        let (backend, name) = (Arc::clone(&self.backend), self.name);
+        self.offloaded_after = Some(phase == Phase::OffloadTrain);
+        self.moving = Some(thread::spawn(move || {
+            let mut moved = match before {
+                Some(thread) => join(thread, name)?,
+                None => Vec::new(),
+            };
+            let started = Instant::now();
+            let mut backend = lock(&backend);
+            let stats = if phase == Phase::OffloadTrain {
+                backend
+                    .offload()
+                    .map_err(OrchestratorError::train("actor", "offload"))?
+            } else {
+                backend
+                    .onload()
+                    .map_err(OrchestratorError::train("actor", "onload"))?
+            };
+            moved.push(Moved {
+                phase,
+                bytes: stats.bytes(),
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            Ok(moved)
+        }));
+    }
+
+    /// Device bytes per tag now, or, while a move holds the backend, when last read.
+    pub(super) fn device_memory(&mut self) -> Vec<(MemoryTag, u64)> {
+        if let Ok(backend) = self.backend.try_lock() {
+            self.memory = backend.device_memory();
+        }
+        self.memory.clone()
+    }
+}
+
+fn join(thread: MoveThread, backend: &'static str) -> Result<Vec<Moved>, OrchestratorError> {
+    thread.join().unwrap_or_else(|_| {
+        Err(OrchestratorError::Train {
+            role: "actor",
+            action: "move its state",
+            source: BackendError::RankLost { backend, rank: 0 },
+        })
+    })
+}
+
+fn lock<T: ?Sized>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}

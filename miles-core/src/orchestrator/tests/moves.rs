@@ -1,0 +1,140 @@
+//! The actor's moves behind other work where the device holds both phases, and
+//! `--offload-when-needed`.
+
+use super::*;
+
+/// A colocated run of `steps` on a device of `device_bytes`; returns the calls, the metrics and
+/// the outcome.
+fn run_on(
+    steps: u64,
+    device_bytes: Option<u64>,
+    when_needed: bool,
+    fail_offload_at_step: Option<u64>,
+) -> (
+    Vec<String>,
+    Vec<StepMetrics>,
+    Result<RunSummary, OrchestratorError>,
+) {
+    let log = Log::default();
+    let mut config = colocated(steps);
+    config.device_bytes = device_bytes;
+    config.margin_bytes = MIB as u64;
+    config.offload_when_needed = when_needed;
+    let mut actor = FakeActor::new(&log);
+    actor.fail_offload_at_step = fail_offload_at_step;
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    let mut metrics = Vec::new();
+    let outcome = o.run(&mut |m| metrics.push(m.clone()));
+    (calls(&log), metrics, outcome)
+}
+
+fn count(calls: &[String], call: &str) -> usize {
+    calls.iter().filter(|c| *c == call).count()
+}
+
+fn losses(metrics: &[StepMetrics]) -> Vec<u32> {
+    metrics.iter().map(|m| m.loss.to_bits()).collect()
+}
+
+/// Room for both phases (10 MiB of trainer, 11 of engine) and the 1 MiB margin.
+const ROOMY: Option<u64> = Some(64 * MIB as u64);
+
+#[test]
+fn moves_behind_other_work_train_as_the_moves_in_line_and_count_their_own_time() {
+    let (in_line_calls, in_line, outcome) = run_on(3, None, false, None);
+    outcome.unwrap();
+    let (behind_calls, behind, outcome) = run_on(3, ROOMY, false, None);
+    outcome.unwrap();
+    assert_eq!(
+        losses(&behind),
+        losses(&in_line),
+        "the same training either way"
+    );
+    for call in ["actor.offload", "actor.onload", "engine.offload_kv"] {
+        assert_eq!(
+            count(&behind_calls, call),
+            count(&in_line_calls, call),
+            "{call}"
+        );
+    }
+    for m in &in_line {
+        assert_eq!(m.behind_seconds, [0.0; 9], "step {}", m.step);
+    }
+    let onload = Phase::ALL
+        .iter()
+        .position(|&p| p == Phase::OnloadTrain)
+        .unwrap();
+    let offload = Phase::ALL
+        .iter()
+        .position(|&p| p == Phase::OffloadTrain)
+        .unwrap();
+    for (m, line) in behind.iter().zip(&in_line) {
+        assert!(m.behind_seconds[onload] > 0.0, "step {}: {m:?}", m.step);
+        assert!(m.behind_seconds[offload] > 0.0, "step {}: {m:?}", m.step);
+        // The previous tail's offload and this step's onload, joined before training, move
+        // what one step's moves in line do.
+        for phase in [Phase::OnloadTrain, Phase::OffloadTrain] {
+            assert_eq!(
+                m.bytes(phase),
+                line.bytes(phase),
+                "step {} {phase:?}",
+                m.step
+            );
+        }
+        assert!(m.bytes(Phase::OnloadTrain) > 0);
+    }
+}
+
+#[test]
+fn offload_when_needed_moves_nothing_where_the_device_holds_both_phases() {
+    let (_, in_line, outcome) = run_on(3, None, false, None);
+    outcome.unwrap();
+    let (calls, resident, outcome) = run_on(3, ROOMY, true, None);
+    outcome.unwrap();
+    assert_eq!(losses(&resident), losses(&in_line));
+    for call in [
+        "actor.offload",
+        "actor.onload",
+        "engine.offload_kv",
+        "engine.offload_weights",
+    ] {
+        assert_eq!(count(&calls, call), 0, "{call}: {calls:?}");
+    }
+    assert_eq!(
+        count(&calls, "engine.update_weights"),
+        2 * 4,
+        "the weights still sync"
+    );
+    // A device too small for both: the flag moves what it must, in line.
+    let (calls, small, outcome) = run_on(3, Some(16 * MIB as u64), true, None);
+    outcome.unwrap();
+    assert_eq!(count(&calls, "actor.offload"), 4, "{calls:?}");
+    assert!(small.iter().all(|m| m.behind_seconds == [0.0; 9]));
+}
+
+#[test]
+fn an_offload_that_fails_behind_the_rollout_fails_the_next_use_of_the_actor_with_its_cause() {
+    let (calls, metrics, outcome) = run_on(3, ROOMY, false, Some(1));
+    let err = outcome.unwrap_err();
+    let mut text = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    assert!(
+        text.contains("actor cannot offload") && text.contains("injected offload fault"),
+        "{text}"
+    );
+    assert_eq!(
+        metrics.len(),
+        1,
+        "step 1 finished; step 2 stopped at the failed move"
+    );
+    assert_eq!(count(&calls, "actor.train_step"), 1, "{calls:?}");
+}
