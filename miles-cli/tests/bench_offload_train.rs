@@ -59,3 +59,30 @@ fn a_tensor_parallel_size_the_heads_cannot_take_exits_2() {
     assert_eq!(output.status.code(), Some(2), "{err}");
     assert!(err.contains("does not divide"), "{err}");
 }
+
+#[test]
+fn a_streamed_optimizer_reports_its_step_against_a_resident_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = miles(&[
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-target",
+        "disk",
+        "--offload-train-disk-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    let out = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for line in [
+        "streamed optimizer (fp32): step",
+        "against resident",
+        "streamed optimizer state on the device",
+        // The cpu backends do not report their stream's traffic: the bench says so.
+        "does not report its stream's traffic",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in\n{out}");
+    }
+}

@@ -5,6 +5,12 @@
 //! Ranks are threads that offload at once: on the CPU device they share the machine's memory
 //! bandwidth and, for `disk`, one disk, so the all-ranks line is the one to hold against the
 //! single-stream baseline there; on GPUs each rank has its own link.
+//!
+//! With `--stream-optimizer-state-to-disk` it also reports the streamed optimizer step: each
+//! step's time against a resident backend's on the same batch, the disk traffic of the walk
+//! against a plain O_DIRECT write and read of the same bytes (the time the stream adds to the
+//! step, against the time those plain transfers take), and the optimizer state the device holds
+//! against the resident backend's.
 
 use std::io::Write;
 use std::time::Instant;
@@ -59,8 +65,9 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
     );
 
     let mut cycles = Vec::with_capacity(args.cycles);
+    let mut steps = Vec::with_capacity(args.cycles);
     for _ in 0..args.cycles {
-        backend.train_step(&batch)?;
+        steps.push(backend.train_step(&batch)?);
         let out = backend.offload()?;
         let back = backend.onload()?;
         cycles.push((out, back));
@@ -123,6 +130,94 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
             )?;
         }
     }
+    if settings.stream_optimizer_state_to_disk {
+        let streamed_state = optimizer_bytes(&backend.device_memory());
+        drop(backend);
+        streamed_report(&settings, &batch, &steps, streamed_state, &mut out)?;
+    }
+    Ok(())
+}
+
+/// Device bytes of optimizer state among `tags`: the resident moments and master weights, or
+/// the streamed moments' slots and the master weights.
+fn optimizer_bytes(tags: &[(MemoryTag, u64)]) -> u64 {
+    tags.iter()
+        .filter(|(tag, _)| {
+            matches!(tag, MemoryTag::Optimizer)
+                || matches!(tag, MemoryTag::Named(name) if name.starts_with("optimizer"))
+        })
+        .map(|(_, bytes)| bytes)
+        .sum()
+}
+
+/// The streamed optimizer's figures: its steps against a resident backend's on `batch`, its
+/// disk traffic against plain O_DIRECT transfers of the same bytes, its device state against
+/// the resident one.
+fn streamed_report(
+    settings: &Settings,
+    batch: &miles_core::backend::Batch,
+    streamed: &[miles_core::StepStats],
+    streamed_state: u64,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut plain = settings.clone();
+    plain.stream_optimizer_state_to_disk = false;
+    plain.offload_train = false;
+    let mut resident = build_backend(&plain, None)?;
+    let resident_steps = (0..streamed.len())
+        .map(|_| resident.train_step(batch))
+        .collect::<Result<Vec<_>, _>>()?;
+    let resident_state = optimizer_bytes(&resident.device_memory());
+    drop(resident);
+    // The steady steps (the first of each also sets up buffers).
+    let mean = |steps: &[miles_core::StepStats]| {
+        let steady = if steps.len() > 1 { &steps[1..] } else { steps };
+        steady.iter().map(|s| s.seconds).sum::<f64>() / steady.len() as f64
+    };
+    let (stream_step, resident_step) = (mean(streamed), mean(&resident_steps));
+    let moved = streamed
+        .last()
+        .and_then(|s| s.optimizer_stream)
+        .unwrap_or_default();
+    writeln!(
+        out,
+        "streamed optimizer ({}): step {stream_step:.3} s against resident {resident_step:.3} s ({:.2}x); per step {} bytes read, {} written, {:.3} s waited on the disk",
+        settings.stream_optimizer_state_moment_dtype,
+        stream_step / resident_step.max(f64::MIN_POSITIVE),
+        moved.bytes_read,
+        moved.bytes_written,
+        moved.wait_seconds
+    )?;
+    writeln!(
+        out,
+        "streamed optimizer state on the device: {streamed_state} bytes against {resident_state} resident ({:.1}%)",
+        100.0 * streamed_state as f64 / resident_state.max(1) as f64
+    )?;
+    if moved.bytes_read == 0 {
+        writeln!(
+            out,
+            "streamed optimizer disk: this backend does not report its stream's traffic (the cpu backends); no O_DIRECT comparison"
+        )?;
+        return Ok(());
+    }
+    let dir = settings.offload_train_disk_dir.clone().ok_or_else(|| {
+        BadSettings("--stream-optimizer-state-to-disk needs --offload-train-disk-dir".to_string())
+    })?;
+    let chunk = usize::try_from(settings.offload_train_disk_chunk_mb << 20)
+        .context("--offload-train-disk-chunk-mb does not fit this machine")?;
+    let size = usize::try_from(moved.bytes_written.max(moved.bytes_read))
+        .context("streamed bytes do not fit this machine")?;
+    let device = CpuDevice::new(settings.device_memory_bytes());
+    let mut io = DirectIoBaseline::new(&device, &dir, chunk.min(size.next_multiple_of(4096)))?;
+    let (write_gbps, read_gbps) = io.run(size)?;
+    let plain_seconds = moved.bytes_written as f64 / (write_gbps * 1e9)
+        + moved.bytes_read as f64 / (read_gbps * 1e9);
+    let added = (stream_step - resident_step).max(f64::MIN_POSITIVE);
+    writeln!(
+        out,
+        "streamed optimizer disk: the stream adds {added:.3} s a step; plain O_DIRECT (same run, write+fsync {write_gbps:.2} GB/s, read {read_gbps:.2} GB/s) moves the same bytes in {plain_seconds:.3} s ({:.2}x of plain O_DIRECT)",
+        plain_seconds / added
+    )?;
     Ok(())
 }
 
