@@ -331,6 +331,10 @@ settings_table! {
             "fp32|bf16|fp16", "Offload", Range::Any;
         /// Where the device holds training and rollout with the margin, keep both resident
         Switch offload_when_needed: bool = false, "", "Offload", Range::Any;
+        /// Attempts after the first that a trainer's resume makes while device memory is short
+        Value train_resume_retries: u64 = 10, "N", "Offload", Range::Between(0.0, 100000.0);
+        /// Seconds between those attempts
+        Value train_resume_wait_seconds: f64 = 3.0, "S", "Offload", Range::Between(0.0, 3600.0);
         /// Resume refuses unless free memory >= need + this margin, in bytes
         Value train_memory_margin_bytes: u64 = 1 << 30, "N", "Offload",
             Range::Between(0.0, 1_125_899_906_842_624.0);

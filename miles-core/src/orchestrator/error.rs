@@ -21,6 +21,22 @@ pub enum OrchestratorError {
         #[source]
         source: BackendError,
     },
+    /// The actor could not come back for lack of device memory, after every attempt.
+    #[error(
+        "the trainer cannot resume {tag}: {missing} bytes of device memory missing (margin {margin}) after {attempts} attempts over {seconds:.1} s; nothing is lost: every tag stays paused with its backup; free the memory another process holds, or lower --train-memory-margin-bytes, and resume from the last checkpoint (--load)"
+    )]
+    NoMemoryToResume {
+        /// The tag that could not resume.
+        tag: crate::memory::MemoryTag,
+        /// Bytes missing: its need and the margin, less what was free.
+        missing: u64,
+        /// `--train-memory-margin-bytes`.
+        margin: u64,
+        /// Attempts made.
+        attempts: u64,
+        /// Seconds from the first attempt to the last.
+        seconds: f64,
+    },
     /// The rollout engine failed.
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -268,6 +268,10 @@ fn repeat_task(steps: u64, advantage_estimator: AdvantageEstimator) -> LoopConfi
         device_bytes: None,
         margin_bytes: 0,
         offload_when_needed: false,
+        patience: Patience {
+            retries: 0,
+            wait: std::time::Duration::ZERO,
+        },
         export_while_offloaded: false,
         advantage_estimator,
         save: None,

@@ -29,6 +29,7 @@ use crate::backend::{Critic, RolloutEngine, Sample, Sampling};
 
 mod eval;
 mod mover;
+pub use mover::Patience;
 mod policy;
 mod sync;
 
@@ -71,6 +72,8 @@ pub struct LoopConfig {
     pub margin_bytes: u64,
     /// Where the device holds both phases, nothing moves (`--offload-when-needed`).
     pub offload_when_needed: bool,
+    /// How long the actor's onload waits for device memory another process holds.
+    pub patience: Patience,
     /// The actor can export its weights while offloaded (from its host backup): the sync then
     /// runs after the trainer sleeps, as DESIGN section 8 orders, and the weights cross the host
     /// link once per step. Off: the weights are exported into host memory just before the
@@ -117,6 +120,10 @@ impl LoopConfig {
             device_bytes: None,
             margin_bytes: s.train_memory_margin_bytes,
             offload_when_needed: s.offload_when_needed,
+            patience: Patience {
+                retries: s.train_resume_retries,
+                wait: std::time::Duration::from_secs_f64(s.train_resume_wait_seconds),
+            },
             export_while_offloaded: false,
             advantage_estimator: s.advantage_estimator,
             save: s.save.clone(),

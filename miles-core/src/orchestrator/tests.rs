@@ -89,6 +89,9 @@ struct FakeActor {
     nan_from_step: Option<u64>,
     /// The offload after this many optimizer steps fails, as a full disk would.
     fail_offload_at_step: Option<u64>,
+    /// After its first offload, another holder takes this many bytes of its device, and gives
+    /// them back after the delay (never without one).
+    hog_after_offload: Option<(usize, Option<std::time::Duration>)>,
 }
 
 const TRAIN_TAGS: [MemoryTag; 2] = [MemoryTag::Params, MemoryTag::Grads];
@@ -114,6 +117,7 @@ impl FakeActor {
             stop_during_train: None,
             nan_from_step: None,
             fail_offload_at_step: None,
+            hog_after_offload: None,
         }
     }
 
@@ -190,14 +194,29 @@ impl TrainBackend for FakeActor {
             });
         }
         self.offloaded = true;
-        Ok(stats(pause(&self.memory, &TRAIN_TAGS)))
+        let reports = pause(&self.memory, &TRAIN_TAGS);
+        if let Some((bytes, release_after)) = self.hog_after_offload.take() {
+            let device = Arc::clone(self.memory.device());
+            let taken = device.reserve(bytes).unwrap();
+            device.commit(taken).unwrap();
+            if let Some(delay) = release_after {
+                std::thread::spawn(move || {
+                    std::thread::sleep(delay);
+                    device.release(taken).unwrap();
+                    device.unreserve(taken).unwrap();
+                });
+            }
+        }
+        Ok(stats(reports))
     }
     fn onload(&mut self) -> Result<OffloadStats, BackendError> {
         note(&self.log, "actor.onload");
-        if !std::mem::take(&mut self.offloaded) {
+        if !self.offloaded {
             return Err(BackendError::NotOffloaded);
         }
-        Ok(stats(resume(&self.memory, &TRAIN_TAGS)))
+        let reports = self.memory.resume_all(&TRAIN_TAGS)?;
+        self.offloaded = false;
+        Ok(stats(reports))
     }
     fn export_weights(
         &mut self,
@@ -464,6 +483,10 @@ fn colocated(steps: u64) -> LoopConfig {
         device_bytes: None,
         margin_bytes: 0,
         offload_when_needed: false,
+        patience: Patience {
+            retries: 0,
+            wait: std::time::Duration::ZERO,
+        },
         export_while_offloaded: false,
         advantage_estimator: AdvantageEstimator::Grpo,
         save: None,

@@ -2,15 +2,89 @@
 //! while the loop goes on with the engine: the trainer's state leaves the device while the
 //! engine's weights come in, and comes back while the rollout runs. Any other use of the actor
 //! waits for the move in flight and fails with its error.
+//!
+//! An onload that finds too little free device memory (another process took it) waits and
+//! tries again ([`Patience`]); the backend's resume is all or nothing, so every tag stays paused
+//! with its backup meanwhile, and after the last attempt the error names the bytes missing.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::backend::{BackendError, TrainBackend};
-use crate::memory::MemoryTag;
+use crate::backend::{BackendError, OffloadStats, TrainBackend};
+use crate::memory::{MemoryError, MemoryTag};
 use crate::metrics::Phase;
+use crate::model::ModelError;
 use crate::orchestrator::OrchestratorError;
+
+/// How long an onload waits for device memory: `retries` more attempts, `wait` apart
+/// (`--train-resume-retries`, `--train-resume-wait-seconds`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Patience {
+    /// Attempts after the first.
+    pub retries: u64,
+    /// Time between attempts.
+    pub wait: Duration,
+}
+
+/// Onloads `backend`, trying again while the device lacks the memory.
+///
+/// # Errors
+/// [`OrchestratorError::NoMemoryToResume`] once the attempts are spent; the backend's other
+/// errors at once.
+pub(super) fn onload(
+    backend: &mut dyn TrainBackend,
+    patience: Patience,
+) -> Result<OffloadStats, OrchestratorError> {
+    let started = Instant::now();
+    let mut attempt = 0;
+    loop {
+        let error = match backend.onload() {
+            Ok(stats) => return Ok(stats),
+            Err(error) => error,
+        };
+        let Some((tag, missing, margin)) = missing_memory(&error) else {
+            return Err(OrchestratorError::train("actor", "onload")(error));
+        };
+        if attempt == patience.retries {
+            return Err(OrchestratorError::NoMemoryToResume {
+                tag,
+                missing,
+                margin,
+                attempts: attempt + 1,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        }
+        attempt += 1;
+        tracing::warn!(
+            %tag,
+            missing,
+            margin,
+            attempt,
+            of = patience.retries,
+            "the trainer cannot resume for lack of device memory; its tags stay paused with their backups, trying again after {:?}",
+            patience.wait
+        );
+        thread::sleep(patience.wait);
+    }
+}
+
+/// The tag, the bytes missing and the margin of an onload refused for lack of free memory.
+fn missing_memory(error: &BackendError) -> Option<(MemoryTag, u64, u64)> {
+    let memory = match error {
+        BackendError::Memory(memory) | BackendError::Model(ModelError::Memory(memory)) => memory,
+        _ => return None,
+    };
+    match memory {
+        MemoryError::InsufficientMemory {
+            tag,
+            need,
+            free,
+            margin,
+        } => Some((tag.clone(), (need + margin).saturating_sub(*free), *margin)),
+        _ => None,
+    }
+}
 
 /// A move that ran on the mover's thread: [`Phase::OffloadTrain`] or [`Phase::OnloadTrain`],
 /// its bytes and its own seconds.
@@ -76,9 +150,10 @@ impl Actor {
             .unwrap_or_else(|| lock(&self.backend).is_offloaded())
     }
 
-    /// Starts `phase` ([`Phase::OffloadTrain`] or [`Phase::OnloadTrain`]) on a thread of its
-    /// own, after the moves in flight; [`wait`](Self::wait) returns it.
-    pub(super) fn start(&mut self, phase: Phase) {
+    /// Starts `phase` ([`Phase::OffloadTrain`] or [`Phase::OnloadTrain`], the onload with
+    /// `patience`) on a thread of its own, after the moves in flight; [`wait`](Self::wait)
+    /// returns it.
+    pub(super) fn start(&mut self, phase: Phase, patience: Patience) {
         let before = self.moving.take();
         let (backend, name) = (Arc::clone(&self.backend), self.name);
         self.offloaded_after = Some(phase == Phase::OffloadTrain);
@@ -94,9 +169,7 @@ impl Actor {
                     .offload()
                     .map_err(OrchestratorError::train("actor", "offload"))?
             } else {
-                backend
-                    .onload()
-                    .map_err(OrchestratorError::train("actor", "onload"))?
+                onload(&mut **backend, patience)?
             };
             moved.push(Moved {
                 phase,

@@ -65,10 +65,7 @@ impl Orchestrator {
         let mut bytes = 0;
         let mut actor = self.actor.get()?;
         if actor.is_offloaded() {
-            let stats = actor
-                .onload()
-                .map_err(OrchestratorError::train("actor", "onload"))?;
-            bytes += stats.bytes();
+            bytes += super::mover::onload(&mut **actor, self.config.patience)?.bytes();
         }
         drop(actor);
         if let Some(critic) = &mut self.critic
@@ -91,7 +88,7 @@ impl Orchestrator {
     /// (or is about to be) offloaded.
     pub(super) fn onload_train_behind(&mut self) {
         if self.config.offload_train && self.moves_behind() && self.actor.will_be_offloaded() {
-            self.actor.start(Phase::OnloadTrain);
+            self.actor.start(Phase::OnloadTrain, self.config.patience);
         }
     }
 
@@ -120,7 +117,7 @@ impl Orchestrator {
         }
         let mut bytes = 0;
         if self.moves_behind() {
-            self.actor.start(Phase::OffloadTrain);
+            self.actor.start(Phase::OffloadTrain, self.config.patience);
         } else {
             let stats = self
                 .actor

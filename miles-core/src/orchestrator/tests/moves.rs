@@ -2,6 +2,7 @@
 //! `--offload-when-needed`.
 
 use super::*;
+use crate::memory::RegionState;
 
 /// A colocated run of `steps` on a device of `device_bytes`; returns the calls, the metrics and
 /// the outcome.
@@ -137,4 +138,73 @@ fn an_offload_that_fails_behind_the_rollout_fails_the_next_use_of_the_actor_with
         "step 1 finished; step 2 stopped at the failed move"
     );
     assert_eq!(count(&calls, "actor.train_step"), 1, "{calls:?}");
+}
+
+/// A colocated run of 2 steps, moves in line, whose actor's device is taken by another holder
+/// after the actor's first offload (all but 4 MiB of its 256 MiB, for `held`, or for good).
+fn run_short_of_memory(
+    held: Option<std::time::Duration>,
+    retries: u64,
+) -> (Result<RunSummary, OrchestratorError>, Arc<MemoryManager>) {
+    let log = Log::default();
+    let mut config = colocated(2);
+    config.patience = Patience {
+        retries,
+        wait: std::time::Duration::from_millis(50),
+    };
+    let mut actor = FakeActor::new(&log);
+    actor.hog_after_offload = Some((252 * MIB, held));
+    let memory = Arc::clone(&actor.memory);
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    (o.run(&mut |_| {}), memory)
+}
+
+#[test]
+fn an_onload_short_of_memory_waits_for_the_other_holder_and_goes_on() {
+    let held = Some(std::time::Duration::from_millis(300));
+    let (outcome, memory) = run_short_of_memory(held, 40);
+    assert_eq!(outcome.unwrap().steps, 2);
+    assert_eq!(
+        memory.state(&MemoryTag::Params).unwrap(),
+        RegionState::Paused
+    );
+    // Without retries the same holder stops the run: the wait above is what carried it.
+    let (outcome, _) = run_short_of_memory(held, 0);
+    assert!(
+        matches!(
+            outcome,
+            Err(OrchestratorError::NoMemoryToResume { attempts: 1, .. })
+        ),
+        "{outcome:?}"
+    );
+}
+
+#[test]
+fn an_onload_that_never_finds_the_memory_fails_naming_the_bytes_and_keeps_every_tag_paused() {
+    let (outcome, memory) = run_short_of_memory(None, 2);
+    let err = outcome.unwrap_err();
+    let OrchestratorError::NoMemoryToResume {
+        missing, attempts, ..
+    } = &err
+    else {
+        panic!("{err}");
+    };
+    assert_eq!(*attempts, 3);
+    assert!(*missing > 0, "{err}");
+    let text = err.to_string();
+    for words in [
+        "bytes of device memory missing",
+        "nothing is lost",
+        "--train-memory-margin-bytes",
+    ] {
+        assert!(text.contains(words), "{words:?} in {text}");
+    }
+    for tag in TRAIN_TAGS {
+        assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused, "{tag}");
+    }
 }
