@@ -173,8 +173,9 @@ fn an_onload_short_of_memory_waits_for_the_other_holder_and_goes_on() {
         memory.state(&MemoryTag::Params).unwrap(),
         RegionState::Paused
     );
-    // Without retries the same holder stops the run: the wait above is what carried it.
-    let (outcome, _) = run_short_of_memory(held, 0);
+    // Without retries the same holder (kept longer, so that a slow machine still meets it)
+    // stops the run: the wait above is what carried it.
+    let (outcome, _) = run_short_of_memory(Some(std::time::Duration::from_secs(5)), 0);
     assert!(
         matches!(
             outcome,
