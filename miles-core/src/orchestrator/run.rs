@@ -944,59 +944,6 @@ impl Orchestrator {
         Ok(())
     }
 
-    /// Whether the shared device holds both phases' peaks with the margin to spare (said once
-    /// in the log).
-    fn holds_both(&self) -> bool {
-        let Some(total) = self.config.device_bytes else {
-            return false;
-        };
-        let (train, rollout) = self.peaks;
-        train > 0 && rollout > 0 && train + rollout + self.config.margin_bytes <= total
-    }
-
-    /// Whether `--offload-when-needed` keeps both phases resident.
-    fn keep_resident(&self) -> bool {
-        self.config.offload_when_needed && self.holds_both()
-    }
-
-    /// Says once what the device holds and what the loop does about it.
-    fn tell_fit(&mut self) {
-        if self.told_fit
-            || !self.holds_both()
-            || !(self.config.offload_train || self.config.offload_rollout)
-        {
-            return;
-        }
-        self.told_fit = true;
-        let (train, rollout) = self.peaks;
-        let total = self.config.device_bytes.unwrap_or_default();
-        if self.config.offload_when_needed {
-            tracing::info!(
-                train,
-                rollout,
-                margin = self.config.margin_bytes,
-                total,
-                "the device holds both phases with the margin: --offload-when-needed keeps them resident, nothing moves"
-            );
-        } else if self.critic.is_none() {
-            tracing::info!(
-                train,
-                rollout,
-                margin = self.config.margin_bytes,
-                total,
-                "the device holds both phases with the margin: the trainer's moves run behind the switch and the rollout (--offload-when-needed would keep them resident)"
-            );
-        } else {
-            tracing::info!(
-                train,
-                rollout,
-                margin = self.config.margin_bytes,
-                total,
-                "the device holds both phases with the margin (--offload-when-needed would keep them resident); with a critic the moves run one after another"
-            );
-        }
-    }
-
     /// Records device memory per tag at a boundary; returns the total in use.
     fn sample_memory(&mut self, label: String) -> u64 {
         let mut tags: Vec<(String, u64)> = Vec::new();
