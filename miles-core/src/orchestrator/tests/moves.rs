@@ -209,3 +209,35 @@ fn an_onload_that_never_finds_the_memory_fails_naming_the_bytes_and_keeps_every_
         assert_eq!(memory.state(&tag).unwrap(), RegionState::Paused, "{tag}");
     }
 }
+
+#[test]
+fn the_trainer_s_state_comes_back_bit_exact_after_moves_behind_the_engine_s() {
+    let log = Log::default();
+    let mut config = colocated(3);
+    config.device_bytes = ROOMY;
+    let actor = FakeActor::new(&log);
+    let (memory, params) = (Arc::clone(&actor.memory), actor.buffers[0].range());
+    let mut rng = ChaCha8Rng::seed_from_u64(91);
+    let bytes: Vec<u8> = (0..params.len).map(|_| rng.random()).collect();
+    memory.device().write(&bytes, params).unwrap();
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    );
+    let (_, metrics) = run(&mut o);
+    assert!(
+        metrics
+            .iter()
+            .all(|m| m.behind_seconds.iter().sum::<f64>() > 0.0)
+    );
+    // The run ends with the trainer asleep: wake its parameters and read them.
+    memory.resume(&MemoryTag::Params).unwrap();
+    let mut back = vec![0u8; params.len];
+    memory.device().read(params, &mut back).unwrap();
+    assert!(
+        back == bytes,
+        "the parameters changed across four cycles behind the engine"
+    );
+}
