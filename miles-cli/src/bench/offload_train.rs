@@ -200,16 +200,9 @@ fn streamed_report(
         )?;
         return Ok(());
     }
-    let dir = settings.offload_train_disk_dir.clone().ok_or_else(|| {
-        BadSettings("--stream-optimizer-state-to-disk needs --offload-train-disk-dir".to_string())
-    })?;
-    let chunk = usize::try_from(settings.offload_train_disk_chunk_mb << 20)
-        .context("--offload-train-disk-chunk-mb does not fit this machine")?;
     let size = usize::try_from(moved.bytes_written.max(moved.bytes_read))
         .context("streamed bytes do not fit this machine")?;
-    let device = CpuDevice::new(settings.device_memory_bytes());
-    let mut io = DirectIoBaseline::new(&device, &dir, chunk.min(size.next_multiple_of(4096)))?;
-    let (write_gbps, read_gbps) = io.run(size)?;
+    let (write_gbps, read_gbps) = direct_io(settings, size)?;
     let plain_seconds = moved.bytes_written as f64 / (write_gbps * 1e9)
         + moved.bytes_read as f64 / (read_gbps * 1e9);
     let added = (stream_step - resident_step).max(f64::MIN_POSITIVE);
@@ -251,22 +244,23 @@ fn baseline(
                 Ok((copy.run(), copy.run()))
             }
         },
-        OffloadTarget::Disk => {
-            let dir = settings.offload_train_disk_dir.clone().ok_or_else(|| {
-                BadSettings(
-                    "--offload-train-target disk needs --offload-train-disk-dir".to_string(),
-                )
-            })?;
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-            let chunk = usize::try_from(settings.offload_train_disk_chunk_mb << 20)
-                .context("--offload-train-disk-chunk-mb does not fit this machine")?;
-            let device = CpuDevice::new(settings.device_memory_bytes());
-            let mut io =
-                DirectIoBaseline::new(&device, &dir, chunk.min(size.next_multiple_of(4096)))?;
-            io.run(size)
-        }
+        OffloadTarget::Disk => direct_io(settings, size),
     }
+}
+
+/// A plain O_DIRECT write (with fsync) and read of `size` bytes in `--offload-train-disk-dir`,
+/// in blocks of the disk chunk: (write, read) GB/s.
+fn direct_io(settings: &Settings, size: usize) -> anyhow::Result<(f64, f64)> {
+    let dir = settings
+        .offload_train_disk_dir
+        .clone()
+        .ok_or_else(|| BadSettings("a disk target needs --offload-train-disk-dir".to_string()))?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let chunk = usize::try_from(settings.offload_train_disk_chunk_mb << 20)
+        .context("--offload-train-disk-chunk-mb does not fit this machine")?;
+    let device = CpuDevice::new(settings.device_memory_bytes());
+    let mut io = DirectIoBaseline::new(&device, &dir, chunk.min(size.next_multiple_of(4096)))?;
+    io.run(size)
 }
 
 /// One plain pinned `cuMemcpyDtoH` and one `cuMemcpyHtoD` of `size` bytes between fresh device
