@@ -75,12 +75,20 @@ pub fn build_reward(
     Ok(Box::new(builtin))
 }
 
-/// What the loop runs on the cpu device only, refused on cuda naming the flag.
+/// What the loop runs on the cpu device only, refused on cuda naming the flag, and what it runs
+/// on cuda only (`--offload-when-needed`: trainer and engine share a device there; on the cpu
+/// device each has its own), refused on the cpu device.
 ///
 /// # Errors
 /// Bad settings (exit status 2).
 pub fn check_device(settings: &Settings) -> anyhow::Result<()> {
     if miles_core::device::resolve(settings.device) != DeviceKind::Cuda {
+        if settings.offload_when_needed {
+            return Err(BadSettings(
+                "--offload-when-needed weighs the memory of a device that trainer and engine share, which they do on cuda only (the cpu device gives each its own); drop it or pass --device cuda".into(),
+            )
+            .into());
+        }
         return Ok(());
     }
     if settings.use_kl_loss {

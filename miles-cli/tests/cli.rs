@@ -752,6 +752,21 @@ fn trainer_flags_the_cuda_trainers_lack_are_bad_settings_naming_the_flag_and_the
             "{flag}: {err}"
         );
     }
+    let (_, err) = expect(
+        &[
+            "train",
+            "--device",
+            "cpu",
+            "--offload-when-needed",
+            "--steps",
+            "1",
+        ],
+        2,
+    );
+    assert!(
+        err.contains("--offload-when-needed") && err.contains("--device cuda"),
+        "{err}"
+    );
     let (_, err) = expect(&["train", "--rollout-stop", "", "--steps", "1"], 2);
     assert!(err.contains("--rollout-stop"), "{err}");
 }

@@ -329,7 +329,7 @@ settings_table! {
         /// Storage type of Adam moments on disk
         Value stream_optimizer_state_moment_dtype: MomentDtype = MomentDtype::Fp32,
             "fp32|bf16|fp16", "Offload", Range::Any;
-        /// Where the device holds training and rollout with the margin, keep both resident
+        /// Where the GPU holds training and rollout with the margin, keep both resident (cuda)
         Switch offload_when_needed: bool = false, "", "Offload", Range::Any;
         /// Attempts after the first that a trainer's resume makes while device memory is short
         Value train_resume_retries: u64 = 10, "N", "Offload", Range::Between(0.0, 100000.0);

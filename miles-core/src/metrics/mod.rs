@@ -131,6 +131,11 @@ impl StepMetrics {
             + self.switch_seconds()
     }
 
+    /// Seconds `phase`'s moves ran behind other work.
+    pub fn behind(&self, phase: Phase) -> f64 {
+        self.behind_seconds[phase.index()]
+    }
+
     /// Seconds of `phase`.
     pub fn seconds(&self, phase: Phase) -> f64 {
         self.phase_seconds[phase.index()]
@@ -178,7 +183,7 @@ impl StepMetrics {
             "loss": self.loss,
             "interrupted": self.interrupted,
             "phase_seconds": by_phase(&|p| json!(self.seconds(p))),
-            "behind_seconds": by_phase(&|p| json!(self.behind_seconds[p.index()])),
+            "behind_seconds": by_phase(&|p| json!(self.behind(p))),
             "bytes_moved": by_phase(&|p| json!(self.bytes(p))),
             "switch_seconds": self.switch_seconds(),
             "exposed_switch_seconds": self.exposed_switch_seconds(),

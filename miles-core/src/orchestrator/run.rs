@@ -277,6 +277,7 @@ impl Orchestrator {
         tokenizer: impl Into<Tokenizer>,
     ) -> Self {
         let tokenizer: Tokenizer = tokenizer.into();
+        let patience = config.patience;
         let problems = PromptSource::Task(ProblemSource::new(config.task, config.seed));
         let state = LoopState {
             seed: config.seed,
@@ -285,7 +286,7 @@ impl Orchestrator {
         };
         Self {
             config,
-            actor: mover::Actor::new(actor),
+            actor: mover::Actor::new(actor, patience),
             critic: None,
             reference: None,
             eval: None,

@@ -32,7 +32,7 @@ pub struct Patience {
 /// # Errors
 /// [`OrchestratorError::NoMemoryToResume`] once the attempts are spent; the backend's other
 /// errors at once.
-pub(super) fn onload(
+fn onload_patiently(
     backend: &mut dyn TrainBackend,
     patience: Patience,
 ) -> Result<OffloadStats, OrchestratorError> {
@@ -101,8 +101,12 @@ type MoveThread = JoinHandle<Result<Vec<Moved>, OrchestratorError>>;
 pub(super) struct Actor {
     backend: Arc<Mutex<Box<dyn TrainBackend>>>,
     name: &'static str,
+    /// How long an onload waits for device memory.
+    patience: Patience,
     /// The moves started and not yet waited for, in order (each thread waits for the one before).
     moving: Option<MoveThread>,
+    /// Moves finished by a [`get`](Self::get), for the next [`wait`](Self::wait) to return.
+    done: Vec<Moved>,
     /// Where the moves in flight leave the state: offloaded or not.
     offloaded_after: Option<bool>,
     /// The backend's device memory when last read without waiting.
@@ -110,12 +114,14 @@ pub(super) struct Actor {
 }
 
 impl Actor {
-    pub(super) fn new(backend: Box<dyn TrainBackend>) -> Actor {
+    pub(super) fn new(backend: Box<dyn TrainBackend>, patience: Patience) -> Actor {
         let (memory, name) = (backend.device_memory(), backend.name());
         Actor {
             backend: Arc::new(Mutex::new(backend)),
             name,
+            patience,
             moving: None,
+            done: Vec::new(),
             offloaded_after: None,
             memory,
         }
@@ -128,20 +134,36 @@ impl Actor {
     pub(super) fn get(
         &mut self,
     ) -> Result<MutexGuard<'_, Box<dyn TrainBackend>>, OrchestratorError> {
-        self.wait()?;
+        self.finish()?;
         Ok(lock(&self.backend))
     }
 
-    /// Waits for the moves in flight; returns them.
+    /// Waits for the moves in flight; returns the moves finished since the last call.
     ///
     /// # Errors
     /// As [`get`](Self::get).
     pub(super) fn wait(&mut self) -> Result<Vec<Moved>, OrchestratorError> {
+        self.finish()?;
+        Ok(std::mem::take(&mut self.done))
+    }
+
+    /// Onloads the backend here, once the moves in flight are done, waiting for device memory
+    /// as [`Patience`] allows.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get); [`OrchestratorError::NoMemoryToResume`].
+    pub(super) fn onload(&mut self) -> Result<OffloadStats, OrchestratorError> {
+        let patience = self.patience;
+        onload_patiently(&mut **self.get()?, patience)
+    }
+
+    /// Joins the moves in flight, keeping what they moved for [`wait`](Self::wait).
+    fn finish(&mut self) -> Result<(), OrchestratorError> {
         self.offloaded_after = None;
-        match self.moving.take() {
-            Some(thread) => join(thread, self.name),
-            None => Ok(Vec::new()),
+        if let Some(thread) = self.moving.take() {
+            self.done.extend(join(thread, self.name)?);
         }
+        Ok(())
     }
 
     /// Whether the state is offloaded once the moves in flight are done.
@@ -150,11 +172,10 @@ impl Actor {
             .unwrap_or_else(|| lock(&self.backend).is_offloaded())
     }
 
-    /// Starts `phase` ([`Phase::OffloadTrain`] or [`Phase::OnloadTrain`], the onload with
-    /// `patience`) on a thread of its own, after the moves in flight; [`wait`](Self::wait)
-    /// returns it.
-    pub(super) fn start(&mut self, phase: Phase, patience: Patience) {
-        let before = self.moving.take();
+    /// Starts `phase` ([`Phase::OffloadTrain`] or [`Phase::OnloadTrain`]) on a thread of its
+    /// own, after the moves in flight; [`wait`](Self::wait) returns it.
+    pub(super) fn start(&mut self, phase: Phase) {
+        let (before, patience) = (self.moving.take(), self.patience);
         let (backend, name) = (Arc::clone(&self.backend), self.name);
         self.offloaded_after = Some(phase == Phase::OffloadTrain);
         self.moving = Some(thread::spawn(move || {
@@ -169,7 +190,7 @@ impl Actor {
                     .offload()
                     .map_err(OrchestratorError::train("actor", "offload"))?
             } else {
-                onload(&mut **backend, patience)?
+                onload_patiently(&mut **backend, patience)?
             };
             moved.push(Moved {
                 phase,

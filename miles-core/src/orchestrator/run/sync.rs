@@ -63,11 +63,9 @@ impl Orchestrator {
             metrics.add_behind(moved.phase, moved.seconds, moved.bytes);
         }
         let mut bytes = 0;
-        let mut actor = self.actor.get()?;
-        if actor.is_offloaded() {
-            bytes += super::mover::onload(&mut **actor, self.config.patience)?.bytes();
+        if self.actor.get()?.is_offloaded() {
+            bytes += self.actor.onload()?.bytes();
         }
-        drop(actor);
         if let Some(critic) = &mut self.critic
             && critic.is_offloaded()
         {
@@ -88,7 +86,7 @@ impl Orchestrator {
     /// (or is about to be) offloaded.
     pub(super) fn onload_train_behind(&mut self) {
         if self.config.offload_train && self.moves_behind() && self.actor.will_be_offloaded() {
-            self.actor.start(Phase::OnloadTrain, self.config.patience);
+            self.actor.start(Phase::OnloadTrain);
         }
     }
 
@@ -109,40 +107,33 @@ impl Orchestrator {
 
     /// Says once what the device holds and what the loop does about it.
     pub(super) fn tell_fit(&mut self) {
-        if self.told_fit
-            || !self.holds_both()
-            || !(self.config.offload_train || self.config.offload_rollout)
-        {
+        if self.told_fit || !(self.config.offload_train || self.config.offload_rollout) {
             return;
         }
+        let what = match (self.holds_both(), self.config.offload_when_needed) {
+            (true, true) => {
+                "holds both phases with the margin: --offload-when-needed keeps them resident, nothing moves"
+            }
+            (true, false) if self.moves_behind() => {
+                "holds both phases with the margin: the trainer's moves run behind the switch and the rollout (--offload-when-needed would keep them resident)"
+            }
+            (true, false) => {
+                "holds both phases with the margin: with a critic the moves run one after another (--offload-when-needed would keep them resident)"
+            }
+            (false, true) if self.config.device_bytes.is_some() => {
+                "does not hold both phases with the margin: --offload-when-needed moves what it must, one move after another"
+            }
+            (false, _) => return,
+        };
         self.told_fit = true;
         let (train, rollout) = self.peaks;
-        let total = self.config.device_bytes.unwrap_or_default();
-        if self.config.offload_when_needed {
-            tracing::info!(
-                train,
-                rollout,
-                margin = self.config.margin_bytes,
-                total,
-                "the device holds both phases with the margin: --offload-when-needed keeps them resident, nothing moves"
-            );
-        } else if self.critic.is_none() {
-            tracing::info!(
-                train,
-                rollout,
-                margin = self.config.margin_bytes,
-                total,
-                "the device holds both phases with the margin: the trainer's moves run behind the switch and the rollout (--offload-when-needed would keep them resident)"
-            );
-        } else {
-            tracing::info!(
-                train,
-                rollout,
-                margin = self.config.margin_bytes,
-                total,
-                "the device holds both phases with the margin (--offload-when-needed would keep them resident); with a critic the moves run one after another"
-            );
-        }
+        tracing::info!(
+            train,
+            rollout,
+            margin = self.config.margin_bytes,
+            total = self.config.device_bytes.unwrap_or_default(),
+            "the device {what}"
+        );
     }
 
     /// Whether the actor's moves run behind other work: the device holds both phases with the
@@ -170,7 +161,7 @@ impl Orchestrator {
         }
         let mut bytes = 0;
         if self.moves_behind() {
-            self.actor.start(Phase::OffloadTrain, self.config.patience);
+            self.actor.start(Phase::OffloadTrain);
         } else {
             let stats = self
                 .actor

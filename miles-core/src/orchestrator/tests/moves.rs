@@ -66,17 +66,13 @@ fn moves_behind_other_work_train_as_the_moves_in_line_and_count_their_own_time()
     for m in &in_line {
         assert_eq!(m.behind_seconds, [0.0; 9], "step {}", m.step);
     }
-    let onload = Phase::ALL
-        .iter()
-        .position(|&p| p == Phase::OnloadTrain)
-        .unwrap();
-    let offload = Phase::ALL
-        .iter()
-        .position(|&p| p == Phase::OffloadTrain)
-        .unwrap();
     for (m, line) in behind.iter().zip(&in_line) {
-        assert!(m.behind_seconds[onload] > 0.0, "step {}: {m:?}", m.step);
-        assert!(m.behind_seconds[offload] > 0.0, "step {}: {m:?}", m.step);
+        assert!(m.behind(Phase::OnloadTrain) > 0.0, "step {}: {m:?}", m.step);
+        assert!(
+            m.behind(Phase::OffloadTrain) > 0.0,
+            "step {}: {m:?}",
+            m.step
+        );
         // The previous tail's offload and this step's onload, joined before training, move
         // what one step's moves in line do.
         for phase in [Phase::OnloadTrain, Phase::OffloadTrain] {
