@@ -34,7 +34,8 @@ use miles_core::device::{
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
-    DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, RULE_WORDS, SampleRule,
+    DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, RULE_WORDS, SampleRule,
+    TokenPlaces,
 };
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
@@ -43,6 +44,15 @@ use crate::paged::BlockTables;
 use crate::sampling::DrawKey;
 use crate::schedule::Step;
 use crate::{InferError, SamplingParams};
+
+/// The q, k and v weights, one product.
+const QKV: [ParamKind; 3] = [ParamKind::QProj, ParamKind::KProj, ParamKind::VProj];
+
+/// Their biases, in the families that have them.
+const QKV_BIASES: [ParamKind; 3] = [ParamKind::QBias, ParamKind::KBias, ParamKind::VBias];
+
+/// The gate and up weights, one product.
+const GATE_UP: [ParamKind; 2] = [ParamKind::GateProj, ParamKind::UpProj];
 
 /// Bytes of one weight or cache element (bf16).
 pub(crate) const ELEMENT_BYTES: usize = 2;
@@ -107,13 +117,11 @@ impl Carver {
 struct Scratch {
     x: GpuSlice<bf16>,       // (N, C) residual stream
     ln: GpuSlice<bf16>,      // (N, C)
-    q: GpuSlice<bf16>,       // (N, H*D)
-    k: GpuSlice<bf16>,       // (N, K*D)
-    v: GpuSlice<bf16>,       // (N, K*D)
+    qkv: GpuSlice<bf16>,     // (N, (H + 2K) * D) the fused q/k/v product
+    q: GpuSlice<bf16>,       // (N, H*D) the queries, normed and turned
     att: GpuSlice<bf16>,     // (N, H*D)
-    proj: GpuSlice<bf16>,    // (N, C)
-    gate: GpuSlice<bf16>,    // (N, F), then silu(gate) * up in place
-    up: GpuSlice<bf16>,      // (N, F)
+    gate_up: GpuSlice<bf16>, // (N, 2F) the fused gate and up product
+    act: GpuSlice<bf16>,     // (N, F) silu(gate) * up
     rows: GpuSlice<bf16>,    // (R, C) the residual rows that need logits
     rows_ln: GpuSlice<bf16>, // (R, C)
     logits: GpuSlice<f32>,   // (R, V)
@@ -133,13 +141,11 @@ impl Scratch {
         let scratch = Scratch {
             x: at.take(n * h)?,
             ln: at.take(n * h)?,
+            qkv: at.take(n * (qd + 2 * kvd))?,
             q: at.take(n * qd)?,
-            k: at.take(n * kvd)?,
-            v: at.take(n * kvd)?,
             att: at.take(n * qd)?,
-            proj: at.take(n * h)?,
-            gate: at.take(n * f)?,
-            up: at.take(n * f)?,
+            gate_up: at.take(n * 2 * f)?,
+            act: at.take(n * f)?,
             rows: at.take(r * h)?,
             rows_ln: at.take(r * h)?,
             logits: at.take(r * c.vocab_size)?,
@@ -426,6 +432,22 @@ impl GpuModel {
         GpuSlice::<bf16>::of(self.buffers.weights.range())?.sub(range.start, range.len())
     }
 
+    /// The weights of `kinds` in `layer` as one tensor: the parameter table stores them one
+    /// after another, so their products run as one.
+    fn fused(&self, kinds: &[ParamKind], layer: usize) -> Result<GpuSlice<bf16>, DeviceError> {
+        let first = self.layout.range(kinds[0], layer).start;
+        let end = kinds.iter().try_fold(first, |at, &kind| {
+            let range = self.layout.range(kind, layer);
+            (range.start == at).then_some(range.end)
+        });
+        let end = end.ok_or(DeviceError::ShapeMismatch {
+            what: "fused weights (adjacent in the parameter table)",
+            expected: first,
+            actual: self.layout.range(kinds[0], layer).end,
+        })?;
+        GpuSlice::<bf16>::of(self.buffers.weights.range())?.sub(first, end - first)
+    }
+
     fn cache_slice(&self) -> Result<GpuSlice<bf16>, DeviceError> {
         GpuSlice::<bf16>::of(self.buffers.cache.range())?.sub(0, self.shape.elems())
     }
@@ -514,51 +536,48 @@ impl GpuModel {
             tables: s.index.sub(at.tables, r * self.limits.blocks)?,
             max_blocks: self.limits.blocks,
         };
-        let (x, ln, att, proj) = (
+        let (x, ln, att) = (
             s.x.sub(0, n * h)?,
             s.ln.sub(0, n * h)?,
             s.att.sub(0, n * qd)?,
-            s.proj.sub(0, n * h)?,
         );
-        let (q, k, v) = (
-            s.q.sub(0, n * qd)?,
-            s.k.sub(0, n * kvd)?,
-            s.v.sub(0, n * kvd)?,
-        );
-        let (gate, up) = (s.gate.sub(0, n * f)?, s.up.sub(0, n * f)?);
+        let (qkv, q) = (s.qkv.sub(0, n * (qd + 2 * kvd))?, s.q.sub(0, n * qd)?);
+        let (gate_up, act) = (s.gate_up.sub(0, n * 2 * f)?, s.act.sub(0, n * f)?);
+        let places = TokenPlaces {
+            positions,
+            slots,
+            cos: s.cos,
+            sin: s.sin,
+        };
         let cache = self.cache_slice()?;
         let eps = c.rms_norm_eps;
-        // y = x W^T for an HF weight W (out, in).
+        // y = x W^T for an HF weight W (out, in); the residual adds ride on the products.
         let linear = |rows, out, inp| Gemm::new(rows, out, inp, Transpose::No, Transpose::Yes);
         g.embedding_forward(x, ids, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
+            let heads = QkvHeads {
+                qkv,
+                heads: c.num_heads,
+                bias: c.qkv_bias.then(|| self.fused(&QKV_BIASES, l)).transpose()?,
+                q_norm: c.qk_norm.then(|| w(ParamKind::QNorm)).transpose()?,
+                k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
+                eps,
+            };
             g.rmsnorm_forward(ln, None, x, w(ParamKind::InputNorm)?, eps)?;
-            g.gemm(linear(n, qd, h), q, ln, w(ParamKind::QProj)?)?; // (N, H*D)
-            g.gemm(linear(n, kvd, h), k, ln, w(ParamKind::KProj)?)?; // (N, K*D)
-            g.gemm(linear(n, kvd, h), v, ln, w(ParamKind::VProj)?)?; // (N, K*D)
-            if c.qkv_bias {
-                g.bias_add(q, w(ParamKind::QBias)?)?;
-                g.bias_add(k, w(ParamKind::KBias)?)?;
-                g.bias_add(v, w(ParamKind::VBias)?)?;
-            }
-            if c.qk_norm {
-                // Per head (rows of D), in place, before the rotation.
-                g.rmsnorm_forward(q, None, q, w(ParamKind::QNorm)?, eps)?; // (N, H, D)
-                g.rmsnorm_forward(k, None, k, w(ParamKind::KNorm)?, eps)?; // (N, K, D)
-            }
-            g.rope_forward(q, positions, s.cos, s.sin, c.num_heads, c.head_dim)?;
-            g.rope_forward(k, positions, s.cos, s.sin, c.num_kv_heads, c.head_dim)?;
-            g.paged_kv_write(cache, &self.shape, l, k, v, slots)?;
+            g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
+            g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
             g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
-            g.gemm(linear(n, h, qd), proj, att, w(ParamKind::OProj)?)?; // (N, C)
-            g.residual_add(x, proj)?;
+            g.gemm(linear(n, h, qd).accumulate(), x, att, w(ParamKind::OProj)?)?; // x += o
             g.rmsnorm_forward(ln, None, x, w(ParamKind::PostAttentionNorm)?, eps)?;
-            g.gemm(linear(n, f, h), gate, ln, w(ParamKind::GateProj)?)?; // (N, F)
-            g.gemm(linear(n, f, h), up, ln, w(ParamKind::UpProj)?)?; // (N, F)
-            g.swiglu_forward(gate, gate, up)?;
-            g.gemm(linear(n, h, f), proj, gate, w(ParamKind::DownProj)?)?; // (N, C)
-            g.residual_add(x, proj)?;
+            g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
+            g.swiglu_rows(act, gate_up, f)?;
+            g.gemm(
+                linear(n, h, f).accumulate(),
+                x,
+                act,
+                w(ParamKind::DownProj)?,
+            )?; // x += down
         }
         // Only the rows that need logits go through the final norm and the head: gather them
         // (an embedding lookup whose table is the residual stream).

@@ -4,7 +4,7 @@ use half::bf16;
 
 use super::{elementwise, per_row};
 use crate::device::DeviceError;
-use crate::device::{Gpu, GpuSlice};
+use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
 /// Threads per block of the per-row kernels (norms).
 const ROW_THREADS: u32 = 256;
@@ -204,6 +204,43 @@ impl Gpu {
             "swiglu_forward",
             elementwise(gate.len()),
             &[&out.address(), &gate.address(), &up.address(), &n],
+        )
+    }
+
+    /// `out (N, F) = silu(gate) * up` from the fused product `gate_up (N, 2F)`, whose rows hold
+    /// the gate's `F` values, then the up's: as [`Gpu::swiglu_forward`] on the two halves.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn swiglu_rows(
+        &self,
+        out: GpuSlice<bf16>,
+        gate_up: GpuSlice<bf16>,
+        f: usize,
+    ) -> Result<(), DeviceError> {
+        gate_up.expect_len("fused gate and up rows", 2 * out.len())?;
+        if f == 0 || !out.len().is_multiple_of(f) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "swiglu rows",
+                expected: f,
+                actual: out.len(),
+            });
+        }
+        let rows = out.len() / f;
+        let (n, width) = (as_i64(rows), as_i32("swiglu width", f)?);
+        let config = LaunchConfig {
+            grid_dim: (
+                f.div_ceil(256).min(65535) as u32,
+                rows.clamp(1, 65535) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "swiglu_rows",
+            config,
+            &[&out.address(), &gate_up.address(), &n, &width],
         )
     }
 

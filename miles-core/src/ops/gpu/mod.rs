@@ -29,7 +29,7 @@ mod train_tests;
 
 use std::sync::Arc;
 
-pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens};
+pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
 pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, HeadShape, SQUARE_PARTIALS};
 
@@ -54,7 +54,7 @@ pub const PROGRAM: KernelProgram = KernelProgram {
 };
 
 /// The kernels of `kernels/forward.cu`.
-const FORWARD_KERNELS: [&str; 8] = [
+const FORWARD_KERNELS: [&str; 9] = [
     "cast_f32_to_bf16",
     "cast_bf16_to_f32",
     "embedding_forward",
@@ -62,6 +62,7 @@ const FORWARD_KERNELS: [&str; 8] = [
     "bias_add",
     "rope_forward",
     "swiglu_forward",
+    "swiglu_rows",
     "residual_add",
 ];
 

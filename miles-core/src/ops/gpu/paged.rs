@@ -1,6 +1,6 @@
-//! Wrappers of the paged KV cache kernels (`kernels/paged.cu`): writing new tokens' keys and
-//! values through a block table, and attention over a sequence's cached positions for prefill
-//! and decode alike.
+//! Wrappers of the paged KV cache kernels (`kernels/paged.cu`): a layer's queries made ready and
+//! its new keys and values written through a block table (one kernel after the fused q/k/v
+//! product), and attention over a sequence's cached positions for prefill and decode alike.
 //!
 //! The cache is bf16, laid out `(blocks, L, 2, P, K*D)`: a block holds `P` positions of every
 //! layer's keys (half 0) and values (half 1), so a sequence's position `t` lives in block
@@ -9,19 +9,31 @@
 
 use half::bf16;
 
-use super::elementwise;
 use super::elementwise::as_i32;
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
 /// The kernels of `kernels/paged.cu`.
-pub(super) const KERNELS: [&str; 2] = ["paged_kv_write", "paged_attention"];
+pub(super) const KERNELS: [&str; 2] = ["paged_attention", "qkv_rotary_cache"];
 
 /// Largest head dim [`Gpu::paged_attention`] takes (`PAGED_MAX_D` in the kernel).
 pub const PAGED_MAX_HEAD_DIM: usize = 128;
 
-/// Warps per block of the attention kernel (`PAGED_WARPS` in the kernel).
-const ATTENTION_WARPS: usize = 4;
+/// Warps per block of both kernels (`PAGED_WARPS` in the kernels).
+const WARPS: usize = 4;
+
+/// Query heads one attention block serves (`PAGED_HEADS` in the kernel).
+const ATTENTION_HEADS: usize = 8;
+
+/// Positions of one attention tile (`PAGED_TILE` in the kernel).
+const ATTENTION_TILE: usize = 64;
+
+/// Dynamic shared memory of the attention kernel at head dim `d`: a tile's key rows (padded by
+/// one word), its value rows, the block's queries and the tile's probabilities, 4 bytes a word.
+fn attention_shared_bytes(d: usize) -> u32 {
+    let words = ATTENTION_TILE * (d + 1) + ATTENTION_HEADS * d + ATTENTION_HEADS * ATTENTION_TILE;
+    (4 * words) as u32
+}
 
 /// The shape of a paged KV cache: `(blocks, L, 2, P, K*D)` bf16 elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,47 +121,121 @@ pub struct PagedTokens {
     pub max_blocks: usize,
 }
 
+/// A layer's fused q/k/v product and what turns it into queries, keys and values.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvHeads {
+    /// `(N, (H + 2K) * D)`: each token's query heads, then key heads, then value heads.
+    pub qkv: GpuSlice<bf16>,
+    /// `H`: query heads.
+    pub heads: usize,
+    /// `((H + 2K) * D)`: the q, k and v biases, in the families that have them.
+    pub bias: Option<GpuSlice<bf16>>,
+    /// `(D)`: the per-head query norm's weights, in the families that have them.
+    pub q_norm: Option<GpuSlice<bf16>>,
+    /// `(D)`: the per-head key norm's weights, with `q_norm`.
+    pub k_norm: Option<GpuSlice<bf16>>,
+    /// The norms' epsilon.
+    pub eps: f32,
+}
+
+/// Where a pass's tokens go: their positions (with the rotary tables they index) and their
+/// cache slots.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenPlaces {
+    /// `(N)`: each token's position in its sequence.
+    pub positions: GpuSlice<u32>,
+    /// `(N)`: each token's cache slot ([`PagedCache::slot`]).
+    pub slots: GpuSlice<u32>,
+    /// `(P_max, D/2)`: the rotary cosines.
+    pub cos: GpuSlice<f32>,
+    /// `(P_max, D/2)`: the rotary sines.
+    pub sin: GpuSlice<f32>,
+}
+
 impl Gpu {
-    /// Stores the keys and values `k`, `v (N, K*D)` of `layer` at `slots (N)` (see
-    /// [`PagedCache::slot`]) of `cache`. A slot past the cache is skipped on the device.
+    /// Makes `layer`'s queries ready and stores its keys and values from the fused product
+    /// `heads.qkv (N, (H + 2K) * D)`, whose rows hold the `H` query heads, then the `K` key
+    /// heads, then the `K` value heads: adds the biases, normalises each query and key head by
+    /// its RMS times its norm weights (where the family has them), turns queries and keys by
+    /// each token's position, writes the queries into `q (N, H*D)` and the keys and values at
+    /// `at.slots (N)` (see [`PagedCache::slot`]) of `cache`. Each step rounds to bf16 as the
+    /// separate bias, norm and rotary kernels do. A slot past the cache is skipped on the
+    /// device.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn paged_kv_write(
+    pub fn qkv_rotary_cache(
         &self,
+        q: GpuSlice<bf16>,
         cache: GpuSlice<bf16>,
         shape: &PagedCache,
         layer: usize,
-        k: GpuSlice<bf16>,
-        v: GpuSlice<bf16>,
-        slots: GpuSlice<u32>,
+        heads: &QkvHeads,
+        at: &TokenPlaces,
     ) -> Result<(), DeviceError> {
         shape.check(&cache, layer)?;
-        let n = slots.len();
-        k.expect_len("paged write keys", n * shape.kv_dim())?;
-        v.expect_len("paged write values", n * shape.kv_dim())?;
+        let (n, d, kv) = (at.slots.len(), shape.head_dim, shape.kv_heads);
+        let width = (heads.heads + 2 * kv) * d;
+        heads.qkv.expect_len("fused q/k/v rows", n * width)?;
+        q.expect_len("prepared queries", n * heads.heads * d)?;
+        at.positions.expect_len("token positions", n)?;
+        if let Some(bias) = heads.bias {
+            bias.expect_len("q/k/v biases", width)?;
+        }
+        for norm in [heads.q_norm, heads.k_norm].into_iter().flatten() {
+            norm.expect_len("q/k norm weights", d)?;
+        }
+        if d > PAGED_MAX_HEAD_DIM || !d.is_multiple_of(2) || at.cos.len() != at.sin.len() {
+            return Err(DeviceError::ShapeMismatch {
+                what: "q/k/v heads (an even head dim, at most the largest) and rotary tables",
+                expected: PAGED_MAX_HEAD_DIM,
+                actual: d,
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let items = n * (heads.heads + kv);
+        let config = LaunchConfig {
+            grid_dim: (items.div_ceil(WARPS) as u32, 1, 1),
+            block_dim: (32 * WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let address = |slice: Option<GpuSlice<bf16>>| slice.map_or(0, |s| s.address());
         let args = (
             n as i64,
+            as_i32("heads", heads.heads)?,
+            as_i32("kv heads", kv)?,
+            as_i32("head dim", d)?,
+            heads.eps,
             as_i32("layer", layer)?,
             as_i32("layers", shape.num_layers)?,
             as_i32("block size", shape.block_size)?,
-            as_i32("kv dim", shape.kv_dim())?,
             shape.num_blocks as i64,
         );
         self.launch(
-            "paged_kv_write",
-            elementwise(n * shape.kv_dim()),
+            "qkv_rotary_cache",
+            config,
             &[
+                &q.address(),
                 &cache.address(),
-                &k.address(),
-                &v.address(),
-                &slots.address(),
+                &heads.qkv.address(),
+                &address(heads.bias),
+                &address(heads.q_norm),
+                &address(heads.k_norm),
+                &at.positions.address(),
+                &at.cos.address(),
+                &at.sin.address(),
+                &at.slots.address(),
                 &args.0,
                 &args.1,
                 &args.2,
                 &args.3,
                 &args.4,
                 &args.5,
+                &args.6,
+                &args.7,
+                &args.8,
             ],
         )
     }
@@ -207,11 +293,11 @@ impl Gpu {
                 actual: tokens.tables.len(),
             });
         }
-        let items = n * heads;
+        let blocks = n * shape.kv_heads * (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
         let config = LaunchConfig {
-            grid_dim: (items.div_ceil(ATTENTION_WARPS).max(1) as u32, 1, 1),
-            block_dim: (32 * ATTENTION_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (as_i32("attention blocks", blocks)? as u32, 1, 1),
+            block_dim: (32 * WARPS as u32, 1, 1),
+            shared_mem_bytes: attention_shared_bytes(d),
         };
         let args = (
             n as i64,

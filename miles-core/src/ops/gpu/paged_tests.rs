@@ -1,23 +1,29 @@
-//! Tests of the paged KV cache kernels against plain loops and `ops::attention_forward_naive`,
-//! on seeded inputs rounded to bf16: several sequences of different lengths, blocks scattered
-//! over the cache, a block size that does not divide the lengths, grouped-query heads, prefill
-//! and decode. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core paged --
+//! Tests of the paged KV cache kernels against the CPU ops (bias, RMSNorm, RoPE) and
+//! `ops::attention_forward_naive`, on seeded inputs rounded to bf16: several sequences of
+//! different lengths, blocks scattered over the cache, a block size that does not divide the
+//! lengths, grouped-query heads (more heads than one attention block serves too), prefill and
+//! decode. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core paged --
 //! --test-threads=1`; elsewhere they skip.
 
 use half::bf16;
 
 use super::testing::{TestGpu, assert_close};
-use super::{PagedCache, PagedTokens};
+use super::{PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 use crate::ops::testing::seeded_vec as seeded;
-use crate::ops::{AttentionShape, attention_forward_naive};
+use crate::ops::{
+    AttentionShape, RopeTable, attention_forward_naive, bias_forward, rmsnorm_forward, rope_forward,
+};
 
 /// bf16 rounding of the output plus fp32 accumulation order: 1% of the value's size.
 const BF16_TOLERANCE: f32 = 1e-2;
 
-/// Sequence lengths of the tests: none a multiple of the block size 8, one a single position.
-const LENGTHS: [usize; 4] = [5, 17, 1, 33];
+/// Sequence lengths of the tests: none a multiple of the block size 8, one a single position,
+/// one of more tiles than the attention block has warps (150 positions: 5 tiles of 32 for 4
+/// warps).
+const LENGTHS: [usize; 4] = [5, 17, 1, 150];
 
-/// Each sequence's blocks, handed out in a scattered order (7 is coprime to the block count).
+/// Each sequence's blocks, handed out in a scattered order (7 is coprime to the block count,
+/// 32 in every test, and the lengths take 24 blocks).
 fn block_tables(shape: &PagedCache, lengths: &[usize]) -> Vec<Vec<usize>> {
     let mut next = 0;
     lengths
@@ -33,8 +39,8 @@ fn block_tables(shape: &PagedCache, lengths: &[usize]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// The sequences' keys and values `(T, K*D)` each, rounded to bf16, and the cache filled with
-/// them through `paged_kv_write` of `layer` (one call for every token of every sequence).
+/// The sequences' keys and values `(T, K*D)` each, rounded to bf16, and the cache holding
+/// them at their slots of `layer` (over seeded values elsewhere), uploaded from the host.
 struct Filled {
     cache: crate::device::GpuSlice<bf16>,
     keys: Vec<Vec<f32>>,
@@ -42,32 +48,52 @@ struct Filled {
     tables: Vec<Vec<usize>>,
 }
 
+/// Rounds `values` to bf16.
+fn rounded(values: &[f32]) -> Vec<f32> {
+    values.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// Each token's (sequence, position, slot) for every position of every sequence.
+fn every_slot(shape: &PagedCache, tables: &[Vec<usize>]) -> Vec<(usize, usize, usize)> {
+    let p = shape.block_size;
+    tables
+        .iter()
+        .zip(&LENGTHS)
+        .enumerate()
+        .flat_map(|(s, (table, &len))| (0..len).map(move |pos| (s, pos, table[pos / p])))
+        .map(|(s, pos, block)| (s, pos, block * p + pos % p))
+        .collect()
+}
+
+/// `cache` with each token's key and value rows `(N, K*D)` at its slot of `layer`.
+fn place(shape: &PagedCache, cache: &mut [f32], layer: usize, slots: &[usize], kv: [&[f32]; 2]) {
+    let kvd = shape.kv_dim();
+    for (i, &slot) in slots.iter().enumerate() {
+        let (block, within) = (slot / shape.block_size, slot % shape.block_size);
+        for (half, rows) in kv.iter().enumerate() {
+            let at = shape.offset(block, layer, half, within);
+            cache[at..at + kvd].copy_from_slice(&rows[i * kvd..(i + 1) * kvd]);
+        }
+    }
+}
+
 fn fill(t: &mut TestGpu, shape: &PagedCache, layer: usize, seed: u64) -> Filled {
     let kvd = shape.kv_dim();
-    let (cache, _) = t.put_bf16(&seeded(seed, shape.elems()));
     let tables = block_tables(shape, &LENGTHS);
-    let total: usize = LENGTHS.iter().sum();
-    let (k, k_host) = t.put_bf16(&seeded(seed + 1, total * kvd));
-    let (v, v_host) = t.put_bf16(&seeded(seed + 2, total * kvd));
-    let mut slots = Vec::with_capacity(total);
+    let tokens = every_slot(shape, &tables);
+    let k_host = rounded(&seeded(seed + 1, tokens.len() * kvd));
+    let v_host = rounded(&seeded(seed + 2, tokens.len() * kvd));
+    let mut cache_host = rounded(&seeded(seed, shape.elems()));
+    let slots: Vec<usize> = tokens.iter().map(|&(_, _, slot)| slot).collect();
+    place(shape, &mut cache_host, layer, &slots, [&k_host, &v_host]);
+    let (cache, _) = t.put_bf16(&cache_host);
     let (mut keys, mut values) = (Vec::new(), Vec::new());
     let mut first = 0;
-    for (table, &len) in tables.iter().zip(&LENGTHS) {
-        for pos in 0..len {
-            slots.push(
-                shape
-                    .slot(table[pos / shape.block_size], pos)
-                    .unwrap_or_else(|e| panic!("{e}")),
-            );
-        }
+    for &len in &LENGTHS {
         keys.push(k_host[first * kvd..(first + len) * kvd].to_vec());
         values.push(v_host[first * kvd..(first + len) * kvd].to_vec());
         first += len;
     }
-    let slots = t.put(&slots);
-    t.gpu
-        .paged_kv_write(cache, shape, layer, k, v, slots)
-        .unwrap_or_else(|e| panic!("{e}"));
     Filled {
         cache,
         keys,
@@ -87,41 +113,106 @@ fn table_rows(tables: &[Vec<usize>], max_blocks: usize) -> Vec<u32> {
     rows
 }
 
-#[test]
-fn paged_kv_write_stores_each_token_at_its_slot_and_nothing_else() {
-    let Some(mut t) = TestGpu::open(
-        "paged_kv_write_stores_each_token_at_its_slot_and_nothing_else",
-        16 << 20,
-    ) else {
+/// The columns `first..first + width` of each row of `rows (N, row)`.
+fn columns(rows: &[f32], row: usize, first: usize, width: usize) -> Vec<f32> {
+    rows.chunks_exact(row)
+        .flat_map(|r| r[first..first + width].to_vec())
+        .collect()
+}
+
+/// Checks `qkv_rotary_cache` against the CPU ops, with the biases and q/k norms of qwen or
+/// without them.
+fn check_qkv_rotary_cache(what: &str, with_extras: bool, seed: u64) {
+    let Some(mut t) = TestGpu::open(what, 16 << 20) else {
         return;
     };
+    // 24 channels: fewer than a warp's lanes, and not a multiple of them.
     let shape = PagedCache {
-        num_blocks: 16,
+        num_blocks: 32,
         num_layers: 3,
         block_size: 8,
         kv_heads: 2,
         head_dim: 24,
     };
-    let layer = 1;
-    let before: Vec<f32> = seeded(40, shape.elems())
-        .iter()
-        .map(|&x| bf16::from_f32(x).to_f32())
-        .collect();
-    let f = fill(&mut t, &shape, layer, 40);
-    let mut want = before;
-    let kvd = shape.kv_dim();
-    for (s, table) in f.tables.iter().enumerate() {
-        for pos in 0..LENGTHS[s] {
-            let (block, slot) = (table[pos / shape.block_size], pos % shape.block_size);
-            let row = pos * kvd..(pos + 1) * kvd;
-            let k = shape.offset(block, layer, 0, slot);
-            want[k..k + kvd].copy_from_slice(&f.keys[s][row.clone()]);
-            let v = shape.offset(block, layer, 1, slot);
-            want[v..v + kvd].copy_from_slice(&f.values[s][row]);
-        }
+    let (heads, d, layer, eps) = (6, shape.head_dim, 1, 1e-6);
+    let (qd, kvd) = (heads * d, shape.kv_dim());
+    let width = qd + 2 * kvd;
+    let tokens = every_slot(&shape, &block_tables(&shape, &LENGTHS));
+    let n = tokens.len();
+    let table = RopeTable::new(d, 10000.0, 256);
+    let (qkv, qkv_host) = t.put_bf16(&seeded(seed, n * width));
+    let (bias, bias_host) = t.put_bf16(&seeded(seed + 1, width));
+    let (q_norm, q_norm_host) = t.put_bf16(&seeded(seed + 2, d));
+    let (k_norm, k_norm_host) = t.put_bf16(&seeded(seed + 3, d));
+    let background = rounded(&seeded(seed + 4, shape.elems()));
+    let (cache, _) = t.put_bf16(&background);
+    let positions: Vec<u32> = tokens.iter().map(|&(_, pos, _)| pos as u32).collect();
+    let slots: Vec<usize> = tokens.iter().map(|&(_, _, slot)| slot).collect();
+    let slot_words: Vec<u32> = slots.iter().map(|&slot| slot as u32).collect();
+    let places = TokenPlaces {
+        positions: t.put(&positions),
+        slots: t.put(&slot_words),
+        cos: t.put(table.cos()),
+        sin: t.put(table.sin()),
+    };
+    let q = t.alloc::<bf16>(n * qd);
+    let extras = |slice| with_extras.then_some(slice);
+    let fused = QkvHeads {
+        qkv,
+        heads,
+        bias: extras(bias),
+        q_norm: extras(q_norm),
+        k_norm: extras(k_norm),
+        eps,
+    };
+    t.gpu
+        .qkv_rotary_cache(q, cache, &shape, layer, &fused, &places)
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // The CPU's steps, each rounded to bf16 as the separate kernels round.
+    let mut biased = qkv_host;
+    if with_extras {
+        bias_forward(&mut biased, &bias_host);
+        biased = rounded(&biased);
     }
-    // A copy of bf16 values is exact.
-    assert_close("paged kv write", &t.get_bf16(f.cache), &want, 0.0);
+    let positions: Vec<usize> = tokens.iter().map(|&(_, pos, _)| pos).collect();
+    let prepare = |first: usize, count: usize, norm: &[f32]| {
+        let mut x = columns(&biased, width, first, count * d);
+        if with_extras {
+            let (mut normed, mut rstd) = (vec![0.0; x.len()], vec![0.0; x.len() / d]);
+            rmsnorm_forward(&mut normed, &mut rstd, &x, norm, eps);
+            x = rounded(&normed);
+        }
+        rope_forward(&mut x, &positions, count, &table);
+        x
+    };
+    let want_q = prepare(0, heads, &q_norm_host);
+    let want_k = prepare(qd, shape.kv_heads, &k_norm_host);
+    let want_v = columns(&biased, width, qd + kvd, kvd);
+    let mut want_cache = background;
+    place(&shape, &mut want_cache, layer, &slots, [&want_k, &want_v]);
+    assert_close(what, &t.get_bf16(q), &want_q, BF16_TOLERANCE);
+    // Everything but the new rows is untouched (bit for bit: the tolerance is relative to
+    // max(1, |want|), and a bf16 copy is exact).
+    assert_close(what, &t.get_bf16(cache), &want_cache, BF16_TOLERANCE);
+}
+
+#[test]
+fn qkv_rotary_cache_prepares_queries_and_stores_keys_and_values_at_their_slots() {
+    check_qkv_rotary_cache(
+        "qkv_rotary_cache_prepares_queries_and_stores_keys_and_values_at_their_slots",
+        false,
+        40,
+    );
+}
+
+#[test]
+fn qkv_rotary_cache_adds_the_biases_and_norms_the_heads_as_qwen_needs() {
+    check_qkv_rotary_cache(
+        "qkv_rotary_cache_adds_the_biases_and_norms_the_heads_as_qwen_needs",
+        true,
+        45,
+    );
 }
 
 /// Runs the attention kernel for `queries` (sequence, position) pairs against the filled cache
@@ -191,7 +282,7 @@ fn check_attention(what: &str, shape: PagedCache, heads: usize, decode: bool, se
 #[test]
 fn paged_attention_prefill_matches_causal_attention_with_grouped_heads() {
     let shape = PagedCache {
-        num_blocks: 16,
+        num_blocks: 32,
         num_layers: 2,
         block_size: 8,
         kv_heads: 2,
@@ -209,7 +300,7 @@ fn paged_attention_prefill_matches_causal_attention_with_grouped_heads() {
 #[test]
 fn paged_attention_decode_matches_the_last_row_at_the_largest_head_dim() {
     let shape = PagedCache {
-        num_blocks: 16,
+        num_blocks: 32,
         num_layers: 2,
         block_size: 8,
         kv_heads: 2,
@@ -227,7 +318,7 @@ fn paged_attention_decode_matches_the_last_row_at_the_largest_head_dim() {
 #[test]
 fn paged_attention_handles_a_head_dim_that_is_not_a_multiple_of_the_warp() {
     let shape = PagedCache {
-        num_blocks: 16,
+        num_blocks: 32,
         num_layers: 1,
         block_size: 8,
         kv_heads: 1,
@@ -239,5 +330,24 @@ fn paged_attention_handles_a_head_dim_that_is_not_a_multiple_of_the_warp() {
         3,
         false,
         70,
+    );
+}
+
+#[test]
+fn paged_attention_serves_a_group_of_more_query_heads_than_one_block_takes() {
+    // 12 query heads on one kv head: two blocks of the group, the second with 4.
+    let shape = PagedCache {
+        num_blocks: 32,
+        num_layers: 1,
+        block_size: 8,
+        kv_heads: 1,
+        head_dim: 64,
+    };
+    check_attention(
+        "paged_attention_serves_a_group_of_more_query_heads_than_one_block_takes",
+        shape,
+        12,
+        true,
+        80,
     );
 }

@@ -137,6 +137,20 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
     swiglu_forward(&mut want, &gate_host, &up_host);
     assert_close("swiglu", &t.get_bf16(out), &want, BF16_TOLERANCE);
 
+    // The fused rows (10 rows of gate then up, 100 each) give the same values bit for bit.
+    let f = 100;
+    let gate_up: Vec<bf16> = gate_host
+        .chunks_exact(f)
+        .zip(up_host.chunks_exact(f))
+        .flat_map(|(g, u)| g.iter().chain(u).map(|&x| bf16::from_f32(x)))
+        .collect();
+    let gate_up = t.put(&gate_up);
+    let rows = t.alloc::<bf16>(len);
+    t.gpu
+        .swiglu_rows(rows, gate_up, f)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close("swiglu rows", &t.get_bf16(rows), &t.get_bf16(out), 0.0);
+
     t.gpu
         .residual_add(out, gate)
         .unwrap_or_else(|e| panic!("{e}"));

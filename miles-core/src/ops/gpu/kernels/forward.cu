@@ -34,6 +34,8 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     const long long row = blockIdx.x;
     const bf16* xr = x + row * c;
     float ss = 0.0f;
+    // Unrolled so that a thread's reads are in flight together (the sum's order is the same).
+#pragma unroll 8
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
         const float v = bf2f(xr[j]);
         ss += v * v;
@@ -42,6 +44,7 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     const float r = rsqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
     bf16* o = out + row * c;
+#pragma unroll 8
     for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
 }
 
@@ -81,6 +84,20 @@ extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf1
          i += (long long)gridDim.x * blockDim.x) {
         const float g = bf2f(gate[i]);
         out[i] = f2bf(g / (1.0f + __expf(-g)) * bf2f(up[i]));
+    }
+}
+
+// out (n, f) = silu(gate) * up from the fused product gu (n, 2f), a row holding the gate's f
+// values, then the up's. A grid-stride loop over rows (y) and columns (x), so no index is
+// divided.
+extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, int f) {
+    for (long long row = blockIdx.y; row < n; row += gridDim.y) {
+        const bf16* g = gu + row * 2 * f;
+        bf16* o = out + row * f;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < f; j += gridDim.x * blockDim.x) {
+            const float x = bf2f(g[j]);
+            o[j] = f2bf(x / (1.0f + __expf(-x)) * bf2f(g[j + f]));
+        }
     }
 }
 

@@ -1,5 +1,6 @@
-// Paged KV cache kernels of the rollout engine: store new tokens' keys and values through a
-// block table, and attend over a sequence's cached positions read through it.
+// Paged KV cache kernels of the rollout engine: prepare a layer's queries and store its new
+// keys and values through a block table, and attend over a sequence's cached positions read
+// through it.
 //
 // Cache layout (bf16): (blocks, L, 2, P, K*D). A block holds P positions of every layer's keys
 // (half 0) and values (half 1); position t of a sequence lives in block table[t / P] at slot
@@ -10,17 +11,24 @@
 // i's position t, seq_rows[i] = the row of `tables` (S, max_blocks) holding its sequence's
 // blocks, positions[i] = t.
 //
-// paged_kv_write(bf16* cache, const bf16* k, const bf16* v, const unsigned* slots,
-//                long long n, int layer, int layers, int block_size, int kv_dim,
-//                long long num_blocks)                           grid-stride over n * kv_dim
+// qkv_rotary_cache(bf16* q_out, bf16* cache, const bf16* qkv, const bf16* bias,
+//                  const bf16* q_norm, const bf16* k_norm, const unsigned* positions,
+//                  const float* cos_t, const float* sin_t, const unsigned* slots, long long n,
+//                  int heads, int kv_heads, int d, float eps, int layer, int layers,
+//                  int block_size, long long num_blocks)
+//                                      one warp per (token, q or kv head), 4 warps a block
 // paged_attention(bf16* out, const bf16* q, const bf16* cache, const unsigned* tables,
 //                 const unsigned* seq_rows, const unsigned* positions, long long n, int heads,
 //                 int kv_heads, int d, int layer, int layers, int block_size, int max_blocks,
-//                 float scale)                       one warp per (token, head), 4 warps a block
+//                 float scale)
+//                 one block of 4 warps per (token, kv head, up to 8 of its query heads),
+//                 dynamic shared memory of 4 * (64 * (d + 1) + 8 * d + 8 * 64) bytes
 
 // Largest head dim the attention kernel takes: each lane keeps d / 32 outputs in registers.
 #define PAGED_MAX_D 128
 #define PAGED_WARPS 4
+// Query heads one attention block serves.
+#define PAGED_HEADS 8
 
 // The first element of `layer`'s keys (half 0) or values (half 1) at `slot` of `block`.
 __device__ __forceinline__ long long paged_offset(long long block, int layer, int layers, int half,
@@ -29,98 +37,220 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
            (long long)slot * kv_dim;
 }
 
-// cache[slot of token i] = k[i], v[i] (rows of kv_dim) for `layer`. A slot outside the cache
-// (a bookkeeping bug) is skipped rather than written over another tensor.
-extern "C" __global__ void paged_kv_write(bf16* cache, const bf16* k, const bf16* v,
-                                          const unsigned int* slots, long long n, int layer,
-                                          int layers, int block_size, int kv_dim,
-                                          long long num_blocks) {
-    const long long total = n * kv_dim;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long token = i / kv_dim;
-        const int j = (int)(i % kv_dim);
-        const long long slot = slots[token];
-        const long long block = slot / block_size;
-        if (block >= num_blocks) continue;
-        const int within = (int)(slot % block_size);
-        cache[paged_offset(block, layer, layers, 0, within, block_size, kv_dim) + j] = k[i];
-        cache[paged_offset(block, layer, layers, 1, within, block_size, kv_dim) + j] = v[i];
-    }
-}
-
 // out[token, h] = softmax(q[token, h] . K[0..=p] * scale) V[0..=p] over the positions of the
 // token's sequence up to its own position p, with K, V of kv head h / (heads / kv_heads) read
-// through the block table. Online softmax in fp32 over tiles of 32 positions: lane j scores
-// position u0 + j, then every lane accumulates its channels (lane, lane + 32, ...) of the
-// tile's values. Nothing of size T x T is stored. Each warp touches only its own row of the
-// shared query array, so warps never wait for each other.
+// through the block table. Nothing of size T x T is stored.
+//
+// One block serves a token, a kv head and up to PAGED_HEADS of the query heads sharing it, so
+// each key and value row is read once for all of them. The block walks the positions in tiles
+// of PAGED_TILE: its warps copy the tile's key and value rows into shared memory (each row one
+// coalesced read), then each warp takes its own heads (warp, warp + PAGED_WARPS): lane
+// j scores positions j and j + 32 of the tile, and every lane adds its channels (lane,
+// lane + 32, ...) of the value rows, with an online softmax in fp32 per head. Shared memory
+// (dynamic, paged_attention_shared_bytes(d)): the key rows padded to d/2 + 1 words so the
+// lanes' reads of different rows fall in different banks, the value rows, the queries and the
+// tile's probabilities.
+#define PAGED_TILE 64
+#define PAGED_ROWS (PAGED_TILE / PAGED_WARPS)  // rows of a tile each warp copies
+
 extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16* cache,
                                            const unsigned int* tables,
                                            const unsigned int* seq_rows,
                                            const unsigned int* positions, long long n, int heads,
                                            int kv_heads, int d, int layer, int layers,
                                            int block_size, int max_blocks, float scale) {
-    __shared__ float qs[PAGED_WARPS][PAGED_MAX_D];
+    extern __shared__ unsigned int shared[];
+    const int pairs = d / 2, stride = pairs + 1;
+    unsigned int* ks = shared;                             // [PAGED_TILE][stride]
+    unsigned int* vs = ks + PAGED_TILE * stride;           // [PAGED_TILE][pairs]
+    float* qs = (float*)(vs + PAGED_TILE * pairs);         // [PAGED_HEADS][d]
+    float* ps = qs + PAGED_HEADS * d;                      // [PAGED_HEADS][PAGED_TILE]
+    const bf16* vrows = (const bf16*)vs;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long item = (long long)blockIdx.x * PAGED_WARPS + warp;
-    if (item >= n * heads) return;  // the whole warp leaves together
-    const long long token = item / heads;
-    const int h = (int)(item % heads);
-    const int kvh = h / (heads / kv_heads);
+    const int group = heads / kv_heads;
+    const int chunks = (group + PAGED_HEADS - 1) / PAGED_HEADS;
+    const int chunk = (int)(blockIdx.x % chunks);
+    const int kvh = (int)((blockIdx.x / chunks) % kv_heads);
+    const long long token = (long long)blockIdx.x / chunks / kv_heads;
+    const int h0 = kvh * group + chunk * PAGED_HEADS;
+    const int hn = min(PAGED_HEADS, group - chunk * PAGED_HEADS);
     const int kv_dim = kv_heads * d;
+    const long long half_stride = (long long)block_size * kv_dim;  // keys to values
     const int pos = (int)positions[token];
     const unsigned int* table = tables + (long long)seq_rows[token] * max_blocks;
-    const bf16* qh = q + item * d;
-    for (int c = lane; c < d; c += 32) qs[warp][c] = bf2f(qh[c]) * scale;
-    __syncwarp();
+    for (int i = threadIdx.x; i < hn * d; i += blockDim.x) {
+        qs[i] = bf2f(q[(token * heads + h0) * d + i]) * scale;
+    }
 
-    float m = NEG_INF, l = 0.0f;
-    float acc[PAGED_MAX_D / 32];
+#define PAGED_OWN (PAGED_HEADS / PAGED_WARPS)  // heads a warp owns at most
+    float m[PAGED_OWN], l[PAGED_OWN], acc[PAGED_OWN][PAGED_MAX_D / 32];
 #pragma unroll
-    for (int i = 0; i < PAGED_MAX_D / 32; ++i) acc[i] = 0.0f;
+    for (int k = 0; k < PAGED_OWN; ++k) {
+        m[k] = NEG_INF;
+        l[k] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PAGED_MAX_D / 32; ++i) acc[k][i] = 0.0f;
+    }
 
-    for (int u0 = 0; u0 <= pos; u0 += 32) {
-        const int u = u0 + lane;
-        float s = NEG_INF;
-        if (u <= pos) {
-            const bf16* krow = cache +
-                               paged_offset(table[u / block_size], layer, layers, 0,
-                                            u % block_size, block_size, kv_dim) +
-                               (long long)kvh * d;
-            float dot = 0.0f;
-            for (int c = 0; c < d; ++c) dot += qs[warp][c] * bf2f(krow[c]);
-            s = dot;
+    for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
+        const int rows = min(PAGED_TILE, pos - u0 + 1);
+        __syncthreads();  // the last tile's readers are done (and the queries are in)
+        // Warp w copies rows w * PAGED_ROWS.. of the tile. Its first lanes find where those
+        // rows lie; then every lane reads its words of all of them before storing any, so the
+        // reads are in flight together.
+        const int first = warp * PAGED_ROWS;
+        const int mine = first + (lane % PAGED_ROWS);
+        const long long at = mine < rows
+                                 ? paged_offset(table[(u0 + mine) / block_size], layer, layers, 0,
+                                                (u0 + mine) % block_size, block_size, kv_dim) +
+                                       (long long)kvh * d
+                                 : 0;
+        unsigned int kw[PAGED_ROWS][PAGED_MAX_D / 64], vw[PAGED_ROWS][PAGED_MAX_D / 64];
+#pragma unroll
+        for (int r = 0; r < PAGED_ROWS; ++r) {
+            const long long row_at = __shfl_sync(0xffffffffu, at, r);
+            const unsigned int* key = (const unsigned int*)(cache + row_at);
+            const unsigned int* value = (const unsigned int*)(cache + row_at + half_stride);
+#pragma unroll
+            for (int i = 0; i < PAGED_MAX_D / 64; ++i) {
+                const int w = lane + 32 * i;
+                const bool copy = first + r < rows && w < pairs;
+                kw[r][i] = copy ? key[w] : 0u;
+                vw[r][i] = copy ? value[w] : 0u;
+            }
         }
-        // Lane 0's position u0 <= pos is always scored, so m_new is finite.
-        const float m_new = fmaxf(m, warp_max(s));
-        const float correction = expf(m - m_new);  // 0 on the first tile (m = -inf)
-        const float p = u <= pos ? expf(s - m_new) : 0.0f;
-        l = l * correction + warp_sum(p);
 #pragma unroll
-        for (int i = 0; i < PAGED_MAX_D / 32; ++i) acc[i] *= correction;
-        const int count = min(32, pos - u0 + 1);
-        for (int j = 0; j < count; ++j) {
-            const float pj = __shfl_sync(0xffffffffu, p, j);
-            const int uj = u0 + j;
-            const bf16* vrow = cache +
-                               paged_offset(table[uj / block_size], layer, layers, 1,
-                                            uj % block_size, block_size, kv_dim) +
-                               (long long)kvh * d;
+        for (int r = 0; r < PAGED_ROWS; ++r) {
+#pragma unroll
+            for (int i = 0; i < PAGED_MAX_D / 64; ++i) {
+                const int w = lane + 32 * i;
+                if (first + r < rows && w < pairs) {
+                    ks[(first + r) * stride + w] = kw[r][i];
+                    vs[(first + r) * pairs + w] = vw[r][i];
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PAGED_OWN; ++k) {
+            const int g = warp + PAGED_WARPS * k;
+            if (g >= hn) continue;  // the same for the whole warp
+            const float* qg = qs + g * d;
+            float s[2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int j = lane + 32 * half;
+                float dot = NEG_INF;
+                if (j < rows) {
+                    const unsigned int* key = ks + j * stride;
+                    dot = 0.0f;
+                    for (int w = 0; w < pairs; ++w) {
+                        const unsigned int kw = key[w];
+                        dot += qg[2 * w] * __uint_as_float(kw << 16) +
+                               qg[2 * w + 1] * __uint_as_float(kw & 0xffff0000u);
+                    }
+                }
+                s[half] = dot;
+            }
+            // Position u0 (lane 0's first) is always scored, so m_new is finite.
+            const float m_new = fmaxf(m[k], warp_max(fmaxf(s[0], s[1])));
+            const float correction = expf(m[k] - m_new);  // 0 on the first tile
+            const float p0 = lane < rows ? expf(s[0] - m_new) : 0.0f;
+            const float p1 = lane + 32 < rows ? expf(s[1] - m_new) : 0.0f;
+            l[k] = l[k] * correction + warp_sum(p0 + p1);
+            m[k] = m_new;
+            float* pg = ps + g * PAGED_TILE;
+            pg[lane] = p0;
+            pg[lane + 32] = p1;
+            __syncwarp();
 #pragma unroll
             for (int i = 0; i < PAGED_MAX_D / 32; ++i) {
                 const int c = lane + 32 * i;
-                if (c < d) acc[i] += pj * bf2f(vrow[c]);
+                if (c >= d) continue;
+                float a = acc[k][i] * correction;
+                for (int j = 0; j < rows; ++j) a += pg[j] * bf2f(vrows[j * d + c]);
+                acc[k][i] = a;
             }
+            __syncwarp();
         }
-        m = m_new;
     }
+#undef PAGED_OWN
 
-    bf16* o = out + item * d;
-    const float inv = 1.0f / l;
 #pragma unroll
-    for (int i = 0; i < PAGED_MAX_D / 32; ++i) {
-        const int c = lane + 32 * i;
-        if (c < d) o[c] = f2bf(acc[i] * inv);
+    for (int k = 0; k < PAGED_HEADS / PAGED_WARPS; ++k) {
+        const int g = warp + PAGED_WARPS * k;
+        if (g >= hn) continue;
+        const float inv = 1.0f / l[k];
+        bf16* o = out + (token * heads + h0 + g) * d;
+#pragma unroll
+        for (int i = 0; i < PAGED_MAX_D / 32; ++i) {
+            const int c = lane + 32 * i;
+            if (c < d) o[c] = f2bf(acc[k][i] * inv);
+        }
+    }
+}
+
+// The q, k and v heads of `layer` from the fused product qkv (n, (heads + 2 kv_heads) d), a row
+// holding the q heads, then the k heads, then the v heads: adds the biases (bias, of one row's
+// width, or null), normalises each q and k head by its RMS times q_norm / k_norm (d each, or
+// null), turns q and k by the token's position (rotate-half, as rope_forward, with cos/sin
+// tables (max_pos, d/2)), and writes q into q_out (n, heads d) and k, v into the cache at the
+// token's slot (a slot past the cache is skipped, as in paged_kv_write). Every step rounds to
+// bf16 where the separate kernels do. One warp per (token, head) over heads + kv_heads heads: a
+// kv head's warp does its key and its value.
+extern "C" __global__ void qkv_rotary_cache(bf16* q_out, bf16* cache, const bf16* qkv,
+                                            const bf16* bias, const bf16* q_norm,
+                                            const bf16* k_norm, const unsigned int* positions,
+                                            const float* cos_t, const float* sin_t,
+                                            const unsigned int* slots, long long n, int heads,
+                                            int kv_heads, int d, float eps, int layer, int layers,
+                                            int block_size, long long num_blocks) {
+    __shared__ float row[PAGED_WARPS][PAGED_MAX_D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long item = (long long)blockIdx.x * PAGED_WARPS + warp;
+    if (item >= n * (heads + kv_heads)) return;  // the whole warp leaves together
+    const long long token = item / (heads + kv_heads);
+    const int h = (int)(item % (heads + kv_heads));
+    const bool is_q = h < heads;
+    const int kvh = h - heads, kv_dim = kv_heads * d, half = d / 2;
+    const long long width = (long long)(heads + 2 * kv_heads) * d;
+    const int first = is_q ? h * d : heads * d + kvh * d;  // the head's column in a row
+    const bf16* src = qkv + token * width + first;
+    const bf16* norm = is_q ? q_norm : k_norm;
+    float ss = 0.0f;
+    for (int c = lane; c < d; c += 32) {
+        float x = bf2f(src[c]);
+        if (bias) x = bf2f(f2bf(x + bf2f(bias[first + c])));
+        row[warp][c] = x;
+        ss += x * x;
+    }
+    if (norm) {
+        const float r = rsqrtf(warp_sum(ss) / (float)d + eps);
+        for (int c = lane; c < d; c += 32) row[warp][c] = bf2f(f2bf(row[warp][c] * r * bf2f(norm[c])));
+    }
+    __syncwarp();
+    const long long pos = positions[token];
+    const long long slot = slots[token];
+    const long long block = slot / block_size;
+    const int within = (int)(slot % block_size);
+    bf16* dst = is_q ? q_out + (token * heads + h) * d
+                     : cache + paged_offset(block, layer, layers, 0, within, block_size, kv_dim) +
+                           (long long)kvh * d;
+    if (!is_q && block >= num_blocks) return;
+    for (int p = lane; p < half; p += 32) {
+        const float cs = cos_t[pos * half + p], sn = sin_t[pos * half + p];
+        const float a = row[warp][p], b = row[warp][p + half];
+        dst[p] = f2bf(a * cs - b * sn);
+        dst[p + half] = f2bf(b * cs + a * sn);
+    }
+    if (is_q) return;
+    const int vfirst = heads * d + kv_dim + kvh * d;
+    const bf16* vsrc = qkv + token * width + vfirst;
+    bf16* vdst = cache + paged_offset(block, layer, layers, 1, within, block_size, kv_dim) +
+                 (long long)kvh * d;
+    for (int c = lane; c < d; c += 32) {
+        float x = bf2f(vsrc[c]);
+        if (bias) x = bf2f(f2bf(x + bf2f(bias[vfirst + c])));
+        vdst[c] = f2bf(x);
     }
 }
