@@ -230,9 +230,9 @@ pub(crate) fn check_fit(
             gpu.device().name()
         )));
     }
-    if config.head_dim > PAGED_MAX_HEAD_DIM || !config.head_dim.is_multiple_of(2) {
+    if config.head_dim > PAGED_MAX_HEAD_DIM || !config.head_dim.is_multiple_of(8) {
         return Err(bad(format!(
-            "head dim {} is not supported on the gpu; it must be even and at most {PAGED_MAX_HEAD_DIM}",
+            "head dim {} is not supported on the gpu; it must be a multiple of 8 and at most {PAGED_MAX_HEAD_DIM}",
             config.head_dim
         )));
     }

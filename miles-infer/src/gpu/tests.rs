@@ -534,7 +534,7 @@ fn gpu_decode_graphs_give_the_tokens_of_queued_kernels() {
 }
 
 /// The tiny preset as a model of `model_type`: `qwen2` (q/k/v biases, tied head) or `qwen3`
-/// (per-head q/k norms, `head_dim` 24 where hidden / heads is 16, an untied head).
+/// (per-head q/k norms, `head_dim` 40 where hidden / heads is 16, an untied head).
 fn family_config(model_type: &str) -> LlamaConfig {
     let preset = include_str!("../../../miles-core/presets/tiny.json");
     let mut json = preset.replace(
@@ -545,7 +545,7 @@ fn family_config(model_type: &str) -> LlamaConfig {
         json = json
             .replace(
                 "\"hidden_size\": 64,",
-                "\"head_dim\": 24,\n  \"hidden_size\": 64,",
+                "\"head_dim\": 40,\n  \"hidden_size\": 64,",
             )
             .replace(
                 "\"tie_word_embeddings\": true",

@@ -28,10 +28,11 @@ const ATTENTION_HEADS: usize = 8;
 /// Positions of one attention tile (`PAGED_TILE` in the kernel).
 const ATTENTION_TILE: usize = 64;
 
-/// Dynamic shared memory of the attention kernel at head dim `d`: a tile's key rows (padded by
-/// one word), its value rows, the block's queries and the tile's probabilities, 4 bytes a word.
+/// Dynamic shared memory of the attention kernel at head dim `d`: a tile's key rows (`d/2`
+/// words padded by 4) and value rows (`d/2` words), the block's queries and the tile's
+/// probabilities, 4 bytes a word.
 fn attention_shared_bytes(d: usize) -> u32 {
-    let words = ATTENTION_TILE * (d + 1) + ATTENTION_HEADS * d + ATTENTION_HEADS * ATTENTION_TILE;
+    let words = ATTENTION_TILE * (d + 4) + ATTENTION_HEADS * (d + ATTENTION_TILE);
     (4 * words) as u32
 }
 
@@ -252,7 +253,7 @@ impl Gpu {
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] for mismatched shapes, `H` not a multiple of `K`, or a
-    /// head dim over [`PAGED_MAX_HEAD_DIM`]; the launch's error.
+    /// head dim over [`PAGED_MAX_HEAD_DIM`] or not a multiple of 8; the launch's error.
     pub fn paged_attention(
         &self,
         out: GpuSlice<bf16>,
@@ -267,9 +268,9 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        if d > PAGED_MAX_HEAD_DIM {
+        if d > PAGED_MAX_HEAD_DIM || !d.is_multiple_of(8) {
             return Err(DeviceError::ShapeMismatch {
-                what: "paged attention head dim",
+                what: "paged attention head dim (a multiple of 8, at most the largest)",
                 expected: PAGED_MAX_HEAD_DIM,
                 actual: d,
             });

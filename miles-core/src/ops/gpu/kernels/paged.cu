@@ -22,7 +22,7 @@
 //                 int kv_heads, int d, int layer, int layers, int block_size, int max_blocks,
 //                 float scale)
 //                 one block of 4 warps per (token, kv head, up to 8 of its query heads),
-//                 dynamic shared memory of 4 * (64 * (d + 1) + 8 * d + 8 * 64) bytes
+//                 dynamic shared memory of 4 * (64 * (d + 4) + 8 * (d + 64)) bytes
 
 // Largest head dim the attention kernel takes: each lane keeps d / 32 outputs in registers.
 #define PAGED_MAX_D 128
@@ -39,19 +39,26 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 
 // out[token, h] = softmax(q[token, h] . K[0..=p] * scale) V[0..=p] over the positions of the
 // token's sequence up to its own position p, with K, V of kv head h / (heads / kv_heads) read
-// through the block table. Nothing of size T x T is stored.
+// through the block table. Nothing of size T x T is stored. d is a multiple of 8.
 //
 // One block serves a token, a kv head and up to PAGED_HEADS of the query heads sharing it, so
 // each key and value row is read once for all of them. The block walks the positions in tiles
 // of PAGED_TILE: its warps copy the tile's key and value rows into shared memory (each row one
-// coalesced read), then each warp takes its own heads (warp, warp + PAGED_WARPS): lane
-// j scores positions j and j + 32 of the tile, and every lane adds its channels (lane,
-// lane + 32, ...) of the value rows, with an online softmax in fp32 per head. Shared memory
-// (dynamic, paged_attention_shared_bytes(d)): the key rows padded to d/2 + 1 words so the
-// lanes' reads of different rows fall in different banks, the value rows, the queries and the
-// tile's probabilities.
+// coalesced read; rows past the sequence are zeros), then each warp takes its own heads (warp,
+// warp + PAGED_WARPS): lane j scores positions j and j + 32 of the tile, and every lane adds
+// its channel pairs (2 lane, 2 lane + 1, then 64 further) of the value rows, with an online
+// softmax in fp32 per head. Shared memory is read 16 bytes at a time where it can be: the key
+// rows are padded to d/2 + 4 words, so 8 lanes reading 16 bytes of 8 different rows fall in
+// different banks. Dynamic shared memory: the key rows, the value rows, the queries and the
+// tile's probabilities, 4 * (PAGED_TILE * (d + 4) + PAGED_HEADS * (d + PAGED_TILE)) bytes.
 #define PAGED_TILE 64
 #define PAGED_ROWS (PAGED_TILE / PAGED_WARPS)  // rows of a tile each warp copies
+#define PAGED_BATCH 8                          // rows a warp reads before it stores them
+#define PAGED_OWN (PAGED_HEADS / PAGED_WARPS)  // heads a warp owns at most
+#define PAGED_PAIRS (PAGED_MAX_D / 64)         // channel pairs a lane owns at most
+
+__device__ __forceinline__ float bf_lo(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
 extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16* cache,
                                            const unsigned int* tables,
@@ -59,13 +66,12 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
                                            const unsigned int* positions, long long n, int heads,
                                            int kv_heads, int d, int layer, int layers,
                                            int block_size, int max_blocks, float scale) {
-    extern __shared__ unsigned int shared[];
-    const int pairs = d / 2, stride = pairs + 1;
-    unsigned int* ks = shared;                             // [PAGED_TILE][stride]
+    extern __shared__ uint4 shared4[];
+    const int pairs = d / 2, stride = pairs + 4;
+    unsigned int* ks = (unsigned int*)shared4;             // [PAGED_TILE][stride]
     unsigned int* vs = ks + PAGED_TILE * stride;           // [PAGED_TILE][pairs]
     float* qs = (float*)(vs + PAGED_TILE * pairs);         // [PAGED_HEADS][d]
     float* ps = qs + PAGED_HEADS * d;                      // [PAGED_HEADS][PAGED_TILE]
-    const bf16* vrows = (const bf16*)vs;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = heads / kv_heads;
     const int chunks = (group + PAGED_HEADS - 1) / PAGED_HEADS;
@@ -82,22 +88,21 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
         qs[i] = bf2f(q[(token * heads + h0) * d + i]) * scale;
     }
 
-#define PAGED_OWN (PAGED_HEADS / PAGED_WARPS)  // heads a warp owns at most
-    float m[PAGED_OWN], l[PAGED_OWN], acc[PAGED_OWN][PAGED_MAX_D / 32];
+    float m[PAGED_OWN], l[PAGED_OWN], acc[PAGED_OWN][PAGED_PAIRS][2];
 #pragma unroll
     for (int k = 0; k < PAGED_OWN; ++k) {
         m[k] = NEG_INF;
         l[k] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < PAGED_MAX_D / 32; ++i) acc[k][i] = 0.0f;
+        for (int i = 0; i < PAGED_PAIRS; ++i) acc[k][i][0] = acc[k][i][1] = 0.0f;
     }
 
     for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
         const int rows = min(PAGED_TILE, pos - u0 + 1);
         __syncthreads();  // the last tile's readers are done (and the queries are in)
         // Warp w copies rows w * PAGED_ROWS.. of the tile. Its first lanes find where those
-        // rows lie; then every lane reads its words of all of them before storing any, so the
-        // reads are in flight together.
+        // rows lie; then every lane reads its words of a batch of rows before storing any, so
+        // the reads are in flight together.
         const int first = warp * PAGED_ROWS;
         const int mine = first + (lane % PAGED_ROWS);
         const long long at = mine < rows
@@ -105,49 +110,55 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
                                                 (u0 + mine) % block_size, block_size, kv_dim) +
                                        (long long)kvh * d
                                  : 0;
-        unsigned int kw[PAGED_ROWS][PAGED_MAX_D / 64], vw[PAGED_ROWS][PAGED_MAX_D / 64];
 #pragma unroll
-        for (int r = 0; r < PAGED_ROWS; ++r) {
-            const long long row_at = __shfl_sync(0xffffffffu, at, r);
-            const unsigned int* key = (const unsigned int*)(cache + row_at);
-            const unsigned int* value = (const unsigned int*)(cache + row_at + half_stride);
+        for (int r0 = 0; r0 < PAGED_ROWS; r0 += PAGED_BATCH) {
+            unsigned int kw[PAGED_BATCH][PAGED_PAIRS], vw[PAGED_BATCH][PAGED_PAIRS];
 #pragma unroll
-            for (int i = 0; i < PAGED_MAX_D / 64; ++i) {
-                const int w = lane + 32 * i;
-                const bool copy = first + r < rows && w < pairs;
-                kw[r][i] = copy ? key[w] : 0u;
-                vw[r][i] = copy ? value[w] : 0u;
+            for (int r = 0; r < PAGED_BATCH; ++r) {
+                const long long row_at = __shfl_sync(0xffffffffu, at, r0 + r);
+                const unsigned int* key = (const unsigned int*)(cache + row_at);
+                const unsigned int* value = (const unsigned int*)(cache + row_at + half_stride);
+#pragma unroll
+                for (int i = 0; i < PAGED_PAIRS; ++i) {
+                    const int w = lane + 32 * i;
+                    const bool copy = first + r0 + r < rows && w < pairs;
+                    kw[r][i] = copy ? key[w] : 0u;
+                    vw[r][i] = copy ? value[w] : 0u;
+                }
             }
-        }
 #pragma unroll
-        for (int r = 0; r < PAGED_ROWS; ++r) {
+            for (int r = 0; r < PAGED_BATCH; ++r) {
 #pragma unroll
-            for (int i = 0; i < PAGED_MAX_D / 64; ++i) {
-                const int w = lane + 32 * i;
-                if (first + r < rows && w < pairs) {
-                    ks[(first + r) * stride + w] = kw[r][i];
-                    vs[(first + r) * pairs + w] = vw[r][i];
+                for (int i = 0; i < PAGED_PAIRS; ++i) {
+                    const int w = lane + 32 * i;
+                    if (w < pairs) {
+                        ks[(first + r0 + r) * stride + w] = kw[r][i];
+                        vs[(first + r0 + r) * pairs + w] = vw[r][i];
+                    }
                 }
             }
         }
         __syncthreads();
+        const int rows4 = (rows + 3) & ~3;  // rows past the sequence: p 0 and values 0
 #pragma unroll
         for (int k = 0; k < PAGED_OWN; ++k) {
             const int g = warp + PAGED_WARPS * k;
             if (g >= hn) continue;  // the same for the whole warp
-            const float* qg = qs + g * d;
+            const float4* q4 = (const float4*)(qs + g * d);
             float s[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int j = lane + 32 * half;
                 float dot = NEG_INF;
                 if (j < rows) {
-                    const unsigned int* key = ks + j * stride;
+                    const uint4* key = (const uint4*)(ks + j * stride);
                     dot = 0.0f;
-                    for (int w = 0; w < pairs; ++w) {
-                        const unsigned int kw = key[w];
-                        dot += qg[2 * w] * __uint_as_float(kw << 16) +
-                               qg[2 * w + 1] * __uint_as_float(kw & 0xffff0000u);
+                    for (int w4 = 0; w4 < pairs / 4; ++w4) {
+                        const uint4 kk = key[w4];
+                        const float4 qa = q4[2 * w4], qb = q4[2 * w4 + 1];
+                        dot += qa.x * bf_lo(kk.x) + qa.y * bf_hi(kk.x) + qa.z * bf_lo(kk.y) +
+                               qa.w * bf_hi(kk.y) + qb.x * bf_lo(kk.z) + qb.y * bf_hi(kk.z) +
+                               qb.z * bf_lo(kk.w) + qb.w * bf_hi(kk.w);
                     }
                 }
                 s[half] = dot;
@@ -163,29 +174,39 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
             pg[lane] = p0;
             pg[lane + 32] = p1;
             __syncwarp();
+            const float4* p4 = (const float4*)pg;
 #pragma unroll
-            for (int i = 0; i < PAGED_MAX_D / 32; ++i) {
-                const int c = lane + 32 * i;
-                if (c >= d) continue;
-                float a = acc[k][i] * correction;
-                for (int j = 0; j < rows; ++j) a += pg[j] * bf2f(vrows[j * d + c]);
-                acc[k][i] = a;
+            for (int i = 0; i < PAGED_PAIRS; ++i) {
+                const int w = lane + 32 * i;
+                if (w >= pairs) continue;
+                float a0 = acc[k][i][0] * correction, a1 = acc[k][i][1] * correction;
+                for (int j = 0; j < rows4; j += 4) {
+                    const float4 pj = p4[j / 4];
+                    const unsigned int v0 = vs[j * pairs + w], v1 = vs[(j + 1) * pairs + w];
+                    const unsigned int v2 = vs[(j + 2) * pairs + w], v3 = vs[(j + 3) * pairs + w];
+                    a0 += pj.x * bf_lo(v0) + pj.y * bf_lo(v1) + pj.z * bf_lo(v2) + pj.w * bf_lo(v3);
+                    a1 += pj.x * bf_hi(v0) + pj.y * bf_hi(v1) + pj.z * bf_hi(v2) + pj.w * bf_hi(v3);
+                }
+                acc[k][i][0] = a0;
+                acc[k][i][1] = a1;
             }
             __syncwarp();
         }
     }
-#undef PAGED_OWN
 
 #pragma unroll
-    for (int k = 0; k < PAGED_HEADS / PAGED_WARPS; ++k) {
+    for (int k = 0; k < PAGED_OWN; ++k) {
         const int g = warp + PAGED_WARPS * k;
         if (g >= hn) continue;
         const float inv = 1.0f / l[k];
-        bf16* o = out + (token * heads + h0 + g) * d;
+        unsigned int* o = (unsigned int*)(out + (token * heads + h0 + g) * d);
 #pragma unroll
-        for (int i = 0; i < PAGED_MAX_D / 32; ++i) {
-            const int c = lane + 32 * i;
-            if (c < d) o[c] = f2bf(acc[k][i] * inv);
+        for (int i = 0; i < PAGED_PAIRS; ++i) {
+            const int w = lane + 32 * i;
+            if (w < pairs) {
+                o[w] = (unsigned int)f2bf(acc[k][i][0] * inv) |
+                       ((unsigned int)f2bf(acc[k][i][1] * inv) << 16);
+            }
         }
     }
 }
