@@ -3,12 +3,14 @@
 //! its CUDA graphs) in the `cuda_graph` region, every kernel queued on the [`Gpu`]'s stream.
 //!
 //! A step (a prefill of several prompts, or a decode of one token per sequence) is one pass
-//! over `N` tokens, each with its sequence and position: embedding; per layer RMSNorm, the q,
-//! k, v products (with their biases, and the per-head q/k norms, in the families that have
-//! them), RoPE at each token's position, the new keys and values written into the
-//! cache through the block tables, paged attention over each sequence's cached positions, the
-//! o product and the residual, RMSNorm, gate and up, SwiGLU, down and the residual; then the
-//! final norm and the LM head (fp32 logits) for the rows that need logits only: the last token
+//! over `N` tokens, each with its sequence and position: embedding; per layer RMSNorm, one
+//! product for q, k and v (their weights lie side by side in the parameter table), one kernel
+//! that adds the biases, norms the q/k heads (in the families that have them), turns q and k
+//! by each token's position and writes the new keys and values into the cache through the
+//! block tables (`qkv_rotary_cache`), paged attention over each sequence's cached positions,
+//! the o product added into the residual stream (beta 1), RMSNorm, one product for gate and
+//! up, SwiGLU over its rows, and the down product added into the residual; then the final norm
+//! and the LM head (fp32 logits) for the rows that need logits only: the last token
 //! of each sequence. A decode step then draws each sequence's next token on the device (the
 //! `sample_rows` kernel), so only token ids and log-probs come back; a prefill brings its
 //! prompts' rows of logits back (once per prompt: its samples draw from them later). A fence
