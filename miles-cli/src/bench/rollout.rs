@@ -1,6 +1,6 @@
 //! `miles bench rollout`: decode throughput of the rollout engine next to a baseline (on the
-//! CPU the bare model's decode step; on CUDA transformers' `generate` on the same shapes,
-//! `bench/hf_generate.py`, and the bandwidth bound of reading the weights once per step), and
+//! CPU the bare model's decode step; on CUDA transformers' `generate` on the same shapes with
+//! its static and its dynamic cache, `bench/hf_generate.py`, and the bandwidth bound of reading the weights once per step), and
 //! the time of each offload / onload step per level next to a plain copy of the same bytes,
 //! with device memory after each step.
 
@@ -147,11 +147,19 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         Some(gpu) => Some(bandwidth_bound(gpu, &memory, weight_bytes, batch)?),
         None => None,
     };
-    let torch = match (&gpu, args.no_baseline) {
-        (Some(_), false) => Some(torch_baseline(args, &config, prompts.len() * sampling.n)?),
-        _ => None,
-    };
-    let torch_tps = torch.as_ref().and_then(|t| t["tokens_per_second"].as_f64());
+    // transformers' `generate` with both of its caches: the compiled static one (the strongest)
+    // and the default dynamic one (what a plain call gets).
+    let mut torch = Vec::new();
+    if gpu.is_some() && !args.no_baseline {
+        for cache in TORCH_CACHES {
+            let mut figures = torch_baseline(args, &config, prompts.len() * sampling.n, cache)?;
+            let ratio = figures["tokens_per_second"]
+                .as_f64()
+                .map(|t| end_to_end_tps / t.max(1e-12));
+            figures["end_to_end_ratio"] = json!(ratio);
+            torch.push(figures);
+        }
+    }
     // The bare decode step is the CPU model's: a baseline for the engine on the CPU device only.
     let on_cpu = memory.device().kind() == DeviceKind::Cpu;
     let bare_tps = if on_cpu {
@@ -244,7 +252,6 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         "bandwidth_bound_tokens_per_second": bound.as_ref().map(|b| b.tokens_per_second),
         "decode_share_of_bound": bound.as_ref().map(|b| engine_tps / b.tokens_per_second),
         "torch_generate": torch,
-        "end_to_end_ratio_to_torch": torch_tps.map(|t| end_to_end_tps / t.max(1e-12)),
         "identical_after_cycles": identical,
         "steps": steps.iter().map(Step::to_json).collect::<Vec<_>>(),
     });
@@ -293,14 +300,15 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
             100.0 * engine_tps / b.tokens_per_second
         )?;
     }
-    if let (Some(t), Some(tps)) = (&torch, torch_tps) {
+    for t in &torch {
         writeln!(
             out,
-            "transformers generate ({} cache, torch {}, same shapes): {tps:.0} tokens/s in {:.3} s; miles end to end / transformers = {:.2}",
+            "transformers generate ({} cache, torch {}, same shapes): {:.0} tokens/s in {:.3} s; miles end to end / transformers = {:.2}",
             t["cache"].as_str().unwrap_or("?"),
             t["torch"].as_str().unwrap_or("?"),
+            t["tokens_per_second"].as_f64().unwrap_or(f64::NAN),
             t["seconds"].as_f64().unwrap_or(f64::NAN),
-            end_to_end_tps / tps.max(1e-12)
+            t["end_to_end_ratio"].as_f64().unwrap_or(f64::NAN)
         )?;
     }
     writeln!(
@@ -383,12 +391,16 @@ fn bandwidth_bound(
     })
 }
 
-/// Runs transformers' `generate` on the preset's shapes (`bench/hf_generate.py`, static
-/// cache) and returns its JSON figures.
+/// The caches of transformers' `generate` the bench runs, each in its own process.
+const TORCH_CACHES: [&str; 2] = ["static", "dynamic"];
+
+/// Runs transformers' `generate` on the preset's shapes (`bench/hf_generate.py`) with `cache`
+/// and returns its JSON figures.
 fn torch_baseline(
     args: &BenchRolloutArgs,
     model: &LlamaConfig,
     sequences: usize,
+    cache: &str,
 ) -> anyhow::Result<Value> {
     let config =
         std::env::temp_dir().join(format!("miles-bench-rollout-{}.json", std::process::id()));
@@ -404,7 +416,7 @@ fn torch_baseline(
         "--new-tokens".into(),
         args.max_new_tokens.to_string(),
         "--cache".into(),
-        "static".into(),
+        cache.to_string(),
     ];
     python_json(
         &args.python,
