@@ -27,12 +27,12 @@
 //! A prefill pass holds at most `max(max_position_embeddings, max_batch)` tokens (so any
 //! prompt fits whole) and `max_batch` sequences; a prefill of more is split into several passes.
 
+mod scratch;
+
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{
-    AddressRange, DeviceError, Gemm, Gpu, GpuElement, GpuGraph, GpuSlice, Transpose,
-};
+use miles_core::device::{AddressRange, DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, Transpose};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
@@ -42,6 +42,8 @@ use miles_core::ops::gpu::{
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 
+use self::scratch::{Index, Scratch};
+pub(crate) use self::scratch::{Limits, scratch_bytes};
 use crate::paged::BlockTables;
 use crate::sampling::DrawKey;
 use crate::schedule::Step;
@@ -59,153 +61,8 @@ const GATE_UP: [ParamKind; 2] = [ParamKind::GateProj, ParamKind::UpProj];
 /// Bytes of one weight or cache element (bf16).
 pub(crate) const ELEMENT_BYTES: usize = 2;
 
-/// Alignment of the scratch tensors, in bytes.
-const SCRATCH_ALIGN: usize = 256;
-
 /// Elements converted to bf16 per parallel task of a weight write.
 const CONVERT_CHUNK: usize = 1 << 16;
-
-/// The most one pass holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Limits {
-    /// `N`: tokens.
-    tokens: usize,
-    /// `R`: sequences, each with one row of logits.
-    rows: usize,
-    /// Blocks of the longest sequence (`max_position_embeddings / P`, rounded up).
-    blocks: usize,
-}
-
-impl Limits {
-    /// A prefill pass takes any prompt whole (`max_position_embeddings` tokens), a decode step
-    /// of `max_batch` sequences, and at most `max_batch` sequences in all.
-    pub(crate) fn new(config: &LlamaConfig, max_batch: usize, block_size: usize) -> Limits {
-        Limits {
-            tokens: config.max_position_embeddings.max(max_batch),
-            rows: max_batch,
-            blocks: config.max_position_embeddings.div_ceil(block_size),
-        }
-    }
-
-    /// A decode step's: one token for each of at most `max_batch` sequences.
-    fn step(self) -> Limits {
-        Limits {
-            tokens: self.rows,
-            ..self
-        }
-    }
-}
-
-/// Hands out aligned tensors from a device range, front to back.
-struct Carver {
-    start: u64,
-    used: usize,
-}
-
-impl Carver {
-    fn take<T: GpuElement>(&mut self, len: usize) -> Result<GpuSlice<T>, DeviceError> {
-        let bytes = len * std::mem::size_of::<T>();
-        let slice = GpuSlice::of(AddressRange {
-            start: self.start + self.used as u64,
-            len: bytes,
-        })?;
-        self.used = (self.used + bytes).next_multiple_of(SCRATCH_ALIGN);
-        Ok(slice)
-    }
-}
-
-/// The working tensors of a pass, sized for [`Limits`].
-#[derive(Clone, Copy, Debug)]
-struct Scratch {
-    x: GpuSlice<bf16>,       // (N, C) residual stream
-    ln: GpuSlice<bf16>,      // (N, C)
-    qkv: GpuSlice<bf16>,     // (N, (H + 2K) * D) the fused q/k/v product
-    q: GpuSlice<bf16>,       // (N, H*D) the queries, normed and turned
-    att: GpuSlice<bf16>,     // (N, H*D)
-    gate_up: GpuSlice<bf16>, // (N, 2F) the fused gate and up product
-    act: GpuSlice<bf16>,     // (N, F) silu(gate) * up
-    rows: GpuSlice<bf16>,    // (R, C) the residual rows that need logits
-    rows_ln: GpuSlice<bf16>, // (R, C)
-    logits: GpuSlice<f32>,   // (R, V)
-    cos: GpuSlice<f32>,      // (P_max, D/2)
-    sin: GpuSlice<f32>,      // (P_max, D/2)
-    index: GpuSlice<u32>,    // the pass's index arrays, draws and rule ([`Index`])
-    picked: GpuSlice<u32>,   // (2R) drawn tokens, then their log-probs' bits
-}
-
-impl Scratch {
-    /// The tensors laid out from `start`, and the bytes they span.
-    fn carve(start: u64, c: &LlamaConfig, l: Limits) -> Result<(Scratch, usize), DeviceError> {
-        let (n, r) = (l.tokens, l.rows);
-        let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let rope = c.max_position_embeddings * (c.head_dim / 2);
-        let mut at = Carver { start, used: 0 };
-        let scratch = Scratch {
-            x: at.take(n * h)?,
-            ln: at.take(n * h)?,
-            qkv: at.take(n * (qd + 2 * kvd))?,
-            q: at.take(n * qd)?,
-            att: at.take(n * qd)?,
-            gate_up: at.take(n * 2 * f)?,
-            act: at.take(n * f)?,
-            rows: at.take(r * h)?,
-            rows_ln: at.take(r * h)?,
-            logits: at.take(r * c.vocab_size)?,
-            cos: at.take(rope)?,
-            sin: at.take(rope)?,
-            index: at.take(Index::new(n, r, r, l.blocks).len)?,
-            picked: at.take(2 * r)?,
-        };
-        Ok((scratch, at.used))
-    }
-}
-
-/// Where each array of a pass lies in the index scratch, in words: `n` token ids, positions,
-/// sequence rows and slots; `r` logit rows; `r` block tables of `blocks`; `d` draws of
-/// [`DRAW_WORDS`]; the [`RULE_WORDS`] of the sampling rule.
-#[derive(Clone, Copy, Debug)]
-struct Index {
-    n: usize,
-    r: usize,
-    d: usize,
-    tables: usize,
-    draws: usize,
-    rule: usize,
-    len: usize,
-}
-
-impl Index {
-    fn new(n: usize, r: usize, d: usize, blocks: usize) -> Index {
-        let tables = 4 * n + r;
-        let draws = tables + r * blocks;
-        let rule = draws + DRAW_WORDS * d;
-        Index {
-            n,
-            r,
-            d,
-            tables,
-            draws,
-            rule,
-            len: rule + RULE_WORDS,
-        }
-    }
-}
-
-/// Bytes of the scratch of a prefill pass of `limits` under `config`, and of a decode step's.
-///
-/// # Errors
-/// [`InferError::Device`] when a size overflows the address arithmetic.
-pub(crate) fn scratch_bytes(
-    config: &LlamaConfig,
-    limits: Limits,
-) -> Result<[usize; 2], InferError> {
-    let bytes = |limits| {
-        Scratch::carve(0, config, limits)
-            .map(|(_, bytes)| bytes)
-            .map_err(InferError::device("size the gpu scratch"))
-    };
-    Ok([bytes(limits)?, bytes(limits.step())?])
-}
 
 /// Checks that `gpu` computes on the device `memory` allocates from, and that the model fits
 /// the kernels.
