@@ -128,6 +128,15 @@ impl MemorySaverAbi for Abi {
         keeping_current(|saver| saver.resume(tag).map_err(|error| error.to_string()))
     }
 
+    fn prepare_cpu_backup(tag: &str) -> Result<(), String> {
+        keeping_current(|saver| {
+            saver
+                .prepare_cpu_backup(tag)
+                .map(drop)
+                .map_err(|error| error.to_string())
+        })
+    }
+
     fn cpu_backup_address(address: DeviceAddress, len: u64) -> Option<usize> {
         saver().ok()?.cpu_backup_address(address, len)
     }

@@ -395,6 +395,23 @@ impl Saver {
         Ok(())
     }
 
+    /// Pin now, in the host pool of every GPU, one buffer per CPU-backed region of `tag` as
+    /// large as its allocations, so that the first pause copies at the link's speed instead of
+    /// pinning as it goes; returns the bytes the pools grew by (none when they already hold
+    /// such buffers).
+    ///
+    /// # Errors
+    /// [`TorchError::Memory`] when the host cannot provide a buffer; the pools keep what they
+    /// had.
+    pub fn prepare_cpu_backup(&self, tag: &str) -> Result<u64, TorchError> {
+        let mut grown = 0;
+        for (_, gpu) in self.opened() {
+            let active = gpu.in_state(&gpu.matching(Some(tag)), RegionState::Active)?;
+            grown += gpu.memory.prepare_host_backups(&active)?;
+        }
+        Ok(grown)
+    }
+
     /// The host address of the CPU backup of `[address, address + len)` while its tag is
     /// paused with a CPU backup; `None` otherwise.
     pub fn cpu_backup_address(&self, address: DeviceAddress, len: u64) -> Option<usize> {

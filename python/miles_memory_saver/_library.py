@@ -59,6 +59,7 @@ _SIGNATURES = {
     "tms_get_retain_cpu_backup": ([], ctypes.c_bool),
     "tms_pause": ([ctypes.c_char_p], ctypes.c_int),
     "tms_resume": ([ctypes.c_char_p], ctypes.c_int),
+    "tms_prepare_cpu_backup": ([ctypes.c_char_p], ctypes.c_int),
     "tms_get_cpu_backup_pointer": ([ctypes.c_void_p, ctypes.c_uint64], ctypes.c_void_p),
     "tms_last_error": ([], ctypes.c_char_p),
     "tms_torch_malloc": ([ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p),

@@ -117,6 +117,8 @@ class TorchMemorySaver:
         with torch.cuda.use_mem_pool(pool):
             with self._configured(tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend):
                 yield
+        if enable_cpu_backup:
+            self._prepare_cpu_backup(tag)
 
     @contextmanager
     def cuda_graph(
@@ -143,6 +145,8 @@ class TorchMemorySaver:
         ):
             with self._configured(tag, enable_cpu_backup, False, cpu_backup_backend):
                 yield
+        if enable_cpu_backup:
+            self._prepare_cpu_backup(tag)
 
     @contextmanager
     def disable(self):
@@ -204,6 +208,12 @@ class TorchMemorySaver:
         if self._torch_state is None:
             self._torch_state = _TorchState(self._hook_mode, self._library())
         return self._torch_state
+
+    def _prepare_cpu_backup(self, tag):
+        # Pins the host memory of the tag's CPU backup once its tensors exist, so that the
+        # first pause copies at the link's speed instead of pinning on the way.
+        cdll = self._library()
+        check(cdll, cdll.tms_prepare_cpu_backup(encode(tag)), f"region(tag={tag!r})")
 
     @contextmanager
     def _configured(self, tag, enable_cpu_backup, enable_disk_backup, cpu_backup_backend):

@@ -74,6 +74,12 @@ def test_pause_and_resume_of_tags_never_allocated_do_nothing():
     saver.resume("weights")
 
 
+def test_preparing_the_cpu_backup_of_a_tag_never_allocated_does_nothing(cdll):
+    assert cdll.tms_prepare_cpu_backup(b"weights") == 0
+    assert cdll.tms_prepare_cpu_backup(None) == 1
+    assert b"tag" in cdll.tms_last_error()
+
+
 def test_retain_margin_and_disk_directory_are_set_through_the_library(tmp_path):
     saver = TorchMemorySaver()
     saver.hook_mode = "torch"

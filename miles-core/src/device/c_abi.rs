@@ -98,6 +98,13 @@ pub trait MemorySaverAbi {
     /// # Errors
     /// A message; a tag that could not resume stays paused with its backup.
     fn resume(tag: Option<&str>) -> Result<(), String>;
+    /// Pin now the host memory a pause of `tag`'s CPU-backed allocations copies into, so that
+    /// its first pause copies instead of pinning (a miles call beyond torch_memory_saver's
+    /// ABI; its Python `region()` makes it when a region with CPU backup closes).
+    ///
+    /// # Errors
+    /// A message when the host cannot provide the memory; nothing changes then.
+    fn prepare_cpu_backup(tag: &str) -> Result<(), String>;
     /// The host address of the CPU backup of the device bytes `[address, address + len)` while
     /// their tag is paused with a CPU backup; `None` otherwise.
     fn cpu_backup_address(address: DeviceAddress, len: u64) -> Option<usize>;
@@ -434,6 +441,23 @@ macro_rules! torch_memory_saver_c_abi {
             // SAFETY: the caller passes NULL or a live NUL-terminated string.
             let tag = unsafe { __tms_abi::text(tag) };
             __tms_abi::status(<$saver>::resume(tag.as_deref().filter(|t| !t.is_empty())))
+        }
+
+        /// Pin the host memory of `tag`'s CPU backup now; 0 on success, else see
+        /// `tms_last_error`.
+        ///
+        /// # Safety
+        /// `tag` is NULL or a NUL-terminated string.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn tms_prepare_cpu_backup(
+            tag: *const ::std::ffi::c_char,
+        ) -> ::std::ffi::c_int {
+            // SAFETY: the caller passes NULL or a live NUL-terminated string.
+            let tag = unsafe { __tms_abi::text(tag) };
+            __tms_abi::status(match tag.as_deref() {
+                Some(tag) if !tag.is_empty() => <$saver>::prepare_cpu_backup(tag),
+                _ => Err("tms_prepare_cpu_backup needs a tag".to_string()),
+            })
         }
 
         /// The host address of the CPU backup of `[gpu_ptr, gpu_ptr + size)`, or NULL.

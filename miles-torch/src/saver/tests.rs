@@ -326,3 +326,37 @@ fn a_tag_whose_allocations_were_all_freed_pauses_and_resumes() {
             .unwrap_or_else(|e| panic!("cycle {cycle}: {e}"));
     }
 }
+
+#[test]
+fn a_prepared_cpu_backup_is_pinned_before_the_first_pause_which_then_takes_no_new_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let saver = saver(256 << 20, dir.path());
+    let host = region("weights", BackupPolicy::Host);
+    let (at, data) = filled(&saver, &host, 6 * MIB + 3, 11);
+    filled(&saver, &region("weights", BackupPolicy::None), MIB, 12);
+    let pool = || saver.gpu(0).unwrap().memory.host_pool().allocated_bytes();
+    assert_eq!(pool(), 0, "nothing is pinned while the region is open");
+    let grown = saver.prepare_cpu_backup("weights").unwrap();
+    assert!(
+        grown >= (6 * MIB) as u64 && grown == pool(),
+        "the pool holds the cpu-backed bytes of the tag (and only those): grew {grown}"
+    );
+    assert_eq!(
+        saver.prepare_cpu_backup("weights").unwrap(),
+        0,
+        "a second call finds the buffer it made"
+    );
+    assert_eq!(
+        saver.prepare_cpu_backup("kv_cache").unwrap(),
+        0,
+        "no such tag"
+    );
+    saver.pause(Some("weights")).unwrap();
+    assert_eq!(
+        pool(),
+        grown,
+        "the first pause copies into the buffer pinned up front"
+    );
+    saver.resume(Some("weights")).unwrap();
+    assert_eq!(first_difference(&read(&saver, at, data.len()), &data), None);
+}
