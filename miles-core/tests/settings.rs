@@ -19,6 +19,7 @@ fn label(error: &SettingsError) -> String {
         SettingsError::DiskTargetWithoutOffloadTrain => "rule2".into(),
         SettingsError::DiskTargetWithoutDir => "rule3:dir".into(),
         SettingsError::ZeroDiskChunk => "rule3:chunk".into(),
+        SettingsError::HostBudgetWithoutDiskTarget { .. } => "rule3:budget".into(),
         SettingsError::DiskDirNotWritable { .. } => "rule3:writable".into(),
         SettingsError::StreamNeedsDiskTarget { .. } => "rule4:target".into(),
         SettingsError::StreamWithoutDiskDir => "rule4:dir".into(),
@@ -182,6 +183,16 @@ const CASES: &[(&str, &str, Expect)] = &[
         "disk target without training offload or directory",
         "offload_train_target = \"disk\"",
         Expect::Invalid(&["rule2", "rule3:dir"]),
+    ),
+    (
+        "a host budget for disk writes without the disk target",
+        "offload_train = true\noffload_train_host_budget_gb = 4.0",
+        Expect::Invalid(&["rule3:budget"]),
+    ),
+    (
+        "a host budget with the disk target",
+        "offload_train = true\noffload_train_target = \"disk\"\noffload_train_disk_dir = \"{dir}\"\noffload_train_host_budget_gb = 2.5",
+        Expect::Valid(|s| assert_eq!(s.offload_train_host_budget_gb, 2.5)),
     ),
     (
         "disk target without training offload",

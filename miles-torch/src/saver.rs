@@ -192,6 +192,7 @@ impl Saver {
             dir: dir.clone(),
             rank: std::process::id() as usize,
             chunk_bytes: self.chunk_bytes,
+            host_budget_bytes: 0,
         };
         let with_disk = ManagerSettings {
             margin_bytes: 0,

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use miles_megatron::{
-    BackendError, Batch, LlamaConfig, MegatronOptions, MegatronTrainer, MomentDtype, OffloadTarget,
+    BackendError, Batch, LlamaConfig, MegatronOptions, MegatronTrainer, MomentDtype,
     OptimizerStream, TrainBackend, TrainOffload, init_weights,
 };
 
@@ -100,14 +100,17 @@ fn tensor_and_data_parallel_layouts_give_the_single_rank_losses() {
 #[test]
 fn an_offload_cycle_between_steps_leaves_the_trajectory_bit_exact() {
     let dir = tempfile::tempdir().unwrap();
-    for target in [OffloadTarget::Host, OffloadTarget::Disk] {
-        let offload = match target {
-            OffloadTarget::Host => TrainOffload::Host,
-            OffloadTarget::Disk => TrainOffload::Disk {
-                dir: dir.path().join(target.to_string()),
-                chunk_bytes: 64 << 10,
-            },
-        };
+    // The disk in line, and copied to host memory first with the write behind the pause.
+    let disk = |name: &str, host_budget_bytes| TrainOffload::Disk {
+        dir: dir.path().join(name),
+        chunk_bytes: 64 << 10,
+        host_budget_bytes,
+    };
+    for (target, offload) in [
+        ("host", TrainOffload::Host),
+        ("disk", disk("disk", 0)),
+        ("disk written behind", disk("behind", 256 << 20)),
+    ] {
         let opts = MegatronOptions {
             offload,
             ..options(2, 2)
@@ -163,6 +166,7 @@ fn streaming_the_optimizer_state_is_exact_in_fp32_and_close_in_bf16() {
             offload: TrainOffload::Disk {
                 dir: disk,
                 chunk_bytes: 16 << 10,
+                host_budget_bytes: 0,
             },
             ..options(2, 2)
         };
@@ -293,6 +297,7 @@ fn misuse_and_failures_are_clear_errors() {
         offload: TrainOffload::Disk {
             dir: dir.path().to_path_buf(),
             chunk_bytes: 64 << 10,
+            host_budget_bytes: 0,
         },
         ..options(1, 1)
     });

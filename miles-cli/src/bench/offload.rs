@@ -209,6 +209,7 @@ pub fn run(args: &OffloadBenchArgs, opened: &OpenedDevice, size: usize) -> anyho
             dir: bench_dir.clone(),
             rank: 0,
             chunk_bytes: args.chunk_mb * MIB,
+            host_budget_bytes: 0,
         }),
     };
     let outcome = bench(args, opened, settings, policy, size, &dir);

@@ -88,6 +88,14 @@ pub enum SettingsError {
         "--offload-train-target disk requires --offload-train-disk-dir DIR: give a directory on a local disk (one subdirectory per rank goes there)"
     )]
     DiskTargetWithoutDir,
+    /// Rule 3: a host budget for disk writes with another target.
+    #[error(
+        "--offload-train-host-budget-gb is the host memory a disk offload copies into before its write to disk; with --offload-train-target {target} nothing goes to disk: add --offload-train-target disk or drop the budget"
+    )]
+    HostBudgetWithoutDiskTarget {
+        /// The target given.
+        target: super::OffloadTarget,
+    },
     /// Rule 3: a disk chunk size of zero.
     #[error(
         "--offload-train-disk-chunk-mb must be at least 1 when offloading to disk (got 0); 64 is the default"

@@ -21,6 +21,8 @@ pub enum TrainOffload {
         dir: PathBuf,
         /// Bytes per chunk.
         chunk_bytes: usize,
+        /// Host memory a pause may copy into while its write to disk goes on behind it.
+        host_budget_bytes: u64,
     },
 }
 
@@ -36,6 +38,7 @@ impl TrainOffload {
             OffloadTarget::Disk => Ok(TrainOffload::Disk {
                 dir: disk_dir(settings)?,
                 chunk_bytes: disk_chunk_bytes(settings)?,
+                host_budget_bytes: (settings.offload_train_host_budget_gb * 1e9) as u64,
             }),
         }
     }
@@ -60,7 +63,14 @@ impl TrainOffload {
     pub fn disk(&self, rank: usize) -> Option<DiskSettings> {
         match self {
             TrainOffload::Host => None,
-            TrainOffload::Disk { dir, chunk_bytes } => Some(rank_disk(dir, rank, *chunk_bytes)),
+            TrainOffload::Disk {
+                dir,
+                chunk_bytes,
+                host_budget_bytes,
+            } => Some(DiskSettings {
+                host_budget_bytes: *host_budget_bytes,
+                ..rank_disk(dir, rank, *chunk_bytes)
+            }),
         }
     }
 }
@@ -131,14 +141,15 @@ impl RolloutOffload {
     }
 }
 
-/// Rank `rank`'s disk store under the job's directory `dir`: the store keeps every backend's
-/// files in the one per-rank layout, `<dir>/offload/rank-<rank>/<tag>/`
+/// Rank `rank`'s disk store under the job's directory `dir`, writing in line: the store keeps
+/// every backend's files in the one per-rank layout, `<dir>/offload/rank-<rank>/<tag>/`
 /// ([`RankDir`](crate::store::RankDir)).
 fn rank_disk(dir: &std::path::Path, rank: usize, chunk_bytes: usize) -> DiskSettings {
     DiskSettings {
         dir: dir.to_path_buf(),
         rank,
         chunk_bytes,
+        host_budget_bytes: 0,
     }
 }
 
@@ -187,6 +198,13 @@ mod tests {
         let disk = plan.disk(3).unwrap();
         assert_eq!(disk.dir, PathBuf::from("/tmp/x"));
         assert_eq!((disk.rank, disk.chunk_bytes), (3, 8 << 20));
+        assert_eq!(disk.host_budget_bytes, 0, "writes in line by default");
+        let budgeted = Settings {
+            offload_train_host_budget_gb: 1.5,
+            ..disk_settings(8)
+        };
+        let disk = TrainOffload::of(&budgeted).unwrap().disk(0).unwrap();
+        assert_eq!(disk.host_budget_bytes, 1_500_000_000);
         let host = TrainOffload::of(&Settings::default()).unwrap();
         assert_eq!((host.policy(), host.disk(0)), (BackupPolicy::Host, None));
     }

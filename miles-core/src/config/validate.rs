@@ -77,6 +77,12 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
     if disk_target && s.offload_train_disk_dir.is_none() {
         errors.push(SettingsError::DiskTargetWithoutDir);
     }
+    // Rule 3: the host budget serves the disk target only.
+    if s.offload_train_host_budget_gb > 0.0 && !disk_target {
+        errors.push(SettingsError::HostBudgetWithoutDiskTarget {
+            target: s.offload_train_target,
+        });
+    }
     // Rule 4.
     if s.stream_optimizer_state_to_disk {
         if s.offload_train && !disk_target {

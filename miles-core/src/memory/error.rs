@@ -141,6 +141,18 @@ pub enum MemoryError {
         #[source]
         source: StoreError,
     },
+    /// The disk write behind a pause failed. The tag's bytes are whole in host memory and it
+    /// stays paused; the next resume brings them back from there.
+    #[error(
+        "the background disk write of tag {tag} failed: {source}; its bytes are kept in host memory and the tag stays paused (a resume brings them back); free the disk or fix the offload directory"
+    )]
+    BackgroundWrite {
+        /// The tag.
+        tag: MemoryTag,
+        /// The store's error (boxed: it is rare, and the error stays small).
+        #[source]
+        source: Box<StoreError>,
+    },
 }
 
 /// A buffer that could not be freed, handed back with the reason.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use crate::device::{AddressRange, Device};
 use crate::store::{DiskStore, HostPool};
 
-use super::region::{Region, Stores};
+use super::region::{Region, Staging, Stores};
 use super::{BackupPolicy, Buffer, MemoryError, MemoryTag, OffloadReport, RegionState};
 
 /// Where disk-policy regions go.
@@ -21,6 +21,10 @@ pub struct DiskSettings {
     pub rank: usize,
     /// Bytes per chunk (`--offload-train-disk-chunk-mb` MiB).
     pub chunk_bytes: usize,
+    /// Host memory a pause to disk may copy into first, so that the device is freed at the
+    /// link's speed while the write to disk goes on in the background
+    /// (`--offload-train-host-budget-gb`); 0 writes in line.
+    pub host_budget_bytes: u64,
 }
 
 /// How a [`MemoryManager`] runs.
@@ -55,6 +59,10 @@ impl MemoryManager {
         settings: ManagerSettings,
     ) -> Result<MemoryManager, MemoryError> {
         let pool = Arc::new(HostPool::new(Arc::clone(&device)));
+        let host_budget = settings
+            .disk
+            .as_ref()
+            .map_or(0, |disk| disk.host_budget_bytes);
         let disk = settings
             .disk
             .map(|disk| DiskStore::new(&disk.dir, disk.rank, disk.chunk_bytes, Arc::clone(&pool)))
@@ -67,6 +75,7 @@ impl MemoryManager {
                 pool,
                 disk,
                 resuming: AtomicUsize::new(0),
+                staging: Staging::new(host_budget),
             }),
             regions: Mutex::new(HashMap::new()),
         })
@@ -213,6 +222,25 @@ impl MemoryManager {
         self.region(tag)?.resume(self.margin_bytes)
     }
 
+    /// Waits for the disk writes behind the pauses of `tags` (a tag paused with
+    /// `host_budget_bytes` of room copies to host memory first and writes to disk on a thread of
+    /// its own; other tags have none) and reports the first that failed.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownTag`]; [`MemoryError::BackgroundWrite`], once per failed write:
+    /// that tag stays paused with its bytes whole in host memory, and its resume brings them
+    /// back.
+    pub fn finish_writes(&self, tags: &[MemoryTag]) -> Result<(), MemoryError> {
+        let mut first = Ok(());
+        for tag in tags {
+            let finished = self.region(tag)?.finish_write();
+            if first.is_ok() {
+                first = finished;
+            }
+        }
+        first
+    }
+
     /// Pauses every tag of `tags`, in order, all or nothing: when one fails, the tags paused
     /// before it are resumed (last first) and its error is returned, so every tag is as it was.
     /// Returns each tag's report.
@@ -346,5 +374,20 @@ impl MemoryManager {
     }
 }
 
+#[cfg(test)]
+impl MemoryManager {
+    /// Make the disk store's writer wait at `barrier` twice before chunk `index`; call before
+    /// creating regions.
+    fn inject_disk_write_hold(&mut self, index: usize, barrier: Arc<std::sync::Barrier>) {
+        if let Some(stores) = Arc::get_mut(&mut self.stores)
+            && let Some(disk) = stores.disk.as_mut()
+        {
+            disk.inject_write_hold(index, barrier);
+        }
+    }
+}
+
+#[cfg(test)]
+mod staged_tests;
 #[cfg(test)]
 mod tests;

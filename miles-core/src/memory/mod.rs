@@ -14,6 +14,7 @@ mod buffer;
 mod error;
 mod manager;
 mod region;
+mod staged;
 mod tag;
 
 pub use crate::choice::BackupPolicy;

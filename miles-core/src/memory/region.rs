@@ -1,7 +1,7 @@
 //! One region: a tag's arena, its blocks, its state machine and its backup.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
 use std::time::Instant;
@@ -10,6 +10,8 @@ use crate::device::{AddressRange, Device, DeviceError, Fence, HostBuffer};
 use crate::store::{DiskBackup, DiskStore, HostPool, StoreError};
 
 use super::arena::Arena;
+pub(crate) use super::staged::Staging;
+use super::staged::{Staged, Write};
 use super::{BackupPolicy, MemoryError, MemoryTag, OffloadReport, RegionState};
 
 /// The backup stores a region may use, and what the manager's regions share.
@@ -19,6 +21,8 @@ pub(crate) struct Stores {
     pub(crate) disk: Option<DiskStore>,
     /// Regions of the manager resuming now.
     pub(crate) resuming: AtomicUsize,
+    /// The host budget of writes behind pauses to disk.
+    pub(crate) staging: Staging,
 }
 
 /// One count in [`Stores::resuming`] while it lives.
@@ -73,6 +77,8 @@ enum Backup {
     Nothing,
     Host(HostBuffer),
     Disk(DiskBackup),
+    /// A host copy being written to disk behind the pause.
+    Staged(Staged),
 }
 
 /// What a pause's backup left: the backup, the ranges released, the error that stopped it.
@@ -381,6 +387,9 @@ impl Region {
             }
             BackupPolicy::Disk => {
                 let disk = self.disk()?;
+                if let Some(buffer) = self.staging_buffer(runs) {
+                    return self.copy_out_then_write(runs, buffer);
+                }
                 let backup = disk
                     .save(self.device.as_ref(), &self.tag, runs)
                     .map_err(self.store_error())?;
@@ -395,6 +404,108 @@ impl Region {
             released.push(*run);
         }
         Ok((backup, released, None))
+    }
+
+    /// A host buffer for `runs`' bytes within the host budget, or `None` (the pause then
+    /// writes to disk in line) when the budget is off, too small or the host has no memory.
+    fn staging_buffer(&self, runs: &[AddressRange]) -> Option<HostBuffer> {
+        let staging = &self.stores.staging;
+        let total: usize = runs.iter().map(|r| r.len).sum();
+        if !staging.enabled() {
+            return None;
+        }
+        if !staging.hold(total as u64) {
+            if staging.first_shortfall() {
+                tracing::info!(
+                    tag = %self.tag,
+                    bytes = total,
+                    budget = staging.budget(),
+                    "the host budget (--offload-train-host-budget-gb) cannot hold this tag's copy next to the others: it and any other that does not fit go to disk in line, at disk speed"
+                );
+            }
+            return None;
+        }
+        match self.stores.pool.take(total) {
+            Ok(buffer) => Some(buffer),
+            Err(error) => {
+                staging.give_back(total as u64);
+                tracing::warn!(tag = %self.tag, %error, "no host memory for the copy: the pause writes to disk in line");
+                None
+            }
+        }
+    }
+
+    /// Copies `runs` into `buffer`, releasing them as their copies land (as a host backup
+    /// does), then starts the write of the copy to disk on a thread of its own.
+    fn copy_out_then_write(
+        &self,
+        runs: &[AddressRange],
+        mut buffer: HostBuffer,
+    ) -> Result<BackedUp, MemoryError> {
+        let bytes = runs.iter().map(|r| r.len as u64).sum();
+        let early = || self.stores.resuming.load(Ordering::SeqCst) == 0;
+        let (released, copied) = copy_out_releasing(self.device.as_ref(), runs, &mut buffer, early);
+        let host = Arc::new(buffer);
+        let failure = copied.err().map(self.device_error());
+        // A copy that failed part way leaves the released parts' bytes in the buffer: they
+        // come back from there, and nothing goes to disk.
+        let write = if failure.is_some() {
+            Write::Absent
+        } else {
+            self.write_behind(&host, runs)
+        };
+        let staged = Staged { host, bytes, write };
+        if released.is_empty()
+            && let Some(error) = failure
+        {
+            self.discard(Backup::Staged(staged));
+            return Err(error);
+        }
+        Ok((Backup::Staged(staged), released, failure))
+    }
+
+    /// Starts writing `host` (the bytes of `runs` end to end) to the disk store.
+    fn write_behind(&self, host: &Arc<HostBuffer>, runs: &[AddressRange]) -> Write {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (stores, tag, runs) = (Arc::clone(&self.stores), self.tag.clone(), runs.to_vec());
+        let (copy, stopping) = (Arc::clone(host), Arc::clone(&stop));
+        let spawned = std::thread::Builder::new()
+            .name("miles-write-behind".to_string())
+            .spawn(move || {
+                let Some(disk) = stores.disk.as_ref() else {
+                    return Ok(None);
+                };
+                disk.save_host(&tag, copy.as_slice()?, &runs, &stopping)
+            });
+        match spawned {
+            Ok(thread) => Write::Running { stop, thread },
+            Err(source) => Write::Failed(StoreError::Io {
+                action: "start the background write of".to_string(),
+                path: self.tag.name().into(),
+                source,
+            }),
+        }
+    }
+
+    /// Waits for the disk write behind this region's pause, if one runs, and reports its
+    /// failure once ([`MemoryError::BackgroundWrite`]; the region keeps its host copy).
+    pub(crate) fn finish_write(&self) -> Result<(), MemoryError> {
+        let mut core = self.lock();
+        let Backup::Staged(staged) = &mut core.backup else {
+            return Ok(());
+        };
+        staged.write.finish();
+        self.report_write(staged)
+    }
+
+    fn report_write(&self, staged: &mut Staged) -> Result<(), MemoryError> {
+        match staged.write.take_failure() {
+            Some(source) => Err(MemoryError::BackgroundWrite {
+                tag: self.tag.clone(),
+                source: Box::new(source),
+            }),
+            None => Ok(()),
+        }
     }
 
     fn disk(&self) -> Result<&DiskStore, MemoryError> {
@@ -439,6 +550,10 @@ impl Region {
                         state,
                     });
                 }
+            }
+            if let Backup::Staged(staged) = &mut core.backup {
+                staged.write.poll();
+                self.report_write(staged)?;
             }
             let need: u64 = core.released.iter().map(|r| r.len as u64).sum();
             let free = self.device.memory_info().map_err(self.device_error())?.free;
@@ -513,6 +628,17 @@ impl Region {
                 .disk()?
                 .load(self.device.as_ref(), disk_backup, saved)
                 .map_err(self.store_error()),
+            Backup::Staged(staged) => {
+                // The host copy is read here, so the write stops (removing what it wrote) or
+                // has ended; a failure then loses nothing: the bytes come back from the copy.
+                staged.write.stop();
+                if let Some(error) = staged.write.take_failure() {
+                    tracing::warn!(tag = %self.tag, %error, "the background disk write failed; the tag resumes from its host copy");
+                }
+                let buffer = Arc::get_mut(&mut staged.host)
+                    .ok_or_else(|| self.store_error()(StoreError::Stopped))?;
+                copy_in(self.device.as_ref(), saved, released, buffer).map_err(self.device_error())
+            }
         }
     }
 
@@ -522,13 +648,27 @@ impl Region {
         match backup {
             Backup::Nothing => {}
             Backup::Host(buffer) => self.stores.pool.put(buffer),
-            Backup::Disk(disk_backup) => {
-                if let Ok(disk) = self.disk()
-                    && let Err(error) = disk.remove(disk_backup)
+            Backup::Disk(disk_backup) => self.remove_files(disk_backup),
+            Backup::Staged(mut staged) => {
+                staged.write.stop();
+                if let Write::Written(disk_backup) =
+                    std::mem::replace(&mut staged.write, Write::Absent)
                 {
-                    tracing::error!(tag = %self.tag, %error, "cannot remove offload files");
+                    self.remove_files(disk_backup);
                 }
+                if let Ok(buffer) = Arc::try_unwrap(staged.host) {
+                    self.stores.pool.put(buffer);
+                }
+                self.stores.staging.give_back(staged.bytes);
             }
+        }
+    }
+
+    fn remove_files(&self, disk_backup: DiskBackup) {
+        if let Ok(disk) = self.disk()
+            && let Err(error) = disk.remove(disk_backup)
+        {
+            tracing::error!(tag = %self.tag, %error, "cannot remove offload files");
         }
     }
 }

@@ -18,7 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Barrier, Mutex, PoisonError};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
@@ -64,6 +64,8 @@ pub struct DiskStore {
     janitor: Mutex<Option<mpsc::Sender<String>>>,
     janitor_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     fail_write_at: Option<usize>,
+    /// A writer meets this barrier twice before chunk `.0` (tests of a write cut short).
+    hold_write_at: Option<(usize, Arc<Barrier>)>,
     fail_read_at: Option<usize>,
 }
 
@@ -105,6 +107,47 @@ impl DiskBackup {
 
 /// A staging buffer back from a writer, with the outcome of its write.
 type ChunkDone = (HostBuffer, Result<(), StoreError>);
+
+/// The data file a save writes.
+#[derive(Clone, Copy)]
+struct Target<'a> {
+    file: &'a File,
+    path: &'a Path,
+    /// Opened with `O_DIRECT`: writes are padded to [`DIRECT_ALIGN`].
+    direct: bool,
+}
+
+/// Where the bytes of a save come from: the device ranges themselves, or a host copy of them
+/// laid end to end.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Device(&'a dyn Device),
+    Host(&'a [u8]),
+}
+
+impl Source<'_> {
+    /// Fill `buffer[..len]` with the bytes `offset..offset + len` of `runs` laid end to end.
+    fn stage(
+        self,
+        runs: &[AddressRange],
+        offset: u64,
+        len: usize,
+        buffer: &mut HostBuffer,
+    ) -> Result<(), StoreError> {
+        match self {
+            Source::Device(device) => {
+                for (range, at) in pieces(runs, offset, len) {
+                    device.copy_to_host(range, buffer, at)?.wait()?;
+                }
+            }
+            Source::Host(bytes) => {
+                let at = offset as usize;
+                buffer.as_mut_slice()?[..len].copy_from_slice(&bytes[at..at + len]);
+            }
+        }
+        Ok(())
+    }
+}
 
 impl DiskStore {
     /// A store writing under `dir/offload/rank-<rank>/<tag directory>/` in chunks of
@@ -153,6 +196,7 @@ impl DiskStore {
             janitor: Mutex::new(janitor),
             janitor_thread: Mutex::new(janitor_thread),
             fail_write_at: None,
+            hold_write_at: None,
             fail_read_at: None,
         })
     }
@@ -176,6 +220,42 @@ impl DiskStore {
         tag: &MemoryTag,
         runs: &[AddressRange],
     ) -> Result<DiskBackup, StoreError> {
+        self.save_from(Source::Device(device), tag, runs, &AtomicBool::new(false))
+    }
+
+    /// As [`save`](Self::save), from `bytes`, a host copy of the ranges `runs` laid end to end
+    /// (the write behind a pause that copied them out first). Stops between chunks once `stop`
+    /// is set, removing what it wrote: `Ok(None)` then.
+    ///
+    /// # Errors
+    /// As [`save`](Self::save).
+    pub fn save_host(
+        &self,
+        tag: &MemoryTag,
+        bytes: &[u8],
+        runs: &[AddressRange],
+        stop: &AtomicBool,
+    ) -> Result<Option<DiskBackup>, StoreError> {
+        let total: usize = runs.iter().map(|r| r.len).sum();
+        if bytes.len() < total {
+            return Err(StoreError::Manifest {
+                path: self.root().join(tag.dir_name().as_ref()),
+                reason: format!("a host copy of {} bytes cannot hold {total}", bytes.len()),
+            });
+        }
+        match self.save_from(Source::Host(bytes), tag, runs, stop) {
+            Err(StoreError::Stopped) => Ok(None),
+            saved => saved.map(Some),
+        }
+    }
+
+    fn save_from(
+        &self,
+        source: Source<'_>,
+        tag: &MemoryTag,
+        runs: &[AddressRange],
+        stop: &AtomicBool,
+    ) -> Result<DiskBackup, StoreError> {
         let base = tag.dir_name();
         let name = format!("{base}{}", self.suffix);
         let path = self.root().join(&name);
@@ -184,7 +264,7 @@ impl DiskStore {
             return Err(refused(path, Unsafe::TagName));
         }
         let dir = self.rank_dir.tag_dir(&name)?;
-        match self.save_in(device, &dir, &path, tag, runs) {
+        match self.save_in(source, &dir, &path, tag, runs, stop) {
             Ok((manifest, manifest_len)) => {
                 lock(&self.backups).insert(name.clone(), false);
                 Ok(DiskBackup {
@@ -206,17 +286,23 @@ impl DiskStore {
     /// Write the data file and the manifest; returns the manifest and its length in bytes.
     fn save_in(
         &self,
-        device: &dyn Device,
+        source: Source<'_>,
         dir: &OwnedFd,
         path: &Path,
         tag: &MemoryTag,
         runs: &[AddressRange],
+        stop: &AtomicBool,
     ) -> Result<(Manifest, u64), StoreError> {
         let data_path = path.join(DATA_FILE);
         let (file, direct) = open_data(dir, &data_path, true)?;
         let total: u64 = runs.iter().map(|r| r.len as u64).sum();
         let chunks = chunk_count(total, self.chunk_bytes);
-        let crc32c = self.write_chunks(device, &file, &data_path, direct, runs, total, chunks)?;
+        let target = Target {
+            file: &file,
+            path: &data_path,
+            direct,
+        };
+        let crc32c = self.write_chunks(source, target, runs, total, chunks, stop)?;
         file.sync_all().map_err(io_error("fsync", &data_path))?;
         let manifest = Manifest {
             tag: tag.name().to_string(),
@@ -229,19 +315,19 @@ impl DiskStore {
         Ok((manifest, manifest_len))
     }
 
-    /// The pipelined copy-out: this thread fills staging buffers from the device and checksums
-    /// them, [`WRITE_THREADS`] writer threads write them. Returns each chunk's CRC32C.
-    #[allow(clippy::too_many_arguments)]
+    /// The pipelined copy-out: this thread fills staging buffers from `source` and checksums
+    /// them, [`WRITE_THREADS`] writer threads write them; it stops before a chunk once `stop`
+    /// is set ([`StoreError::Stopped`]). Returns each chunk's CRC32C.
     fn write_chunks(
         &self,
-        device: &dyn Device,
-        file: &File,
-        path: &Path,
-        direct: bool,
+        source: Source<'_>,
+        target: Target<'_>,
         runs: &[AddressRange],
         total: u64,
         chunks: usize,
+        stop: &AtomicBool,
     ) -> Result<Vec<u32>, StoreError> {
+        let Target { file, path, direct } = target;
         let mut free = self.take_staging(chunks.min(PIPELINE_DEPTH))?;
         let staged = free.len();
         let mut crcs = vec![0u32; chunks];
@@ -251,6 +337,7 @@ impl DiskStore {
         let (done_tx, done_rx) = mpsc::channel::<ChunkDone>();
         let chunk_bytes = self.chunk_bytes;
         let fail_at = self.fail_write_at;
+        let hold_at = self.hold_write_at.as_ref();
         std::thread::scope(|scope| {
             for _ in 0..WRITE_THREADS {
                 let done_tx = done_tx.clone();
@@ -261,6 +348,10 @@ impl DiskStore {
                         let Ok((index, mut buffer, len)) = job else {
                             return;
                         };
+                        if let Some((_, barrier)) = hold_at.filter(|(at, _)| *at == index) {
+                            barrier.wait();
+                            barrier.wait();
+                        }
                         let result = if fail_at == Some(index) {
                             Err(StoreError::Io {
                                 action: format!("write chunk {index} of"),
@@ -292,12 +383,16 @@ impl DiskStore {
                         Err(_) => break,
                     },
                 };
+                if stop.load(Ordering::SeqCst) {
+                    first_error.get_or_insert(StoreError::Stopped);
+                }
                 if first_error.is_some() {
                     free.push(buffer);
                     break;
                 }
                 let (offset, len) = chunk_span(index, chunk_bytes, total);
-                let staged = stage_chunk(device, runs, offset, len, &mut buffer)
+                let staged = source
+                    .stage(runs, offset, len, &mut buffer)
                     .and_then(|()| Ok(crc32c::crc32c(&buffer.as_slice()?[..len])));
                 match staged {
                     Ok(crc) => {
@@ -435,6 +530,13 @@ impl DiskStore {
         self.fail_write_at = Some(index);
     }
 
+    /// Make a writer wait at `barrier` twice before it writes chunk `index`: the test sees
+    /// the files of a write cut short between the two waits.
+    #[cfg(test)]
+    pub(crate) fn inject_write_hold(&mut self, index: usize, barrier: Arc<Barrier>) {
+        self.hold_write_at = Some((index, barrier));
+    }
+
     /// Make the readers fail with an I/O error on chunk `index` (tests of the failure path).
     #[cfg(test)]
     pub(crate) fn inject_read_fault(&mut self, index: usize) {
@@ -518,19 +620,6 @@ fn pieces(runs: &[AddressRange], offset: u64, len: usize) -> Vec<(AddressRange, 
         run_offset = run_end;
     }
     out
-}
-
-fn stage_chunk(
-    device: &dyn Device,
-    runs: &[AddressRange],
-    offset: u64,
-    len: usize,
-    buffer: &mut HostBuffer,
-) -> Result<(), StoreError> {
-    for (range, at) in pieces(runs, offset, len) {
-        device.copy_to_host(range, buffer, at)?.wait()?;
-    }
-    Ok(())
 }
 
 fn write_chunk(

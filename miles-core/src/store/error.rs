@@ -50,6 +50,9 @@ pub enum StoreError {
         /// The size asked for.
         chunk_bytes: usize,
     },
+    /// A write behind a pause was stopped (its tag resumed first); its files are removed.
+    #[error("the background write was stopped before it finished; its files are removed")]
+    Stopped,
     /// The device failed a copy or a host allocation.
     #[error(transparent)]
     Device(#[from] DeviceError),

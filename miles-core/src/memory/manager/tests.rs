@@ -22,6 +22,7 @@ fn manager(capacity: usize, dir: Option<&Path>) -> (Arc<dyn Device>, MemoryManag
             dir: dir.to_path_buf(),
             rank: 0,
             chunk_bytes: MIB,
+            host_budget_bytes: 0,
         }),
     };
     (

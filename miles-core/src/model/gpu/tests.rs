@@ -513,6 +513,7 @@ fn streamed_spec(
                 dir: dir.to_path_buf(),
                 rank: 0,
                 chunk_bytes: 64 << 10,
+                host_budget_bytes: 0,
             },
         }),
         backup: BackupPolicy::Host,
