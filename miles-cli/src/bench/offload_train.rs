@@ -105,6 +105,13 @@ pub fn run(args: OffloadTrainBenchArgs) -> anyhow::Result<()> {
         },
         size
     )?;
+    if target == OffloadTarget::Disk && settings.offload_train_host_budget_gb > 0.0 {
+        writeln!(
+            out,
+            "written behind: within a host budget of {} GB each offload copies to host memory, frees the device and writes to disk on its own thread; the onload right after reads the host copy (stopping a write still running)",
+            settings.offload_train_host_budget_gb
+        )?;
+    }
     for (i, (off, on)) in cycles.iter().enumerate() {
         let label = if i == 0 { "first" } else { "steady" };
         for (what, stats, base) in [("offload", off, base_out), ("onload", on, base_in)] {
