@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""PyTorch eager baseline for `miles bench train --device cuda`: the same Llama shapes (a miles
+"""PyTorch baseline for `miles bench train --device cuda`: the same Llama shapes (a miles
 preset's config.json) trained with forward + backward + AdamW, fp32 master weights and moments,
-bf16 autocast for the compute, on the same batch of B sequences of T tokens.
+bf16 autocast for the compute, on the same batch of B sequences of T tokens. Eager by default;
+`--compile` runs the model under `torch.compile` with `AdamW(fused=True)` (the setup a user
+tuning PyTorch would pick).
 
-Prints one JSON object: tokens/s over the timed steps (after untimed warm-up steps), seconds per
-step, the attention implementation, the parameter count and the last loss.
+Prints one JSON object: tokens/s over the timed steps (after untimed warm-up steps, which also
+compile), seconds per step, the attention implementation, whether compiled, the parameter
+count, the peak device memory PyTorch allocated and the last loss.
 
   python3 bench/torch_train.py --config miles-core/presets/1b.json --batch 8 --seq 512 --attn sdpa
+  python3 bench/torch_train.py --config miles-core/presets/1b.json --attn sdpa --compile
 """
 
 import argparse
@@ -31,6 +35,11 @@ def main() -> None:
         default="sdpa",
         help="eager: matmul + softmax + matmul (scores in memory); sdpa: PyTorch's fused kernels",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model and use AdamW(fused=True)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("torch sees no cuda device")
@@ -44,8 +53,14 @@ def main() -> None:
     model = LlamaForCausalLM(config).cuda().train()
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        fused=args.compile,
     )
+    forward = torch.compile(model) if args.compile else model
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=generator).cuda()
@@ -53,7 +68,7 @@ def main() -> None:
 
     def step() -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=inputs).logits
+            logits = forward(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
         )
@@ -66,6 +81,7 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     loss = 0.0
     for _ in range(args.steps):
@@ -78,6 +94,8 @@ def main() -> None:
                 "tokens_per_s": args.steps * args.batch * args.seq / seconds,
                 "step_s": seconds / args.steps,
                 "attn": args.attn,
+                "compiled": args.compile,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(),
                 "params": params,
                 "loss": loss,
                 "torch": torch.__version__,

@@ -1,7 +1,9 @@
 //! `miles bench train --device cuda`: the GPU trainer's forward + backward + AdamW tokens/s next
-//! to a PyTorch eager implementation of the same shapes (fp32 master weights, bf16 autocast)
-//! run in the same call, with matmul-softmax-matmul attention (`eager`, the same arithmetic as
-//! ours) and with PyTorch's fused attention (`sdpa`). With several processes
+//! to PyTorch on the same shapes (fp32 master weights, bf16 autocast) run in the same call:
+//! eager with matmul-softmax-matmul attention (`eager`, the same arithmetic as ours), eager with
+//! PyTorch's fused attention (`sdpa`), and `torch.compile` with sdpa and `AdamW(fused=True)`;
+//! each with model TFLOP/s, MFU against the H200's dense bf16 rate and peak device memory.
+//! With several processes
 //! (`--nproc-per-node`, or a launcher), data parallelism over their GPUs against one GPU.
 
 use std::io::Write;
@@ -86,6 +88,13 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     let (losses, seconds) = train_steps(|step| trainer.train_step(&batch, step), args)?;
     let loss = losses.last().copied().unwrap_or(f32::NAN);
     let ours = (args.steps * b * t) as f64 / seconds;
+    let held: u64 = trainer
+        .memory()
+        .resident_bytes()
+        .iter()
+        .map(|(_, bytes)| bytes)
+        .sum();
+    let per_token = flops_per_token(&config, layout.len(), t);
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -95,8 +104,10 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
-        "  miles forward+backward+AdamW: {ours:.0} tokens/s ({:.3} s/step)",
-        seconds / args.steps as f64
+        "  miles forward+backward+AdamW: {ours:.0} tokens/s ({:.3} s/step); {}; device memory of its tags {:.2} GiB",
+        seconds / args.steps as f64,
+        model_rate(ours, per_token),
+        held as f64 / GIB
     )?;
     drop(trainer);
     if args.no_baseline {
@@ -106,28 +117,76 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
         std::env::temp_dir().join(format!("miles-bench-train-{}.json", std::process::id()));
     std::fs::write(&config_file, config.to_json_string())
         .with_context(|| format!("cannot write {}", config_file.display()))?;
-    let baselines: anyhow::Result<Vec<Value>> = ["eager", "sdpa"]
+    let eager: anyhow::Result<Vec<Value>> = ["eager", "sdpa"]
         .iter()
-        .map(|attn| torch_baseline(args, &config_file, attn))
+        .map(|attn| torch_baseline(args, &config_file, attn, false))
         .collect();
+    // The compiled baseline needs Triton and a compiler on the GPU machine: its failure is
+    // reported, not fatal, so the eager figures still print.
+    let compiled = torch_baseline(args, &config_file, "sdpa", true);
     if let Err(error) = std::fs::remove_file(&config_file) {
         tracing::warn!(%error, file = %config_file.display(), "cannot remove the baseline's config");
     }
-    for torch in baselines? {
+    let compiled = match compiled {
+        Ok(figures) => Some(figures),
+        Err(error) => {
+            writeln!(out, "  pytorch compiled: failed: {error:#}")?;
+            None
+        }
+    };
+    for torch in eager?.into_iter().chain(compiled) {
         let attn = torch["attn"].as_str().unwrap_or("?").to_string();
+        let mode = if torch["compiled"].as_bool() == Some(true) {
+            "torch.compile + AdamW(fused=True)"
+        } else {
+            "eager"
+        };
         let theirs = torch["tokens_per_s"]
             .as_f64()
             .context("the baseline printed no tokens_per_s")?;
         writeln!(
             out,
-            "  pytorch {} eager, attention {attn}: {theirs:.0} tokens/s ({:.3} s/step, loss {:.4}); ratio miles / pytorch {:.2}x",
+            "  pytorch {} {mode}, attention {attn}: {theirs:.0} tokens/s ({:.3} s/step, loss {:.4}); {}; peak memory {:.2} GiB; ratio miles / pytorch {:.2}x",
             torch["torch"].as_str().unwrap_or("?"),
             torch["step_s"].as_f64().unwrap_or(f64::NAN),
             torch["loss"].as_f64().unwrap_or(f64::NAN),
+            model_rate(theirs, per_token),
+            torch["peak_memory_bytes"].as_f64().unwrap_or(f64::NAN) / GIB,
             ours / theirs
         )?;
     }
     Ok(())
+}
+
+/// Bytes in a GiB.
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The H200's dense bf16 tensor rate, NVIDIA's figure (989.4 TFLOP/s); an 8192^3 product
+/// through PyTorch reached about 790 of it on these machines.
+const H200_BF16_FLOPS: f64 = 989.4e12;
+
+/// Model FLOPs of one trained token, forward and backward: 6 per matrix parameter (every
+/// parameter but an untied embedding's, which is a lookup) plus 12 L C T for attention's two
+/// products (the PaLM paper's count, with no discount for the causal mask).
+fn flops_per_token(config: &LlamaConfig, params: usize, seq: usize) -> f64 {
+    let lookup = if config.tie_word_embeddings {
+        0
+    } else {
+        config.vocab_size * config.hidden_size
+    };
+    let matrices = params.saturating_sub(lookup) as f64;
+    6.0 * matrices + 12.0 * (config.num_layers * config.q_dim() * seq) as f64
+}
+
+/// `tokens/s` as model TFLOP/s and MFU.
+fn model_rate(tokens_per_second: f64, flops_per_token: f64) -> String {
+    let flops = tokens_per_second * flops_per_token;
+    format!(
+        "{:.0} model TFLOP/s, MFU {:.1}% of {:.0} dense bf16 TFLOP/s",
+        flops / 1e12,
+        100.0 * flops / H200_BF16_FLOPS,
+        H200_BF16_FLOPS / 1e12
+    )
 }
 
 /// One rank of parallel training over the job's GPUs: data parallel (every rank trains its share
@@ -300,8 +359,9 @@ fn torch_baseline(
     args: &BenchTrainArgs,
     config: &std::path::Path,
     attn: &str,
+    compile: bool,
 ) -> anyhow::Result<Value> {
-    let script_args = [
+    let mut script_args = vec![
         "--config".into(),
         config.display().to_string(),
         "--batch".into(),
@@ -315,6 +375,12 @@ fn torch_baseline(
         "--attn".into(),
         attn.to_string(),
     ];
-    let what = format!("pytorch ({attn})");
+    if compile {
+        script_args.push("--compile".into());
+    }
+    let what = format!(
+        "pytorch ({attn}{})",
+        if compile { ", compiled" } else { "" }
+    );
     python_json(&args.python, &args.torch_script, &script_args, &what)
 }
