@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value, json};
 
 pub use rl::{RlMetrics, human_bytes, human_seconds, three_digits};
-pub use timeline::{MemoryTimeline, TimelineSample};
+pub use timeline::{MemoryTimeline, MoveSpan, TimelineSample};
 
 /// A phase of one RL step, in the order the loop runs them (DESIGN section 8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,11 +1,13 @@
 //! Device memory per tag over a run, sampled at every phase boundary and drawn as an SVG
-//! chart of stepped lines: one per tag, and the total.
+//! chart of stepped lines: one per tag, and the total; under them, a bar for each move that
+//! ran behind other work (the trainer's offload and onload on the loop's mover thread), so
+//! the moves that overlap the rollout show where they ran.
 
 use std::path::Path;
 
 use plotters::prelude::{
     BLACK, ChartBuilder, Color, IntoDrawingArea, LineSeries, Palette, Palette99, PathElement,
-    SVGBackend, WHITE,
+    Rectangle, SVGBackend, WHITE,
 };
 
 use super::MetricsError;
@@ -28,11 +30,26 @@ impl TimelineSample {
     }
 }
 
-/// The samples of a run, in order.
+/// A move that ran behind other work, in seconds since the run started.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoveSpan {
+    /// What moved (`offload_train behind`).
+    pub name: String,
+    /// When it started.
+    pub start: f64,
+    /// When it ended.
+    pub end: f64,
+}
+
+/// The samples of a run, in order, and the moves that ran behind other work.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MemoryTimeline {
     samples: Vec<TimelineSample>,
+    moves: Vec<MoveSpan>,
 }
+
+/// Height of the bars of moves, as a share of the chart's height.
+const MOVE_BAR: f64 = 0.04;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -45,6 +62,16 @@ impl MemoryTimeline {
     /// The samples so far.
     pub fn samples(&self) -> &[TimelineSample] {
         &self.samples
+    }
+
+    /// Adds a move that ran behind other work.
+    pub fn record_move(&mut self, span: MoveSpan) {
+        self.moves.push(span);
+    }
+
+    /// The moves so far.
+    pub fn moves(&self) -> &[MoveSpan] {
+        &self.moves
     }
 
     /// Every `owner/tag` seen, in order of first appearance.
@@ -88,6 +115,7 @@ impl MemoryTimeline {
             .samples
             .last()
             .map_or(1.0, |s| s.seconds)
+            .max(self.moves.iter().map(|m| m.end).fold(0.0, f64::max))
             .max(f64::EPSILON);
         let top = self
             .samples
@@ -137,6 +165,27 @@ impl MemoryTimeline {
                 .label(name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         }
+        // A bar per move along the bottom, one colour per kind of move.
+        let mut kinds: Vec<&str> = Vec::new();
+        for span in &self.moves {
+            if !kinds.contains(&span.name.as_str()) {
+                kinds.push(&span.name);
+            }
+        }
+        for (index, kind) in kinds.iter().enumerate() {
+            let color = Palette99::pick(60 + index).mix(0.6);
+            let bars =
+                self.moves.iter().filter(|m| m.name == *kind).map(|m| {
+                    Rectangle::new([(m.start, 0.0), (m.end, top * MOVE_BAR)], color.filled())
+                });
+            chart
+                .draw_series(bars)
+                .map_err(|e| draw_error(e.to_string()))?
+                .label(*kind)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 4), (x + 20, y + 4)], color.filled())
+                });
+        }
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))
@@ -183,7 +232,22 @@ mod tests {
             t.record(sample(i as f64 * 1.5, p << 20, k << 20));
         }
         t.write_svg(&path).unwrap();
+        let rects = std::fs::read_to_string(&path)
+            .unwrap()
+            .matches("<rect")
+            .count();
+        t.record_move(MoveSpan {
+            name: "offload_train behind".to_owned(),
+            start: 1.0,
+            end: 7.5,
+        });
+        t.write_svg(&path).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.contains("offload_train behind"), "the move's legend");
+        assert!(
+            svg.matches("<rect").count() >= rects + 2,
+            "the move's bar and its legend swatch"
+        );
         assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
         for name in [
             "train/params",

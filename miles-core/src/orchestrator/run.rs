@@ -412,7 +412,9 @@ impl Orchestrator {
             self.onload_train(&mut StepMetrics::default())?;
             self.save()?;
         }
-        self.actor.wait()?;
+        for moved in self.actor.wait()? {
+            self.record_move(&moved);
+        }
         if let Some(path) = &self.config.memory_timeline {
             self.timeline.write_svg(path)?;
         }

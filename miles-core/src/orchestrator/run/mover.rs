@@ -87,11 +87,12 @@ fn missing_memory(error: &BackendError) -> Option<(MemoryTag, u64, u64)> {
 }
 
 /// A move that ran on the mover's thread: [`Phase::OffloadTrain`] or [`Phase::OnloadTrain`],
-/// its bytes and its own seconds.
+/// its bytes, when it started and its own seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct Moved {
     pub phase: Phase,
     pub bytes: u64,
+    pub started: Instant,
     pub seconds: f64,
 }
 
@@ -195,6 +196,7 @@ impl Actor {
             moved.push(Moved {
                 phase,
                 bytes: stats.bytes(),
+                started,
                 seconds: started.elapsed().as_secs_f64(),
             });
             Ok(moved)

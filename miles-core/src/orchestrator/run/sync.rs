@@ -11,9 +11,10 @@
 use std::time::Instant;
 
 use super::Orchestrator;
+use super::mover::Moved;
 use crate::backend::BackendError;
 use crate::backend::EngineError;
-use crate::metrics::{Phase, StepMetrics};
+use crate::metrics::{MoveSpan, Phase, StepMetrics};
 use crate::orchestrator::OrchestratorError;
 
 /// The tail of DESIGN section 8: the trainer sleeps, then the weights cross the host link into
@@ -52,6 +53,19 @@ impl Orchestrator {
         })
     }
 
+    /// Puts a move that ran behind other work on the memory timeline.
+    pub(super) fn record_move(&mut self, moved: &Moved) {
+        let start = moved
+            .started
+            .saturating_duration_since(self.started)
+            .as_secs_f64();
+        self.timeline.record_move(MoveSpan {
+            name: format!("{} behind", moved.phase.name()),
+            start,
+            end: start + moved.seconds,
+        });
+    }
+
     /// Wakes actor, critic and reference: waits for the actor's moves in flight (counted into
     /// `metrics` with their own seconds, [`StepMetrics::add_behind`]), then onloads what is
     /// still offloaded; returns the bytes moved here.
@@ -61,6 +75,7 @@ impl Orchestrator {
     ) -> Result<u64, OrchestratorError> {
         for moved in self.actor.wait()? {
             metrics.add_behind(moved.phase, moved.seconds, moved.bytes);
+            self.record_move(&moved);
         }
         let mut bytes = 0;
         if self.actor.get()?.is_offloaded() {

@@ -237,3 +237,36 @@ fn the_trainer_s_state_comes_back_bit_exact_after_moves_behind_the_engine_s() {
         "the parameters changed across four cycles behind the engine"
     );
 }
+
+#[test]
+fn the_memory_timeline_shows_each_move_that_ran_behind_other_work() {
+    for (device_bytes, behind) in [(ROOMY, true), (None, false)] {
+        let log = Log::default();
+        let mut config = colocated(3);
+        config.device_bytes = device_bytes;
+        config.margin_bytes = MIB as u64;
+        let mut o = Orchestrator::new(
+            config,
+            Box::new(FakeActor::new(&log)),
+            Box::new(FakeEngine::new(&log)),
+            tokenizer(),
+        );
+        o.run(&mut |_| {}).unwrap();
+        let moves = o.timeline().moves();
+        let named = |name: &str| moves.iter().filter(|m| m.name == name).count();
+        if behind {
+            assert!(named("offload_train behind") >= 2, "{moves:?}");
+            assert!(named("onload_train behind") >= 2, "{moves:?}");
+            let last = o.timeline().samples().last().map_or(0.0, |s| s.seconds);
+            for span in moves {
+                assert!(0.0 <= span.start && span.start <= span.end, "{span:?}");
+                assert!(
+                    span.start <= last,
+                    "{span:?} starts after the run's last sample"
+                );
+            }
+        } else {
+            assert!(moves.is_empty(), "moves in line are phases: {moves:?}");
+        }
+    }
+}
