@@ -227,15 +227,16 @@ impl MemoryManager {
     /// its own; other tags have none) and reports the first that failed.
     ///
     /// # Errors
-    /// [`MemoryError::UnknownTag`]; [`MemoryError::BackgroundWrite`], once per failed write:
-    /// that tag stays paused with its bytes whole in host memory, and its resume brings them
-    /// back.
+    /// [`MemoryError::UnknownTag`]; [`MemoryError::BackgroundWrite`] for the first failed write
+    /// (the others are logged; each is reported once): that tag stays paused with its bytes
+    /// whole in host memory, and its resume brings them back.
     pub fn finish_writes(&self, tags: &[MemoryTag]) -> Result<(), MemoryError> {
         let mut first = Ok(());
         for tag in tags {
-            let finished = self.region(tag)?.finish_write();
-            if first.is_ok() {
-                first = finished;
+            match self.region(tag)?.finish_write() {
+                Err(error) if first.is_ok() => first = Err(error),
+                Err(error) => tracing::error!(%error, "a further background write failed"),
+                Ok(()) => {}
             }
         }
         first
@@ -260,6 +261,10 @@ impl MemoryManager {
     /// As [`resume`](Self::resume), for the first tag that fails; a tag that cannot be paused
     /// again in the rollback is logged and stays active.
     pub fn resume_all(&self, tags: &[MemoryTag]) -> Result<Vec<OffloadReport>, MemoryError> {
+        // A failed background write fails the call before any tag resumes.
+        for tag in tags {
+            self.region(tag)?.check_write()?;
+        }
         self.all_or_nothing(tags, "resume", Self::resume, Self::pause)
     }
 
@@ -277,7 +282,16 @@ impl MemoryManager {
                 Ok(report) => reports.push(report),
                 Err(error) => {
                     for done in reports.iter().rev() {
-                        if let Err(undo_error) = undo(self, &done.tag) {
+                        // A resume reports a failed background write once and changes nothing;
+                        // the next one brings the host copy back.
+                        let undone = match undo(self, &done.tag) {
+                            Err(MemoryError::BackgroundWrite { tag, source }) => {
+                                tracing::error!(%tag, error = %source, "a background write failed; the undo resumes from the host copy");
+                                undo(self, &done.tag)
+                            }
+                            undone => undone,
+                        };
+                        if let Err(undo_error) = undone {
                             tracing::error!(
                                 tag = %done.tag,
                                 error = %undo_error,
@@ -376,6 +390,11 @@ impl MemoryManager {
 
 #[cfg(test)]
 impl MemoryManager {
+    /// Bytes of host copies waiting for (or holding) a write behind a pause.
+    fn staged_bytes(&self) -> u64 {
+        self.stores.staging.held()
+    }
+
     /// Make the disk store's writer wait at `barrier` twice before chunk `index`; call before
     /// creating regions.
     fn inject_disk_write_hold(&mut self, index: usize, barrier: Arc<std::sync::Barrier>) {

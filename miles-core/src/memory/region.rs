@@ -81,6 +81,9 @@ enum Backup {
     Staged(Staged),
 }
 
+/// How often [`Region::finish_write`] looks at a running write.
+const WRITE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// What a pause's backup left: the backup, the ranges released, the error that stopped it.
 type BackedUp = (Backup, Vec<AddressRange>, Option<MemoryError>);
 
@@ -490,11 +493,31 @@ impl Region {
     /// Waits for the disk write behind this region's pause, if one runs, and reports its
     /// failure once ([`MemoryError::BackgroundWrite`]; the region keeps its host copy).
     pub(crate) fn finish_write(&self) -> Result<(), MemoryError> {
+        // Polled, not joined under the lock: the lock is held only for a look at a time, so
+        // the region's other users do not wait for the disk.
+        loop {
+            {
+                let mut core = self.lock();
+                let Backup::Staged(staged) = &mut core.backup else {
+                    return Ok(());
+                };
+                staged.write.poll();
+                if !matches!(staged.write, Write::Running { .. }) {
+                    return self.report_write(staged);
+                }
+            }
+            std::thread::sleep(WRITE_POLL);
+        }
+    }
+
+    /// Reports, once, a disk write behind this region's pause that has failed by now
+    /// ([`MemoryError::BackgroundWrite`]); a running one is left running.
+    pub(crate) fn check_write(&self) -> Result<(), MemoryError> {
         let mut core = self.lock();
         let Backup::Staged(staged) = &mut core.backup else {
             return Ok(());
         };
-        staged.write.finish();
+        staged.write.poll();
         self.report_write(staged)
     }
 
@@ -656,7 +679,9 @@ impl Region {
                 {
                     self.remove_files(disk_backup);
                 }
-                if let Ok(buffer) = Arc::try_unwrap(staged.host) {
+                let host = Arc::try_unwrap(staged.host);
+                debug_assert!(host.is_ok(), "the write's thread has ended");
+                if let Ok(buffer) = host {
                     self.stores.pool.put(buffer);
                 }
                 self.stores.staging.give_back(staged.bytes);

@@ -64,6 +64,12 @@ impl Staging {
     pub(crate) fn budget(&self) -> u64 {
         self.budget
     }
+
+    /// Bytes counted now.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> u64 {
+        self.held.load(Ordering::SeqCst)
+    }
 }
 
 /// What a write's thread returns: the backup, or `None` when it was stopped.
@@ -102,6 +108,9 @@ impl Write {
 
     /// Waits for a running write to end.
     pub(crate) fn finish(&mut self) {
+        if !matches!(self, Write::Running { .. }) {
+            return;
+        }
         if let Write::Running { thread, .. } = std::mem::replace(self, Write::Absent) {
             *self = Write::ended(thread.join());
         }

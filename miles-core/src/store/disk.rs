@@ -303,6 +303,9 @@ impl DiskStore {
             direct,
         };
         let crc32c = self.write_chunks(source, target, runs, total, chunks, stop)?;
+        if stop.load(Ordering::SeqCst) {
+            return Err(StoreError::Stopped);
+        }
         file.sync_all().map_err(io_error("fsync", &data_path))?;
         let manifest = Manifest {
             tag: tag.name().to_string(),

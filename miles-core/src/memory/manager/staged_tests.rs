@@ -73,6 +73,11 @@ fn a_pause_within_the_budget_writes_behind_and_resumes_bit_exact_whether_the_wri
             "cycle {cycle}: {report:?}"
         );
         assert_eq!(memory.state(&tag[0]).unwrap(), RegionState::Paused);
+        assert_eq!(
+            memory.staged_bytes(),
+            report.bytes,
+            "cycle {cycle}: the pause took the host copy's path"
+        );
         if cycle % 2 == 0 {
             memory.finish_writes(&tag).unwrap();
             assert!(
@@ -83,6 +88,15 @@ fn a_pause_within_the_budget_writes_behind_and_resumes_bit_exact_whether_the_wri
         // Odd cycles resume at once: the write stops (or has ended) and the host copy serves.
         memory.resume(&tag[0]).unwrap();
         assert!(same(&buffer, &data), "cycle {cycle}: bytes differ");
+        assert_eq!(
+            memory.staged_bytes(),
+            0,
+            "cycle {cycle}: the budget comes back"
+        );
+        assert!(
+            !has(dir.path(), "manifest.json") && !has(dir.path(), "data.bin"),
+            "cycle {cycle}: the resume removed the disk copy"
+        );
     }
 }
 
@@ -106,12 +120,14 @@ fn a_failed_background_write_loses_nothing_and_fails_the_next_step() {
         !has(dir.path(), "data.bin"),
         "the failed write removed its files"
     );
+    assert!(memory.staged_bytes() > 0, "the host copy is kept");
     memory.finish_writes(&tag).unwrap();
     memory.resume(&tag[0]).unwrap();
     assert!(
         same(&buffer, &data),
         "the host copy brought every byte back"
     );
+    assert_eq!(memory.staged_bytes(), 0);
 
     // Without waiting: the resume either reports the failure (the write had ended) and a second
     // resume brings the bytes back, or it stops the write and brings them back at once.
@@ -133,6 +149,7 @@ fn a_tag_over_the_budget_goes_to_disk_in_line() {
     let memory = manager(dir.path(), 4 * MIB as u64, |_| {});
     let (buffer, data) = filled(&memory);
     memory.pause(&MemoryTag::Optimizer).unwrap();
+    assert_eq!(memory.staged_bytes(), 0, "no host copy");
     assert!(
         has(dir.path(), "manifest.json"),
         "written before the pause returns"
