@@ -351,3 +351,34 @@ fn paged_attention_serves_a_group_of_more_query_heads_than_one_block_takes() {
         80,
     );
 }
+
+#[test]
+fn paged_attention_refuses_a_head_dim_that_is_not_a_multiple_of_8() {
+    let what = "paged_attention_refuses_a_head_dim_that_is_not_a_multiple_of_8";
+    let Some(mut t) = TestGpu::open(what, 16 << 20) else {
+        return;
+    };
+    let shape = PagedCache {
+        num_blocks: 4,
+        num_layers: 1,
+        block_size: 8,
+        kv_heads: 1,
+        head_dim: 36,
+    };
+    let (cache, q, out) = (
+        t.alloc::<bf16>(shape.elems()),
+        t.alloc::<bf16>(2 * shape.head_dim),
+        t.alloc::<bf16>(2 * shape.head_dim),
+    );
+    let tokens = PagedTokens {
+        positions: t.put(&[0u32]),
+        seq_rows: t.put(&[0u32]),
+        tables: t.put(&[0u32]),
+        max_blocks: 1,
+    };
+    let refused = t.gpu.paged_attention(out, q, cache, &shape, 0, &tokens);
+    assert!(
+        matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("multiple of 8")),
+        "{refused:?}"
+    );
+}
