@@ -255,7 +255,9 @@ impl MemoryManager {
 
     /// Resumes every tag of `tags`, in order, all or nothing: when one fails, the tags resumed
     /// before it are paused again (last first) and its error is returned, so every tag is as it
-    /// was (paused, with its backup). Returns each tag's report.
+    /// was (paused, with its backup). Disk writes still running behind the tags' pauses are
+    /// asked to stop before the first resume, so they wind down together rather than one
+    /// after another. Returns each tag's report.
     ///
     /// # Errors
     /// As [`resume`](Self::resume), for the first tag that fails; a tag that cannot be paused
@@ -264,6 +266,9 @@ impl MemoryManager {
         // A failed background write fails the call before any tag resumes.
         for tag in tags {
             self.region(tag)?.check_write()?;
+        }
+        for tag in tags {
+            self.region(tag)?.request_write_stop();
         }
         self.all_or_nothing(tags, "resume", Self::resume, Self::pause)
     }

@@ -521,6 +521,14 @@ impl Region {
         self.report_write(staged)
     }
 
+    /// Asks the disk write behind this region's pause to stop, without waiting: the region is
+    /// about to resume from its host copy, so the writes of several regions wind down together.
+    pub(crate) fn request_write_stop(&self) {
+        if let Backup::Staged(staged) = &self.lock().backup {
+            staged.write.request_stop();
+        }
+    }
+
     fn report_write(&self, staged: &mut Staged) -> Result<(), MemoryError> {
         match staged.write.take_failure() {
             Some(source) => Err(MemoryError::BackgroundWrite {

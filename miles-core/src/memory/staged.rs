@@ -123,11 +123,16 @@ impl Write {
         }
     }
 
-    /// Stops a running write between chunks (it removes what it wrote) and waits for it.
-    pub(crate) fn stop(&mut self) {
+    /// Asks a running write to stop within a piece of a chunk, without waiting for it.
+    pub(crate) fn request_stop(&self) {
         if let Write::Running { stop, .. } = self {
             stop.store(true, Ordering::SeqCst);
         }
+    }
+
+    /// Stops a running write (it removes what it wrote) and waits for it.
+    pub(crate) fn stop(&mut self) {
+        self.request_stop();
         self.finish();
     }
 

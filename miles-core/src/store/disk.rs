@@ -44,6 +44,10 @@ const DIRECT_ALIGN: usize = 4096;
 /// queue busier than one.
 const WRITE_THREADS: usize = 2;
 
+/// A chunk is written in pieces of this many bytes, a stop checked before each, so a stopped
+/// write ends within one piece per writer (a multiple of [`DIRECT_ALIGN`]).
+const WRITE_PIECE: usize = 4 << 20;
+
 /// Staging buffers of a pause: one per writer, one being filled, one spare.
 const PIPELINE_DEPTH: usize = WRITE_THREADS + 2;
 
@@ -330,7 +334,7 @@ impl DiskStore {
         chunks: usize,
         stop: &AtomicBool,
     ) -> Result<Vec<u32>, StoreError> {
-        let Target { file, path, direct } = target;
+        let path = target.path;
         let mut free = self.take_staging(chunks.min(PIPELINE_DEPTH))?;
         let staged = free.len();
         let mut crcs = vec![0u32; chunks];
@@ -362,7 +366,7 @@ impl DiskStore {
                                 source: std::io::Error::other("injected write fault"),
                             })
                         } else {
-                            write_chunk(file, path, index, chunk_bytes, &mut buffer, len, direct)
+                            write_chunk(target, index, chunk_bytes, &mut buffer, len, stop)
                         };
                         if done_tx.send((buffer, result)).is_err() {
                             return;
@@ -626,23 +630,32 @@ fn pieces(runs: &[AddressRange], offset: u64, len: usize) -> Vec<(AddressRange, 
 }
 
 fn write_chunk(
-    file: &File,
-    path: &Path,
+    target: Target<'_>,
     index: usize,
     chunk_bytes: usize,
     buffer: &mut HostBuffer,
     len: usize,
-    direct: bool,
+    stop: &AtomicBool,
 ) -> Result<(), StoreError> {
     let bytes = buffer.as_mut_slice()?;
-    let padded = if direct {
+    let padded = if target.direct {
         len.next_multiple_of(DIRECT_ALIGN)
     } else {
         len
     };
     bytes[len..padded].fill(0);
-    file.write_all_at(&bytes[..padded], (index * chunk_bytes) as u64)
-        .map_err(io_error(&format!("write chunk {index} of"), path))
+    let start = index * chunk_bytes;
+    for offset in (0..padded).step_by(WRITE_PIECE) {
+        if stop.load(Ordering::SeqCst) {
+            return Err(StoreError::Stopped);
+        }
+        let piece = &bytes[offset..padded.min(offset + WRITE_PIECE)];
+        target
+            .file
+            .write_all_at(piece, (start + offset) as u64)
+            .map_err(io_error(&format!("write chunk {index} of"), target.path))?;
+    }
+    Ok(())
 }
 
 /// Open the data file `path` in `dir` with O_DIRECT, or buffered where the filesystem refuses

@@ -228,9 +228,12 @@ impl Gpu {
         }
         let rows = out.len() / f;
         let (n, width) = (as_i64(rows), as_i32("swiglu width", f)?);
+        // 8 columns a thread where the rows are whole 16-byte words.
+        let wide = f.is_multiple_of(8) && (out.address() | gate_up.address()).is_multiple_of(16);
+        let step = if wide { 8 } else { 1 };
         let config = LaunchConfig {
             grid_dim: (
-                f.div_ceil(256).min(65535) as u32,
+                f.div_ceil(256 * step).min(65535) as u32,
                 rows.clamp(1, 65535) as u32,
                 1,
             ),
@@ -240,7 +243,13 @@ impl Gpu {
         self.launch(
             "swiglu_rows",
             config,
-            &[&out.address(), &gate_up.address(), &n, &width],
+            &[
+                &out.address(),
+                &gate_up.address(),
+                &n,
+                &width,
+                &i32::from(wide),
+            ],
         )
     }
 

@@ -94,18 +94,21 @@ fn gpu_rmsnorm_forward_matches_the_cpu() {
     let Some(mut t) = TestGpu::open("gpu_rmsnorm_forward_matches_the_cpu", 64 << 20) else {
         return;
     };
-    let (rows, c) = (37, 320);
-    let (x, x_host) = t.put_bf16(&seeded(6, rows * c));
-    let (w, w_host) = t.put_bf16(&seeded(7, c));
-    let out = t.alloc::<bf16>(rows * c);
-    let rstd = t.alloc::<f32>(rows);
-    t.gpu
-        .rmsnorm_forward(out, Some(rstd), x, w, 1e-5)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (mut want, mut want_rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
-    rmsnorm_forward(&mut want, &mut want_rstd, &x_host, &w_host, 1e-5);
-    assert_close("rmsnorm out", &t.get_bf16(out), &want, BF16_TOLERANCE);
-    assert_close("rmsnorm rstd", &t.get(rstd), &want_rstd, 1e-4);
+    // 320 and 2048 take the kernel's 8-at-a-time reads (2048 with every thread's values in
+    // one read), 100 the one-at-a-time path.
+    for (rows, c) in [(37, 320), (5, 2048), (7, 100)] {
+        let (x, x_host) = t.put_bf16(&seeded(6, rows * c));
+        let (w, w_host) = t.put_bf16(&seeded(7, c));
+        let out = t.alloc::<bf16>(rows * c);
+        let rstd = t.alloc::<f32>(rows);
+        t.gpu
+            .rmsnorm_forward(out, Some(rstd), x, w, 1e-5)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (mut want, mut want_rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
+        rmsnorm_forward(&mut want, &mut want_rstd, &x_host, &w_host, 1e-5);
+        assert_close("rmsnorm out", &t.get_bf16(out), &want, BF16_TOLERANCE);
+        assert_close("rmsnorm rstd", &t.get(rstd), &want_rstd, 1e-4);
+    }
 }
 
 #[test]
@@ -137,19 +140,21 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
     swiglu_forward(&mut want, &gate_host, &up_host);
     assert_close("swiglu", &t.get_bf16(out), &want, BF16_TOLERANCE);
 
-    // The fused rows (10 rows of gate then up, 100 each) give the same values bit for bit.
-    let f = 100;
-    let gate_up: Vec<bf16> = gate_host
-        .chunks_exact(f)
-        .zip(up_host.chunks_exact(f))
-        .flat_map(|(g, u)| g.iter().chain(u).map(|&x| bf16::from_f32(x)))
-        .collect();
-    let gate_up = t.put(&gate_up);
-    let rows = t.alloc::<bf16>(len);
-    t.gpu
-        .swiglu_rows(rows, gate_up, f)
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_close("swiglu rows", &t.get_bf16(rows), &t.get_bf16(out), 0.0);
+    // The fused rows (gate then up in each row) give the same values bit for bit: 10 rows of
+    // 100 one value at a time, 5 rows of 200 eight at a time.
+    for f in [100, 200] {
+        let gate_up: Vec<bf16> = gate_host
+            .chunks_exact(f)
+            .zip(up_host.chunks_exact(f))
+            .flat_map(|(g, u)| g.iter().chain(u).map(|&x| bf16::from_f32(x)))
+            .collect();
+        let gate_up = t.put(&gate_up);
+        let rows = t.alloc::<bf16>(len);
+        t.gpu
+            .swiglu_rows(rows, gate_up, f)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_close("swiglu rows", &t.get_bf16(rows), &t.get_bf16(out), 0.0);
+    }
 
     t.gpu
         .residual_add(out, gate)

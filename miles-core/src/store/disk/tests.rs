@@ -228,3 +228,28 @@ fn a_removal_a_kill_interrupted_does_not_stop_the_next_job_removing_its_backups(
         next.remove(backup).unwrap();
     }
 }
+
+#[test]
+fn a_chunk_write_asked_to_stop_ends_before_its_next_piece() {
+    let bench = Bench::new();
+    let path = bench.dir.path().join("data");
+    let file = File::create(&path).unwrap();
+    let target = Target {
+        file: &file,
+        path: &path,
+        direct: false,
+    };
+    let len = 3 * WRITE_PIECE;
+    let mut buffer = bench.device.alloc_host(len).unwrap();
+    let stop = AtomicBool::new(false);
+    write_chunk(target, 1, len, &mut buffer, len, &stop).unwrap();
+    assert_eq!(file.metadata().unwrap().len(), 2 * len as u64);
+    stop.store(true, Ordering::SeqCst);
+    let error = write_chunk(target, 2, len, &mut buffer, len, &stop).unwrap_err();
+    assert!(matches!(error, StoreError::Stopped), "{error}");
+    assert_eq!(
+        file.metadata().unwrap().len(),
+        2 * len as u64,
+        "nothing written once stopped"
+    );
+}

@@ -33,19 +33,37 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     const bf16* xr = x + row * c;
-    float ss = 0.0f;
-    // Unrolled so that a thread's reads are in flight together (the sum's order is the same).
-#pragma unroll 8
-    for (int j = threadIdx.x; j < c; j += blockDim.x) {
-        const float v = bf2f(xr[j]);
-        ss += v * v;
+    bf16* o = out + row * c;
+    // 8 values a read where the rows allow it (the common case), one at a time otherwise.
+    const bool wide = (c & 7) == 0 && aligned16(xr) && aligned16(o) && aligned16(w);
+    float ss = 0.0f, f[8];
+    if (wide) {
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            unpack8(((const uint4*)xr)[v], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) ss += f[i] * f[i];
+        }
+    } else {
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {
+            const float v = bf2f(xr[j]);
+            ss += v * v;
+        }
     }
     ss = block_sum(ss, scratch);
     const float r = rsqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
-    bf16* o = out + row * c;
-#pragma unroll 8
-    for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+    if (wide) {
+        float g[8];
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            unpack8(((const uint4*)xr)[v], f);
+            unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] = f[i] * r * g[i];
+            ((uint4*)o)[v] = pack8(f);
+        }
+    } else {
+        for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+    }
 }
 
 // x (rows, c) += b (c) on every row, elementwise over the n = rows * c values (the q, k and v
@@ -89,14 +107,26 @@ extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf1
 
 // out (n, f) = silu(gate) * up from the fused product gu (n, 2f), a row holding the gate's f
 // values, then the up's. A grid-stride loop over rows (y) and columns (x), so no index is
-// divided.
-extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, int f) {
+// divided; with `wide` (f a multiple of 8, both buffers 16-byte aligned) each thread takes 8
+// columns at a time.
+extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, int f, int wide) {
+    const int step = wide ? 8 : 1;
     for (long long row = blockIdx.y; row < n; row += gridDim.y) {
         const bf16* g = gu + row * 2 * f;
         bf16* o = out + row * f;
-        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < f; j += gridDim.x * blockDim.x) {
-            const float x = bf2f(g[j]);
-            o[j] = f2bf(x / (1.0f + __expf(-x)) * bf2f(g[j + f]));
+        for (int j = (blockIdx.x * blockDim.x + threadIdx.x) * step; j < f;
+             j += gridDim.x * blockDim.x * step) {
+            if (wide) {
+                float a[8], b[8];
+                unpack8(*(const uint4*)(g + j), a);
+                unpack8(*(const uint4*)(g + j + f), b);
+#pragma unroll
+                for (int i = 0; i < 8; i++) a[i] = a[i] / (1.0f + __expf(-a[i])) * b[i];
+                *(uint4*)(o + j) = pack8(a);
+            } else {
+                const float x = bf2f(g[j]);
+                o[j] = f2bf(x / (1.0f + __expf(-x)) * bf2f(g[j + f]));
+            }
         }
     }
 }

@@ -57,8 +57,6 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 #define PAGED_OWN (PAGED_HEADS / PAGED_WARPS)  // heads a warp owns at most
 #define PAGED_PAIRS (PAGED_MAX_D / 64)         // channel pairs a lane owns at most
 
-__device__ __forceinline__ float bf_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
 extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16* cache,
                                            const unsigned int* tables,
