@@ -770,3 +770,27 @@ fn trainer_flags_the_cuda_trainers_lack_are_bad_settings_naming_the_flag_and_the
     let (_, err) = expect(&["train", "--rollout-stop", "", "--steps", "1"], 2);
     assert!(err.contains("--rollout-stop"), "{err}");
 }
+
+#[test]
+fn streamed_master_weights_on_the_cpu_device_exit_2_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().to_str().unwrap();
+    let (_, err) = expect(
+        &[
+            "train",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1",
+            "--stream-optimizer-state-to-disk",
+            "--stream-optimizer-master-weights",
+            "--offload-train-disk-dir",
+            disk,
+        ],
+        2,
+    );
+    assert!(err.contains("--stream-optimizer-master-weights"), "{err}");
+    assert!(err.contains("cuda only"), "{err}");
+}

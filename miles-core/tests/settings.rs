@@ -23,6 +23,7 @@ fn label(error: &SettingsError) -> String {
         SettingsError::DiskDirNotWritable { .. } => "rule3:writable".into(),
         SettingsError::StreamNeedsDiskTarget { .. } => "rule4:target".into(),
         SettingsError::StreamWithoutDiskDir => "rule4:dir".into(),
+        SettingsError::MasterStreamWithoutStream => "rule4:master".into(),
         SettingsError::UnknownRolloutLevel { value, suggestion } => {
             format!("rule5:{value}->{}", suggestion.unwrap_or("none"))
         }
@@ -235,6 +236,17 @@ const CASES: &[(&str, &str, Expect)] = &[
         "streamed optimizer state on a disk target without directory",
         "colocate = true\nstream_optimizer_state_to_disk = true\noffload_train_target = \"disk\"",
         Expect::Invalid(&["rule3:dir"]),
+    ),
+    (
+        "streamed master weights without the streamed optimizer state",
+        "stream_optimizer_master_weights = true",
+        Expect::Invalid(&["rule4:master"]),
+    ),
+    (
+        "streamed master weights with the optimizer state",
+        "stream_optimizer_state_to_disk = true\nstream_optimizer_master_weights = true\n\
+         offload_train_disk_dir = \"{dir}\"",
+        Expect::Valid(|s| assert!(s.stream_optimizer_master_weights)),
     ),
     (
         "plural rollout level",

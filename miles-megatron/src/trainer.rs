@@ -159,8 +159,9 @@ impl MegatronTrainer {
     /// A trainer of `config` starting from the full weights `params`.
     ///
     /// # Errors
-    /// [`BackendError::Settings`] for parallel sizes the model cannot be cut into or a disk
-    /// target without a directory; what a rank hit while allocating its memory.
+    /// [`BackendError::Settings`] for parallel sizes the model cannot be cut into, a disk
+    /// target without a directory, or streamed master weights (the cuda trainer's); what a
+    /// rank hit while allocating its memory.
     pub fn new(
         config: LlamaConfig,
         params: &[f32],
@@ -170,6 +171,15 @@ impl MegatronTrainer {
         if dp == 0 {
             return Err(invalid(
                 "--data-parallel-size must be at least 1".to_string(),
+            ));
+        }
+        if options
+            .stream_optimizer
+            .as_ref()
+            .is_some_and(|stream| stream.master_weights)
+        {
+            return Err(invalid(
+                "streams the master weights through the disk on cuda only (the cpu ranks keep them beside their shards); drop --stream-optimizer-master-weights or pass --device cuda".into(),
             ));
         }
         let local_config = shard_config(&config, tp)?;

@@ -160,6 +160,7 @@ fn streaming_the_optimizer_state_is_exact_in_fp32_and_close_in_bf16() {
         let opts = MegatronOptions {
             stream_optimizer: Some(OptimizerStream {
                 dtype,
+                master_weights: false,
                 dir: disk.clone(),
                 bucket_bytes: 16 << 10,
             }),
@@ -316,6 +317,7 @@ fn a_corrupted_optimizer_bucket_on_disk_fails_the_step_naming_the_checksum() {
     let mut t = trainer(MegatronOptions {
         stream_optimizer: Some(OptimizerStream {
             dtype: MomentDtype::Fp32,
+            master_weights: false,
             dir: dir.path().to_path_buf(),
             bucket_bytes: 16 << 10,
         }),

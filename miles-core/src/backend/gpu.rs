@@ -136,6 +136,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             max_batch_tokens: MAX_BATCH_TOKENS,
             stream: stream.map(|stream| MomentStream {
                 dtype: stream.dtype,
+                master_weights: stream.master_weights,
                 disk: stream.disk(rank),
             }),
         };

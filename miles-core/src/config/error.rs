@@ -128,6 +128,11 @@ pub enum SettingsError {
         "--stream-optimizer-state-to-disk requires --offload-train-disk-dir DIR: the optimizer state lives there"
     )]
     StreamWithoutDiskDir,
+    /// Rule 4: master weights streamed without the optimizer state.
+    #[error(
+        "--stream-optimizer-master-weights streams the master weights with the optimizer state: add --stream-optimizer-state-to-disk or drop it"
+    )]
+    MasterStreamWithoutStream,
     /// Rule 5: an unknown rollout offload level.
     #[error(
         "--offload-rollout-level has unknown value `{value}` (valid: {}){}",

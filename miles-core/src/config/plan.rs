@@ -81,6 +81,8 @@ impl TrainOffload {
 pub struct OptimizerStream {
     /// Storage type of the moments.
     pub dtype: MomentDtype,
+    /// The fp32 master weights stream too (`--stream-optimizer-master-weights`, cuda).
+    pub master_weights: bool,
     /// The job's offload directory.
     pub dir: PathBuf,
     /// Bytes per bucket (the disk chunk).
@@ -98,6 +100,7 @@ impl OptimizerStream {
         }
         Ok(Some(OptimizerStream {
             dtype: settings.stream_optimizer_state_moment_dtype,
+            master_weights: settings.stream_optimizer_master_weights,
             dir: disk_dir(settings)?,
             bucket_bytes: disk_chunk_bytes(settings)?,
         }))

@@ -332,6 +332,8 @@ settings_table! {
         /// Storage type of Adam moments on disk
         Value stream_optimizer_state_moment_dtype: MomentDtype = MomentDtype::Fp32,
             "fp32|bf16|fp16", "Offload", Range::Any;
+        /// The fp32 master weights stream with the moments, none on the device (cuda)
+        Switch stream_optimizer_master_weights: bool = false, "", "Offload", Range::Any;
         /// Where the GPU holds training and rollout with the margin, keep both resident (cuda)
         Switch offload_when_needed: bool = false, "", "Offload", Range::Any;
         /// Attempts after the first that a trainer's resume makes while device memory is short

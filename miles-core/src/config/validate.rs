@@ -93,6 +93,8 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
         if !disk_target && s.offload_train_disk_dir.is_none() {
             errors.push(SettingsError::StreamWithoutDiskDir);
         }
+    } else if s.stream_optimizer_master_weights {
+        errors.push(SettingsError::MasterStreamWithoutStream);
     }
     // Rule 3, for every use of the disk (the chunk's range is checked with every range).
     if s.uses_disk()

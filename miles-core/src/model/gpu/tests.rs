@@ -500,15 +500,18 @@ fn two_gpu_trainers_give_bit_identical_gradients_losses_and_weights() {
 }
 
 /// A spec like `gentle`'s, backed up to the host (so offload cycles keep the weights), whose
-/// moments stream through `dir` in `dtype`, buckets of 64 KiB.
+/// moments (and, with `master_weights`, master weights) stream through `dir` in `dtype`,
+/// buckets of 64 KiB.
 fn streamed_spec(
     config: LlamaConfig,
     dtype: crate::choice::MomentDtype,
+    master_weights: bool,
     dir: &std::path::Path,
 ) -> GpuTrainerSpec {
     GpuTrainerSpec {
         stream: Some(MomentStream {
             dtype,
+            master_weights,
             disk: crate::memory::DiskSettings {
                 dir: dir.to_path_buf(),
                 rank: 0,
@@ -545,13 +548,15 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
     // bf16 moments round each update's moments to 8 bits, the weights to bf16: at lr 1e-3 over
     // four steps the losses stay within the parallel tests' 1e-2 relative.
     // Without offload cycles first: a difference there is the walk's, not the cycles'.
-    for (dtype, tolerance, cycles) in [
-        (MomentDtype::Fp32, 0.0f32, false),
-        (MomentDtype::Fp32, 0.0, true),
-        (MomentDtype::Bf16, 1e-2, true),
+    // The master weights streaming too: still bit-exact, and none of them on the device.
+    for (dtype, tolerance, cycles, master_weights) in [
+        (MomentDtype::Fp32, 0.0f32, false, false),
+        (MomentDtype::Fp32, 0.0, true, false),
+        (MomentDtype::Fp32, 0.0, true, true),
+        (MomentDtype::Bf16, 1e-2, true, false),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let spec = streamed_spec(config.clone(), dtype, dir.path());
+        let spec = streamed_spec(config.clone(), dtype, master_weights, dir.path());
         let memory = manager(&gpu);
         let mut streamed =
             GpuTrainer::new(Arc::clone(&gpu), Arc::clone(&memory), spec, &params).unwrap();
@@ -594,8 +599,9 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
                 let differ: Vec<usize> = (0..want.len())
                     .filter(|&i| got[i].to_bits() != want[i].to_bits())
                     .collect();
-                // Elements per 64 KiB bucket of fp32 moments (m and v): 8192.
-                let mut buckets: Vec<usize> = differ.iter().map(|&i| i / 8192).collect();
+                // Elements per 64 KiB bucket of fp32 state: 8192 (m and v), 5461 (and master).
+                let per_bucket = if master_weights { 5461 } else { 8192 };
+                let mut buckets: Vec<usize> = differ.iter().map(|&i| i / per_bucket).collect();
                 buckets.dedup();
                 let worst = differ
                     .iter()
@@ -603,7 +609,7 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
                     .fold(0.0f32, f32::max);
                 assert!(
                     differ.is_empty(),
-                    "{what} (offload cycles: {cycles}): {} of {} differ (indices {:?}..{:?}, in buckets {buckets:?}, worst relative {worst:.3e})",
+                    "{what} (offload cycles: {cycles}, master streamed: {master_weights}): {} of {} differ (indices {:?}..{:?}, in buckets {buckets:?}, worst relative {worst:.3e})",
                     differ.len(),
                     want.len(),
                     differ.first(),
@@ -611,11 +617,16 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
                 );
             }
         }
-        // The device holds the master weights and three 64 KiB slots of moments, never all.
-        let master = want_master.len() * 4;
+        // The device holds the master weights (unless they stream) and three 64 KiB slots,
+        // never all.
+        let master = if master_weights {
+            0
+        } else {
+            want_master.len() * 4
+        };
         let device = streamed.optimizer_device_bytes();
         eprintln!(
-            "{dtype}: optimizer state on the device {device} bytes, resident {resident_bytes}"
+            "{dtype} (master streamed: {master_weights}): optimizer state on the device {device} bytes, resident {resident_bytes}"
         );
         assert!(
             device <= master + 3 * (64 << 10),
@@ -631,6 +642,16 @@ fn streamed_optimizer_step_is_bit_exact_in_fp32_and_close_in_half_moments() {
             slots <= 3 * (64 << 10) + (4 << 20),
             "{slots} bytes of slots resident"
         );
+        if master_weights {
+            // New master weights go to disk and leave the moments as they were.
+            let (m, v) = streamed.moments().unwrap();
+            streamed.set_params(&params).unwrap();
+            assert!(
+                streamed.master_params().unwrap() == params,
+                "master weights set"
+            );
+            assert!(streamed.moments().unwrap() == (m, v), "moments kept");
+        }
     }
 }
 
@@ -646,7 +667,7 @@ fn a_corrupted_streamed_bucket_fails_the_step_naming_the_checksum_and_changes_no
     let data = Batch::random(46, config.vocab_size);
     let batch = data.view();
     let dir = tempfile::tempdir().unwrap();
-    let spec = streamed_spec(config, crate::choice::MomentDtype::Fp32, dir.path());
+    let spec = streamed_spec(config, crate::choice::MomentDtype::Fp32, false, dir.path());
     let mut trainer = GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
     trainer.train_step(&batch, 1).unwrap();
     let master = trainer.master_params().unwrap();

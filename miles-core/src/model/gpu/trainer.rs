@@ -83,7 +83,8 @@ pub struct GpuTrainer {
     adamw: AdamWConfig,
     max_batch_tokens: usize,
     params: Buffer, // (P) bf16, Params
-    master: Buffer, // (P) fp32, Optimizer
+    /// (P) fp32, Optimizer; `None` when the master weights stream with the moments.
+    master: Option<Buffer>,
     moments: Moments,
     grads: Buffer,  // (P) fp32, Grads
     scalar: Buffer, // (SCALAR_BYTES) fp32, Activations
@@ -138,7 +139,11 @@ impl GpuTrainer {
         let n = model.layout().len();
         let (half, full) = (n * size_of::<bf16>(), n * size_of::<f32>());
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
-        let optimizer_buffers = if spec.stream.is_some() { 1 } else { 3 };
+        let optimizer_buffers = match &spec.stream {
+            None => 3,
+            Some(stream) if stream.master_weights => 0,
+            Some(_) => 1,
+        };
         for (tag, policy, bytes) in [
             (MemoryTag::Params, spec.backup, half + BLOCK_SLACK),
             (
@@ -156,11 +161,15 @@ impl GpuTrainer {
                 m: memory.alloc(&MemoryTag::Optimizer, full)?,
                 v: memory.alloc(&MemoryTag::Optimizer, full)?,
             },
-            Some(stream) => Moments::Streamed(StreamedMoments::new(&memory, stream, n)?),
+            Some(stream) => Moments::Streamed(StreamedMoments::new(&memory, stream, params)?),
+        };
+        let master = match &moments {
+            Moments::Streamed(streamed) if streamed.holds_master() => None,
+            _ => Some(memory.alloc(&MemoryTag::Optimizer, full)?),
         };
         let trainer = GpuTrainer {
             params: memory.alloc(&MemoryTag::Params, half)?,
-            master: memory.alloc(&MemoryTag::Optimizer, full)?,
+            master,
             moments,
             grads: memory.alloc(&MemoryTag::Grads, full)?,
             scalar: memory.alloc(&MemoryTag::Activations, SCALAR_BYTES)?,
@@ -178,7 +187,11 @@ impl GpuTrainer {
             trainer.gpu.zero(slice::<f32>(v)?)?;
         }
         trainer.gpu.zero(slice::<f32>(&trainer.grads)?)?;
-        trainer.upload_params(params)?;
+        match &trainer.master {
+            Some(master) => trainer.upload_master(master, params)?,
+            // The stream wrote the master weights with the zero moments.
+            None => trainer.upload_rounded(params)?,
+        }
         tracing::debug!(
             params = n,
             activation_arena = act_bytes,
@@ -339,7 +352,11 @@ impl GpuTrainer {
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`].
     pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
         self.ensure_active("read the master weights")?;
-        self.download(&self.master)
+        match (&self.master, &self.moments) {
+            (Some(master), _) => self.download(master),
+            (None, Moments::Streamed(streamed)) => streamed.read_master(self.model.layout().len()),
+            (None, Moments::Resident { .. }) => Err(no_master(self.model.layout().len())),
+        }
     }
 
     /// The bf16 weights on the device (each the round-to-nearest-even of its master weight), in
@@ -388,7 +405,7 @@ impl GpuTrainer {
             Moments::Resident { m, v } => m.len() + v.len(),
             Moments::Streamed(streamed) => streamed.slot_bytes(),
         };
-        self.master.len() + moments
+        self.master.as_ref().map_or(0, Buffer::len) + moments
     }
 
     /// Replaces the AdamW moments (rounded to the stream's dtype when streamed).
@@ -569,17 +586,19 @@ impl GpuTrainer {
         let grad_norm = norm_sq.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
         let s = AdamWStep::new(&self.adamw, step, clip);
-        let (master, params) = (slice(&self.master)?, slice(&self.params)?);
+        let master = self.master.as_ref().map(slice::<f32>).transpose()?;
+        let params = slice(&self.params)?;
         let n = self.model.layout().len();
         let stream = match &mut self.moments {
             Moments::Resident { m, v } => {
+                let master = master.ok_or_else(|| no_master(n))?;
                 let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
                 self.gpu.adamw_update(master, params, moments, grads, s)?;
                 None
             }
             Moments::Streamed(streamed) => Some(streamed.update(
                 &self.gpu,
-                master.sub(0, n)?,
+                master.map(|m| m.sub(0, n)).transpose()?,
                 params.sub(0, n)?,
                 grads.sub(0, n)?,
                 s,
@@ -633,11 +652,32 @@ impl GpuTrainer {
         )
     }
 
-    /// Uploads the master weights and rounds them into the bf16 weights.
-    fn upload_params(&self, params: &[f32]) -> Result<(), ModelError> {
-        let master = slice::<f32>(&self.master)?;
+    /// Writes the master weights `params` (to the device, or through the stream to disk) and
+    /// their bf16 rounding into the bf16 weights.
+    fn upload_params(&mut self, params: &[f32]) -> Result<(), ModelError> {
+        if let Some(master) = &self.master {
+            return self.upload_master(master, params);
+        }
+        let Moments::Streamed(streamed) = &mut self.moments else {
+            return Err(no_master(params.len()));
+        };
+        streamed.write_master(params)?;
+        self.upload_rounded(params)
+    }
+
+    /// Uploads the master weights into `master` and rounds them into the bf16 weights.
+    fn upload_master(&self, master: &Buffer, params: &[f32]) -> Result<(), ModelError> {
+        let master = slice::<f32>(master)?;
         self.gpu.upload(master, params)?;
         self.gpu.cast_to_bf16(slice(&self.params)?, master)?;
+        self.record_fences()
+    }
+
+    /// Uploads the bf16 rounding of `params` (round to nearest even, as the device's cast)
+    /// into the bf16 weights, for master weights that live on disk.
+    fn upload_rounded(&self, params: &[f32]) -> Result<(), ModelError> {
+        let rounded: Vec<bf16> = params.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.gpu.upload(slice(&self.params)?, &rounded)?;
         self.record_fences()
     }
 
@@ -650,13 +690,15 @@ impl GpuTrainer {
     /// Tells every buffer that the work queued so far uses it.
     fn record_fences(&self) -> Result<(), ModelError> {
         let fence = self.gpu.record_fence()?;
-        let state = [&self.params, &self.master, &self.grads, &self.scalar];
+        let state = [&self.params, &self.grads, &self.scalar]
+            .into_iter()
+            .chain(&self.master);
         let moments: Vec<&Buffer> = match &self.moments {
             Moments::Resident { m, v } => vec![m, v],
             Moments::Streamed(streamed) => streamed.slots().iter().collect(),
         };
         let acts = self.acts.iter().flat_map(|a| [&a.bf16, &a.f32, &a.u32]);
-        for buffer in state.into_iter().chain(moments).chain(acts) {
+        for buffer in state.chain(moments).chain(acts) {
             buffer.record_use(fence.clone());
         }
         Ok(())
@@ -705,6 +747,16 @@ impl Drop for GpuTrainer {
 /// The buffer's bytes as elements of `T`.
 fn slice<T: GpuElement>(buffer: &Buffer) -> Result<GpuSlice<T>, DeviceError> {
     GpuSlice::of(buffer.range())
+}
+
+/// The error of a trainer that has its master weights neither on the device nor streamed
+/// (the trainer's own construction rules it out).
+fn no_master(need: usize) -> ModelError {
+    ModelError::BufferLength {
+        buffer: "master weights",
+        len: 0,
+        need,
+    }
 }
 
 #[cfg(test)]
