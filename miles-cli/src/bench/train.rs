@@ -60,6 +60,10 @@ pub struct BenchTrainArgs {
     /// On cuda: skip the PyTorch baseline.
     #[arg(long)]
     pub no_baseline: bool,
+    /// On cuda: which PyTorch baselines to run, comma-separated (eager attention's scores
+    /// in memory make it slow at long sequences).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [TorchLeg::Eager, TorchLeg::Sdpa, TorchLeg::Compiled])]
+    pub baselines: Vec<TorchLeg>,
     /// On cuda: train data-parallel over this many GPUs of this machine, one process each
     /// (each takes its share of the batch's sequences); rank 0 then trains the whole batch
     /// alone on its GPU and prints both throughputs and the losses of every step side by side.
@@ -70,6 +74,17 @@ pub struct BenchTrainArgs {
     /// columns over the ranks, every rank on the whole batch).
     #[arg(long)]
     pub tensor_parallel: bool,
+}
+
+/// A PyTorch baseline of `bench train --device cuda` (`bench/torch_train.py`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TorchLeg {
+    /// Eager, attention as matmul + softmax + matmul.
+    Eager,
+    /// Eager with PyTorch's fused attention.
+    Sdpa,
+    /// `torch.compile` of the model with sdpa and `AdamW(fused=True)`.
+    Compiled,
 }
 
 /// `b` sequences of `t` tokens of deterministic text (a paragraph repeated to fill every

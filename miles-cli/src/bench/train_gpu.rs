@@ -20,7 +20,7 @@ use miles_core::{Batch, DeviceChoice, LaunchEnv};
 use serde_json::Value;
 
 use crate::bench::baseline::python_json;
-use crate::bench::train::{BenchTrainArgs, text_batch};
+use crate::bench::train::{BenchTrainArgs, TorchLeg, text_batch};
 use crate::settings_args::BadSettings;
 
 /// What the GPU bench trains: the preset, its parameter table, the batch of text and the
@@ -117,18 +117,23 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
         std::env::temp_dir().join(format!("miles-bench-train-{}.json", std::process::id()));
     std::fs::write(&config_file, config.to_json_string())
         .with_context(|| format!("cannot write {}", config_file.display()))?;
-    let eager: anyhow::Result<Vec<Value>> = ["eager", "sdpa"]
-        .iter()
-        .map(|attn| torch_baseline(args, &config_file, attn, false))
+    let eager: anyhow::Result<Vec<Value>> = [(TorchLeg::Eager, "eager"), (TorchLeg::Sdpa, "sdpa")]
+        .into_iter()
+        .filter(|(leg, _)| args.baselines.contains(leg))
+        .map(|(_, attn)| torch_baseline(args, &config_file, attn, false))
         .collect();
     // The compiled baseline needs Triton and a compiler on the GPU machine: its failure is
     // reported, not fatal, so the eager figures still print.
-    let compiled = torch_baseline(args, &config_file, "sdpa", true);
+    let compiled = args
+        .baselines
+        .contains(&TorchLeg::Compiled)
+        .then(|| torch_baseline(args, &config_file, "sdpa", true))
+        .transpose();
     if let Err(error) = std::fs::remove_file(&config_file) {
         tracing::warn!(%error, file = %config_file.display(), "cannot remove the baseline's config");
     }
     let compiled = match compiled {
-        Ok(figures) => Some(figures),
+        Ok(figures) => figures,
         Err(error) => {
             writeln!(out, "  pytorch compiled: failed: {error:#}")?;
             None

@@ -567,16 +567,17 @@ impl LlamaConfig {
 
     /// Checks that the CUDA path (the GPU trainer and the GPU rollout engine, which `--device
     /// cuda` runs together) computes this model: every family, biases and q/k norms included,
-    /// with a head dim the engine's paged attention takes (it keeps a head's channels in
-    /// registers, at most [`PAGED_MAX_HEAD_DIM`](crate::ops::gpu::PAGED_MAX_HEAD_DIM)).
+    /// with a head dim the engine's paged attention and the trainer's flash attention take
+    /// (at most [`PAGED_MAX_HEAD_DIM`](crate::ops::gpu::PAGED_MAX_HEAD_DIM) and
+    /// [`FLASH_MAX_HEAD_DIM`](crate::ops::gpu::FLASH_MAX_HEAD_DIM)).
     ///
     /// # Errors
     /// [`ModelError::Config`] naming `head_dim` and its value.
     pub fn check_gpu_support(&self) -> Result<(), ModelError> {
-        let max = crate::ops::gpu::PAGED_MAX_HEAD_DIM;
+        let max = crate::ops::gpu::PAGED_MAX_HEAD_DIM.min(crate::ops::gpu::FLASH_MAX_HEAD_DIM);
         if self.head_dim > max {
             return Err(ModelError::Config(format!(
-                "head_dim = {} is not implemented by the cuda kernels (the rollout engine's paged attention takes at most {max}); use --device cpu",
+                "head_dim = {} is not implemented by the cuda kernels (their attention takes at most {max}); use --device cpu",
                 self.head_dim
             )));
         }

@@ -6,7 +6,7 @@ use half::bf16;
 
 use super::GpuTransformer;
 use super::TrainerGroup;
-use super::forward::{AttentionScratch, sum_over_shards};
+use super::forward::{attention_shape, sum_over_shards};
 use super::layout::{GpuActivations, LayerActs};
 use super::weights::{LayerTensors, tensor};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
@@ -210,10 +210,9 @@ impl GpuTransformer {
         Ok(())
     }
 
-    /// From `flow.d_att_out` to the gradients of the rotated-back q, k, v rows: the split
-    /// heads are recomputed from the layer's kept q, k, v (the forward's scratch served the
-    /// later layers), then `dP = dO vh^T`, `dvh = P^T dO`, the softmax's backward, `dqh = dS
-    /// kh / sqrt(D)`, `dkh = dS^T qh / sqrt(D)`; k and v gradients sum over each query group.
+    /// From `flow.d_att_out` to the gradients of the rotated-back q, k, v rows: the flash
+    /// backward recomputes the probabilities from the layer's kept q, k, v, output and
+    /// log-sum-exp; k and v gradients sum over each query group.
     fn attention_backward(
         &self,
         gpu: &Gpu,
@@ -223,49 +222,16 @@ impl GpuTransformer {
     ) -> Result<(), ModelError> {
         let c = self.config();
         let a = acts.layout();
-        let s = AttentionScratch::of(c, acts)?;
-        let (d_qh, d_kh, d_vh) = (acts.bf(&a.d_qh)?, acts.bf(&a.d_kh)?, acts.bf(&a.d_vh)?);
-        let d_scores = acts.bf(&a.d_scores)?;
-        let (q_heads, kv_heads) = (s.heads(c.num_heads), s.heads(c.num_kv_heads));
-        let (d_oh, d_probs) = (s.oh, s.scores);
-        gpu.to_heads(s.qh, la.q, q_heads)?;
-        gpu.to_heads(s.kh, la.k, kv_heads)?;
-        gpu.to_heads(s.vh, la.v, kv_heads)?;
-        gpu.to_heads(d_oh, flow.d_att_out, q_heads)?;
-        let (t, d, count) = (a.seq, c.head_dim, s.count);
-        let (td, tt) = (t * d, t * t);
-        gpu.gemm(
-            Gemm::new(t, t, d, Transpose::No, Transpose::Yes).batched(count, td, td, tt),
-            d_probs,
-            d_oh,
-            s.vh,
+        gpu.flash_attention_backward(
+            [flow.d_q, flow.d_k, flow.d_v],
+            acts.f(&a.delta)?,
+            [la.q, la.k, la.v],
+            la.att_out,
+            flow.d_att_out,
+            la.lse,
+            attention_shape(c, acts),
         )?;
-        gpu.gemm(
-            Gemm::new(t, d, t, Transpose::Yes, Transpose::No).batched(count, tt, td, td),
-            d_vh,
-            la.probs,
-            d_oh,
-        )?;
-        gpu.causal_softmax_backward(d_scores, la.probs, d_probs, t)?;
-        gpu.gemm(
-            Gemm::new(t, d, t, Transpose::No, Transpose::No)
-                .scaled(s.scale)
-                .batched(count, tt, td, td),
-            d_qh,
-            d_scores,
-            s.kh,
-        )?;
-        gpu.gemm(
-            Gemm::new(t, d, t, Transpose::Yes, Transpose::No)
-                .scaled(s.scale)
-                .batched(count, tt, td, td),
-            d_kh,
-            d_scores,
-            s.qh,
-        )?;
-        gpu.from_heads(flow.d_q, d_qh, q_heads)?;
-        gpu.from_heads(flow.d_k, d_kh, kv_heads)?;
-        gpu.from_heads(flow.d_v, d_vh, kv_heads)?;
+        let d = c.head_dim;
         let (pos, cos, sin) = (
             acts.u(&a.positions)?,
             acts.f(&a.rope_cos)?,

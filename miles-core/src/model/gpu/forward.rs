@@ -9,8 +9,7 @@ use super::weights::{LayerTensors, tensor};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
-use crate::ops::embedding_rows;
-use crate::ops::gpu::HeadShape;
+use crate::ops::{AttentionShape, embedding_rows};
 
 /// What a forward pass is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -199,7 +198,8 @@ impl GpuTransformer {
         }
         gpu.rope_forward(la.q, pos, cos, sin, c.num_heads, c.head_dim)?;
         gpu.rope_forward(la.k, pos, cos, sin, c.num_kv_heads, c.head_dim)?;
-        self.attention_forward(gpu, la, acts)?; // (B, T, H*D), probs (B, H, T, T)
+        let shape = attention_shape(c, acts);
+        gpu.flash_attention_forward(la.att_out, la.lse, [la.q, la.k, la.v], shape)?; // (B, T, H*D)
         gpu.gemm(linear(h, qd), la.res_mid, la.att_out, w.o)?; // (B, T, C)
         sum_over_shards(group, la.res_mid)?;
         gpu.residual_add(la.res_mid, la.res_in)?;
@@ -210,38 +210,6 @@ impl GpuTransformer {
         gpu.gemm(linear(h, f), la.res_out, la.sw, w.down)?; // (B, T, C)
         sum_over_shards(group, la.res_out)?;
         gpu.residual_add(la.res_out, la.res_mid)?;
-        Ok(())
-    }
-
-    /// Causal attention over `(B, H)` batched products: scores `qh kh^T / sqrt(D)` (fp32
-    /// scratch), probabilities kept in the layer's `probs`, `oh = probs vh`, back to rows.
-    fn attention_forward(
-        &self,
-        gpu: &Gpu,
-        la: &LayerActs,
-        acts: &GpuActivations,
-    ) -> Result<(), ModelError> {
-        let s = AttentionScratch::of(self.config(), acts)?;
-        gpu.to_heads(s.qh, la.q, s.heads(self.config().num_heads))?;
-        gpu.to_heads(s.kh, la.k, s.heads(self.config().num_kv_heads))?;
-        gpu.to_heads(s.vh, la.v, s.heads(self.config().num_kv_heads))?;
-        let (t, d) = (s.shape.seq, s.shape.head_dim);
-        gpu.gemm(
-            Gemm::new(t, t, d, Transpose::No, Transpose::Yes)
-                .scaled(s.scale)
-                .batched(s.count, t * d, t * d, t * t),
-            s.scores,
-            s.qh,
-            s.kh,
-        )?;
-        gpu.causal_softmax_forward(la.probs, s.scores, t)?;
-        gpu.gemm(
-            Gemm::new(t, d, t, Transpose::No, Transpose::No).batched(s.count, t * t, t * d, t * d),
-            s.oh,
-            la.probs,
-            s.vh,
-        )?;
-        gpu.from_heads(la.att_out, s.oh, s.heads(self.config().num_heads))?;
         Ok(())
     }
 
@@ -311,49 +279,13 @@ pub(super) fn nll_sum(logprobs: &[f32], weights: &[f32]) -> f64 {
         .sum()
 }
 
-/// Attention's scratch, shared by every layer, and the batched products' shape.
-pub(super) struct AttentionScratch {
-    pub shape: HeadShape,
-    /// Products in a batch: `B * H`.
-    pub count: usize,
-    /// `1 / sqrt(D)`, as the CPU's attention scales.
-    pub scale: f32,
-    pub qh: GpuSlice<bf16>,    // (B, H, T, D)
-    pub kh: GpuSlice<bf16>,    // (B, H, T, D)
-    pub vh: GpuSlice<bf16>,    // (B, H, T, D)
-    pub oh: GpuSlice<bf16>,    // (B, H, T, D); dO in the backward pass
-    pub scores: GpuSlice<f32>, // (B, H, T, T); dP in the backward pass
-}
-
-impl AttentionScratch {
-    pub(super) fn of(
-        c: &LlamaConfig,
-        acts: &GpuActivations,
-    ) -> Result<AttentionScratch, ModelError> {
-        let a = acts.layout();
-        Ok(AttentionScratch {
-            shape: HeadShape {
-                batch: a.batch,
-                seq: a.seq,
-                rows_heads: c.num_heads,
-                split_heads: c.num_heads,
-                head_dim: c.head_dim,
-            },
-            count: a.batch * c.num_heads,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
-            qh: acts.bf(&a.qh)?,
-            kh: acts.bf(&a.kh)?,
-            vh: acts.bf(&a.vh)?,
-            oh: acts.bf(&a.oh)?,
-            scores: acts.f(&a.scores)?,
-        })
-    }
-
-    /// The reshape between `(B, T, heads*D)` rows and the `(B, H, T, D)` split heads.
-    pub(super) fn heads(&self, rows_heads: usize) -> HeadShape {
-        HeadShape {
-            rows_heads,
-            ..self.shape
-        }
+/// The shape of `acts`' attention under `c`.
+pub(super) fn attention_shape(c: &LlamaConfig, acts: &GpuActivations) -> AttentionShape {
+    AttentionShape {
+        batch: acts.layout().batch,
+        seq: acts.layout().seq,
+        heads: c.num_heads,
+        kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
     }
 }

@@ -2,10 +2,9 @@
 //! lives in three flat device buffers, one per element type (bf16 activations, fp32 statistics,
 //! scores, logits and inputs, u32 token ids and positions).
 //!
-//! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout): attention runs
-//! as batched products over `(B, H)`, so it keeps each layer's probabilities `(B, H, T, T)` and
-//! has scratch for the head-split q, k, v `(B, H, T, D)`; the scores are fp32 scratch shared by
-//! the layers (and by the backward pass's `dP`).
+//! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout): attention is
+//! the flash kernels' (`ops::gpu::flash`), so a layer keeps no probabilities, only each row's
+//! log-sum-exp `(B, H, T)`, and the backward pass's `rowsum(dO * O)` is scratch.
 
 use std::ops::Range;
 
@@ -29,7 +28,6 @@ pub struct GpuActivationLayout {
     pub(super) v: Range<usize>,            // (L, B, T, K*D)
     pub(super) q_pre: Range<usize>,        // (L, B, T, H*D) before the q norm (q/k norms only)
     pub(super) k_pre: Range<usize>,        // (L, B, T, K*D) before the k norm (q/k norms only)
-    pub(super) probs: Range<usize>,        // (L, B, H, T, T)
     pub(super) att_out: Range<usize>,      // (L, B, T, H*D)
     pub(super) residual_mid: Range<usize>, // (L, B, T, C)
     pub(super) ln2: Range<usize>,          // (L, B, T, C)
@@ -37,10 +35,6 @@ pub struct GpuActivationLayout {
     pub(super) up: Range<usize>,           // (L, B, T, F)
     pub(super) swiglu: Range<usize>,       // (L, B, T, F)
     pub(super) lnf: Range<usize>,          // (B, T, C)
-    pub(super) qh: Range<usize>,           // (B, H, T, D) scratch
-    pub(super) kh: Range<usize>,           // (B, H, T, D) scratch, k repeated over groups
-    pub(super) vh: Range<usize>,           // (B, H, T, D) scratch, v repeated over groups
-    pub(super) oh: Range<usize>,           // (B, H, T, D) scratch; d_oh in the backward pass
     pub(super) d_residual: Range<usize>,   // (B, T, C)
     pub(super) d_ln: Range<usize>,         // (B, T, C)
     pub(super) d_att_out: Range<usize>,    // (B, T, H*D)
@@ -49,10 +43,6 @@ pub struct GpuActivationLayout {
     pub(super) d_v: Range<usize>,          // (B, T, K*D)
     pub(super) d_q_pre: Range<usize>,      // (B, T, H*D) (q/k norms only)
     pub(super) d_k_pre: Range<usize>,      // (B, T, K*D) (q/k norms only)
-    pub(super) d_qh: Range<usize>,         // (B, H, T, D)
-    pub(super) d_kh: Range<usize>,         // (B, H, T, D)
-    pub(super) d_vh: Range<usize>,         // (B, H, T, D)
-    pub(super) d_scores: Range<usize>,     // (B, H, T, T)
     pub(super) d_gate: Range<usize>,       // (B, T, F)
     pub(super) d_up: Range<usize>,         // (B, T, F)
     pub(super) d_swiglu: Range<usize>,     // (B, T, F)
@@ -67,7 +57,8 @@ pub struct GpuActivationLayout {
     /// Scratch of the column sums (the norms' and biases' weight gradients), `(COLUMN_SUM_CHUNKS,
     /// max(C, H*D))`.
     pub(super) col_partials: Range<usize>,
-    pub(super) scores: Range<usize>, // (B, H, T, T) scratch; dP in the backward pass
+    pub(super) lse: Range<usize>, // (L, B, H, T) attention rows' log-sum-exp
+    pub(super) delta: Range<usize>, // (B, H, T) scratch of the attention backward
     pub(super) logits: Range<usize>, // (B, T, V)
     pub(super) logprobs: Range<usize>, // (B, T)
     /// The uploaded fp32 inputs, contiguous: `weights`, `rope_cos`, `rope_sin`.
@@ -116,8 +107,7 @@ impl GpuActivationLayout {
             h
         };
         let sums = COLUMN_SUM_CHUNKS * widest;
-        let split = batch * c.num_heads * seq * c.head_dim;
-        let square = batch * c.num_heads * seq * seq;
+        let att_rows = batch * c.num_heads * seq;
         let mut b = Cursor(0);
         let mut f32s = Cursor(0);
         let mut u32s = Cursor(0);
@@ -128,7 +118,6 @@ impl GpuActivationLayout {
         let vv = b.take(l * n * kvd);
         let q_pre = b.take(qk * l * n * qd);
         let k_pre = b.take(qk * l * n * kvd);
-        let probs = b.take(l * square);
         let att_out = b.take(l * n * qd);
         let residual_mid = b.take(l * n * h);
         let ln2 = b.take(l * n * h);
@@ -136,7 +125,6 @@ impl GpuActivationLayout {
         let up = b.take(l * n * f);
         let swiglu = b.take(l * n * f);
         let lnf = b.take(n * h);
-        let (qh, kh, vh, oh) = (b.take(split), b.take(split), b.take(split), b.take(split));
         let d_residual = b.take(n * h);
         let d_ln = b.take(n * h);
         let d_att_out = b.take(n * qd);
@@ -145,8 +133,6 @@ impl GpuActivationLayout {
         let d_v = b.take(n * kvd);
         let d_q_pre = b.take(qk * n * qd);
         let d_k_pre = b.take(qk * n * kvd);
-        let (d_qh, d_kh, d_vh) = (b.take(split), b.take(split), b.take(split));
-        let d_scores = b.take(square);
         let d_gate = b.take(n * f);
         let d_up = b.take(n * f);
         let d_swiglu = b.take(n * f);
@@ -157,7 +143,8 @@ impl GpuActivationLayout {
         let q_rstd = f32s.take(qk * l * n * c.num_heads);
         let k_rstd = f32s.take(qk * l * n * c.num_kv_heads);
         let col_partials = f32s.take(sums);
-        let scores = f32s.take(square);
+        let lse = f32s.take(l * att_rows);
+        let delta = f32s.take(att_rows);
         let logits = f32s.take(n * v);
         let logprobs = f32s.take(n);
         let rope = seq * c.head_dim / 2;
@@ -180,7 +167,6 @@ impl GpuActivationLayout {
             v: vv,
             q_pre,
             k_pre,
-            probs,
             att_out,
             residual_mid,
             ln2,
@@ -188,10 +174,6 @@ impl GpuActivationLayout {
             up,
             swiglu,
             lnf,
-            qh,
-            kh,
-            vh,
-            oh,
             d_residual,
             d_ln,
             d_att_out,
@@ -200,10 +182,6 @@ impl GpuActivationLayout {
             d_v,
             d_q_pre,
             d_k_pre,
-            d_qh,
-            d_kh,
-            d_vh,
-            d_scores,
             d_gate,
             d_up,
             d_swiglu,
@@ -215,7 +193,8 @@ impl GpuActivationLayout {
             q_rstd,
             k_rstd,
             col_partials,
-            scores,
+            lse,
+            delta,
             logits,
             logprobs,
             f32_inputs,
@@ -364,7 +343,7 @@ impl GpuActivations {
             k_pre: self.bf(&per(&a.k_pre))?,
             q_rstd: self.f(&per(&a.q_rstd))?,
             k_rstd: self.f(&per(&a.k_rstd))?,
-            probs: self.bf(&per(&a.probs))?,
+            lse: self.f(&per(&a.lse))?,
             att_out: self.bf(&per(&a.att_out))?,
             res_mid: self.bf(&per(&a.residual_mid))?,
             ln2: self.bf(&per(&a.ln2))?,
@@ -393,7 +372,7 @@ pub(super) struct LayerActs {
     pub k_pre: GpuSlice<bf16>,   // (B, T, K*D) before the k norm (empty without q/k norms)
     pub q_rstd: GpuSlice<f32>,   // (B, T, H) (empty without q/k norms)
     pub k_rstd: GpuSlice<f32>,   // (B, T, K) (empty without q/k norms)
-    pub probs: GpuSlice<bf16>,   // (B, H, T, T)
+    pub lse: GpuSlice<f32>,      // (B, H, T)
     pub att_out: GpuSlice<bf16>, // (B, T, H*D)
     pub res_mid: GpuSlice<bf16>, // (B, T, C)
     pub ln2: GpuSlice<bf16>,     // (B, T, C)
@@ -426,7 +405,6 @@ mod tests {
             &a.v,
             &a.q_pre,
             &a.k_pre,
-            &a.probs,
             &a.att_out,
             &a.residual_mid,
             &a.ln2,
@@ -434,10 +412,6 @@ mod tests {
             &a.up,
             &a.swiglu,
             &a.lnf,
-            &a.qh,
-            &a.kh,
-            &a.vh,
-            &a.oh,
             &a.d_residual,
             &a.d_ln,
             &a.d_att_out,
@@ -446,10 +420,6 @@ mod tests {
             &a.d_v,
             &a.d_q_pre,
             &a.d_k_pre,
-            &a.d_qh,
-            &a.d_kh,
-            &a.d_vh,
-            &a.d_scores,
             &a.d_gate,
             &a.d_up,
             &a.d_swiglu,
@@ -472,7 +442,7 @@ mod tests {
             COLUMN_SUM_CHUNKS * c.hidden_size.max(qk * c.q_dim()),
             "the column sums' scratch holds the widest norm or bias"
         );
-        assert_eq!(a.probs.len(), c.num_layers * 3 * c.num_heads * 17 * 17);
+        assert_eq!(a.lse.len(), c.num_layers * 3 * c.num_heads * 17);
         assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
         assert_eq!(a.f32_inputs.end, a.f32_len());
         assert_eq!(a.u32_len(), 5 * n + 1);

@@ -9,6 +9,10 @@
 #[allow(clippy::panic, clippy::print_stderr)]
 mod bias_norm_tests;
 mod elementwise;
+mod flash;
+#[cfg(test)]
+#[allow(clippy::panic, clippy::print_stderr)]
+mod flash_tests;
 mod paged;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
@@ -29,9 +33,10 @@ mod train_tests;
 
 use std::sync::Arc;
 
+pub use flash::FLASH_MAX_HEAD_DIM;
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
-pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, HeadShape, SQUARE_PARTIALS};
+pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, SQUARE_PARTIALS};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
 
@@ -42,12 +47,14 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         include_str!("kernels/common.cuh"),
         include_str!("kernels/forward.cu"),
         include_str!("kernels/train.cu"),
+        include_str!("kernels/flash.cu"),
         include_str!("kernels/paged.cu"),
         include_str!("kernels/sampling.cu"),
     ],
     kernels: &[
         &FORWARD_KERNELS,
         &train::KERNELS,
+        &flash::KERNELS,
         &paged::KERNELS,
         &sampling::KERNELS,
     ],

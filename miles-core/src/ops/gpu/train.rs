@@ -1,10 +1,5 @@
-//! Wrappers of the training kernels (`kernels/train.cu`): backward passes, attention's head
-//! reshapes and causal softmax, the fused cross-entropy, and AdamW on fp32 master weights.
-//!
-//! Attention runs as cuBLAS batched products over `(batch, head)` with the scores materialised:
-//! `to_heads` lays q, k, v out as `(B, H, T, D)` (k and v repeated over each query group),
-//! `causal_softmax_forward` turns the fp32 scores into bf16 probabilities, and `from_heads`
-//! brings outputs (and, summing each group, the k and v gradients) back to `(B, T, heads*D)`.
+//! Wrappers of the training kernels (`kernels/train.cu`): backward passes, the fused
+//! cross-entropy, and AdamW on fp32 master weights. Training's attention is `flash.rs`.
 
 use half::{bf16, f16};
 
@@ -15,17 +10,13 @@ use crate::device::{Gpu, GpuSlice, LaunchConfig};
 use crate::ops::{AdamWConfig, AdamWScalars};
 
 /// The kernels of `kernels/train.cu`.
-pub(super) const KERNELS: [&str; 16] = [
+pub(super) const KERNELS: [&str; 12] = [
     "rmsnorm_backward",
     "column_partials",
     "column_reduce",
     "rope_backward",
     "swiglu_backward",
     "embedding_backward",
-    "to_heads",
-    "from_heads",
-    "causal_softmax_forward",
-    "causal_softmax_backward",
     "crossentropy",
     "square_partials",
     "sum_partials",
@@ -52,50 +43,6 @@ const COLUMN_ROWS: u32 = 8;
 
 /// Columns a block of `column_partials` sums (a warp's lanes).
 const COLUMN_LANES: usize = 32;
-
-/// The shape of a head reshape: `batch` sequences of `seq` positions, `head_dim` channels per
-/// head, `rows_heads` heads in the `(B, T, heads*D)` layout and `split_heads` in `(B, H, T, D)`.
-/// `split_heads` is a multiple of `rows_heads` (grouped-query attention repeats each k/v head
-/// over its group).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HeadShape {
-    /// `B`.
-    pub batch: usize,
-    /// `T`.
-    pub seq: usize,
-    /// Heads of the `(B, T, heads*D)` side.
-    pub rows_heads: usize,
-    /// Heads of the `(B, H, T, D)` side.
-    pub split_heads: usize,
-    /// `D`.
-    pub head_dim: usize,
-}
-
-impl HeadShape {
-    fn check(
-        &self,
-        rows: &GpuSlice<bf16>,
-        split: &GpuSlice<bf16>,
-    ) -> Result<[i32; 5], DeviceError> {
-        let bt = self.batch * self.seq;
-        rows.expect_len("heads rows side", bt * self.rows_heads * self.head_dim)?;
-        split.expect_len("heads split side", bt * self.split_heads * self.head_dim)?;
-        if self.rows_heads == 0 || !self.split_heads.is_multiple_of(self.rows_heads) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "split heads (a multiple of the rows' heads)",
-                expected: self.rows_heads,
-                actual: self.split_heads,
-            });
-        }
-        Ok([
-            as_i32("batch", self.batch)?,
-            as_i32("seq", self.seq)?,
-            as_i32("rows heads", self.rows_heads)?,
-            as_i32("split heads", self.split_heads)?,
-            as_i32("head dim", self.head_dim)?,
-        ])
-    }
-}
 
 /// AdamW's scalars for one step, worked out on the host as `ops::adamw_update` does.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -432,96 +379,6 @@ impl Gpu {
                 &starts.address(),
                 &c32,
             ],
-        )
-    }
-
-    /// `split (B, H, T, D)` from `rows (B, T, heads*D)`: split head `h` copies rows head
-    /// `h / (H / heads)` (grouped-query attention's repeat).
-    ///
-    /// # Errors
-    /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn to_heads(
-        &self,
-        split: GpuSlice<bf16>,
-        rows: GpuSlice<bf16>,
-        shape: HeadShape,
-    ) -> Result<(), DeviceError> {
-        let [b, t, hr, hs, d] = shape.check(&rows, &split)?;
-        self.launch(
-            "to_heads",
-            elementwise(split.len()),
-            &[&split.address(), &rows.address(), &b, &t, &hr, &hs, &d],
-        )
-    }
-
-    /// `rows (B, T, heads*D)` from `split (B, H, T, D)`, overwritten: rows head `g` is the sum
-    /// of the `H / heads` split heads of its group (a plain reshape when `H == heads`; the
-    /// gradient of [`Gpu::to_heads`] otherwise).
-    ///
-    /// # Errors
-    /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn from_heads(
-        &self,
-        rows: GpuSlice<bf16>,
-        split: GpuSlice<bf16>,
-        shape: HeadShape,
-    ) -> Result<(), DeviceError> {
-        let [b, t, hr, hs, d] = shape.check(&rows, &split)?;
-        self.launch(
-            "from_heads",
-            elementwise(rows.len()),
-            &[&rows.address(), &split.address(), &b, &t, &hr, &hs, &d],
-        )
-    }
-
-    /// Causal softmax of fp32 `scores` rows of `seq` (row `r` is query `r % seq`, which sees
-    /// keys `0..=r % seq`) into bf16 `probs`; masked entries get 0. Scaling is the caller's
-    /// (the scores' product carries `1/sqrt(D)`).
-    ///
-    /// # Errors
-    /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn causal_softmax_forward(
-        &self,
-        probs: GpuSlice<bf16>,
-        scores: GpuSlice<f32>,
-        seq: usize,
-    ) -> Result<(), DeviceError> {
-        let rows = rows_of("softmax scores", scores.len(), seq)?;
-        probs.expect_len("softmax probs", scores.len())?;
-        let t = as_i32("softmax seq", seq)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        self.launch(
-            "causal_softmax_forward",
-            per_row(rows, ROW_THREADS),
-            &[&probs.address(), &scores.address(), &t],
-        )
-    }
-
-    /// Backward of [`Gpu::causal_softmax_forward`]: `dscores = probs * (dprobs - sum(probs *
-    /// dprobs))` per row (bf16, overwritten; 0 where masked).
-    ///
-    /// # Errors
-    /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn causal_softmax_backward(
-        &self,
-        dscores: GpuSlice<bf16>,
-        probs: GpuSlice<bf16>,
-        dprobs: GpuSlice<f32>,
-        seq: usize,
-    ) -> Result<(), DeviceError> {
-        let rows = rows_of("softmax probs", probs.len(), seq)?;
-        dscores.expect_len("softmax dscores", probs.len())?;
-        dprobs.expect_len("softmax dprobs", probs.len())?;
-        let t = as_i32("softmax seq", seq)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        self.launch(
-            "causal_softmax_backward",
-            per_row(rows, ROW_THREADS),
-            &[&dscores.address(), &probs.address(), &dprobs.address(), &t],
         )
     }
 

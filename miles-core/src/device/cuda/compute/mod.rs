@@ -382,6 +382,14 @@ impl Gpu {
         args: &[&dyn KernelArg],
     ) -> Result<(), DeviceError> {
         let function = self.kernel(name)?;
+        if config.shared_mem_bytes > STATIC_SHARED_LIMIT {
+            function
+                .set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    config.shared_mem_bytes as i32,
+                )
+                .map_err(cuda("cuFuncSetAttribute"))?;
+        }
         let mut builder = self.stream.launch_builder(function);
         for arg in args {
             arg.push(&mut builder);
@@ -395,6 +403,10 @@ impl Gpu {
             .map_err(cuda("cuLaunchKernel"))
     }
 }
+
+/// Dynamic shared memory a kernel may take without opting in (48 KiB); past it, a launch first
+/// raises the kernel's limit.
+const STATIC_SHARED_LIMIT: u32 = 48 << 10;
 
 /// Work captured from the compute stream by [`Gpu::capture`], replayed by [`Gpu::replay`]:
 /// the same kernels with the same arguments (device addresses included) each time.

@@ -1,6 +1,6 @@
-// Training kernels: backward passes, attention's head reshapes and causal softmax, the fused
-// cross-entropy and AdamW on fp32 master weights. The argument order and C types of each kernel
-// are those its wrapper in `train.rs` passes (pointers as 64-bit addresses, `int` for i32,
+// Training kernels (attention is `flash.cu`'s): backward passes, the fused cross-entropy and
+// AdamW on fp32 master weights. The argument order and C types of each kernel are those its
+// wrapper in `train.rs` passes (pointers as 64-bit addresses, `int` for i32,
 // `long long` for i64, `float` for f32).
 //
 // rmsnorm_backward(bf16* dx, const bf16* dout, const bf16* x, const bf16* w, const float* rstd,
@@ -15,12 +15,6 @@
 //                 long long n)                                              one thread a value
 // embedding_backward(float* dtable, const bf16* dout, const unsigned* ids,
 //                    const unsigned* order, const unsigned* starts, int c)  one block an id
-// to_heads(bf16* split, const bf16* rows, int b, int t, int rows_heads, int split_heads, int d)
-// from_heads(bf16* rows, const bf16* split, int b, int t, int rows_heads, int split_heads,
-//            int d)                                                 grid-stride over outputs
-// causal_softmax_forward(bf16* probs, const float* scores, int t)             one block a row
-// causal_softmax_backward(bf16* dscores, const bf16* probs, const float* dprobs, int t)
-//                                                                             one block a row
 // crossentropy(float* logprobs, bf16* dlogits_or_null, const float* logits,
 //              const unsigned* targets, const float* weights, int v, float normaliser)
 //                                                                             one block a row
@@ -143,82 +137,6 @@ extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout,
         float s = 0.0f;
         for (unsigned int i = first; i < end; ++i) s += bf2f(dout[(long long)order[i] * c + j]);
         dst[j] += s;
-    }
-}
-
-// split (b, split_heads, t, d) from rows (b, t, rows_heads * d): split head h copies rows head
-// h / (split_heads / rows_heads). One thread an output element.
-extern "C" __global__ void to_heads(bf16* split, const bf16* rows, int b, int t, int rows_heads,
-                                    int split_heads, int d) {
-    const long long total = (long long)b * split_heads * t * d;
-    const int group = split_heads / rows_heads;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long ch = i % d;
-        const long long pos = (i / d) % t;
-        const long long h = (i / ((long long)d * t)) % split_heads;
-        const long long seq = i / ((long long)d * t * split_heads);
-        const long long g = h / group;
-        split[i] = rows[((seq * t + pos) * rows_heads + g) * d + ch];
-    }
-}
-
-// rows (b, t, rows_heads * d) from split (b, split_heads, t, d), overwritten: rows head g is the
-// fp32 sum of split heads g*group .. (g+1)*group - 1. One thread an output element.
-extern "C" __global__ void from_heads(bf16* rows, const bf16* split, int b, int t, int rows_heads,
-                                      int split_heads, int d) {
-    const long long total = (long long)b * t * rows_heads * d;
-    const int group = split_heads / rows_heads;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long ch = i % d;
-        const long long g = (i / d) % rows_heads;
-        const long long pos = (i / ((long long)d * rows_heads)) % t;
-        const long long seq = i / ((long long)d * rows_heads * t);
-        float acc = 0.0f;
-        for (int k = 0; k < group; ++k) {
-            const long long h = g * group + k;
-            acc += bf2f(split[((seq * split_heads + h) * t + pos) * d + ch]);
-        }
-        rows[i] = f2bf(acc);
-    }
-}
-
-// probs = softmax(scores) over keys 0..=q of each row of t, q = row % t; masked keys get 0.
-// One block a row.
-extern "C" __global__ void causal_softmax_forward(bf16* probs, const float* scores, int t) {
-    __shared__ float scratch[32];
-    const long long row = blockIdx.x;
-    const int live = (int)(row % t) + 1;
-    const float* s = scores + row * t;
-    bf16* p = probs + row * t;
-    float mx = NEG_INF;
-    for (int j = threadIdx.x; j < live; j += blockDim.x) mx = fmaxf(mx, s[j]);
-    mx = block_max(mx, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < live; j += blockDim.x) sum += expf(s[j] - mx);
-    sum = block_sum(sum, scratch);
-    const float inv = 1.0f / sum;
-    for (int j = threadIdx.x; j < t; j += blockDim.x) {
-        p[j] = j < live ? f2bf(expf(s[j] - mx) * inv) : (bf16)0;
-    }
-}
-
-// dscores = probs * (dprobs - sum(probs * dprobs)) over keys 0..=q of each row of t, q = row % t;
-// masked keys get 0. One block a row.
-extern "C" __global__ void causal_softmax_backward(bf16* dscores, const bf16* probs,
-                                                   const float* dprobs, int t) {
-    __shared__ float scratch[32];
-    const long long row = blockIdx.x;
-    const int live = (int)(row % t) + 1;
-    const bf16* p = probs + row * t;
-    const float* dp = dprobs + row * t;
-    bf16* ds = dscores + row * t;
-    float dot = 0.0f;
-    for (int j = threadIdx.x; j < live; j += blockDim.x) dot += bf2f(p[j]) * dp[j];
-    dot = block_sum(dot, scratch);
-    for (int j = threadIdx.x; j < t; j += blockDim.x) {
-        ds[j] = j < live ? f2bf(bf2f(p[j]) * (dp[j] - dot)) : (bf16)0;
     }
 }
 

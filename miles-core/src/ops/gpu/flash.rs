@@ -1,0 +1,242 @@
+//! Wrappers of the training attention (`kernels/flash.cu`): causal attention over the model's
+//! own rows (q `(B, T, H, D)`, k and v `(B, T, K, D)`) in tiles of 64 positions on the tensor
+//! cores, keeping per row only the log-sum-exp of its scores for the backward pass, which
+//! recomputes the probabilities. No `(T, T)` matrix is written and no gradient is summed with
+//! an atomic, so a backward pass repeats bit for bit.
+
+use half::bf16;
+
+use super::elementwise::as_i32;
+use crate::device::{DeviceError, Gpu, GpuSlice, LaunchConfig};
+use crate::ops::AttentionShape;
+
+/// The head dims the kernels are built for, each an instance padding smaller dims with zeros.
+const PADDED: [usize; 4] = [16, 32, 64, 128];
+
+/// The largest head dim the training attention takes.
+pub const FLASH_MAX_HEAD_DIM: usize = 128;
+
+/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`].
+pub(super) const KERNELS: [&str; 12] = [
+    "flash_forward_16",
+    "flash_backward_dq_16",
+    "flash_backward_dkv_16",
+    "flash_forward_32",
+    "flash_backward_dq_32",
+    "flash_backward_dkv_32",
+    "flash_forward_64",
+    "flash_backward_dq_64",
+    "flash_backward_dkv_64",
+    "flash_forward_128",
+    "flash_backward_dq_128",
+    "flash_backward_dkv_128",
+];
+
+/// Positions of a tile (`FA_TILE`).
+const TILE: usize = 64;
+
+/// A block's threads: 4 warps of 16 rows each.
+const THREADS: u32 = 128;
+
+/// The checked shape of one call: the padded head dim and the kernels' integer arguments.
+struct Checked {
+    /// The instance's index in [`PADDED`].
+    instance: usize,
+    ints: [i32; 4],
+    scale: f32,
+}
+
+impl Checked {
+    fn of(s: AttentionShape) -> Result<Checked, DeviceError> {
+        if s.kv_heads == 0 || !s.heads.is_multiple_of(s.kv_heads) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "attention query heads (a multiple of the key/value heads)",
+                expected: s.kv_heads,
+                actual: s.heads,
+            });
+        }
+        let instance = PADDED
+            .iter()
+            .position(|&p| s.head_dim <= p)
+            .filter(|_| s.head_dim > 0)
+            .ok_or(DeviceError::ShapeMismatch {
+                what: "attention head dim (1 to FLASH_MAX_HEAD_DIM)",
+                expected: FLASH_MAX_HEAD_DIM,
+                actual: s.head_dim,
+            })?;
+        Ok(Checked {
+            instance,
+            ints: [
+                as_i32("attention seq", s.seq)?,
+                as_i32("attention heads", s.heads)?,
+                as_i32("attention kv heads", s.kv_heads)?,
+                as_i32("attention head dim", s.head_dim)?,
+            ],
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        })
+    }
+
+    /// Kernel `which` (0 forward, 1 dq, 2 dkv) of this head dim's instance.
+    fn kernel(&self, which: usize) -> &'static str {
+        KERNELS[3 * self.instance + which]
+    }
+
+    /// Bytes of a row-major tile (`64 x (DP + 8)` bf16) and of a transposed one (`DP x 72`).
+    fn tiles(&self) -> (u32, u32) {
+        let dp = PADDED[self.instance];
+        ((TILE * (dp + 8) * 2) as u32, (dp * (TILE + 8) * 2) as u32)
+    }
+
+    /// A grid over the tiles of `seq`, `heads`, `batch`, with `shared` bytes of shared memory.
+    fn launch(s: AttentionShape, heads: usize, shared: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (s.seq.div_ceil(TILE) as u32, heads as u32, s.batch as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared,
+        }
+    }
+}
+
+/// `lse` and `delta`'s floats of one tile's queries.
+const ROW_BYTES: u32 = (2 * TILE * 4) as u32;
+
+fn lengths(s: AttentionShape) -> (usize, usize, usize) {
+    let n = s.batch * s.seq;
+    (
+        n * s.heads * s.head_dim,
+        n * s.kv_heads * s.head_dim,
+        s.batch * s.heads * s.seq,
+    )
+}
+
+impl Gpu {
+    /// Causal attention `out = softmax(q k^T / sqrt(D)) v` per head (query head `h` reading
+    /// key/value head `h / (H / K)`), into bf16 `out (B, T, H, D)`, and `lse (B, H, T)`: each
+    /// row's log-sum-exp (base 2, of the scores times `log2(e)`), which the backward reads.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for lengths that differ from `shape`, heads that do not
+    /// group or a head dim past [`FLASH_MAX_HEAD_DIM`]; the launch's error.
+    pub fn flash_attention_forward(
+        &self,
+        out: GpuSlice<bf16>,
+        lse: GpuSlice<f32>,
+        [q, k, v]: [GpuSlice<bf16>; 3],
+        shape: AttentionShape,
+    ) -> Result<(), DeviceError> {
+        let c = Checked::of(shape)?;
+        let (q_len, kv_len, rows) = lengths(shape);
+        out.expect_len("attention out", q_len)?;
+        q.expect_len("attention q", q_len)?;
+        k.expect_len("attention k", kv_len)?;
+        v.expect_len("attention v", kv_len)?;
+        lse.expect_len("attention lse", rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (row_tile, t_tile) = c.tiles();
+        let [t, h, kh, d] = c.ints;
+        let scale_log2 = c.scale * std::f32::consts::LOG2_E;
+        self.launch(
+            c.kernel(0),
+            Checked::launch(shape, shape.heads, 2 * row_tile + t_tile),
+            &[
+                &out.address(),
+                &lse.address(),
+                &q.address(),
+                &k.address(),
+                &v.address(),
+                &t,
+                &h,
+                &kh,
+                &d,
+                &scale_log2,
+            ],
+        )
+    }
+
+    /// The gradients of [`Gpu::flash_attention_forward`]: `dq`, `dk`, `dv` (bf16, overwritten;
+    /// dk and dv summed over each key/value head's query group) from `dout`, the forward's
+    /// inputs, its `out` and `lse`. `delta (B, H, T)` is scratch (`rowsum(dout * out)`).
+    ///
+    /// # Errors
+    /// As [`Gpu::flash_attention_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_attention_backward(
+        &self,
+        [dq, dk, dv]: [GpuSlice<bf16>; 3],
+        delta: GpuSlice<f32>,
+        [q, k, v]: [GpuSlice<bf16>; 3],
+        out: GpuSlice<bf16>,
+        dout: GpuSlice<bf16>,
+        lse: GpuSlice<f32>,
+        shape: AttentionShape,
+    ) -> Result<(), DeviceError> {
+        let c = Checked::of(shape)?;
+        let (q_len, kv_len, rows) = lengths(shape);
+        for (what, x) in [
+            ("attention dq", dq),
+            ("attention q", q),
+            ("attention out", out),
+        ] {
+            x.expect_len(what, q_len)?;
+        }
+        dout.expect_len("attention dout", q_len)?;
+        for (what, x) in [
+            ("attention dk", dk),
+            ("attention dv", dv),
+            ("attention k", k),
+            ("attention v", v),
+        ] {
+            x.expect_len(what, kv_len)?;
+        }
+        lse.expect_len("attention lse", rows)?;
+        delta.expect_len("attention delta", rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (row_tile, t_tile) = c.tiles();
+        let [t, h, kh, d] = c.ints;
+        let scale_log2 = c.scale * std::f32::consts::LOG2_E;
+        self.launch(
+            c.kernel(1),
+            Checked::launch(shape, shape.heads, 2 * row_tile + t_tile + ROW_BYTES),
+            &[
+                &dq.address(),
+                &delta.address(),
+                &q.address(),
+                &k.address(),
+                &v.address(),
+                &out.address(),
+                &dout.address(),
+                &lse.address(),
+                &t,
+                &h,
+                &kh,
+                &d,
+                &scale_log2,
+                &c.scale,
+            ],
+        )?;
+        self.launch(
+            c.kernel(2),
+            Checked::launch(shape, shape.kv_heads, 4 * row_tile + 2 * t_tile + ROW_BYTES),
+            &[
+                &dk.address(),
+                &dv.address(),
+                &q.address(),
+                &k.address(),
+                &v.address(),
+                &dout.address(),
+                &lse.address(),
+                &delta.address(),
+                &t,
+                &h,
+                &kh,
+                &d,
+                &scale_log2,
+                &c.scale,
+            ],
+        )
+    }
+}
