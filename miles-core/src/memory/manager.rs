@@ -254,10 +254,12 @@ impl MemoryManager {
     }
 
     /// Resumes every tag of `tags`, in order, all or nothing: when one fails, the tags resumed
-    /// before it are paused again (last first) and its error is returned, so every tag is as it
-    /// was (paused, with its backup). Disk writes still running behind the tags' pauses are
-    /// asked to stop before the first resume, so they wind down together rather than one
-    /// after another. Returns each tag's report.
+    /// before it are paused again (last first) and its error is returned, so every tag is
+    /// paused again with its bytes intact. Disk writes still running behind the tags' pauses
+    /// are asked to stop before the first resume, so they wind down together rather than one
+    /// after another: after a failure, a tag whose write was stopped before it ended is
+    /// paused with its host copy alone (what the write wrote removed, its share of the host
+    /// budget still held) until it resumes. Returns each tag's report.
     ///
     /// # Errors
     /// As [`resume`](Self::resume), for the first tag that fails; a tag that cannot be paused

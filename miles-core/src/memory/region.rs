@@ -366,6 +366,11 @@ impl Region {
     /// address order) and the error that stopped the releases, if one did. An error before
     /// anything was released is returned as such, with no backup kept.
     fn back_up(&self, runs: &[AddressRange]) -> Result<BackedUp, MemoryError> {
+        if runs.is_empty() {
+            // Nothing committed: no host buffer is taken from the pool (the smallest free one
+            // would be held for nothing while paused) and no file is written.
+            return Ok((Backup::Nothing, Vec::new(), None));
+        }
         let backup = match self.policy {
             BackupPolicy::None => Backup::Nothing,
             BackupPolicy::Host => {

@@ -446,6 +446,34 @@ fn host_backups_prepared_up_front_are_what_the_first_pause_uses() {
 }
 
 #[test]
+fn a_tag_with_nothing_committed_pauses_without_holding_a_host_buffer() {
+    let (_, memory) = manager(64 * MIB, None);
+    for tag in [MemoryTag::Params, MemoryTag::Optimizer] {
+        memory
+            .create_region(tag, BackupPolicy::Host, 16 * MIB)
+            .unwrap();
+    }
+    let mut params = memory.alloc(&MemoryTag::Params, 3 * MIB).unwrap();
+    let data = random_bytes(8, 3 * MIB);
+    params.write(0, &data).unwrap();
+    memory.pause(&MemoryTag::Params).unwrap();
+    memory.resume(&MemoryTag::Params).unwrap();
+    let pooled = memory.host_pool().allocated_bytes();
+    // The optimizer's region is empty (its state streams through the disk, say): its pause
+    // leaves the pool's free buffer to the next pause of params.
+    memory.pause(&MemoryTag::Optimizer).unwrap();
+    memory.pause(&MemoryTag::Params).unwrap();
+    assert_eq!(
+        memory.host_pool().allocated_bytes(),
+        pooled,
+        "the empty tag's pause took the pooled buffer, so params' pause grew the pool"
+    );
+    memory.resume(&MemoryTag::Optimizer).unwrap();
+    memory.resume(&MemoryTag::Params).unwrap();
+    assert_eq!(first_difference(&contents(&params), &data), None);
+}
+
+#[test]
 fn resume_without_memory_changes_nothing_and_succeeds_after_another_tag_pauses() {
     let (_, memory) = manager(64 * MIB, None);
     memory
