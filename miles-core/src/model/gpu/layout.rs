@@ -4,7 +4,8 @@
 //!
 //! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout): attention is
 //! the flash kernels' (`ops::gpu::flash`), so a layer keeps no probabilities, only each row's
-//! log-sum-exp `(B, H, T)`, and the backward pass's `rowsum(dO * O)` is scratch.
+//! log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` and each query head's fp32
+//! share of the k and v gradients are scratch.
 
 use std::ops::Range;
 
@@ -59,6 +60,7 @@ pub struct GpuActivationLayout {
     pub(super) col_partials: Range<usize>,
     pub(super) lse: Range<usize>, // (L, B, H, T) attention rows' log-sum-exp
     pub(super) delta: Range<usize>, // (B, H, T) scratch of the attention backward
+    pub(super) kv_partials: Range<usize>, // (2, B, T, H, D) scratch of the attention backward
     pub(super) logits: Range<usize>, // (B, T, V)
     pub(super) logprobs: Range<usize>, // (B, T)
     /// The uploaded fp32 inputs, contiguous: `weights`, `rope_cos`, `rope_sin`.
@@ -145,6 +147,7 @@ impl GpuActivationLayout {
         let col_partials = f32s.take(sums);
         let lse = f32s.take(l * att_rows);
         let delta = f32s.take(att_rows);
+        let kv_partials = f32s.take(2 * n * qd);
         let logits = f32s.take(n * v);
         let logprobs = f32s.take(n);
         let rope = seq * c.head_dim / 2;
@@ -195,6 +198,7 @@ impl GpuActivationLayout {
             col_partials,
             lse,
             delta,
+            kv_partials,
             logits,
             logprobs,
             f32_inputs,

@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use super::{elementwise, per_row};
+use super::{eight_wide, elementwise, elementwise_words, per_row};
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
@@ -200,10 +200,17 @@ impl Gpu {
         out.expect_len("swiglu output", gate.len())?;
         up.expect_len("swiglu up", gate.len())?;
         let n = as_i64(gate.len());
+        let wide = eight_wide(gate.len(), &[out.address(), gate.address(), up.address()]);
         self.launch(
             "swiglu_forward",
-            elementwise(gate.len()),
-            &[&out.address(), &gate.address(), &up.address(), &n],
+            elementwise_words(gate.len(), wide),
+            &[
+                &out.address(),
+                &gate.address(),
+                &up.address(),
+                &n,
+                &i32::from(wide),
+            ],
         )
     }
 
@@ -260,10 +267,11 @@ impl Gpu {
     pub fn residual_add(&self, x: GpuSlice<bf16>, y: GpuSlice<bf16>) -> Result<(), DeviceError> {
         y.expect_len("residual addend", x.len())?;
         let n = as_i64(x.len());
+        let wide = eight_wide(x.len(), &[x.address(), y.address()]);
         self.launch(
             "residual_add",
-            elementwise(x.len()),
-            &[&x.address(), &y.address(), &n],
+            elementwise_words(x.len(), wide),
+            &[&x.address(), &y.address(), &n, &i32::from(wide)],
         )
     }
 }

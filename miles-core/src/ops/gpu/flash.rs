@@ -6,6 +6,7 @@
 
 use half::bf16;
 
+use super::elementwise;
 use super::elementwise::as_i32;
 use crate::device::{DeviceError, Gpu, GpuSlice, LaunchConfig};
 use crate::ops::AttentionShape;
@@ -16,8 +17,9 @@ const PADDED: [usize; 4] = [16, 32, 64, 128];
 /// The largest head dim the training attention takes.
 pub const FLASH_MAX_HEAD_DIM: usize = 128;
 
-/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`].
-pub(super) const KERNELS: [&str; 12] = [
+/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`], then the sum
+/// of the dkv kernel's partials.
+pub(super) const KERNELS: [&str; 13] = [
     "flash_forward_16",
     "flash_backward_dq_16",
     "flash_backward_dkv_16",
@@ -30,6 +32,7 @@ pub(super) const KERNELS: [&str; 12] = [
     "flash_forward_128",
     "flash_backward_dq_128",
     "flash_backward_dkv_128",
+    "flash_dkv_reduce",
 ];
 
 /// Positions of a tile (`FA_TILE`).
@@ -81,16 +84,16 @@ impl Checked {
         KERNELS[3 * self.instance + which]
     }
 
-    /// Bytes of a row-major tile (`64 x (DP + 8)` bf16) and of a transposed one (`DP x 72`).
-    fn tiles(&self) -> (u32, u32) {
-        let dp = PADDED[self.instance];
-        ((TILE * (dp + 8) * 2) as u32, (dp * (TILE + 8) * 2) as u32)
+    /// Bytes of one tile in shared memory: 64 rows of `DP + 8` bf16.
+    fn tile(&self) -> u32 {
+        (TILE * (PADDED[self.instance] + 8) * 2) as u32
     }
 
-    /// A grid over the tiles of `seq`, `heads`, `batch`, with `shared` bytes of shared memory.
-    fn launch(s: AttentionShape, heads: usize, shared: u32) -> LaunchConfig {
+    /// A grid over `tiles` tiles of each of `heads` heads of `batch` sequences, with `shared`
+    /// bytes of shared memory.
+    fn launch(s: AttentionShape, tiles: usize, shared: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (s.seq.div_ceil(TILE) as u32, heads as u32, s.batch as u32),
+            grid_dim: (tiles as u32, s.heads as u32, s.batch as u32),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         }
@@ -99,6 +102,12 @@ impl Checked {
 
 /// `lse` and `delta`'s floats of one tile's queries.
 const ROW_BYTES: u32 = (2 * TILE * 4) as u32;
+
+/// Shared memory tiles of each kernel: the forward's q and two buffers each of k and v; the
+/// dq kernel's q and dO and two buffers each of k and v (and one tile's rows); the dkv
+/// kernel's k and v and two buffers each of q and dO (and two tiles' rows).
+const FORWARD_TILES: u32 = 5;
+const BACKWARD_TILES: u32 = 6;
 
 fn lengths(s: AttentionShape) -> (usize, usize, usize) {
     let n = s.batch * s.seq;
@@ -134,12 +143,11 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let (row_tile, t_tile) = c.tiles();
         let [t, h, kh, d] = c.ints;
         let scale_log2 = c.scale * std::f32::consts::LOG2_E;
         self.launch(
             c.kernel(0),
-            Checked::launch(shape, shape.heads, 2 * row_tile + t_tile),
+            Checked::launch(shape, shape.seq.div_ceil(TILE), FORWARD_TILES * c.tile()),
             &[
                 &out.address(),
                 &lse.address(),
@@ -157,7 +165,8 @@ impl Gpu {
 
     /// The gradients of [`Gpu::flash_attention_forward`]: `dq`, `dk`, `dv` (bf16, overwritten;
     /// dk and dv summed over each key/value head's query group) from `dout`, the forward's
-    /// inputs, its `out` and `lse`. `delta (B, H, T)` is scratch (`rowsum(dout * out)`).
+    /// inputs, its `out` and `lse`. Scratch: `delta (B, H, T)` (`rowsum(dout * out)`) and
+    /// `partials (2, B, T, H, D)` (each query head's share of dk, then of dv, in fp32).
     ///
     /// # Errors
     /// As [`Gpu::flash_attention_forward`].
@@ -165,7 +174,7 @@ impl Gpu {
     pub fn flash_attention_backward(
         &self,
         [dq, dk, dv]: [GpuSlice<bf16>; 3],
-        delta: GpuSlice<f32>,
+        [delta, partials]: [GpuSlice<f32>; 2],
         [q, k, v]: [GpuSlice<bf16>; 3],
         out: GpuSlice<bf16>,
         dout: GpuSlice<bf16>,
@@ -192,15 +201,20 @@ impl Gpu {
         }
         lse.expect_len("attention lse", rows)?;
         delta.expect_len("attention delta", rows)?;
+        partials.expect_len("attention dk and dv partials", 2 * q_len)?;
         if rows == 0 {
             return Ok(());
         }
-        let (row_tile, t_tile) = c.tiles();
+        let (dk_part, dv_part) = (partials.sub(0, q_len)?, partials.sub(q_len, q_len)?);
         let [t, h, kh, d] = c.ints;
         let scale_log2 = c.scale * std::f32::consts::LOG2_E;
         self.launch(
             c.kernel(1),
-            Checked::launch(shape, shape.heads, 2 * row_tile + t_tile + ROW_BYTES),
+            Checked::launch(
+                shape,
+                shape.seq.div_ceil(TILE),
+                BACKWARD_TILES * c.tile() + ROW_BYTES,
+            ),
             &[
                 &dq.address(),
                 &delta.address(),
@@ -218,12 +232,17 @@ impl Gpu {
                 &c.scale,
             ],
         )?;
+        // A block takes two key tiles, one near each end of the sequence.
         self.launch(
             c.kernel(2),
-            Checked::launch(shape, shape.kv_heads, 4 * row_tile + 2 * t_tile + ROW_BYTES),
+            Checked::launch(
+                shape,
+                shape.seq.div_ceil(2 * TILE),
+                BACKWARD_TILES * c.tile() + 2 * ROW_BYTES,
+            ),
             &[
-                &dk.address(),
-                &dv.address(),
+                &dk_part.address(),
+                &dv_part.address(),
                 &q.address(),
                 &k.address(),
                 &v.address(),
@@ -236,6 +255,21 @@ impl Gpu {
                 &d,
                 &scale_log2,
                 &c.scale,
+            ],
+        )?;
+        let rows64 = (shape.batch * shape.seq) as i64;
+        self.launch(
+            KERNELS[12],
+            elementwise(kv_len),
+            &[
+                &dk.address(),
+                &dv.address(),
+                &dk_part.address(),
+                &dv_part.address(),
+                &rows64,
+                &h,
+                &kh,
+                &d,
             ],
         )
     }

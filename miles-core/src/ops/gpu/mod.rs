@@ -92,6 +92,17 @@ fn elementwise(n: usize) -> LaunchConfig {
     }
 }
 
+/// Whether `n` bf16 values at each of `addresses` can be taken 8 at a time (16-byte words): `n`
+/// a multiple of 8 and every address 16-byte aligned.
+fn eight_wide(n: usize, addresses: &[u64]) -> bool {
+    n.is_multiple_of(8) && addresses.iter().all(|a| a.is_multiple_of(16))
+}
+
+/// [`elementwise`] over `n` values, or over their 16-byte words where `wide`.
+fn elementwise_words(n: usize, wide: bool) -> LaunchConfig {
+    elementwise(if wide { n / 8 } else { n })
+}
+
 /// A launch of one block of `threads` per row over `rows` rows.
 fn per_row(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {

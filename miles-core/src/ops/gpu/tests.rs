@@ -139,6 +139,19 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
     let mut want = vec![0.0; len];
     swiglu_forward(&mut want, &gate_host, &up_host);
     assert_close("swiglu", &t.get_bf16(out), &want, BF16_TOLERANCE);
+    // 1000 aligned values go 8 at a time; one value past alignment, one at a time, with the
+    // same bits.
+    let skewed = |s: GpuSlice<bf16>| s.sub(1, len - 1).unwrap_or_else(|e| panic!("{e}"));
+    let one_by_one = t.alloc::<bf16>(len);
+    t.gpu
+        .swiglu_forward(skewed(one_by_one), skewed(gate), skewed(up))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close(
+        "swiglu one value at a time",
+        &t.get_bf16(one_by_one)[1..],
+        &t.get_bf16(out)[1..],
+        0.0,
+    );
 
     // The fused rows (gate then up in each row) give the same values bit for bit: 10 rows of
     // 100 one value at a time, 5 rows of 200 eight at a time.
@@ -161,6 +174,15 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
         .unwrap_or_else(|e| panic!("{e}"));
     let summed: Vec<f32> = want.iter().zip(&gate_host).map(|(a, b)| a + b).collect();
     assert_close("residual", &t.get_bf16(out), &summed, BF16_TOLERANCE);
+    t.gpu
+        .residual_add(skewed(one_by_one), skewed(gate))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close(
+        "residual one value at a time",
+        &t.get_bf16(one_by_one)[1..],
+        &t.get_bf16(out)[1..],
+        0.0,
+    );
 
     let (vocab, c) = (50, 96);
     let (emb, emb_host) = t.put_bf16(&seeded(11, vocab * c));

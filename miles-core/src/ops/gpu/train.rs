@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 use super::elementwise::as_i32;
-use super::{elementwise, per_row};
+use super::{eight_wide, elementwise, elementwise_words, per_row};
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 use crate::ops::{AdamWConfig, AdamWScalars};
@@ -330,16 +330,19 @@ impl Gpu {
         }
         up.expect_len("swiglu up", n)?;
         let n64 = n as i64;
+        let addresses = [dgate, dup, dout, gate, up].map(|s| s.address());
+        let wide = eight_wide(n, &addresses);
         self.launch(
             "swiglu_backward",
-            elementwise(n),
+            elementwise_words(n, wide),
             &[
-                &dgate.address(),
-                &dup.address(),
-                &dout.address(),
-                &gate.address(),
-                &up.address(),
+                &addresses[0],
+                &addresses[1],
+                &addresses[2],
+                &addresses[3],
+                &addresses[4],
                 &n64,
+                &i32::from(wide),
             ],
         )
     }

@@ -125,7 +125,13 @@ fn gpu_swiglu_backward_overwrites_with_the_cpu_gradients() {
     ) else {
         return;
     };
-    let len = 1500;
+    // 1500 values one at a time, 1504 eight at a time.
+    for len in [1500, 1504] {
+        swiglu_backward_case(&mut t, len);
+    }
+}
+
+fn swiglu_backward_case(t: &mut TestGpu, len: usize) {
     let (gate, gate_host) = t.put_bf16(&scaled(seeded(28, len), 4.0));
     let (up, up_host) = t.put_bf16(&seeded(29, len));
     let (dout, dout_host) = t.put_bf16(&seeded(30, len));

@@ -5,9 +5,13 @@
 //
 // The forward pass writes the output and each row's log-sum-exp (in base 2, of the scores
 // times log2(e) / sqrt(D)). The backward pass recomputes the probabilities from it in two
-// kernels, neither with an atomic, so gradients repeat bit for bit: `flash_backward_dq` (one
-// block per 64 queries of a head; it also writes delta = rowsum(dO * O)) and
-// `flash_backward_dkv` (one block per 64 keys of a kv head, walking every query of its group).
+// kernels and a sum, none with an atomic, so gradients repeat bit for bit: `flash_backward_dq`
+// (one block per 64 queries of a head; it also writes delta = rowsum(dO * O)),
+// `flash_backward_dkv` (a block per two tiles of 64 keys and one query head, walking the
+// queries at or after them, into fp32 partials per query head) and `flash_dkv_reduce` (each
+// kv head's gradient, its group's partials summed in order).
+// The tiles a loop walks are double-buffered: the next one is copied in (cp.async, where rows
+// are 16-byte aligned) while the tensor cores work on this one.
 //
 // Head dims are padded with zeros in shared memory to DP, 16, 32, 64 or 128 (one instance of
 // each kernel per DP). A block is 4 warps, each owning 16 rows of the block's tile.
@@ -16,10 +20,9 @@
 // words: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..). B (16 x 8, column major) is 2
 // words: rows 2t..2t+1 and 2t+8..2t+9 of column g. C (16 x 8 fp32) is (g, 2t), (g, 2t+1),
 // (g+8, 2t), (g+8, 2t+1). A row-major tile X[r][SD] gives A words at X[r][c..c+1] and the B
-// words of X^T; a transposed tile Xt[d][FA_TS] gives the B words of X.
+// words of X^T; the B words of X itself come through ldmatrix.trans.
 
 #define FA_TILE 64
-#define FA_TS (FA_TILE + 8)
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile(
@@ -30,6 +33,10 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 }
 
 __device__ __forceinline__ unsigned word_at(const bf16* p) { return *(const unsigned*)p; }
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
 
 // The A fragment of rows r0..r0+15, columns c0..c0+15 of a row-major tile of stride `sd`.
 __device__ __forceinline__ void a_frag(unsigned* a, const bf16* x, int sd, int r0, int c0) {
@@ -49,56 +56,81 @@ __device__ __forceinline__ void a_from_c(unsigned* a, const float* lo, const flo
     a[3] = pack2(hi[2], hi[3]);
 }
 
-// acc (16 x 8n) += A (16 x 16k, fragments a[k]) times the B words of tile rows n0.., columns
-// of `b` (stride `sb`): acc[n] += a[k] * b[(n*8 + g) * sb + k*16 + 2t ...].
+// acc (16 x 8N) += A (16 x 16K, fragments a[k]) times X^T, X a row-major tile (stride `sx`)
+// whose rows are the product's columns: B words at X[n*8 + g][k*16 + 2t ...].
 template <int N, int K>
-__device__ __forceinline__ void mma_rows(float (*acc)[4], const unsigned (*a)[4], const bf16* b, int sb) {
+__device__ __forceinline__ void mma_xt(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
     for (int n = 0; n < N; n++) {
-        const bf16* p = b + (n * 8 + g) * sb + 2 * t;
+        const bf16* p = x + (n * 8 + g) * sx + 2 * t;
 #pragma unroll
         for (int k = 0; k < K; k++) mma_bf16(acc[n], a[k], word_at(p + k * 16), word_at(p + k * 16 + 8));
     }
 }
 
-// Rows row0.. (64 of them) of head `h` of x (B, T, NH, D) into tile[64][DP + 8], zero past T
-// and past D; `vec` when rows can be read 8 values at a time.
+// acc (16 x 8N) += A (16 x 16K) times X, X a row-major tile (stride `sx`) whose rows are the
+// product's inner dimension: each pair of column tiles' B words through one ldmatrix.x4.trans
+// (matrix j of lane l's row: X[k*16 + (j & 1)*8 + l % 8][n*8 + (j >> 1)*8]).
+template <int N, int K>
+__device__ __forceinline__ void mma_x(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
+    const int lane = threadIdx.x & 31, j = lane >> 3;
+    const bf16* row = x + ((j & 1) * 8 + (lane & 7)) * sx + (j >> 1) * 8;
+#pragma unroll
+    for (int n = 0; n < N; n += 2) {
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            unsigned b[4];
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                         : "r"(shared_address(row + k * 16 * sx + n * 8)));
+            mma_bf16(acc[n], a[k], b[0], b[1]);
+            mma_bf16(acc[n + 1], a[k], b[2], b[3]);
+        }
+    }
+}
+
+// Starts copying rows row0.. (64 of them) of head `h` of x (B, T, NH, D) into tile[64][DP + 8],
+// zero past T and past D: with cp.async where `vec` (rows 16-byte aligned, D a multiple of 8),
+// else with plain loads and stores. Either way the tile is whole once the block has waited
+// (`wait_tiles`) and synchronised.
 template <int DP>
 __device__ void load_tile(bf16* tile, const bf16* x, int b, int T, int NH, int h, int D, int row0,
                           bool vec) {
     constexpr int SD = DP + 8, CH = DP / 8;
     for (int i = threadIdx.x; i < FA_TILE * CH; i += blockDim.x) {
         const int r = i / CH, d0 = (i % CH) * 8, t = row0 + r;
-        uint4 w = make_uint4(0, 0, 0, 0);
-        if (t < T && d0 < D) {
-            const bf16* src = x + ((size_t)(b * T + t) * NH + h) * D + d0;
-            if (vec) {
-                w = *(const uint4*)src;
-            } else {
-                unsigned e[4];
+        const bool inside = t < T && d0 < D;
+        // Outside, cp.async reads nothing (source size 0) but still takes a valid address.
+        const bf16* src = inside ? x + ((size_t)(b * T + t) * NH + h) * D + d0 : x;
+        bf16* dst = tile + r * SD + d0;
+        if (vec) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+                         "l"(src), "r"(inside ? 16 : 0));
+            continue;
+        }
+        unsigned e[4] = {0, 0, 0, 0};
+        if (inside) {
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const unsigned lo = d0 + 2 * j < D ? src[2 * j] : 0;
-                    const unsigned hi = d0 + 2 * j + 1 < D ? src[2 * j + 1] : 0;
-                    e[j] = lo | (hi << 16);
-                }
-                w = make_uint4(e[0], e[1], e[2], e[3]);
+            for (int j = 0; j < 4; j++) {
+                const unsigned lo = d0 + 2 * j < D ? src[2 * j] : 0;
+                const unsigned hi = d0 + 2 * j + 1 < D ? src[2 * j + 1] : 0;
+                e[j] = lo | (hi << 16);
             }
         }
-        *(uint4*)(tile + r * SD + d0) = w;
+        *(uint4*)dst = make_uint4(e[0], e[1], e[2], e[3]);
     }
 }
 
-// A loaded tile transposed: dst[d][FA_TS] = src[r][d], from shared memory to shared memory.
-template <int DP>
-__device__ void transpose_tile(bf16* dst, const bf16* src) {
-    constexpr int SD = DP + 8;
-    for (int i = threadIdx.x; i < FA_TILE * DP / 2; i += blockDim.x) {
-        const int r = i % FA_TILE, d = (i / FA_TILE) * 2;
-        const unsigned w = word_at(src + r * SD + d);
-        dst[d * FA_TS + r] = (bf16)(w & 0xffffu);
-        dst[(d + 1) * FA_TS + r] = (bf16)(w >> 16);
+// Closes the group of copies started since the last call.
+__device__ __forceinline__ void commit_tiles() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits for every group of copies but the newest `pending` (0 or 1).
+__device__ __forceinline__ void wait_tiles(int pending) {
+    if (pending) {
+        asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
     }
 }
 
@@ -133,7 +165,8 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The query and key of C element j of n-tile n: rows are queries (forward, dq) or keys (dkv).
+// The row and column within a warp's 16 x 64 block of C element j of column tile n: rows are
+// queries (forward, dq) or keys (dkv).
 __device__ __forceinline__ int c_row(int j) { return ((threadIdx.x & 31) >> 2) + (j >= 2 ? 8 : 0); }
 __device__ __forceinline__ int c_col(int n, int j) { return n * 8 + 2 * (threadIdx.x & 3) + (j & 1); }
 
@@ -141,31 +174,37 @@ __device__ __forceinline__ int c_col(int n, int j) { return n * 8 + 2 * (threadI
 template <int DP>
 __device__ void flash_forward_tile(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                                    int T, int H, int KH, int D, float scale_log2) {
-    constexpr int SD = DP + 8, KD = DP / 16;
+    constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD;
     extern __shared__ uint4 fa_shared[];
     bf16* qs = (bf16*)fa_shared;
-    bf16* ks = qs + FA_TILE * SD;
-    bf16* vt = ks + FA_TILE * SD;
+    bf16* ks = qs + TILE;  // two buffers each of k and v
+    bf16* vs = ks + 2 * TILE;
     const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KH), warp = threadIdx.x >> 5;
     const int q0 = qt * FA_TILE, wr = warp * 16;
     const bool v8 = D % 8 == 0, vk = v8 && aligned16(k), vv = v8 && aligned16(v);
     load_tile<DP>(qs, q, b, T, H, h, D, q0, v8 && aligned16(q));
-    __syncthreads();
-    unsigned qa[KD][4];
-#pragma unroll
-    for (int kk = 0; kk < KD; kk++) a_frag(qa[kk], qs, SD, wr, kk * 16);
+    load_tile<DP>(ks, k, b, T, KH, kvh, D, 0, vk);
+    load_tile<DP>(vs, v, b, T, KH, kvh, D, 0, vv);
+    commit_tiles();
     float o[DP / 8][4] = {};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    unsigned qa[KD][4];
     for (int kt = 0; kt <= qt; kt++) {
+        const int buf = kt & 1;
+        if (kt < qt) {
+            load_tile<DP>(ks + (buf ^ 1) * TILE, k, b, T, KH, kvh, D, (kt + 1) * FA_TILE, vk);
+            load_tile<DP>(vs + (buf ^ 1) * TILE, v, b, T, KH, kvh, D, (kt + 1) * FA_TILE, vv);
+        }
+        commit_tiles();
+        wait_tiles(1);
         __syncthreads();
-        load_tile<DP>(ks, k, b, T, KH, kvh, D, kt * FA_TILE, vk);
-        load_tile<DP>(qs, v, b, T, KH, kvh, D, kt * FA_TILE, vv);  // q is in registers now
-        __syncthreads();
-        transpose_tile<DP>(vt, qs);
-        __syncthreads();
+        if (kt == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) a_frag(qa[kk], qs, SD, wr, kk * 16);
+        }
         float s[8][4] = {};
-        mma_rows<8, KD>(s, qa, ks, SD);
+        mma_xt<8, KD>(s, qa, ks + buf * TILE, SD);
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n = 0; n < 8; n++)
@@ -197,7 +236,8 @@ __device__ void flash_forward_tile(bf16* out, float* lse, const bf16* q, const b
         unsigned pa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) a_from_c(pa[kk], s[2 * kk], s[2 * kk + 1]);
-        mma_rows<DP / 8, 4>(o, pa, vt, FA_TS);
+        mma_x<DP / 8, 4>(o, pa, vs + buf * TILE, SD);
+        __syncthreads();
     }
     const float la = quad_sum(l[0]), lb = quad_sum(l[1]);
     store_rows<DP>(out, o, 1.0f / la, 1.0f / lb, b, T, H, h, D, q0 + wr);
@@ -213,31 +253,36 @@ template <int DP>
 __device__ void flash_dq_tile(bf16* dq, float* delta, const bf16* q, const bf16* k, const bf16* v,
                               const bf16* o, const bf16* dout, const float* lse, int T, int H, int KH,
                               int D, float scale_log2, float scale) {
-    constexpr int SD = DP + 8, KD = DP / 16;
+    constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD;
     extern __shared__ uint4 fa_shared[];
-    bf16* ks = (bf16*)fa_shared;
-    bf16* vs = ks + FA_TILE * SD;
-    bf16* kt_s = vs + FA_TILE * SD;
-    float* rows = (float*)(kt_s + DP * FA_TS);  // lse, then delta, of the tile's queries
+    bf16* qs = (bf16*)fa_shared;
+    bf16* ds = qs + TILE;    // dO
+    bf16* ks = ds + TILE;    // two buffers each of k and v
+    bf16* vs = ks + 2 * TILE;
+    float* rows = (float*)(vs + 2 * TILE);  // lse, then delta, of the tile's queries
     const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KH), warp = threadIdx.x >> 5;
     const int q0 = qt * FA_TILE, wr = warp * 16;
-    const bool v8 = D % 8 == 0;
-    load_tile<DP>(ks, q, b, T, H, h, D, q0, v8 && aligned16(q));
-    load_tile<DP>(vs, dout, b, T, H, h, D, q0, v8 && aligned16(dout));
+    const bool v8 = D % 8 == 0, vk = v8 && aligned16(k), vv = v8 && aligned16(v);
+    load_tile<DP>(qs, q, b, T, H, h, D, q0, v8 && aligned16(q));
+    load_tile<DP>(ds, dout, b, T, H, h, D, q0, v8 && aligned16(dout));
+    load_tile<DP>(ks, k, b, T, KH, kvh, D, 0, vk);
+    load_tile<DP>(vs, v, b, T, KH, kvh, D, 0, vv);
+    commit_tiles();
+    wait_tiles(0);
     __syncthreads();
     unsigned qa[KD][4], da[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; kk++) {
-        a_frag(qa[kk], ks, SD, wr, kk * 16);
-        a_frag(da[kk], vs, SD, wr, kk * 16);
+        a_frag(qa[kk], qs, SD, wr, kk * 16);
+        a_frag(da[kk], ds, SD, wr, kk * 16);
     }
     {
         const int r = threadIdx.x >> 1, query = q0 + r;
         float sum = 0.0f;
         if (query < T) {
             const bf16* orow = o + ((size_t)(b * T + query) * H + h) * D;
-            for (int d = threadIdx.x & 1; d < D; d += 2) sum += bf2f(vs[r * SD + d]) * bf2f(orow[d]);
+            for (int d = threadIdx.x & 1; d < D; d += 2) sum += bf2f(ds[r * SD + d]) * bf2f(orow[d]);
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         if ((threadIdx.x & 1) == 0) {
@@ -250,18 +295,19 @@ __device__ void flash_dq_tile(bf16* dq, float* delta, const bf16* q, const bf16*
     __syncthreads();
     const float lse_r[2] = {rows[wr + c_row(0)], rows[wr + c_row(2)]};
     const float delta_r[2] = {rows[FA_TILE + wr + c_row(0)], rows[FA_TILE + wr + c_row(2)]};
-    const bool vk = v8 && aligned16(k), vv = v8 && aligned16(v);
     float acc[DP / 8][4] = {};
     for (int kt = 0; kt <= qt; kt++) {
-        __syncthreads();
-        load_tile<DP>(ks, k, b, T, KH, kvh, D, kt * FA_TILE, vk);
-        load_tile<DP>(vs, v, b, T, KH, kvh, D, kt * FA_TILE, vv);
-        __syncthreads();
-        transpose_tile<DP>(kt_s, ks);
+        const int buf = kt & 1;
+        if (kt < qt) {
+            load_tile<DP>(ks + (buf ^ 1) * TILE, k, b, T, KH, kvh, D, (kt + 1) * FA_TILE, vk);
+            load_tile<DP>(vs + (buf ^ 1) * TILE, v, b, T, KH, kvh, D, (kt + 1) * FA_TILE, vv);
+        }
+        commit_tiles();
+        wait_tiles(1);
         __syncthreads();
         float s[8][4] = {}, dp[8][4] = {};
-        mma_rows<8, KD>(s, qa, ks, SD);
-        mma_rows<8, KD>(dp, da, vs, SD);
+        mma_xt<8, KD>(s, qa, ks + buf * TILE, SD);
+        mma_xt<8, KD>(dp, da, vs + buf * TILE, SD);
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll
@@ -273,81 +319,150 @@ __device__ void flash_dq_tile(bf16* dq, float* delta, const bf16* q, const bf16*
         unsigned dsa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) a_from_c(dsa[kk], s[2 * kk], s[2 * kk + 1]);
-        mma_rows<DP / 8, 4>(acc, dsa, kt_s, FA_TS);
+        mma_x<DP / 8, 4>(acc, dsa, ks + buf * TILE, SD);
+        __syncthreads();
     }
     store_rows<DP>(dq, acc, scale, scale, b, T, H, h, D, q0 + wr);
 }
 
-// Grid (T/64 key tiles, KH, B): dk and dv of 64 keys, summed over every query head of the
-// group and every query at or after them.
+// Starts copying query tile q0's q and dO rows of head hq (and their lse and delta).
 template <int DP>
-__device__ void flash_dkv_tile(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
-                               const bf16* dout, const float* lse, const float* delta, int T, int H,
-                               int KH, int D, float scale_log2, float scale) {
-    constexpr int SD = DP + 8, KD = DP / 16;
+__device__ void load_query_tiles(bf16* qs, bf16* ds, float* rows, const bf16* q, const bf16* dout,
+                                 const float* lse, const float* delta, int b, int T, int H, int D,
+                                 int hq, int q0, bool vq, bool vd) {
+    load_tile<DP>(qs, q, b, T, H, hq, D, q0, vq);
+    load_tile<DP>(ds, dout, b, T, H, hq, D, q0, vd);
+    if (threadIdx.x < FA_TILE) {
+        const int query = q0 + threadIdx.x;
+        const size_t at = ((size_t)b * H + hq) * T + query;
+        rows[threadIdx.x] = query < T ? lse[at] : 0.0f;
+        rows[FA_TILE + threadIdx.x] = query < T ? delta[at] : 0.0f;
+    }
+}
+
+// Writes a warp's 16 rows of fp32 partial gradients (times `scale`) to part (B, T, H, D) at
+// query head hq.
+template <int DP>
+__device__ void store_partial(float* part, const float (*acc)[4], float scale, int b, int T, int H,
+                              int hq, int D, int r0) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int row = r0 + g + 8 * half;
+        if (row >= T) continue;
+        float* dst = part + ((size_t)(b * T + row) * H + hq) * D;
+#pragma unroll
+        for (int n = 0; n < DP / 8; n++) {
+            const int c = n * 8 + 2 * t;
+            if (c < D) dst[c] = acc[n][2 * half] * scale;
+            if (c + 1 < D) dst[c + 1] = acc[n][2 * half + 1] * scale;
+        }
+    }
+}
+
+// The dk and dv of key tile kt that query head hq's queries give (those at or after the keys),
+// as fp32 partials; `flash_dkv_reduce` sums a group's heads.
+template <int DP>
+__device__ void flash_dkv_key_tile(float* dk_part, float* dv_part, const bf16* q, const bf16* k,
+                                   const bf16* v, const bf16* dout, const float* lse,
+                                   const float* delta, int b, int kt, int hq, int T, int H, int KH,
+                                   int D, float scale_log2, float scale) {
+    constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD;
     extern __shared__ uint4 fa_shared[];
     bf16* ks = (bf16*)fa_shared;
-    bf16* vs = ks + FA_TILE * SD;
-    bf16* qs = vs + FA_TILE * SD;
-    bf16* dos = qs + FA_TILE * SD;
-    bf16* qt_s = dos + FA_TILE * SD;
-    bf16* dt_s = qt_s + DP * FA_TS;
-    float* rows = (float*)(dt_s + DP * FA_TS);  // lse, then delta, of the tile's queries
-    const int kt = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, group = H / KH;
-    const int warp = threadIdx.x >> 5, k0 = kt * FA_TILE, wr = warp * 16;
+    bf16* vs = ks + TILE;
+    bf16* qs = vs + TILE;     // two buffers each of q and dO
+    bf16* ds = qs + 2 * TILE;
+    float* rows = (float*)(ds + 2 * TILE);  // per buffer: lse, then delta, of its queries
+    const int kvh = hq / (H / KH), warp = threadIdx.x >> 5, k0 = kt * FA_TILE, wr = warp * 16;
     const bool v8 = D % 8 == 0, vq = v8 && aligned16(q), vd = v8 && aligned16(dout);
+    const int items = (T + FA_TILE - 1) / FA_TILE - kt;
+    __syncthreads();  // the block's previous key tile is done with every buffer
     load_tile<DP>(ks, k, b, T, KH, kvh, D, k0, v8 && aligned16(k));
     load_tile<DP>(vs, v, b, T, KH, kvh, D, k0, v8 && aligned16(v));
+    load_query_tiles<DP>(qs, ds, rows, q, dout, lse, delta, b, T, H, D, hq, k0, vq, vd);
+    commit_tiles();
     float gk[DP / 8][4] = {}, gv[DP / 8][4] = {};
-    const int tiles = (T + FA_TILE - 1) / FA_TILE;
-    for (int hq = kvh * group; hq < (kvh + 1) * group; hq++) {
-        for (int qt = kt; qt < tiles; qt++) {
-            const int q0 = qt * FA_TILE;
-            __syncthreads();
-            load_tile<DP>(qs, q, b, T, H, hq, D, q0, vq);
-            load_tile<DP>(dos, dout, b, T, H, hq, D, q0, vd);
-            if (threadIdx.x < FA_TILE) {
-                const int query = q0 + threadIdx.x;
-                const size_t at = ((size_t)b * H + hq) * T + query;
-                rows[threadIdx.x] = query < T ? lse[at] : 0.0f;
-                rows[FA_TILE + threadIdx.x] = query < T ? delta[at] : 0.0f;
-            }
-            __syncthreads();
-            transpose_tile<DP>(qt_s, qs);
-            transpose_tile<DP>(dt_s, dos);
-            __syncthreads();
-            unsigned ka[KD][4], va[KD][4];
+    unsigned ka[KD][4], va[KD][4];
+    for (int i = 0; i < items; i++) {
+        const int buf = i & 1, q0 = k0 + i * FA_TILE;
+        if (i + 1 < items) {
+            load_query_tiles<DP>(qs + (buf ^ 1) * TILE, ds + (buf ^ 1) * TILE,
+                                 rows + (buf ^ 1) * 2 * FA_TILE, q, dout, lse, delta, b, T, H, D,
+                                 hq, q0 + FA_TILE, vq, vd);
+        }
+        commit_tiles();
+        wait_tiles(1);
+        __syncthreads();
+        if (i == 0 || DP > 64) {  // at 128, kept in registers they would spill
 #pragma unroll
             for (int kk = 0; kk < KD; kk++) {
                 a_frag(ka[kk], ks, SD, wr, kk * 16);
                 a_frag(va[kk], vs, SD, wr, kk * 16);
             }
-            float s[8][4] = {}, dp[8][4] = {};
-            mma_rows<8, KD>(s, ka, qs, SD);
-            mma_rows<8, KD>(dp, va, dos, SD);
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const int col = c_col(n, j), key = k0 + wr + c_row(j), query = q0 + col;
-                    const float p = key <= query && query < T
-                                        ? exp2f(s[n][j] * scale_log2 - rows[col])
-                                        : 0.0f;
-                    s[n][j] = p;
-                    dp[n][j] = p * (dp[n][j] - rows[FA_TILE + col]);
-                }
-            unsigned pa[4][4], dsa[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                a_from_c(pa[kk], s[2 * kk], s[2 * kk + 1]);
-                a_from_c(dsa[kk], dp[2 * kk], dp[2 * kk + 1]);
-            }
-            mma_rows<DP / 8, 4>(gv, pa, dt_s, FA_TS);
-            mma_rows<DP / 8, 4>(gk, dsa, qt_s, FA_TS);
         }
+        const bf16* qb = qs + buf * TILE;
+        const bf16* db = ds + buf * TILE;
+        const float* rb = rows + buf * 2 * FA_TILE;
+        float s[8][4] = {}, dp[8][4] = {};
+        mma_xt<8, KD>(s, ka, qb, SD);
+        mma_xt<8, KD>(dp, va, db, SD);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int col = c_col(n, j), key = k0 + wr + c_row(j), query = q0 + col;
+                const float p = key <= query && query < T ? exp2f(s[n][j] * scale_log2 - rb[col]) : 0.0f;
+                s[n][j] = p;
+                dp[n][j] = p * (dp[n][j] - rb[FA_TILE + col]);
+            }
+        unsigned pa[4][4], dsa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            a_from_c(pa[kk], s[2 * kk], s[2 * kk + 1]);
+            a_from_c(dsa[kk], dp[2 * kk], dp[2 * kk + 1]);
+        }
+        mma_x<DP / 8, 4>(gv, pa, db, SD);
+        mma_x<DP / 8, 4>(gk, dsa, qb, SD);
+        __syncthreads();
     }
-    store_rows<DP>(dk, gk, scale, scale, b, T, KH, kvh, D, k0 + wr);
-    store_rows<DP>(dv, gv, 1.0f, 1.0f, b, T, KH, kvh, D, k0 + wr);
+    store_partial<DP>(dk_part, gk, scale, b, T, H, hq, D, k0 + wr);
+    store_partial<DP>(dv_part, gv, 1.0f, b, T, H, hq, D, k0 + wr);
+}
+
+// Grid (ceil(tiles / 2), H, B): key tiles x and tiles - 1 - x (one walks many query tiles, the
+// other few, so every block does the same work), for one query head.
+template <int DP>
+__device__ void flash_dkv_tiles(float* dk_part, float* dv_part, const bf16* q, const bf16* k,
+                                const bf16* v, const bf16* dout, const float* lse, const float* delta,
+                                int T, int H, int KH, int D, float scale_log2, float scale) {
+    const int tiles = (T + FA_TILE - 1) / FA_TILE, first = blockIdx.x, last = tiles - 1 - blockIdx.x;
+    flash_dkv_key_tile<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, blockIdx.z, first, blockIdx.y,
+                           T, H, KH, D, scale_log2, scale);
+    if (last != first) {
+        flash_dkv_key_tile<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, blockIdx.z, last,
+                               blockIdx.y, T, H, KH, D, scale_log2, scale);
+    }
+}
+
+// dk and dv (B, T, KH, D) from the fp32 partials of each query head (B, T, H, D): the group's
+// heads summed in order, rounded once. One thread an output value.
+extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* dk_part, const float* dv_part,
+                                            long long rows, int H, int KH, int D) {
+    const int group = H / KH;
+    const long long total = rows * KH * D;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long d = i % D, kvh = (i / D) % KH, row = i / ((long long)D * KH);
+        const long long first = (row * H + kvh * group) * D + d;
+        float sk = 0.0f, sv = 0.0f;
+        for (int j = 0; j < group; j++) {
+            sk += dk_part[first + (long long)j * D];
+            sv += dv_part[first + (long long)j * D];
+        }
+        dk[i] = f2bf(sk);
+        dv[i] = f2bf(sv);
+    }
 }
 
 #define FLASH_KERNELS(DP)                                                                          \
@@ -363,10 +478,12 @@ __device__ void flash_dkv_tile(bf16* dk, bf16* dv, const bf16* q, const bf16* k,
         flash_dq_tile<DP>(dq, delta, q, k, v, o, dout, lse, T, H, KH, D, scale_log2, scale);       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                              \
-        flash_backward_dkv_##DP(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,   \
-                                const bf16* dout, const float* lse, const float* delta, int T,     \
-                                int H, int KH, int D, float scale_log2, float scale) {             \
-        flash_dkv_tile<DP>(dk, dv, q, k, v, dout, lse, delta, T, H, KH, D, scale_log2, scale);     \
+        flash_backward_dkv_##DP(float* dk_part, float* dv_part, const bf16* q, const bf16* k,      \
+                                const bf16* v, const bf16* dout, const float* lse,                 \
+                                const float* delta, int T, int H, int KH, int D, float scale_log2, \
+                                float scale) {                                                     \
+        flash_dkv_tiles<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, T, H, KH, D, scale_log2,  \
+                            scale);                                                                \
     }
 
 FLASH_KERNELS(16)

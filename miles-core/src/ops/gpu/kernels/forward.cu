@@ -97,9 +97,22 @@ extern "C" __global__ void rope_forward(bf16* x, const unsigned int* positions, 
 }
 
 // out = silu(gate) * up, elementwise over n values.
-extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf16* up, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf16* up, long long n,
+                                          int wide) {
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    if (wide) {
+        for (long long i = first; i < n / 8; i += stride) {
+            float g[8], u[8];
+            unpack8(((const uint4*)gate)[i], g);
+            unpack8(((const uint4*)up)[i], u);
+#pragma unroll
+            for (int j = 0; j < 8; j++) g[j] = g[j] / (1.0f + __expf(-g[j])) * u[j];
+            ((uint4*)out)[i] = pack8(g);
+        }
+        return;
+    }
+    for (long long i = first; i < n; i += stride) {
         const float g = bf2f(gate[i]);
         out[i] = f2bf(g / (1.0f + __expf(-g)) * bf2f(up[i]));
     }
@@ -131,10 +144,20 @@ extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, i
     }
 }
 
-// x += y, elementwise over n values (the residual stream).
-extern "C" __global__ void residual_add(bf16* x, const bf16* y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
+// x += y, elementwise over n values (the residual stream); with `wide`, 8 at a time.
+extern "C" __global__ void residual_add(bf16* x, const bf16* y, long long n, int wide) {
+    const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    if (wide) {
+        for (long long i = first; i < n / 8; i += stride) {
+            float a[8], b[8];
+            unpack8(((const uint4*)x)[i], a);
+            unpack8(((const uint4*)y)[i], b);
+#pragma unroll
+            for (int j = 0; j < 8; j++) a[j] += b[j];
+            ((uint4*)x)[i] = pack8(a);
+        }
+        return;
     }
+    for (long long i = first; i < n; i += stride) x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
 }
