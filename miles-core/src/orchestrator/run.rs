@@ -1,196 +1,37 @@
 //! The colocated RL loop of DESIGN section 8, phase by phase.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use crate::backend::BackendError;
 use crate::backend::{TrainBackend, WeightBucket};
-use crate::config::{AdvantageEstimator, RmType, RolloutOffload, SaveDtype, Settings, Task};
+use crate::config::{AdvantageEstimator, RmType};
 use crate::memory::OffloadReport;
 use crate::metrics::{
     MemoryTimeline, MetricsWriter, Phase, RunHeader, StepMetrics, TimelineSample,
-    check_metrics_file,
 };
-use crate::model::{DEFAULT_SHARD_BYTES, SaveOptions, Tokenizer, export_hf};
+use crate::model::Tokenizer;
 
 use super::OrchestratorError;
 use super::advantage::{grpo_advantages, mean_std, ppo_advantages, reinforce_plus_plus_advantages};
 use super::batch::{Sequence, build_batch};
 use super::data::{PromptDataset, PromptSource};
-use super::options::{DATA_RESPONSE_LEN, RlOptions};
+use super::options::DATA_RESPONSE_LEN;
 use super::reference::ReferenceModel;
 use super::reward::{BuiltinReward, Reward, RewardError, RewardRequest};
-use super::state::{LoopState, mark_latest, resolve_checkpoint, step_dir};
+use super::state::LoopState;
 use super::stop::cut_at_stop_strings;
 use super::task::{Problem, ProblemSource, Stream, stream_seed};
 use crate::backend::{Critic, RolloutEngine, Sample, Sampling};
 
+mod checkpoint;
 mod eval;
+mod loop_config;
+pub use loop_config::LoopConfig;
 mod mover;
 pub use mover::Patience;
 mod policy;
 mod sync;
-
-/// What the loop runs: the part of [`Settings`] it reads, checked.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LoopConfig {
-    /// RL steps to reach (a resumed run continues to this count).
-    pub steps: u64,
-    /// Prompts per rollout.
-    pub rollout_batch_size: usize,
-    /// Samples per prompt.
-    pub n_samples_per_prompt: usize,
-    /// Samples per optimizer step.
-    pub global_batch_size: usize,
-    /// Seed of prompts and sampling.
-    pub seed: u64,
-    /// The task.
-    pub task: Task,
-    /// Supervised warm-up steps before the first RL step.
-    pub sft_warmup_steps: u64,
-    /// Sampling temperature.
-    pub temperature: f32,
-    /// Training tensors leave the device between steps (where to, the trainer was built with).
-    pub offload_train: bool,
-    /// Rollout tensors leave the device between rollouts (the engine releases all at start).
-    pub offload_rollout: bool,
-    /// The KV cache leaves after each rollout.
-    pub offload_kv: bool,
-    /// The engine's weights leave after each rollout.
-    pub offload_weights: bool,
-    /// The engine's CUDA graph memory leaves after each rollout (it comes back with the KV cache).
-    pub offload_graphs: bool,
-    /// Bytes per bucket of the weight sync.
-    pub bucket_bytes: usize,
-    /// Capacity of the device trainer and engine share, if they share one: where it holds both
-    /// phases' memory with `margin_bytes` to spare, the actor's moves run behind other work
-    /// (`None`: one after another).
-    pub device_bytes: Option<u64>,
-    /// Memory a resume must leave free (`--train-memory-margin-bytes`).
-    pub margin_bytes: u64,
-    /// Where the device holds both phases, nothing moves (`--offload-when-needed`).
-    pub offload_when_needed: bool,
-    /// How long the actor's onload waits for device memory another process holds.
-    pub patience: Patience,
-    /// The actor can export its weights while offloaded (from its host backup): the sync then
-    /// runs after the trainer sleeps, as DESIGN section 8 orders, and the weights cross the host
-    /// link once per step. Off: the weights are exported into host memory just before the
-    /// trainer offloads, and sent from there.
-    pub export_while_offloaded: bool,
-    /// How advantages are estimated.
-    pub advantage_estimator: AdvantageEstimator,
-    /// Checkpoint directory to save to.
-    pub save: Option<PathBuf>,
-    /// Save every this many steps (and after the last).
-    pub save_interval: Option<u64>,
-    /// Checkpoint directory to start from.
-    pub load: Option<PathBuf>,
-    /// JSON-lines metrics file.
-    pub metrics: Option<PathBuf>,
-    /// SVG memory timeline file.
-    pub memory_timeline: Option<PathBuf>,
-    /// How the actor's Hugging Face files are rewritten after each save (dtype, shards,
-    /// tokenizer files); `None` keeps them as the backend writes them (bf16, 5 GB shards).
-    pub save_options: Option<SaveOptions>,
-    /// Sampling, loss, evaluation and dump settings of the RL algorithm.
-    pub rl: RlOptions,
-}
-
-impl LoopConfig {
-    /// The loop settings of a run (the settings were checked when resolved).
-    pub fn from_settings(s: &Settings) -> Self {
-        let rollout = RolloutOffload::of(s);
-        Self {
-            steps: s.steps,
-            rollout_batch_size: s.rollout_batch_size,
-            n_samples_per_prompt: s.n_samples_per_prompt,
-            global_batch_size: s.global_batch_size,
-            seed: s.seed,
-            task: s.task,
-            sft_warmup_steps: s.sft_warmup_steps,
-            temperature: s.rollout_temperature as f32,
-            offload_train: s.offload_train,
-            offload_rollout: s.offload_rollout,
-            offload_kv: rollout.kv_cache,
-            offload_weights: rollout.weights,
-            offload_graphs: rollout.cuda_graph,
-            bucket_bytes: usize::try_from(s.update_weight_buffer_size).unwrap_or(usize::MAX),
-            device_bytes: None,
-            margin_bytes: s.train_memory_margin_bytes,
-            offload_when_needed: s.offload_when_needed,
-            patience: Patience {
-                retries: s.train_resume_retries,
-                wait: std::time::Duration::from_secs_f64(s.train_resume_wait_seconds),
-            },
-            export_while_offloaded: false,
-            advantage_estimator: s.advantage_estimator,
-            save: s.save.clone(),
-            save_interval: s.save_interval,
-            load: s.load.clone().or_else(|| s.hf_checkpoint.clone()),
-            save_options: (s.hf_checkpoint.is_some()
-                || s.save_dtype != SaveDtype::Bf16
-                || s.save_shard_size != DEFAULT_SHARD_BYTES)
-                .then(|| SaveOptions {
-                    dtype: s.save_dtype,
-                    shard_bytes: s.save_shard_size,
-                    tokenizer_from: s.hf_checkpoint.clone(),
-                }),
-            metrics: s.metrics.clone(),
-            memory_timeline: s.memory_timeline.clone(),
-            rl: RlOptions::from_settings(s),
-        }
-    }
-
-    /// Checks every output location before any work: `save` can be created and written,
-    /// `metrics` is a metrics file (or new) in a writable directory, `memory_timeline` is not
-    /// a directory and its directory takes new files. Creates the directories, nothing else.
-    ///
-    /// # Errors
-    /// [`OrchestratorError::Outputs`] with one line per location at fault.
-    pub fn check_outputs(&self) -> Result<(), OrchestratorError> {
-        let mut problems = Vec::new();
-        if let Some(dir) = &self.save
-            && let Err(error) = check_writable_dir(dir)
-        {
-            problems.push(format!(
-                "--save {} is not usable: {error}; choose a directory you can write to",
-                dir.display()
-            ));
-        }
-        if let Some(path) = &self.metrics
-            && let Err(error) = check_metrics_file(path)
-        {
-            problems.push(format!("--metrics: {error}"));
-        }
-        if let Some(path) = &self.memory_timeline {
-            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-            let checked = if path.is_dir() {
-                Err("it is a directory".to_owned())
-            } else {
-                check_writable_dir(dir.unwrap_or(Path::new(".")))
-            };
-            if let Err(error) = checked {
-                problems.push(format!(
-                    "--memory-timeline {} is not usable: {error}; choose a file in a directory you can write to",
-                    path.display()
-                ));
-            }
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(OrchestratorError::Outputs { problems })
-        }
-    }
-}
-
-/// Whether a run can put its files in `dir` (created when missing), in words when not.
-fn check_writable_dir(dir: &Path) -> Result<(), String> {
-    crate::config::probe_writable(dir)
-        .map_err(|(action, source)| format!("cannot {action}: {source}"))
-}
 
 /// How a run ended.
 #[derive(Clone, Debug, PartialEq)]
@@ -842,111 +683,6 @@ impl Orchestrator {
         Ok(())
     }
 
-    fn save_due(&self, step: u64) -> bool {
-        self.config.save.is_some()
-            && (step == self.config.steps
-                || self
-                    .config
-                    .save_interval
-                    .is_some_and(|every| step.is_multiple_of(every)))
-    }
-
-    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest. The
-    /// checkpoint is written into `save/.step-<N>.partial/` and renamed into place whole, so a
-    /// run killed mid-save leaves the previous checkpoint in use and only that hidden
-    /// directory, which the next save removes.
-    fn save(&mut self) -> Result<(), OrchestratorError> {
-        let Some(save) = self.config.save.clone() else {
-            return Ok(());
-        };
-        let io = |action: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| OrchestratorError::Io {
-                action,
-                path,
-                source,
-            }
-        };
-        let dir = step_dir(&save, self.state.step);
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        remove_partial_saves(&save)?;
-        let partial = save.join(format!(".{name}{PARTIAL}"));
-        std::fs::create_dir_all(partial.join("actor")).map_err(io("create", &partial))?;
-        self.actor
-            .get()?
-            .save(&partial.join("actor"))
-            .map_err(OrchestratorError::train("actor", "save"))?;
-        if let Some(options) = &self.config.save_options {
-            export_hf(&partial.join("actor"), options)
-                .map_err(BackendError::from)
-                .map_err(OrchestratorError::train("actor", "save"))?;
-        }
-        if let Some(critic) = &mut self.critic {
-            std::fs::create_dir_all(partial.join("critic")).map_err(io("create", &partial))?;
-            critic
-                .save(&partial.join("critic"))
-                .map_err(OrchestratorError::train("critic", "save"))?;
-        }
-        self.state.write(&partial)?;
-        if dir.exists() {
-            let old = save.join(format!(".{name}.old{PARTIAL}"));
-            std::fs::rename(&dir, &old).map_err(io("move aside", &dir))?;
-            std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
-            std::fs::remove_dir_all(&old).map_err(io("remove", &old))?;
-        } else {
-            std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
-        }
-        mark_latest(&save, &dir)?;
-        self.saved_step = Some(self.state.step);
-        tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
-        Ok(())
-    }
-
-    /// Restores actor, critic and loop state from a `--save` directory or one checkpoint of it;
-    /// a directory without loop state is a plain weights checkpoint and starts at step 0.
-    fn load(&mut self, dir: &Path) -> Result<(), OrchestratorError> {
-        let dir = resolve_checkpoint(dir)?;
-        if !dir.join(super::state::STATE_FILE).exists() {
-            tracing::info!(dir = %dir.display(), "initial weights from a checkpoint without loop state");
-            return self
-                .actor
-                .get()?
-                .load(&dir)
-                .map_err(OrchestratorError::train("actor", "load"));
-        }
-        let state = LoopState::read(&dir)?;
-        if state.seed != self.config.seed || state.task != Some(self.config.task) {
-            tracing::warn!(
-                saved_seed = state.seed,
-                seed = self.config.seed,
-                "resuming with another seed or task than the checkpoint's: the run will not repeat the original"
-            );
-        }
-        self.actor
-            .get()?
-            .load(&dir.join("actor"))
-            .map_err(OrchestratorError::train("actor", "load"))?;
-        if let Some(critic) = &mut self.critic {
-            critic
-                .load(&dir.join("critic"))
-                .map_err(OrchestratorError::train("critic", "load"))?;
-        }
-        self.state = LoopState {
-            seed: self.config.seed,
-            task: Some(self.config.task),
-            ..state
-        };
-        // Resumed from a checkpoint of the save directory: that step is saved already.
-        if self.config.save.is_some() && dir.parent() == self.config.save.as_deref() {
-            self.saved_step = Some(self.state.step);
-        }
-        tracing::info!(dir = %dir.display(), step = self.state.step, "resumed");
-        Ok(())
-    }
-
     /// Records device memory per tag at a boundary; returns the total in use.
     fn sample_memory(&mut self, label: String) -> u64 {
         let mut tags: Vec<(String, u64)> = Vec::new();
@@ -976,36 +712,6 @@ impl Orchestrator {
         self.timeline.record(sample);
         total
     }
-}
-
-/// How the directories of a save in progress end: `.step-<N>.partial`.
-const PARTIAL: &str = ".partial";
-
-/// Removes what saves killed before their rename left in `save`.
-fn remove_partial_saves(save: &Path) -> Result<(), OrchestratorError> {
-    let entries = match std::fs::read_dir(save) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(source) => {
-            return Err(OrchestratorError::Io {
-                action: "list",
-                path: save.to_path_buf(),
-                source,
-            });
-        }
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(".step-") && name.ends_with(PARTIAL) {
-            tracing::info!(dir = %entry.path().display(), "removing what a killed save left");
-            std::fs::remove_dir_all(entry.path()).map_err(|source| OrchestratorError::Io {
-                action: "remove",
-                path: entry.path(),
-                source,
-            })?;
-        }
-    }
-    Ok(())
 }
 
 /// The error for a step whose loss or gradient norm is not finite.
@@ -1042,31 +748,4 @@ fn rollout_metrics(rollout: &Rollout, seconds: f64, rl: &mut crate::metrics::RlM
 
 fn report_bytes(reports: &[OffloadReport]) -> u64 {
     reports.iter().map(|r| r.bytes).sum()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::RolloutOffloadLevel;
-
-    #[test]
-    fn loop_config_follows_the_offload_switches_and_levels() {
-        let colocated = Settings {
-            colocate: true,
-            offload_train: true,
-            offload_rollout: true,
-            ..Settings::default()
-        };
-        let c = LoopConfig::from_settings(&colocated);
-        assert!(c.offload_train && c.offload_rollout && c.offload_kv && c.offload_weights);
-        let kv_only = Settings {
-            offload_rollout_level: vec![RolloutOffloadLevel::KvCache],
-            ..colocated.clone()
-        };
-        let c = LoopConfig::from_settings(&kv_only);
-        assert!(c.offload_kv && !c.offload_weights);
-        let c = LoopConfig::from_settings(&Settings::default());
-        assert!(!c.offload_train && !c.offload_rollout && !c.offload_kv && !c.offload_weights);
-        assert_eq!(c.bucket_bytes, 512 << 20);
-    }
 }

@@ -1,0 +1,149 @@
+//! Checkpoints of the loop (`--save`, `--save-interval`, `--load`): actor, critic and loop
+//! state written whole into a hidden directory and renamed into place, and read back.
+
+use std::path::Path;
+
+use super::Orchestrator;
+use crate::backend::BackendError;
+use crate::model::export_hf;
+use crate::orchestrator::OrchestratorError;
+use crate::orchestrator::state::{
+    LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir,
+};
+
+impl Orchestrator {
+    pub(super) fn save_due(&self, step: u64) -> bool {
+        self.config.save.is_some()
+            && (step == self.config.steps
+                || self
+                    .config
+                    .save_interval
+                    .is_some_and(|every| step.is_multiple_of(every)))
+    }
+
+    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest. The
+    /// checkpoint is written into `save/.step-<N>.partial/` and renamed into place whole, so a
+    /// run killed mid-save leaves the previous checkpoint in use and only that hidden
+    /// directory, which the next save removes.
+    pub(super) fn save(&mut self) -> Result<(), OrchestratorError> {
+        let Some(save) = self.config.save.clone() else {
+            return Ok(());
+        };
+        let io = |action: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| OrchestratorError::Io {
+                action,
+                path,
+                source,
+            }
+        };
+        let dir = step_dir(&save, self.state.step);
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        remove_partial_saves(&save)?;
+        let partial = save.join(format!(".{name}{PARTIAL}"));
+        std::fs::create_dir_all(partial.join("actor")).map_err(io("create", &partial))?;
+        self.actor
+            .get()?
+            .save(&partial.join("actor"))
+            .map_err(OrchestratorError::train("actor", "save"))?;
+        if let Some(options) = &self.config.save_options {
+            export_hf(&partial.join("actor"), options)
+                .map_err(BackendError::from)
+                .map_err(OrchestratorError::train("actor", "save"))?;
+        }
+        if let Some(critic) = &mut self.critic {
+            std::fs::create_dir_all(partial.join("critic")).map_err(io("create", &partial))?;
+            critic
+                .save(&partial.join("critic"))
+                .map_err(OrchestratorError::train("critic", "save"))?;
+        }
+        self.state.write(&partial)?;
+        if dir.exists() {
+            let old = save.join(format!(".{name}.old{PARTIAL}"));
+            std::fs::rename(&dir, &old).map_err(io("move aside", &dir))?;
+            std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
+            std::fs::remove_dir_all(&old).map_err(io("remove", &old))?;
+        } else {
+            std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
+        }
+        mark_latest(&save, &dir)?;
+        self.saved_step = Some(self.state.step);
+        tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
+        Ok(())
+    }
+
+    /// Restores actor, critic and loop state from a `--save` directory or one checkpoint of it;
+    /// a directory without loop state is a plain weights checkpoint and starts at step 0.
+    pub(super) fn load(&mut self, dir: &Path) -> Result<(), OrchestratorError> {
+        let dir = resolve_checkpoint(dir)?;
+        if !dir.join(STATE_FILE).exists() {
+            tracing::info!(dir = %dir.display(), "initial weights from a checkpoint without loop state");
+            return self
+                .actor
+                .get()?
+                .load(&dir)
+                .map_err(OrchestratorError::train("actor", "load"));
+        }
+        let state = LoopState::read(&dir)?;
+        if state.seed != self.config.seed || state.task != Some(self.config.task) {
+            tracing::warn!(
+                saved_seed = state.seed,
+                seed = self.config.seed,
+                "resuming with another seed or task than the checkpoint's: the run will not repeat the original"
+            );
+        }
+        self.actor
+            .get()?
+            .load(&dir.join("actor"))
+            .map_err(OrchestratorError::train("actor", "load"))?;
+        if let Some(critic) = &mut self.critic {
+            critic
+                .load(&dir.join("critic"))
+                .map_err(OrchestratorError::train("critic", "load"))?;
+        }
+        self.state = LoopState {
+            seed: self.config.seed,
+            task: Some(self.config.task),
+            ..state
+        };
+        // Resumed from a checkpoint of the save directory: that step is saved already.
+        if self.config.save.is_some() && dir.parent() == self.config.save.as_deref() {
+            self.saved_step = Some(self.state.step);
+        }
+        tracing::info!(dir = %dir.display(), step = self.state.step, "resumed");
+        Ok(())
+    }
+}
+
+/// How the directories of a save in progress end: `.step-<N>.partial`.
+const PARTIAL: &str = ".partial";
+
+/// Removes what saves killed before their rename left in `save`.
+fn remove_partial_saves(save: &Path) -> Result<(), OrchestratorError> {
+    let entries = match std::fs::read_dir(save) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(OrchestratorError::Io {
+                action: "list",
+                path: save.to_path_buf(),
+                source,
+            });
+        }
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".step-") && name.ends_with(PARTIAL) {
+            tracing::info!(dir = %entry.path().display(), "removing what a killed save left");
+            std::fs::remove_dir_all(entry.path()).map_err(|source| OrchestratorError::Io {
+                action: "remove",
+                path: entry.path(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
