@@ -15,7 +15,7 @@ use crate::ops::AttentionShape;
 const PADDED: [usize; 4] = [16, 32, 64, 128];
 
 /// The largest head dim the training attention takes.
-pub const FLASH_MAX_HEAD_DIM: usize = 128;
+pub const FLASH_MAX_HEAD_DIM: usize = PADDED[PADDED.len() - 1];
 
 /// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`], then the sum
 /// of the dkv kernel's partials.
@@ -41,7 +41,8 @@ const TILE: usize = 64;
 /// A block's threads: 4 warps of 16 rows each.
 const THREADS: u32 = 128;
 
-/// The checked shape of one call: the padded head dim and the kernels' integer arguments.
+/// The checked shape of one call: the kernels' instance, their integer arguments and the
+/// scores' scale.
 struct Checked {
     /// The instance's index in [`PADDED`].
     instance: usize,
@@ -89,8 +90,8 @@ impl Checked {
         (TILE * (PADDED[self.instance] + 8) * 2) as u32
     }
 
-    /// A grid over `tiles` tiles of each of `heads` heads of `batch` sequences, with `shared`
-    /// bytes of shared memory.
+    /// A grid of `tiles` blocks for each query head of each sequence, with `shared` bytes of
+    /// shared memory.
     fn launch(s: AttentionShape, tiles: usize, shared: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (tiles as u32, s.heads as u32, s.batch as u32),
@@ -109,6 +110,7 @@ const ROW_BYTES: u32 = (2 * TILE * 4) as u32;
 const FORWARD_TILES: u32 = 5;
 const BACKWARD_TILES: u32 = 6;
 
+/// Elements of q (and of out, dout, dq), of k (and v, dk, dv), and rows of lse (and delta).
 fn lengths(s: AttentionShape) -> (usize, usize, usize) {
     let n = s.batch * s.seq;
     (
