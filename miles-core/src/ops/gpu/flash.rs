@@ -261,7 +261,7 @@ impl Gpu {
         )?;
         let rows64 = (shape.batch * shape.seq) as i64;
         self.launch(
-            KERNELS[12],
+            "flash_dkv_reduce",
             elementwise(kv_len),
             &[
                 &dk.address(),
