@@ -1,17 +1,19 @@
 //! The GPU transformer's backward pass: the chain rule of the forward pass, op for op as the CPU
 //! [`Transformer::backward`](crate::model::Transformer::backward) runs it, accumulating (`+=`)
-//! fp32 weight gradients in the flat gradient buffer.
+//! fp32 weight gradients in the flat gradient buffer. It starts with the LM head's forward
+//! pass and cross-entropy (a chunk of rows at a time), and recomputes each layer's norm
+//! outputs and swiglu output where they are needed, rather than keeping them.
 
 use half::bf16;
 
 use super::GpuTransformer;
 use super::TrainerGroup;
-use super::forward::{attention_shape, sum_over_shards};
+use super::forward::{HeadGrads, attention_shape, sum_over_shards};
 use super::layout::{GpuActivations, LayerActs};
 use super::weights::{LayerTensors, tensor};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
-use crate::model::{ModelError, ParamKind};
+use crate::model::{ModelError, ParamKind, TrainBatch};
 
 /// The backward pass's per-batch scratch (the gradients flowing through one layer), and the
 /// tensor-parallel group they are summed over, if any.
@@ -26,9 +28,8 @@ struct Flow<'a> {
     d_q_pre: GpuSlice<bf16>,   // (B, T, H*D) (empty without q/k norms)
     d_k_pre: GpuSlice<bf16>,   // (B, T, K*D) (empty without q/k norms)
     partials: GpuSlice<f32>,   // the column sums' scratch
-    d_gate: GpuSlice<bf16>,    // (B, T, F)
-    d_up: GpuSlice<bf16>,      // (B, T, F)
-    d_sw: GpuSlice<bf16>,      // (B, T, F)
+    ln: GpuSlice<bf16>,        // (B, T, C): a norm's output, recomputed
+    sw: GpuSlice<bf16>,        // (B, T, F): the swiglu output's gradient, then the output
 }
 
 impl<'a> Flow<'a> {
@@ -48,52 +49,54 @@ impl<'a> Flow<'a> {
             d_q_pre: acts.bf(&a.d_q_pre)?,
             d_k_pre: acts.bf(&a.d_k_pre)?,
             partials: acts.f(&a.col_partials)?,
-            d_gate: acts.bf(&a.d_gate)?,
-            d_up: acts.bf(&a.d_up)?,
-            d_sw: acts.bf(&a.d_swiglu)?,
+            ln: acts.bf(&a.ln)?,
+            sw: acts.swiglu()?,
         })
     }
 }
 
 /// `dX (n, in) = dY (n, out) W (out, in)`, overwriting.
-fn input_grad(n: usize, inp: usize, out: usize) -> Gemm {
+pub(super) fn input_grad(n: usize, inp: usize, out: usize) -> Gemm {
     Gemm::new(n, inp, out, Transpose::No, Transpose::No)
 }
 
 /// `dW (out, in) += dY^T (out, n) X (n, in)`.
-fn weight_grad(out: usize, inp: usize, n: usize) -> Gemm {
+pub(super) fn weight_grad(out: usize, inp: usize, n: usize) -> Gemm {
     Gemm::new(out, inp, n, Transpose::Yes, Transpose::No).accumulate()
 }
 
 impl GpuTransformer {
-    /// Queues the backward pass of the last [`forward`](Self::forward) on `acts` (run in
-    /// [`ForwardMode::Train`](super::ForwardMode::Train)), accumulating into `grads` (`+=`:
-    /// zero them first for a fresh step). With `group` (as in [`forward`](Self::forward)), the
-    /// gradients entering each layer's two norms go through
-    /// [`TrainerGroup::sum_row_parallel`].
+    /// Queues the backward pass of the last [`forward`](Self::forward) of `batch` on `acts`
+    /// (run in [`ForwardMode::Train`](super::ForwardMode::Train)), accumulating into `grads`
+    /// (`+=`: zero them first for a fresh step); the per-token log-probs are in `acts` after it.
+    /// With `group` (as in [`forward`](Self::forward)), the gradients entering each layer's
+    /// two norms go through [`TrainerGroup::sum_row_parallel`].
     ///
     /// # Errors
-    /// [`ModelError::Gpu`] for buffers of the wrong length or a failed launch.
+    /// [`ModelError::Batch`] when `acts` are not of `batch`'s shape; [`ModelError::Gpu`] for
+    /// buffers of the wrong length or a failed launch.
     pub fn backward(
         &self,
         gpu: &Gpu,
         params: GpuSlice<bf16>,
         grads: GpuSlice<f32>,
         acts: &GpuActivations,
+        batch: &TrainBatch<'_>,
         group: Option<&dyn TrainerGroup>,
     ) -> Result<(), ModelError> {
+        acts.check_shape(batch)?;
         let lay = self.layout();
         params.expect_len("gpu params (bf16)", lay.len())?;
         grads.expect_len("gpu grads (f32)", lay.len())?;
         let c = self.config();
         let a = acts.layout();
-        let (n, h, v, layers) = (a.batch * a.seq, c.hidden_size, c.vocab_size, c.num_layers);
+        let (h, layers) = (c.hidden_size, c.num_layers);
         let flow = Flow::of(acts, group)?;
-        let (d_logits, lnf) = (acts.bf(&a.d_logits)?, acts.bf(&a.lnf)?);
-        let head = tensor(lay, params, ParamKind::LmHead, 0)?;
-        let d_head = tensor(lay, grads, ParamKind::LmHead, 0)?;
-        gpu.gemm(input_grad(n, h, v), flow.d_ln, d_logits, head)?;
-        gpu.gemm(weight_grad(v, h, n), d_head, d_logits, lnf)?;
+        let head = HeadGrads {
+            d_head: tensor(lay, grads, ParamKind::LmHead, 0)?,
+            d_lnf: flow.d_ln,
+        };
+        self.head_rows(gpu, params, acts, batch.normaliser, Some(&head))?;
         gpu.zero(flow.d_res)?;
         gpu.rmsnorm_backward(
             flow.d_res,
@@ -134,16 +137,19 @@ impl GpuTransformer {
         let c = self.config();
         let a = acts.layout();
         let (n, h, f) = (a.batch * a.seq, c.hidden_size, c.intermediate_size);
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let (qd, kvd, eps) = (c.q_dim(), c.kv_dim(), c.rms_norm_eps);
         let d_res = flow.d_res;
-        // MLP: res_out = res_mid + down(swiglu(gate(ln2), up(ln2))).
-        gpu.gemm(input_grad(n, f, h), flow.d_sw, d_res, w.down)?;
-        gpu.gemm(weight_grad(h, f, n), dw.down, d_res, la.sw)?;
-        gpu.swiglu_backward(flow.d_gate, flow.d_up, flow.d_sw, la.gate, la.up)?;
-        gpu.gemm(input_grad(n, h, f), flow.d_ln, flow.d_gate, w.gate)?;
-        gpu.gemm(input_grad(n, h, f).accumulate(), flow.d_ln, flow.d_up, w.up)?;
-        gpu.gemm(weight_grad(f, h, n), dw.gate, flow.d_gate, la.ln2)?;
-        gpu.gemm(weight_grad(f, h, n), dw.up, flow.d_up, la.ln2)?;
+        // MLP: res_out = res_mid + down(swiglu(gate(ln2), up(ln2))). The swiglu backward
+        // leaves the gate and up gradients in `la.gate` and `la.up`, and the swiglu output,
+        // recomputed, in `flow.sw` for the down product's weight gradient.
+        gpu.gemm(input_grad(n, f, h), flow.sw, d_res, w.down)?;
+        gpu.swiglu_backward(la.gate, la.up, flow.sw)?;
+        gpu.gemm(weight_grad(h, f, n), dw.down, d_res, flow.sw)?;
+        gpu.rmsnorm_forward(flow.ln, None, la.res_mid, w.post_norm, eps)?;
+        gpu.gemm(input_grad(n, h, f), flow.d_ln, la.gate, w.gate)?;
+        gpu.gemm(input_grad(n, h, f).accumulate(), flow.d_ln, la.up, w.up)?;
+        gpu.gemm(weight_grad(f, h, n), dw.gate, la.gate, flow.ln)?;
+        gpu.gemm(weight_grad(f, h, n), dw.up, la.up, flow.ln)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
@@ -191,12 +197,13 @@ impl GpuTransformer {
             gpu.bias_backward(d_kb, dk_lin, flow.partials)?;
             gpu.bias_backward(d_vb, flow.d_v, flow.partials)?;
         }
+        gpu.rmsnorm_forward(flow.ln, None, la.res_in, w.input_norm, eps)?;
         gpu.gemm(input_grad(n, h, qd), flow.d_ln, dq_lin, w.q)?;
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, dk_lin, w.k)?;
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_v, w.v)?;
-        gpu.gemm(weight_grad(qd, h, n), dw.q, dq_lin, la.ln1)?;
-        gpu.gemm(weight_grad(kvd, h, n), dw.k, dk_lin, la.ln1)?;
-        gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, la.ln1)?;
+        gpu.gemm(weight_grad(qd, h, n), dw.q, dq_lin, flow.ln)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.k, dk_lin, flow.ln)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, flow.ln)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
@@ -224,7 +231,7 @@ impl GpuTransformer {
         let a = acts.layout();
         gpu.flash_attention_backward(
             [flow.d_q, flow.d_k, flow.d_v],
-            [acts.f(&a.delta)?, acts.f(&a.kv_partials)?],
+            [acts.f(&a.delta)?, acts.kv_partials()?],
             [la.q, la.k, la.v],
             la.att_out,
             flow.d_att_out,

@@ -4,7 +4,8 @@
 use half::bf16;
 
 use super::TrainerGroup;
-use super::layout::{GpuActivationLayout, GpuActivations, LayerActs};
+use super::backward::{input_grad, weight_grad};
+use super::layout::{GpuActivationLayout, GpuActivations, HEAD_ROWS, LayerActs};
 use super::weights::{LayerTensors, tensor};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
@@ -14,10 +15,18 @@ use crate::ops::{AttentionShape, embedding_rows};
 /// What a forward pass is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ForwardMode {
-    /// Log-probs (and the loss) only.
+    /// Log-probs (and the loss): the whole model.
     Score,
-    /// Log-probs, and the logits' gradient that [`GpuTransformer::backward`] starts from.
+    /// Up to the final norm: [`GpuTransformer::backward`] starts with the LM head and its
+    /// cross-entropy, a chunk of rows at a time, so the log-probs are there after it.
     Train,
+}
+
+/// Where the LM head's backward writes: the head's weight gradient (`+=`) and the gradient of
+/// the final norm's output `(B, T, C)` (overwritten).
+pub(super) struct HeadGrads {
+    pub d_head: GpuSlice<f32>,
+    pub d_lnf: GpuSlice<bf16>,
 }
 
 /// The Llama decoder on the GPU: config, parameter table and rotary tables; no storage.
@@ -72,9 +81,10 @@ impl GpuTransformer {
         self.model.check_batch(&al, batch)
     }
 
-    /// Uploads `batch`'s inputs and queues the forward pass: the per-token log-probs are then
-    /// in `acts` ([`logprobs`](Self::logprobs) reads them), with the logits' gradient as well
-    /// for [`ForwardMode::Train`]. With `group`, the o and down products go through
+    /// Uploads `batch`'s inputs and queues the forward pass: for [`ForwardMode::Score`] the
+    /// per-token log-probs are then in `acts` ([`logprobs`](Self::logprobs) reads them); for
+    /// [`ForwardMode::Train`] the final norm's output is, and the log-probs come with the
+    /// [`backward`](Self::backward) pass. With `group`, the o and down products go through
     /// [`TrainerGroup::sum_row_parallel`] (a tensor-parallel rank's shard sums them over the
     /// group).
     ///
@@ -106,7 +116,8 @@ impl GpuTransformer {
         self.head_forward(gpu, params, acts, batch.normaliser, mode)
     }
 
-    /// The per-token log-probs `(B, T)` of the last forward pass on `acts` (waits for it).
+    /// The per-token log-probs `(B, T)` of the last scoring forward pass or backward pass on
+    /// `acts` (waits for it).
     ///
     /// # Errors
     /// [`ModelError::Gpu`]: the download's error, or the first error a queued kernel hit.
@@ -178,15 +189,16 @@ impl GpuTransformer {
         );
         // y (n, out) = x (n, in) W^T, W stored (out, in).
         let linear = |out: usize, inp: usize| Gemm::new(n, out, inp, Transpose::No, Transpose::Yes);
-        gpu.rmsnorm_forward(la.ln1, Some(la.rstd1), la.res_in, w.input_norm, eps)?;
+        let (ln, sw) = (acts.bf(&a.ln)?, acts.swiglu()?);
+        gpu.rmsnorm_forward(ln, Some(la.rstd1), la.res_in, w.input_norm, eps)?;
         // With q/k norms the products land in q_pre and k_pre and are normed into q and k.
         let (q_lin, k_lin) = match w.qk_norm {
             Some(_) => (la.q_pre, la.k_pre),
             None => (la.q, la.k),
         };
-        gpu.gemm(linear(qd, h), q_lin, la.ln1, w.q)?; // (B, T, H*D)
-        gpu.gemm(linear(kvd, h), k_lin, la.ln1, w.k)?; // (B, T, K*D)
-        gpu.gemm(linear(kvd, h), la.v, la.ln1, w.v)?; // (B, T, K*D)
+        gpu.gemm(linear(qd, h), q_lin, ln, w.q)?; // (B, T, H*D)
+        gpu.gemm(linear(kvd, h), k_lin, ln, w.k)?; // (B, T, K*D)
+        gpu.gemm(linear(kvd, h), la.v, ln, w.v)?; // (B, T, K*D)
         if let Some([qb, kb, vb]) = w.qkv_bias {
             gpu.bias_add(q_lin, qb)?;
             gpu.bias_add(k_lin, kb)?;
@@ -203,17 +215,17 @@ impl GpuTransformer {
         gpu.gemm(linear(h, qd), la.res_mid, la.att_out, w.o)?; // (B, T, C)
         sum_over_shards(group, la.res_mid)?;
         gpu.residual_add(la.res_mid, la.res_in)?;
-        gpu.rmsnorm_forward(la.ln2, Some(la.rstd2), la.res_mid, w.post_norm, eps)?;
-        gpu.gemm(linear(f, h), la.gate, la.ln2, w.gate)?; // (B, T, F)
-        gpu.gemm(linear(f, h), la.up, la.ln2, w.up)?; // (B, T, F)
-        gpu.swiglu_forward(la.sw, la.gate, la.up)?;
-        gpu.gemm(linear(h, f), la.res_out, la.sw, w.down)?; // (B, T, C)
+        gpu.rmsnorm_forward(ln, Some(la.rstd2), la.res_mid, w.post_norm, eps)?;
+        gpu.gemm(linear(f, h), la.gate, ln, w.gate)?; // (B, T, F)
+        gpu.gemm(linear(f, h), la.up, ln, w.up)?; // (B, T, F)
+        gpu.swiglu_forward(sw, la.gate, la.up)?;
+        gpu.gemm(linear(h, f), la.res_out, sw, w.down)?; // (B, T, C)
         sum_over_shards(group, la.res_out)?;
         gpu.residual_add(la.res_out, la.res_mid)?;
         Ok(())
     }
 
-    /// Final norm, LM head into fp32 logits, and the fused cross-entropy.
+    /// The final norm; for [`ForwardMode::Score`], the LM head and its cross-entropy too.
     fn head_forward(
         &self,
         gpu: &Gpu,
@@ -224,36 +236,66 @@ impl GpuTransformer {
     ) -> Result<(), ModelError> {
         let c = self.config();
         let a = acts.layout();
-        let (n, h, v, layers) = (a.batch * a.seq, c.hidden_size, c.vocab_size, c.num_layers);
+        let layers = c.num_layers;
         let norm = tensor(self.layout(), params, ParamKind::FinalNorm, 0)?;
-        let head = tensor(self.layout(), params, ParamKind::LmHead, 0)?;
-        let (lnf, logits) = (acts.bf(&a.lnf)?, acts.f(&a.logits)?);
         let res_last = acts.bf(&layer_block(&a.residual, layers, layers + 1))?;
         gpu.rmsnorm_forward(
-            lnf,
+            acts.bf(&a.lnf)?,
             Some(acts.f(&a.lnf_rstd)?),
             res_last,
             norm,
             c.rms_norm_eps,
         )?;
-        gpu.gemm(
-            Gemm::new(n, v, h, Transpose::No, Transpose::Yes),
-            logits,
-            lnf,
-            head,
-        )?; // (B, T, V), fp32
-        let d_logits = match mode {
-            ForwardMode::Train => Some(acts.bf(&a.d_logits)?),
-            ForwardMode::Score => None,
-        };
-        gpu.crossentropy(
+        match mode {
+            ForwardMode::Score => self.head_rows(gpu, params, acts, normaliser, None),
+            ForwardMode::Train => Ok(()),
+        }
+    }
+
+    /// The LM head over the final norm's output into fp32 logits and the fused cross-entropy
+    /// into the log-probs, [`HEAD_ROWS`] rows at a time; with `grads`, each chunk's logit
+    /// gradient goes straight back through the head: `d_lnf = d_logits W` and
+    /// `d_head += d_logits^T lnf`.
+    pub(super) fn head_rows(
+        &self,
+        gpu: &Gpu,
+        params: GpuSlice<bf16>,
+        acts: &GpuActivations,
+        normaliser: f32,
+        grads: Option<&HeadGrads>,
+    ) -> Result<(), ModelError> {
+        let c = self.config();
+        let a = acts.layout();
+        let (n, h, v) = (a.batch * a.seq, c.hidden_size, c.vocab_size);
+        let head = tensor(self.layout(), params, ParamKind::LmHead, 0)?;
+        let lnf = acts.bf(&a.lnf)?;
+        let (logits, d_logits) = acts.head_logits()?;
+        let (logprobs, targets, weights) = (
             acts.f(&a.logprobs)?,
-            d_logits,
-            logits,
             acts.u(&a.targets)?,
             acts.f(&a.weights)?,
-            normaliser,
-        )?;
+        );
+        for first in (0..n).step_by(HEAD_ROWS) {
+            let rows = HEAD_ROWS.min(n - first);
+            let (x, z, dz) = (
+                lnf.sub(first * h, rows * h)?,
+                logits.sub(0, rows * v)?,
+                d_logits.sub(0, rows * v)?,
+            );
+            gpu.gemm(Gemm::new(rows, v, h, Transpose::No, Transpose::Yes), z, x, head)?;
+            gpu.crossentropy(
+                logprobs.sub(first, rows)?,
+                grads.map(|_| dz),
+                z,
+                targets.sub(first, rows)?,
+                weights.sub(first, rows)?,
+                normaliser,
+            )?;
+            if let Some(g) = grads {
+                gpu.gemm(input_grad(rows, h, v), g.d_lnf.sub(first * h, rows * h)?, dz, head)?;
+                gpu.gemm(weight_grad(v, h, rows), g.d_head, dz, x)?;
+            }
+        }
         Ok(())
     }
 }

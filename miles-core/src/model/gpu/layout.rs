@@ -2,10 +2,19 @@
 //! lives in three flat device buffers, one per element type (bf16 activations, fp32 statistics,
 //! scores, logits and inputs, u32 token ids and positions).
 //!
-//! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout): attention is
-//! the flash kernels' (`ops::gpu::flash`), so a layer keeps no probabilities, only each row's
-//! log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` and each query head's fp32
-//! share of the k and v gradients are scratch.
+//! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout) in what a
+//! layer keeps for the backward pass:
+//! - attention is the flash kernels' (`ops::gpu::flash`), so a layer keeps no probabilities,
+//!   only each row's log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` and each
+//!   query head's fp32 share of the k and v gradients are scratch;
+//! - the two norms' outputs and the swiglu output are recomputed in the backward pass (the
+//!   same kernels, so the same bits) into one layer's scratch, and the swiglu backward writes
+//!   the gate and up gradients over the kept gate and up;
+//! - the LM head runs [`HEAD_ROWS`] rows at a time, so the fp32 logits and their bf16
+//!   gradient are scratch of that many rows, never `(B, T, V)`;
+//! - the swiglu output, the attention backward's k and v partials and the head's logits are
+//!   never needed at once, so they share one scratch at the start of the bf16 buffer, viewed
+//!   as fp32 where they are.
 
 use std::ops::Range;
 
@@ -22,8 +31,13 @@ pub struct GpuActivationLayout {
     pub(super) batch: usize,
     pub(super) seq: usize,
     // bf16 buffer.
+    /// The shared scratch, in bf16 elements: [`GpuActivations::swiglu`],
+    /// [`GpuActivations::kv_partials`] and [`GpuActivations::head_logits`] are its views.
+    pub(super) scratch: Range<usize>,
+    swiglu_len: usize,
+    kv_partials_len: usize,
+    head_len: usize,
     pub(super) residual: Range<usize>,     // (L+1, B, T, C)
-    pub(super) ln1: Range<usize>,          // (L, B, T, C)
     pub(super) q: Range<usize>,            // (L, B, T, H*D), rotated
     pub(super) k: Range<usize>,            // (L, B, T, K*D), rotated
     pub(super) v: Range<usize>,            // (L, B, T, K*D)
@@ -31,11 +45,12 @@ pub struct GpuActivationLayout {
     pub(super) k_pre: Range<usize>,        // (L, B, T, K*D) before the k norm (q/k norms only)
     pub(super) att_out: Range<usize>,      // (L, B, T, H*D)
     pub(super) residual_mid: Range<usize>, // (L, B, T, C)
-    pub(super) ln2: Range<usize>,          // (L, B, T, C)
     pub(super) gate: Range<usize>,         // (L, B, T, F)
     pub(super) up: Range<usize>,           // (L, B, T, F)
-    pub(super) swiglu: Range<usize>,       // (L, B, T, F)
     pub(super) lnf: Range<usize>,          // (B, T, C)
+    /// A norm's output `(B, T, C)`: the layer's ln1 then ln2 in the forward pass, their
+    /// recomputation in the backward pass.
+    pub(super) ln: Range<usize>,
     pub(super) d_residual: Range<usize>,   // (B, T, C)
     pub(super) d_ln: Range<usize>,         // (B, T, C)
     pub(super) d_att_out: Range<usize>,    // (B, T, H*D)
@@ -44,10 +59,6 @@ pub struct GpuActivationLayout {
     pub(super) d_v: Range<usize>,          // (B, T, K*D)
     pub(super) d_q_pre: Range<usize>,      // (B, T, H*D) (q/k norms only)
     pub(super) d_k_pre: Range<usize>,      // (B, T, K*D) (q/k norms only)
-    pub(super) d_gate: Range<usize>,       // (B, T, F)
-    pub(super) d_up: Range<usize>,         // (B, T, F)
-    pub(super) d_swiglu: Range<usize>,     // (B, T, F)
-    pub(super) d_logits: Range<usize>,     // (B, T, V)
     bf16_len: usize,
     // fp32 buffer.
     pub(super) ln1_rstd: Range<usize>, // (L, B, T)
@@ -60,8 +71,6 @@ pub struct GpuActivationLayout {
     pub(super) col_partials: Range<usize>,
     pub(super) lse: Range<usize>, // (L, B, H, T) attention rows' log-sum-exp
     pub(super) delta: Range<usize>, // (B, H, T) scratch of the attention backward
-    pub(super) kv_partials: Range<usize>, // (2, B, T, H, D) scratch of the attention backward
-    pub(super) logits: Range<usize>, // (B, T, V)
     pub(super) logprobs: Range<usize>, // (B, T)
     /// The uploaded fp32 inputs, contiguous: `weights`, `rope_cos`, `rope_sin`.
     pub(super) f32_inputs: Range<usize>,
@@ -78,6 +87,11 @@ pub struct GpuActivationLayout {
     pub(super) input_starts: Range<usize>, // (B*T + 1)
     u32_len: usize,
 }
+
+/// Rows of the LM head's logits computed at a time (512 rows of a 32,000-token vocabulary:
+/// 62.5 MiB of fp32 logits and 31 MiB of their gradient, where a batch of 4096 tokens would need
+/// 750 MiB).
+pub const HEAD_ROWS: usize = 512;
 
 /// Hands out consecutive ranges of one buffer.
 struct Cursor(usize);
@@ -113,8 +127,13 @@ impl GpuActivationLayout {
         let mut b = Cursor(0);
         let mut f32s = Cursor(0);
         let mut u32s = Cursor(0);
+        let head_len = n.min(HEAD_ROWS) * v;
+        let (swiglu_len, kv_partials_len) = (n * f, 2 * n * qd);
+        // In bf16 elements: the swiglu output, the fp32 partials, the fp32 logits and their
+        // bf16 gradient; rounded to 16 bytes for the ranges after it.
+        let scratch_len = swiglu_len.max(2 * kv_partials_len).max(3 * head_len);
+        let scratch = b.take(scratch_len.next_multiple_of(8));
         let residual = b.take((l + 1) * n * h);
-        let ln1 = b.take(l * n * h);
         let q = b.take(l * n * qd);
         let k = b.take(l * n * kvd);
         let vv = b.take(l * n * kvd);
@@ -122,11 +141,10 @@ impl GpuActivationLayout {
         let k_pre = b.take(qk * l * n * kvd);
         let att_out = b.take(l * n * qd);
         let residual_mid = b.take(l * n * h);
-        let ln2 = b.take(l * n * h);
         let gate = b.take(l * n * f);
         let up = b.take(l * n * f);
-        let swiglu = b.take(l * n * f);
         let lnf = b.take(n * h);
+        let ln = b.take(n * h);
         let d_residual = b.take(n * h);
         let d_ln = b.take(n * h);
         let d_att_out = b.take(n * qd);
@@ -135,10 +153,6 @@ impl GpuActivationLayout {
         let d_v = b.take(n * kvd);
         let d_q_pre = b.take(qk * n * qd);
         let d_k_pre = b.take(qk * n * kvd);
-        let d_gate = b.take(n * f);
-        let d_up = b.take(n * f);
-        let d_swiglu = b.take(n * f);
-        let d_logits = b.take(n * v);
         let ln1_rstd = f32s.take(l * n);
         let ln2_rstd = f32s.take(l * n);
         let lnf_rstd = f32s.take(n);
@@ -147,8 +161,6 @@ impl GpuActivationLayout {
         let col_partials = f32s.take(sums);
         let lse = f32s.take(l * att_rows);
         let delta = f32s.take(att_rows);
-        let kv_partials = f32s.take(2 * n * qd);
-        let logits = f32s.take(n * v);
         let logprobs = f32s.take(n);
         let rope = seq * c.head_dim / 2;
         let weights = f32s.take(n);
@@ -163,8 +175,11 @@ impl GpuActivationLayout {
         GpuActivationLayout {
             batch,
             seq,
+            scratch,
+            swiglu_len,
+            kv_partials_len,
+            head_len,
             residual,
-            ln1,
             q,
             k,
             v: vv,
@@ -172,11 +187,10 @@ impl GpuActivationLayout {
             k_pre,
             att_out,
             residual_mid,
-            ln2,
             gate,
             up,
-            swiglu,
             lnf,
+            ln,
             d_residual,
             d_ln,
             d_att_out,
@@ -185,10 +199,6 @@ impl GpuActivationLayout {
             d_v,
             d_q_pre,
             d_k_pre,
-            d_gate,
-            d_up,
-            d_swiglu,
-            d_logits,
             bf16_len: b.0,
             ln1_rstd,
             ln2_rstd,
@@ -198,8 +208,6 @@ impl GpuActivationLayout {
             col_partials,
             lse,
             delta,
-            kv_partials,
-            logits,
             logprobs,
             f32_inputs,
             weights,
@@ -327,6 +335,29 @@ impl GpuActivations {
         view(self.u32, r)
     }
 
+    /// The swiglu output `(B, T, F)` in the forward pass; in the backward pass its gradient,
+    /// then its recomputation (the shared scratch).
+    pub(super) fn swiglu(&self) -> Result<GpuSlice<bf16>, DeviceError> {
+        self.bf(&self.layout.scratch)?.sub(0, self.layout.swiglu_len)
+    }
+
+    /// The attention backward's fp32 k and v partials `(2, B, T, H, D)` (the shared scratch).
+    pub(super) fn kv_partials(&self) -> Result<GpuSlice<f32>, DeviceError> {
+        let scratch = self.bf(&self.layout.scratch)?.reinterpret::<f32>()?;
+        scratch.sub(0, self.layout.kv_partials_len)
+    }
+
+    /// The LM head's fp32 logits and their bf16 gradient, `(rows, V)` each for up to
+    /// [`HEAD_ROWS`] rows (the shared scratch).
+    pub(super) fn head_logits(&self) -> Result<(GpuSlice<f32>, GpuSlice<bf16>), DeviceError> {
+        let scratch = self.bf(&self.layout.scratch)?;
+        let len = self.layout.head_len;
+        Ok((
+            scratch.reinterpret::<f32>()?.sub(0, len)?,
+            scratch.sub(2 * len, len)?,
+        ))
+    }
+
     /// The whole u32 buffer (the ids, uploaded in one copy).
     pub(super) fn u32_all(&self) -> GpuSlice<u32> {
         self.u32
@@ -338,7 +369,6 @@ impl GpuActivations {
         let per = |r: &Range<usize>| layer_block(r, l, layers);
         Ok(LayerActs {
             res_in: self.bf(&layer_block(&a.residual, l, layers + 1))?,
-            ln1: self.bf(&per(&a.ln1))?,
             rstd1: self.f(&per(&a.ln1_rstd))?,
             q: self.bf(&per(&a.q))?,
             k: self.bf(&per(&a.k))?,
@@ -350,11 +380,9 @@ impl GpuActivations {
             lse: self.f(&per(&a.lse))?,
             att_out: self.bf(&per(&a.att_out))?,
             res_mid: self.bf(&per(&a.residual_mid))?,
-            ln2: self.bf(&per(&a.ln2))?,
             rstd2: self.f(&per(&a.ln2_rstd))?,
             gate: self.bf(&per(&a.gate))?,
             up: self.bf(&per(&a.up))?,
-            sw: self.bf(&per(&a.swiglu))?,
             res_out: self.bf(&layer_block(&a.residual, l + 1, layers + 1))?,
         })
     }
@@ -367,7 +395,6 @@ fn view<T: GpuElement>(buf: GpuSlice<T>, r: &Range<usize>) -> Result<GpuSlice<T>
 /// One layer's activations, kept from the forward pass for the backward pass.
 pub(super) struct LayerActs {
     pub res_in: GpuSlice<bf16>,  // (B, T, C)
-    pub ln1: GpuSlice<bf16>,     // (B, T, C)
     pub rstd1: GpuSlice<f32>,    // (B, T)
     pub q: GpuSlice<bf16>,       // (B, T, H*D)
     pub k: GpuSlice<bf16>,       // (B, T, K*D)
@@ -379,11 +406,9 @@ pub(super) struct LayerActs {
     pub lse: GpuSlice<f32>,      // (B, H, T)
     pub att_out: GpuSlice<bf16>, // (B, T, H*D)
     pub res_mid: GpuSlice<bf16>, // (B, T, C)
-    pub ln2: GpuSlice<bf16>,     // (B, T, C)
     pub rstd2: GpuSlice<f32>,    // (B, T)
-    pub gate: GpuSlice<bf16>,    // (B, T, F)
-    pub up: GpuSlice<bf16>,      // (B, T, F)
-    pub sw: GpuSlice<bf16>,      // (B, T, F)
+    pub gate: GpuSlice<bf16>,    // (B, T, F); its gradient after the swiglu backward
+    pub up: GpuSlice<bf16>,      // (B, T, F); its gradient after the swiglu backward
     pub res_out: GpuSlice<bf16>, // (B, T, C)
 }
 
@@ -402,8 +427,8 @@ mod tests {
     fn tiles_without_gaps(c: &LlamaConfig) {
         let a = GpuActivationLayout::new(c, 3, 17);
         let mut bf = [
+            &a.scratch,
             &a.residual,
-            &a.ln1,
             &a.q,
             &a.k,
             &a.v,
@@ -411,11 +436,10 @@ mod tests {
             &a.k_pre,
             &a.att_out,
             &a.residual_mid,
-            &a.ln2,
             &a.gate,
             &a.up,
-            &a.swiglu,
             &a.lnf,
+            &a.ln,
             &a.d_residual,
             &a.d_ln,
             &a.d_att_out,
@@ -424,10 +448,6 @@ mod tests {
             &a.d_v,
             &a.d_q_pre,
             &a.d_k_pre,
-            &a.d_gate,
-            &a.d_up,
-            &a.d_swiglu,
-            &a.d_logits,
         ];
         // Empty ranges (the q/k norms' of a model without them) first among equal starts.
         bf.sort_by_key(|r| (r.start, r.end));
@@ -448,6 +468,15 @@ mod tests {
         );
         assert_eq!(a.lse.len(), c.num_layers * 3 * c.num_heads * 17);
         assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
+        assert_eq!(a.head_len, n * c.vocab_size, "fewer rows than HEAD_ROWS: all of them");
+        let long = GpuActivationLayout::new(c, 2, 600);
+        assert_eq!(long.head_len, HEAD_ROWS * c.vocab_size);
+        for l in [&a, &long] {
+            let bytes = 2 * l.scratch.len();
+            assert!(bytes >= 2 * l.swiglu_len && bytes >= 4 * l.kv_partials_len);
+            assert!(bytes >= 6 * l.head_len, "fp32 logits, then their bf16 gradient");
+            assert_eq!(l.scratch.start, 0, "the scratch's fp32 views start aligned");
+        }
         assert_eq!(a.f32_inputs.end, a.f32_len());
         assert_eq!(a.u32_len(), 5 * n + 1);
         let smaller = GpuActivationLayout::new(c, 2, 17);

@@ -72,9 +72,12 @@ pub fn bf16_params(config: &LlamaConfig, seed: u64) -> Vec<f32> {
     params.iter().map(|&p| bf16::from_f32(p).to_f32()).collect()
 }
 
-/// Random inputs, targets and weights (some negative, as advantages are) for `B x T` tokens.
+/// Random inputs, targets and weights (some negative, as advantages are) for `B x T` tokens
+/// (or another shape).
 #[derive(Debug)]
 pub struct Batch {
+    batch: usize,
+    seq: usize,
     /// Input tokens, `(B, T)`.
     pub inputs: Vec<u32>,
     /// Target tokens, `(B, T)`.
@@ -84,16 +87,22 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// Tokens below `vocab` and weights, drawn from `seed`.
+    /// `B x T` tokens below `vocab` and weights, drawn from `seed`.
     pub fn random(seed: u64, vocab: usize) -> Batch {
+        Batch::random_of(seed, vocab, B, T)
+    }
+
+    /// `batch x seq` tokens below `vocab` and weights, drawn from `seed`.
+    pub fn random_of(seed: u64, vocab: usize, batch: usize, seq: usize) -> Batch {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let n = batch * seq;
         let mut ids =
             |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
-        let (inputs, targets) = (ids(B * T), ids(B * T));
-        let weights = (0..B * T)
-            .map(|_| rng.random::<f32>() * 2.0 - 0.5)
-            .collect();
+        let (inputs, targets) = (ids(n), ids(n));
+        let weights = (0..n).map(|_| rng.random::<f32>() * 2.0 - 0.5).collect();
         Batch {
+            batch,
+            seq,
             inputs,
             targets,
             weights,
@@ -103,12 +112,12 @@ impl Batch {
     /// The batch, normalised by its token count.
     pub fn view(&self) -> TrainBatch<'_> {
         TrainBatch {
-            batch: B,
-            seq: T,
+            batch: self.batch,
+            seq: self.seq,
             inputs: &self.inputs,
             targets: &self.targets,
             weights: &self.weights,
-            normaliser: (B * T) as f32,
+            normaliser: (self.batch * self.seq) as f32,
             entropy_mask: None,
             entropy_coef: 0.0,
         }

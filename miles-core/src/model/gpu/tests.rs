@@ -92,8 +92,19 @@ fn assert_grads_agree(
     }
 }
 
-/// One forward and backward pass of `config` on the GPU and on the CPU, compared.
+/// One forward and backward pass of `config` on the GPU and on the CPU, compared, on a batch of
+/// `B x T` tokens.
 fn forward_and_backward_match_the_cpu(test: &str, config: LlamaConfig) {
+    forward_and_backward_match_the_cpu_on(test, config, B, T);
+}
+
+/// As [`forward_and_backward_match_the_cpu`] on `batch x seq` tokens.
+fn forward_and_backward_match_the_cpu_on(
+    test: &str,
+    config: LlamaConfig,
+    batch: usize,
+    seq: usize,
+) {
     let Some(mut t) = TestGpu::open(test, 64 << 20) else {
         return;
     };
@@ -101,12 +112,12 @@ fn forward_and_backward_match_the_cpu(test: &str, config: LlamaConfig) {
     let cpu = Transformer::new(config.clone());
     // Random biases and q/k norm weights where the family has them.
     let params = family_params(&config, 21);
-    let data = Batch::random(22, config.vocab_size);
+    let data = Batch::random_of(22, config.vocab_size, batch, seq);
     let batch = data.view();
 
     let (dev_params, _) = t.put_bf16(&params);
     let dev_grads = t.alloc::<f32>(params.len());
-    let layout = model.activation_layout(B, T).unwrap();
+    let layout = model.activation_layout(batch.batch, batch.seq).unwrap();
     let (bf, fl, ids) = (
         t.alloc(layout.bf16_len()),
         t.alloc(layout.f32_len()),
@@ -117,13 +128,13 @@ fn forward_and_backward_match_the_cpu(test: &str, config: LlamaConfig) {
         .forward(&t.gpu, dev_params, &acts, &batch, ForwardMode::Train, None)
         .unwrap();
     model
-        .backward(&t.gpu, dev_params, dev_grads, &acts, None)
+        .backward(&t.gpu, dev_params, dev_grads, &acts, &batch, None)
         .unwrap();
     let logprobs = model.logprobs(&t.gpu, &acts).unwrap();
     let loss = GpuTransformer::loss(&logprobs, &batch);
     let grads = t.get(dev_grads);
 
-    let al = cpu.activation_layout(B, T).unwrap();
+    let al = cpu.activation_layout(batch.batch, batch.seq).unwrap();
     let mut cpu_acts = vec![0.0; al.len()];
     let mut cpu_grads = vec![0.0; params.len()];
     let cpu_loss = cpu.forward(&params, &mut cpu_acts, &al, &batch).unwrap();
@@ -148,6 +159,18 @@ fn forward_and_backward_match_the_cpu(test: &str, config: LlamaConfig) {
 #[test]
 fn gpu_forward_and_backward_match_the_cpu_on_tiny() {
     forward_and_backward_match_the_cpu("gpu_forward_and_backward_match_the_cpu_on_tiny", tiny());
+}
+
+/// 600 rows: the LM head's two chunks, the second one short.
+#[test]
+fn gpu_forward_and_backward_match_the_cpu_over_several_head_chunks() {
+    assert!(600 > layout::HEAD_ROWS && 600 < 2 * layout::HEAD_ROWS);
+    forward_and_backward_match_the_cpu_on(
+        "gpu_forward_and_backward_match_the_cpu_over_several_head_chunks",
+        tiny(),
+        3,
+        200,
+    );
 }
 
 #[test]

@@ -535,7 +535,7 @@ impl GpuTrainer {
             self.model
                 .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train, group)?;
             self.model
-                .backward(&self.gpu, params, grads, &acts, group)?;
+                .backward(&self.gpu, params, grads, &acts, &micro, group)?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         Ok(nll)

@@ -308,29 +308,24 @@ impl Gpu {
         )
     }
 
-    /// Backward of [`Gpu::swiglu_forward`]: overwrites `dgate` and `dup` from `dout`.
+    /// Backward of [`Gpu::swiglu_forward`], in place: `gate` and `up` are overwritten with
+    /// their gradients from `dout`, and `dout` with `swiglu(gate, up)` recomputed (the same bits
+    /// as [`Gpu::swiglu_forward`]), so the backward pass needs no kept swiglu output and no
+    /// gradient buffers of its own.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
     pub fn swiglu_backward(
         &self,
-        dgate: GpuSlice<bf16>,
-        dup: GpuSlice<bf16>,
-        dout: GpuSlice<bf16>,
         gate: GpuSlice<bf16>,
         up: GpuSlice<bf16>,
+        dout: GpuSlice<bf16>,
     ) -> Result<(), DeviceError> {
         let n = gate.len();
-        for (what, s) in [
-            ("swiglu dgate", dgate),
-            ("swiglu dup", dup),
-            ("swiglu dout", dout),
-        ] {
-            s.expect_len(what, n)?;
-        }
         up.expect_len("swiglu up", n)?;
+        dout.expect_len("swiglu dout", n)?;
         let n64 = n as i64;
-        let addresses = [dgate, dup, dout, gate, up].map(|s| s.address());
+        let addresses = [gate, up, dout].map(|s| s.address());
         let wide = eight_wide(n, &addresses);
         self.launch(
             "swiglu_backward",
@@ -339,8 +334,6 @@ impl Gpu {
                 &addresses[0],
                 &addresses[1],
                 &addresses[2],
-                &addresses[3],
-                &addresses[4],
                 &n64,
                 &i32::from(wide),
             ],

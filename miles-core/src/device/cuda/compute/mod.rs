@@ -122,6 +122,18 @@ impl<T: GpuElement> GpuSlice<T> {
         }
     }
 
+    /// The same bytes as elements of `U` (one scratch serving buffers of several types).
+    ///
+    /// # Errors
+    /// [`DeviceError::OutOfRange`] when the start is not aligned to `U` or the bytes are not a
+    /// whole number of `U`s.
+    pub fn reinterpret<U: GpuElement>(&self) -> Result<GpuSlice<U>, DeviceError> {
+        GpuSlice::of(AddressRange {
+            start: self.addr,
+            len: self.bytes(),
+        })
+    }
+
     /// Bytes it spans.
     pub fn bytes(&self) -> usize {
         self.len * std::mem::size_of::<T>()

@@ -11,8 +11,8 @@
 // column_reduce(float* out, const float* partial, int chunks, int cols)      one thread a column
 // rope_backward(bf16* dx, const unsigned* positions, const float* cos, const float* sin,
 //               long long n, int heads, int d)                                one thread a pair
-// swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout, const bf16* gate, const bf16* up,
-//                 long long n, int wide)            one thread a value (8 with `wide`)
+// swiglu_backward(bf16* gate, bf16* up, bf16* dout, long long n, int wide)
+//                                                   one thread a value (8 with `wide`)
 // embedding_backward(float* dtable, const bf16* dout, const unsigned* ids,
 //                    const unsigned* order, const unsigned* starts, int c)  one block an id
 // crossentropy(float* logprobs, bf16* dlogits_or_null, const float* logits,
@@ -111,15 +111,17 @@ extern "C" __global__ void rope_backward(bf16* dx, const unsigned int* positions
     }
 }
 
-// dgate = dout * up * s * (1 + g * (1 - s)), dup = dout * g * s with s = sigmoid(g); both
-// overwritten.
-extern "C" __global__ void swiglu_backward(bf16* dgate, bf16* dup, const bf16* dout,
-                                           const bf16* gate, const bf16* up, long long n, int wide) {
+// In place: gate becomes dgate = dout * up * s * (1 + g * (1 - s)), up becomes dup = dout * g * s
+// with s = sigmoid(g), and dout becomes swiglu(gate, up) recomputed with swiglu_forward's own
+// expression (the same bits), for the down product's weight gradient. Each thread reads its
+// values before it writes them.
+extern "C" __global__ void swiglu_backward(bf16* gate, bf16* up, bf16* dout, long long n,
+                                           int wide) {
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long words = wide ? n / 8 : n;
     for (long long i = first; i < words; i += stride) {
-        float g[8], u[8], d[8], dg[8], du[8];
+        float g[8], u[8], d[8], dg[8], du[8], sw[8];
         const int lanes = wide ? 8 : 1;
         if (wide) {
             unpack8(((const uint4*)gate)[i], g);
@@ -134,13 +136,16 @@ extern "C" __global__ void swiglu_backward(bf16* dgate, bf16* dup, const bf16* d
             const float s = 1.0f / (1.0f + expf(-g[j]));
             du[j] = d[j] * g[j] * s;
             dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+            sw[j] = g[j] / (1.0f + __expf(-g[j])) * u[j];
         }
         if (wide) {
-            ((uint4*)dup)[i] = pack8(du);
-            ((uint4*)dgate)[i] = pack8(dg);
+            ((uint4*)up)[i] = pack8(du);
+            ((uint4*)gate)[i] = pack8(dg);
+            ((uint4*)dout)[i] = pack8(sw);
         } else {
-            dup[i] = f2bf(du[0]);
-            dgate[i] = f2bf(dg[0]);
+            up[i] = f2bf(du[0]);
+            gate[i] = f2bf(dg[0]);
+            dout[i] = f2bf(sw[0]);
         }
     }
 }
