@@ -64,6 +64,8 @@ enum BenchCommand {
     Train(bench::train::BenchTrainArgs),
     /// Rollout decode throughput and the time of each offload / onload step per level.
     Rollout(Box<bench::rollout::BenchRolloutArgs>),
+    /// The model's matrix products: cuBLAS's pick against every cuBLASLt candidate (cuda).
+    Gemm(Box<bench::gemm::GemmBenchArgs>),
 }
 
 fn main() -> ExitCode {
@@ -87,6 +89,9 @@ fn main() -> ExitCode {
         Command::Bench {
             bench: BenchCommand::Rollout(args),
         } => bench::rollout::run(&args),
+        Command::Bench {
+            bench: BenchCommand::Gemm(args),
+        } => bench::gemm::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -4,6 +4,7 @@
 
 pub mod baseline;
 pub mod both;
+pub mod gemm;
 pub mod offload;
 pub mod offload_train;
 pub mod ranks;

@@ -17,7 +17,9 @@
 //! on every buffer the pass used lets the memory manager pause the tags afterwards.
 //!
 //! The decode step is captured as a CUDA graph per batch bucket (1, 2, 4, ... up to
-//! `max_batch` sequences), once in the engine's life: a step of `B` sequences runs the graph
+//! `max_batch` sequences), once in the engine's life, at the bucket's second step: its first
+//! runs as queued kernels, which tunes its products' algorithms ([`Gpu::gemm`]) where a
+//! capture cannot. A step of `B` sequences runs the graph
 //! of the smallest bucket holding `B`, its other rows padding that write into a block no
 //! sequence owns. Everything a graph reads lives at fixed addresses: the weights, the cache,
 //! and the step scratch, whose index arrays, draws and sampling rule are uploaded before each
@@ -27,12 +29,13 @@
 //! A prefill pass holds at most `max(max_position_embeddings, max_batch)` tokens (so any
 //! prompt fits whole) and `max_batch` sequences; a prefill of more is split into several passes.
 
+mod pass;
 mod scratch;
 
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{AddressRange, DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, Transpose};
+use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, Transpose};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
@@ -42,6 +45,7 @@ use miles_core::ops::gpu::{
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 
+use self::pass::Pass;
 use self::scratch::{Index, Scratch};
 pub(crate) use self::scratch::{Limits, scratch_bytes};
 use crate::paged::BlockTables;
@@ -112,6 +116,17 @@ pub(crate) struct GpuBuffers {
     pub step: Buffer,
 }
 
+/// Where a batch bucket's decode step stands.
+#[derive(Debug)]
+enum BucketStep {
+    /// Not run yet.
+    Cold,
+    /// Run once as queued kernels (its products tuned): the next step captures it.
+    Warm,
+    /// Captured: it replays.
+    Captured(GpuGraph),
+}
+
 /// The model on the GPU: its buffers, the cache's shape, the scratch tensors and the captured
 /// decode graphs.
 #[derive(Debug)]
@@ -127,8 +142,8 @@ pub(crate) struct GpuModel {
     buffers: GpuBuffers,
     prefill: Scratch,
     step: Scratch,
-    /// The decode graph of each bucket (`2^i` sequences), once captured; empty without graphs.
-    graphs: Vec<Option<GpuGraph>>,
+    /// The decode step of each bucket (`2^i` sequences); empty without graphs.
+    graphs: Vec<BucketStep>,
     /// Graphs captured in the model's life.
     captures: usize,
 }
@@ -195,7 +210,9 @@ impl GpuModel {
             buffers,
             prefill,
             step,
-            graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
+            graphs: std::iter::repeat_with(|| BucketStep::Cold)
+                .take(buckets)
+                .collect(),
             captures: 0,
         })
     }
@@ -370,7 +387,7 @@ impl GpuModel {
         if d > 0 {
             g.sample_rows(
                 s.picked.sub(0, d)?,
-                logprob_view(s.picked.sub(d, d)?)?,
+                s.picked.sub(d, d)?.reinterpret::<f32>()?,
                 s.logits.sub(0, r.max(d) * v)?,
                 s.index.sub(at.draws, DRAW_WORDS * d)?,
                 s.index.sub(at.rule, RULE_WORDS)?,
@@ -503,8 +520,8 @@ impl GpuModel {
     }
 
     /// Runs the decode `pass` (one token per sequence, `draws` for all of them) as the graph
-    /// of its bucket, capturing the graph the first time; falls back to queued kernels for
-    /// good, with a warning, when the driver refuses the capture.
+    /// of its bucket: as queued kernels the bucket's first time, captured the second; falls
+    /// back to queued kernels for good, with a warning, when the driver refuses the capture.
     fn replay(
         &mut self,
         pass: &Pass,
@@ -516,9 +533,13 @@ impl GpuModel {
         let at = self
             .upload(&s, pass, draws, rule)
             .map_err(InferError::device("upload a step's index arrays"))?;
-        let graph = match self.graphs[bucket].take() {
-            Some(graph) => graph,
-            None => match self.gpu.capture(|| self.queue(&s, at)) {
+        let graph = match std::mem::replace(&mut self.graphs[bucket], BucketStep::Warm) {
+            BucketStep::Captured(graph) => graph,
+            BucketStep::Cold => {
+                self.fence(self.queue(&s, at))?;
+                return Ok(at);
+            }
+            BucketStep::Warm => match self.gpu.capture(|| self.queue(&s, at)) {
                 Ok(graph) => {
                     self.captures += 1;
                     tracing::info!(
@@ -540,116 +561,10 @@ impl GpuModel {
             },
         };
         let queued = self.gpu.replay(&graph);
-        self.graphs[bucket] = Some(graph);
+        self.graphs[bucket] = BucketStep::Captured(graph);
         self.fence(queued)?;
         Ok(at)
     }
-
-    /// Adds `tokens` at positions `first..` of `seq` to `pass`, with one row of logits for
-    /// the last of them.
-    fn push(
-        &self,
-        pass: &mut Pass,
-        tables: &BlockTables,
-        seq: usize,
-        first: usize,
-        tokens: &[u32],
-    ) -> Result<(), InferError> {
-        let blocks = tables.blocks(seq)?;
-        let (c, p) = (&self.config, self.shape.block_size);
-        let end = first + tokens.len();
-        if tokens.is_empty() || end > c.max_position_embeddings || blocks.len() > self.limits.blocks
-        {
-            return Err(InferError::Internal(format!(
-                "sequence {seq} with {} blocks cannot take positions {first}..{end} (model positions {})",
-                blocks.len(),
-                c.max_position_embeddings
-            )));
-        }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(InferError::Internal(format!(
-                "token {id} of sequence {seq} is outside the vocabulary of {}",
-                c.vocab_size
-            )));
-        }
-        let row = pass.logit_rows.len() as u32;
-        for (i, &id) in tokens.iter().enumerate() {
-            let pos = first + i;
-            let block = blocks.get(pos / p).ok_or_else(|| {
-                InferError::Internal(format!("sequence {seq} has no block for position {pos}"))
-            })?;
-            let slot = self
-                .shape
-                .slot(*block, pos)
-                .map_err(InferError::device("address the kv cache"))?;
-            pass.ids.push(id);
-            pass.positions.push(pos as u32);
-            pass.seq_rows.push(row);
-            pass.slots.push(slot);
-        }
-        pass.logit_rows.push((pass.ids.len() - 1) as u32);
-        let start = pass.tables.len();
-        pass.tables.resize(start + self.limits.blocks, 0);
-        for (entry, &block) in pass.tables[start..].iter_mut().zip(blocks) {
-            *entry = block as u32;
-        }
-        Ok(())
-    }
-
-    /// Pads the decode `pass` to `rows` sequences: each extra row feeds token 0 at position 0
-    /// of a table holding the spare block alone, so it writes nowhere a sequence reads.
-    fn pad(&self, pass: &mut Pass, rows: usize) -> Result<(), InferError> {
-        let slot = self
-            .shape
-            .slot(self.spare_block as usize, 0)
-            .map_err(InferError::device("address the kv cache"))?;
-        while pass.logit_rows.len() < rows {
-            let row = pass.logit_rows.len() as u32;
-            pass.ids.push(0);
-            pass.positions.push(0);
-            pass.seq_rows.push(row);
-            pass.slots.push(slot);
-            pass.logit_rows.push(row);
-            let start = pass.tables.len();
-            pass.tables.resize(start + self.limits.blocks, 0);
-            pass.tables[start] = self.spare_block;
-        }
-        Ok(())
-    }
-
-    /// The pass appending `tokens[b]` to `seqs[b]`.
-    fn decode_pass(
-        &self,
-        tables: &mut BlockTables,
-        seqs: &[usize],
-        tokens: &[u32],
-    ) -> Result<Pass, InferError> {
-        if seqs.len() != tokens.len() || seqs.len() > self.limits.rows {
-            return Err(InferError::Internal(format!(
-                "decode of {} sequences with {} tokens; a step takes at most {}",
-                seqs.len(),
-                tokens.len(),
-                self.limits.rows
-            )));
-        }
-        let mut pass = Pass::default();
-        for (b, &seq) in seqs.iter().enumerate() {
-            let first = tables.advance(seq, 1)?;
-            self.push(&mut pass, tables, seq, first, &tokens[b..=b])?;
-        }
-        Ok(pass)
-    }
-}
-
-/// The index arrays of one pass, built on the host.
-#[derive(Debug, Default)]
-struct Pass {
-    ids: Vec<u32>,        // (N) token ids
-    positions: Vec<u32>,  // (N)
-    seq_rows: Vec<u32>,   // (N) row of `tables`
-    slots: Vec<u32>,      // (N) block * P + position % P
-    logit_rows: Vec<u32>, // (R) token index of each sequence's last token
-    tables: Vec<u32>,     // (R, blocks)
 }
 
 /// The rule uploaded with a pass that draws nothing.
@@ -659,14 +574,6 @@ const GREEDY: SampleRule = SampleRule {
     top_k: 0,
     seed: 0,
 };
-
-/// The second half of the drawn words, where the kernel writes log-probs, as fp32.
-fn logprob_view(words: GpuSlice<u32>) -> Result<GpuSlice<f32>, DeviceError> {
-    GpuSlice::of(AddressRange {
-        start: words.address(),
-        len: words.bytes(),
-    })
-}
 
 /// The sampling kernel's rule for `params`.
 fn rule(params: &SamplingParams) -> SampleRule {

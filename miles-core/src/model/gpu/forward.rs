@@ -282,7 +282,12 @@ impl GpuTransformer {
                 logits.sub(0, rows * v)?,
                 d_logits.sub(0, rows * v)?,
             );
-            gpu.gemm(Gemm::new(rows, v, h, Transpose::No, Transpose::Yes), z, x, head)?;
+            gpu.gemm(
+                Gemm::new(rows, v, h, Transpose::No, Transpose::Yes),
+                z,
+                x,
+                head,
+            )?;
             gpu.crossentropy(
                 logprobs.sub(first, rows)?,
                 grads.map(|_| dz),
@@ -292,7 +297,12 @@ impl GpuTransformer {
                 normaliser,
             )?;
             if let Some(g) = grads {
-                gpu.gemm(input_grad(rows, h, v), g.d_lnf.sub(first * h, rows * h)?, dz, head)?;
+                gpu.gemm(
+                    input_grad(rows, h, v),
+                    g.d_lnf.sub(first * h, rows * h)?,
+                    dz,
+                    head,
+                )?;
                 gpu.gemm(weight_grad(v, h, rows), g.d_head, dz, x)?;
             }
         }

@@ -51,14 +51,14 @@ pub struct GpuActivationLayout {
     /// A norm's output `(B, T, C)`: the layer's ln1 then ln2 in the forward pass, their
     /// recomputation in the backward pass.
     pub(super) ln: Range<usize>,
-    pub(super) d_residual: Range<usize>,   // (B, T, C)
-    pub(super) d_ln: Range<usize>,         // (B, T, C)
-    pub(super) d_att_out: Range<usize>,    // (B, T, H*D)
-    pub(super) d_q: Range<usize>,          // (B, T, H*D)
-    pub(super) d_k: Range<usize>,          // (B, T, K*D)
-    pub(super) d_v: Range<usize>,          // (B, T, K*D)
-    pub(super) d_q_pre: Range<usize>,      // (B, T, H*D) (q/k norms only)
-    pub(super) d_k_pre: Range<usize>,      // (B, T, K*D) (q/k norms only)
+    pub(super) d_residual: Range<usize>, // (B, T, C)
+    pub(super) d_ln: Range<usize>,       // (B, T, C)
+    pub(super) d_att_out: Range<usize>,  // (B, T, H*D)
+    pub(super) d_q: Range<usize>,        // (B, T, H*D)
+    pub(super) d_k: Range<usize>,        // (B, T, K*D)
+    pub(super) d_v: Range<usize>,        // (B, T, K*D)
+    pub(super) d_q_pre: Range<usize>,    // (B, T, H*D) (q/k norms only)
+    pub(super) d_k_pre: Range<usize>,    // (B, T, K*D) (q/k norms only)
     bf16_len: usize,
     // fp32 buffer.
     pub(super) ln1_rstd: Range<usize>, // (L, B, T)
@@ -338,7 +338,8 @@ impl GpuActivations {
     /// The swiglu output `(B, T, F)` in the forward pass; in the backward pass its gradient,
     /// then its recomputation (the shared scratch).
     pub(super) fn swiglu(&self) -> Result<GpuSlice<bf16>, DeviceError> {
-        self.bf(&self.layout.scratch)?.sub(0, self.layout.swiglu_len)
+        self.bf(&self.layout.scratch)?
+            .sub(0, self.layout.swiglu_len)
     }
 
     /// The attention backward's fp32 k and v partials `(2, B, T, H, D)` (the shared scratch).
@@ -468,13 +469,20 @@ mod tests {
         );
         assert_eq!(a.lse.len(), c.num_layers * 3 * c.num_heads * 17);
         assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
-        assert_eq!(a.head_len, n * c.vocab_size, "fewer rows than HEAD_ROWS: all of them");
+        assert_eq!(
+            a.head_len,
+            n * c.vocab_size,
+            "fewer rows than HEAD_ROWS: all of them"
+        );
         let long = GpuActivationLayout::new(c, 2, 600);
         assert_eq!(long.head_len, HEAD_ROWS * c.vocab_size);
         for l in [&a, &long] {
             let bytes = 2 * l.scratch.len();
             assert!(bytes >= 2 * l.swiglu_len && bytes >= 4 * l.kv_partials_len);
-            assert!(bytes >= 6 * l.head_len, "fp32 logits, then their bf16 gradient");
+            assert!(
+                bytes >= 6 * l.head_len,
+                "fp32 logits, then their bf16 gradient"
+            );
             assert_eq!(l.scratch.start, 0, "the scratch's fp32 views start aligned");
         }
         assert_eq!(a.f32_inputs.end, a.f32_len());

@@ -164,7 +164,7 @@ fn gpu_forward_and_backward_match_the_cpu_on_tiny() {
 /// 600 rows: the LM head's two chunks, the second one short.
 #[test]
 fn gpu_forward_and_backward_match_the_cpu_over_several_head_chunks() {
-    assert!(600 > layout::HEAD_ROWS && 600 < 2 * layout::HEAD_ROWS);
+    const { assert!(600 > layout::HEAD_ROWS && 600 < 2 * layout::HEAD_ROWS) };
     forward_and_backward_match_the_cpu_on(
         "gpu_forward_and_backward_match_the_cpu_over_several_head_chunks",
         tiny(),

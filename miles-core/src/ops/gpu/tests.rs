@@ -30,36 +30,123 @@ fn kernels_compile_with_nvrtc_for_hopper() {
     }
 }
 
+const TRANSPOSES: [(Transpose, Transpose); 4] = [
+    (Transpose::No, Transpose::No),
+    (Transpose::No, Transpose::Yes),
+    (Transpose::Yes, Transpose::No),
+    (Transpose::Yes, Transpose::Yes),
+];
+
+/// `alpha * op(a) op(b) + beta * c` of row-major host operands, as the single product `g` reads
+/// them.
+fn host_product(g: Gemm, a: &[f32], b: &[f32], c: &[f32]) -> Vec<f32> {
+    let (m, n, k) = (g.m, g.n, g.k);
+    let at = |i: usize, p: usize| match g.a {
+        Transpose::No => a[i * k + p],
+        Transpose::Yes => a[p * m + i],
+    };
+    let bt = |p: usize, j: usize| match g.b {
+        Transpose::No => b[p * n + j],
+        Transpose::Yes => b[j * k + p],
+    };
+    (0..m * n)
+        .map(|ij| {
+            let dot: f32 = (0..k).map(|p| at(ij / n, p) * bt(p, ij % n)).sum();
+            g.alpha * dot + g.beta * c[ij]
+        })
+        .collect()
+}
+
 #[test]
 fn gpu_gemm_matches_the_cpu_in_every_transpose() {
     let Some(mut t) = TestGpu::open("gpu_gemm_matches_the_cpu_in_every_transpose", 64 << 20) else {
         return;
     };
     let (m, n, k) = (67, 45, 129);
-    for (ta, tb) in [
-        (Transpose::No, Transpose::No),
-        (Transpose::No, Transpose::Yes),
-        (Transpose::Yes, Transpose::No),
-        (Transpose::Yes, Transpose::Yes),
-    ] {
+    for (ta, tb) in TRANSPOSES {
         let (a, a_host) = t.put_bf16(&seeded(1, m * k));
         let (b, b_host) = t.put_bf16(&seeded(2, k * n));
         let c = t.alloc::<f32>(m * n);
-        t.gpu
-            .gemm(Gemm::new(m, n, k, ta, tb), c, a, b)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let at = |i: usize, p: usize| match ta {
-            Transpose::No => a_host[i * k + p],
-            Transpose::Yes => a_host[p * m + i],
-        };
-        let bt = |p: usize, j: usize| match tb {
-            Transpose::No => b_host[p * n + j],
-            Transpose::Yes => b_host[j * k + p],
-        };
-        let want: Vec<f32> = (0..m * n)
-            .map(|ij| (0..k).map(|p| at(ij / n, p) * bt(p, ij % n)).sum())
-            .collect();
+        let g = Gemm::new(m, n, k, ta, tb);
+        t.gpu.gemm(g, c, a, b).unwrap_or_else(|e| panic!("{e}"));
+        let want = host_product(g, &a_host, &b_host, &vec![0.0; m * n]);
         assert_close(&format!("gemm {ta:?} {tb:?}"), &t.get(c), &want, 1e-4);
+    }
+}
+
+#[test]
+fn gpu_cublaslt_algorithms_each_compute_the_cpu_product_in_every_transpose() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_cublaslt_algorithms_each_compute_the_cpu_product_in_every_transpose",
+        64 << 20,
+    ) else {
+        return;
+    };
+    let (m, n, k) = (67, 48, 136);
+    for (ta, tb) in TRANSPOSES {
+        let (a, a_host) = t.put_bf16(&seeded(1, m * k));
+        let (b, b_host) = t.put_bf16(&seeded(2, k * n));
+        let (c, c_host) = t.put_bf16(&seeded(3, m * n));
+        let g = Gemm::new(m, n, k, ta, tb).scaled(0.5).accumulate();
+        let want = host_product(g, &a_host, &b_host, &c_host);
+        let algos = t
+            .gpu
+            .gemm_algorithms(g, c, a, b, 8)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!algos.is_empty(), "no cublasLt algorithm for {ta:?} {tb:?}");
+        for algo in &algos {
+            let start: Vec<bf16> = c_host.iter().map(|&v| bf16::from_f32(v)).collect();
+            t.gpu.upload(c, &start).unwrap_or_else(|e| panic!("{e}"));
+            t.gpu
+                .gemm_with(g, algo, c, a, b)
+                .unwrap_or_else(|e| panic!("{}: {e}", algo.describe()));
+            let what = format!("cublasLt {ta:?} {tb:?} [{}]", algo.describe());
+            assert_close(&what, &t.get_bf16(c), &want, BF16_TOLERANCE);
+        }
+    }
+    let (a, b, c) = (t.alloc(m * k), t.alloc(k * n), t.alloc::<f32>(m * n));
+    let batched = Gemm::new(m, n, k, Transpose::No, Transpose::No).batched(2, 0, 0, 0);
+    assert!(matches!(
+        t.gpu.gemm_algorithms(batched, c, a, b, 4),
+        Err(crate::device::DeviceError::ShapeMismatch { .. })
+    ));
+}
+
+#[test]
+fn gpu_tuned_gemm_gives_cublas_bits_and_keeps_what_an_accumulating_product_adds_to() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_tuned_gemm_gives_cublas_bits_and_keeps_what_an_accumulating_product_adds_to",
+        64 << 20,
+    ) else {
+        return;
+    };
+    // A decode step's shapes: 64 rows through a (512, 256) weight, overwriting and adding.
+    let (m, n, k) = (64, 512, 256);
+    let (x, _) = t.put_bf16(&seeded(7, m * k));
+    let (w, _) = t.put_bf16(&seeded(8, n * k));
+    let start: Vec<bf16> = seeded(9, m * n).into_iter().map(bf16::from_f32).collect();
+    let (want, got) = (t.alloc::<bf16>(m * n), t.alloc::<bf16>(m * n));
+    for g in [
+        Gemm::new(m, n, k, Transpose::No, Transpose::Yes),
+        Gemm::new(m, n, k, Transpose::No, Transpose::Yes).accumulate(),
+    ] {
+        // The first call tunes the shape, the second runs the algorithm kept for it.
+        for call in ["tuning", "tuned"] {
+            for c in [want, got] {
+                t.gpu.upload(c, &start).unwrap_or_else(|e| panic!("{e}"));
+            }
+            let ok =
+                |r: Result<(), crate::device::DeviceError>| r.unwrap_or_else(|e| panic!("{e}"));
+            ok(t.gpu.gemm_cublas(g, want, x, w));
+            ok(t.gpu.gemm(g, got, x, w));
+            let bits = |c| {
+                t.get::<bf16>(c)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(got), bits(want), "{call} call, beta {}", g.beta);
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::{result, sys};
+use cudarc::cublaslt::sys as lt;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
@@ -90,7 +91,7 @@ impl Gemm {
         }
     }
 
-    fn check<C>(
+    pub(super) fn check<C>(
         &self,
         c: &GpuSlice<C>,
         a: &GpuSlice<bf16>,
@@ -131,14 +132,18 @@ impl Gemm {
 pub trait GemmOutput: GpuElement {
     /// Its cuBLAS data type.
     const TYPE: sys::cudaDataType;
+    /// The same, as cuBLASLt spells it.
+    const LT_TYPE: lt::cudaDataType;
 }
 
 impl GemmOutput for f32 {
     const TYPE: sys::cudaDataType = sys::cudaDataType::CUDA_R_32F;
+    const LT_TYPE: lt::cudaDataType = lt::cudaDataType::CUDA_R_32F;
 }
 
 impl GemmOutput for bf16 {
     const TYPE: sys::cudaDataType = sys::cudaDataType::CUDA_R_16BF;
+    const LT_TYPE: lt::cudaDataType = lt::cudaDataType::CUDA_R_16BF;
 }
 
 /// A cuBLAS handle bound to the compute stream.
@@ -187,7 +192,7 @@ fn blas_error(call: &'static str) -> impl Fn(result::CublasError) -> DeviceError
     }
 }
 
-fn op(t: Transpose) -> sys::cublasOperation_t {
+pub(super) fn op(t: Transpose) -> sys::cublasOperation_t {
     match t {
         Transpose::No => sys::cublasOperation_t::CUBLAS_OP_N,
         Transpose::Yes => sys::cublasOperation_t::CUBLAS_OP_T,
@@ -196,11 +201,11 @@ fn op(t: Transpose) -> sys::cublasOperation_t {
 
 impl Gpu {
     /// Queues the row-major product `g` of bf16 `a` and `b` into `c` (fp32 or bf16), accumulating
-    /// in fp32.
+    /// in fp32, with cuBLAS's own pick of algorithm ([`Gpu::gemm`] tunes it).
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] when an operand is too short for the shape; cuBLAS's error.
-    pub fn gemm<C: GemmOutput>(
+    pub fn gemm_cublas<C: GemmOutput>(
         &self,
         g: Gemm,
         c: GpuSlice<C>,

@@ -13,7 +13,9 @@
 //! [`Gpu::record_fence`] hands the memory manager a fence after the last use of a tag.
 
 mod blas;
+mod lt;
 mod nccl;
+mod tune;
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -24,6 +26,7 @@ use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
 pub use cudarc::driver::LaunchConfig;
+pub use lt::GemmAlgo;
 pub use nccl::{ID_BYTES, NcclComm};
 
 use super::CudaDevice;
@@ -161,6 +164,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     kernels: HashMap<&'static str, CudaFunction>,
     blas: blas::Blas,
+    lt: lt::Lt,
+    tuned: tune::Tuned,
     device: Arc<CudaDevice>,
 }
 
@@ -201,6 +206,7 @@ impl Gpu {
             })
             .collect::<Result<HashMap<_, _>, _>>()?;
         let blas = blas::Blas::new(&stream)?;
+        let lt = lt::Lt::new(&stream)?;
         tracing::info!(
             kernels = kernels.len(),
             arch = ARCH,
@@ -210,6 +216,8 @@ impl Gpu {
             stream,
             kernels,
             blas,
+            lt,
+            tuned: tune::Tuned::default(),
             device,
         })
     }

@@ -1,0 +1,298 @@
+//! `miles bench gemm --device cuda`: the model's matrix products at a number of rows (the
+//! rollout engine's decode batch, a training micro-batch), each timed through cuBLAS's own
+//! pick (`cublasGemmEx`), through miles' tuned pick (`Gpu::gemm`, what the trainer and the
+//! engine call: the fastest algorithm with cuBLAS's bits) and through every algorithm
+//! cuBLASLt's heuristic offers for the shape, with the weights' bytes per second and whether
+//! each output has the same bits as cuBLAS's. Every time is the best of several
+//! replays of a CUDA graph of `--reps` products, so the host's launch cost is not in it.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::bail;
+use clap::Args;
+use half::bf16;
+use miles_core::DeviceChoice;
+use miles_core::device::{
+    AddressRange, Device, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose,
+};
+use miles_core::model::LlamaConfig;
+
+use crate::model_cmd::parse_preset;
+use crate::settings_args::BadSettings;
+
+/// `miles bench gemm`.
+#[derive(Args, Debug, Clone)]
+pub struct GemmBenchArgs {
+    /// Preset config whose products are timed: tiny, small, 0.5b, 1b or 3b.
+    #[arg(long, default_value = "1b", value_parser = parse_preset)]
+    pub preset: LlamaConfig,
+    /// Rows of the activations (tokens per product), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [128, 4096])]
+    pub rows: Vec<usize>,
+    /// cuBLASLt candidates asked of its heuristic per shape.
+    #[arg(long, default_value_t = 16)]
+    pub candidates: usize,
+    /// Products in one timed graph.
+    #[arg(long, default_value_t = 50)]
+    pub reps: usize,
+    /// Timed replays of each graph; the best counts.
+    #[arg(long, default_value_t = 5)]
+    pub replays: usize,
+}
+
+/// One product of the model: `y (rows, out) = x (rows, inp) W^T (+ y)`.
+struct Product {
+    name: &'static str,
+    out: usize,
+    inp: usize,
+    accumulate: bool,
+    fp32_out: bool,
+}
+
+fn products(c: &LlamaConfig) -> [Product; 5] {
+    let (h, f) = (c.hidden_size, c.intermediate_size);
+    let p = |name, out, inp, accumulate, fp32_out| Product {
+        name,
+        out,
+        inp,
+        accumulate,
+        fp32_out,
+    };
+    [
+        p("qkv", c.q_dim() + 2 * c.kv_dim(), h, false, false),
+        p("o (+= x)", h, c.q_dim(), true, false),
+        p("gate/up", 2 * f, h, false, false),
+        p("down (+= x)", h, f, true, false),
+        p("lm head (fp32)", c.vocab_size, h, false, true),
+    ]
+}
+
+/// Device memory for the operands, released on drop.
+struct Arena {
+    device: Arc<dyn Device>,
+    range: AddressRange,
+    used: usize,
+}
+
+impl Arena {
+    fn new(gpu: &Gpu, bytes: usize) -> anyhow::Result<Arena> {
+        let device: Arc<dyn Device> = Arc::clone(gpu.device()) as Arc<dyn Device>;
+        let len = bytes.next_multiple_of(device.granularity());
+        let range = device.reserve(len)?;
+        if let Err(error) = device.commit(range) {
+            device.unreserve(range)?;
+            return Err(error.into());
+        }
+        Ok(Arena {
+            device,
+            range,
+            used: 0,
+        })
+    }
+
+    fn take<T: GpuElement>(&mut self, len: usize) -> anyhow::Result<GpuSlice<T>> {
+        let bytes = len * size_of::<T>();
+        let range = self.range.slice(self.used, bytes)?;
+        self.used = (self.used + bytes).next_multiple_of(256);
+        Ok(GpuSlice::of(range)?)
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if let Err(error) = self
+            .device
+            .release(self.range)
+            .and_then(|()| self.device.unreserve(self.range))
+        {
+            tracing::error!(%error, "cannot free the bench's device memory");
+        }
+    }
+}
+
+/// Values of a fixed pseudo-random sequence in `[-scale, scale)`, as bf16.
+fn values(seed: u64, len: usize, scale: f32) -> Vec<bf16> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((unit * 2.0 - 1.0) * scale)
+        })
+        .collect()
+}
+
+/// How the product is queued: cuBLAS's own pick, miles' tuned pick ([`Gpu::gemm`]) or a
+/// cuBLASLt algorithm.
+#[derive(Clone, Copy)]
+enum Route<'a> {
+    Blas,
+    Tuned,
+    Lt(&'a GemmAlgo),
+}
+
+struct Operands<C> {
+    y: GpuSlice<C>,
+    x: GpuSlice<bf16>,
+    w: GpuSlice<bf16>,
+    start: Vec<C>,
+}
+
+impl<C: GemmOutput + Default + PartialEq> Operands<C> {
+    fn queue(&self, gpu: &Gpu, g: Gemm, route: Route<'_>) -> Result<(), miles_core::DeviceError> {
+        match route {
+            Route::Blas => gpu.gemm_cublas(g, self.y, self.x, self.w),
+            Route::Tuned => gpu.gemm(g, self.y, self.x, self.w),
+            Route::Lt(algo) => gpu.gemm_with(g, algo, self.y, self.x, self.w),
+        }
+    }
+
+    /// The output of one product from the fixed starting `y`.
+    fn output(&self, gpu: &Gpu, g: Gemm, route: Route<'_>) -> anyhow::Result<Vec<C>> {
+        gpu.upload(self.y, &self.start)?;
+        self.queue(gpu, g, route)?;
+        let mut out = vec![C::default(); self.y.len()];
+        gpu.download(&mut out, self.y)?;
+        Ok(out)
+    }
+
+    /// Seconds of one product: the best replay of a graph of `reps` of them.
+    fn seconds(
+        &self,
+        gpu: &Gpu,
+        g: Gemm,
+        route: Route<'_>,
+        args: &GemmBenchArgs,
+    ) -> anyhow::Result<f64> {
+        let graph = gpu.capture(|| (0..args.reps).try_for_each(|_| self.queue(gpu, g, route)))?;
+        gpu.replay(&graph)?;
+        gpu.synchronize()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..args.replays {
+            let start = Instant::now();
+            gpu.replay(&graph)?;
+            gpu.synchronize()?;
+            best = best.min(start.elapsed().as_secs_f64() / args.reps as f64);
+        }
+        Ok(best)
+    }
+}
+
+/// Runs the bench and prints a table per shape.
+///
+/// # Errors
+/// [`BadSettings`] for empty rows or counts; no GPU; a failed product.
+pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
+    if args.rows.is_empty() || args.rows.contains(&0) {
+        return Err(
+            BadSettings("--rows takes positive row counts, e.g. --rows 128,4096".into()).into(),
+        );
+    }
+    for (flag, value) in [
+        ("--candidates", args.candidates),
+        ("--reps", args.reps),
+        ("--replays", args.replays),
+    ] {
+        if value == 0 {
+            return Err(BadSettings(format!("{flag} must be at least 1")).into());
+        }
+    }
+    let Some(gpu) = crate::gpu::gpu_for(DeviceChoice::Cuda)? else {
+        bail!("bench gemm runs on cuda and found no gpu");
+    };
+    let mut out = std::io::stdout().lock();
+    for &rows in &args.rows {
+        for p in products(&args.preset) {
+            let report = if p.fp32_out {
+                shape::<f32>(&gpu, &p, rows, args)?
+            } else {
+                shape::<bf16>(&gpu, &p, rows, args)?
+            };
+            write!(out, "{report}")?;
+        }
+    }
+    Ok(())
+}
+
+/// The timings of one product at `rows`, as printed lines.
+fn shape<C: GemmOutput + Default + PartialEq + FromF32>(
+    gpu: &Gpu,
+    p: &Product,
+    rows: usize,
+    args: &GemmBenchArgs,
+) -> anyhow::Result<String> {
+    let mut g = Gemm::new(rows, p.out, p.inp, Transpose::No, Transpose::Yes);
+    if p.accumulate {
+        g = g.accumulate();
+    }
+    let bytes = (rows * p.inp + p.out * p.inp) * 2 + rows * p.out * size_of::<C>();
+    let mut arena = Arena::new(gpu, bytes + 4096)?;
+    let ops = Operands {
+        y: arena.take::<C>(rows * p.out)?,
+        x: arena.take::<bf16>(rows * p.inp)?,
+        w: arena.take::<bf16>(p.out * p.inp)?,
+        start: values(3, rows * p.out, 1.0)
+            .into_iter()
+            .map(|v| C::from_f32(v.to_f32()))
+            .collect(),
+    };
+    gpu.upload(ops.x, &values(1, rows * p.inp, 1.0))?;
+    gpu.upload(ops.w, &values(2, p.out * p.inp, 0.02))?;
+    let weight_gb = (p.out * p.inp * 2) as f64 / 1e9;
+    let flops = 2.0 * (rows * p.out * p.inp) as f64;
+    let reference = ops.output(gpu, g, Route::Blas)?;
+    let blas = ops.seconds(gpu, g, Route::Blas, args)?;
+    let tuned_same = ops.output(gpu, g, Route::Tuned)? == reference;
+    let tuned = ops.seconds(gpu, g, Route::Tuned, args)?;
+    let mut lines = format!(
+        "bench gemm: {} rows {rows}, (out {}, in {}): cublas {:.1} us ({:.0} GB/s of weights, {:.0} TFLOP/s); miles (tuned) {:.1} us, {:.2}x cublas, {} bits\n",
+        p.name,
+        p.out,
+        p.inp,
+        blas * 1e6,
+        weight_gb / blas,
+        flops / blas / 1e12,
+        tuned * 1e6,
+        blas / tuned,
+        if tuned_same { "same" } else { "OTHER" }
+    );
+    for (i, algo) in gpu
+        .gemm_algorithms(g, ops.y, ops.x, ops.w, args.candidates)?
+        .iter()
+        .enumerate()
+    {
+        let same = ops.output(gpu, g, Route::Lt(algo))? == reference;
+        let t = ops.seconds(gpu, g, Route::Lt(algo), args)?;
+        lines += &format!(
+            "  lt #{i:<2} {:>8.1} us  {:>5.2}x cublas  {:>5.0} GB/s  waves {:>5.2}  {} bits as cublas  [{}]\n",
+            t * 1e6,
+            blas / t,
+            weight_gb / t,
+            algo.waves(),
+            if same { "same" } else { "other" },
+            algo.describe()
+        );
+    }
+    Ok(lines)
+}
+
+/// The outputs' starting values from fp32.
+trait FromF32 {
+    fn from_f32(v: f32) -> Self;
+}
+
+impl FromF32 for f32 {
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+}
+
+impl FromF32 for bf16 {
+    fn from_f32(v: f32) -> bf16 {
+        bf16::from_f32(v)
+    }
+}
