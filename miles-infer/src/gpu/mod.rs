@@ -17,9 +17,7 @@
 //! on every buffer the pass used lets the memory manager pause the tags afterwards.
 //!
 //! The decode step is captured as a CUDA graph per batch bucket (1, 2, 4, ... up to
-//! `max_batch` sequences), once in the engine's life, at the bucket's second step: its first
-//! runs as queued kernels, which tunes its products' algorithms ([`Gpu::gemm`]) where a
-//! capture cannot. A step of `B` sequences runs the graph
+//! `max_batch` sequences), once in the engine's life: a step of `B` sequences runs the graph
 //! of the smallest bucket holding `B`, its other rows padding that write into a block no
 //! sequence owns. Everything a graph reads lives at fixed addresses: the weights, the cache,
 //! and the step scratch, whose index arrays, draws and sampling rule are uploaded before each
@@ -116,17 +114,6 @@ pub(crate) struct GpuBuffers {
     pub step: Buffer,
 }
 
-/// Where a batch bucket's decode step stands.
-#[derive(Debug)]
-enum BucketStep {
-    /// Not run yet.
-    Cold,
-    /// Run once as queued kernels (its products tuned): the next step captures it.
-    Warm,
-    /// Captured: it replays.
-    Captured(GpuGraph),
-}
-
 /// The model on the GPU: its buffers, the cache's shape, the scratch tensors and the captured
 /// decode graphs.
 #[derive(Debug)]
@@ -142,8 +129,8 @@ pub(crate) struct GpuModel {
     buffers: GpuBuffers,
     prefill: Scratch,
     step: Scratch,
-    /// The decode step of each bucket (`2^i` sequences); empty without graphs.
-    graphs: Vec<BucketStep>,
+    /// The decode graph of each bucket (`2^i` sequences), once captured; empty without graphs.
+    graphs: Vec<Option<GpuGraph>>,
     /// Graphs captured in the model's life.
     captures: usize,
 }
@@ -210,9 +197,7 @@ impl GpuModel {
             buffers,
             prefill,
             step,
-            graphs: std::iter::repeat_with(|| BucketStep::Cold)
-                .take(buckets)
-                .collect(),
+            graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
             captures: 0,
         })
     }
@@ -520,8 +505,8 @@ impl GpuModel {
     }
 
     /// Runs the decode `pass` (one token per sequence, `draws` for all of them) as the graph
-    /// of its bucket: as queued kernels the bucket's first time, captured the second; falls
-    /// back to queued kernels for good, with a warning, when the driver refuses the capture.
+    /// of its bucket, capturing the graph the first time; falls back to queued kernels for
+    /// good, with a warning, when the driver refuses the capture.
     fn replay(
         &mut self,
         pass: &Pass,
@@ -533,13 +518,9 @@ impl GpuModel {
         let at = self
             .upload(&s, pass, draws, rule)
             .map_err(InferError::device("upload a step's index arrays"))?;
-        let graph = match std::mem::replace(&mut self.graphs[bucket], BucketStep::Warm) {
-            BucketStep::Captured(graph) => graph,
-            BucketStep::Cold => {
-                self.fence(self.queue(&s, at))?;
-                return Ok(at);
-            }
-            BucketStep::Warm => match self.gpu.capture(|| self.queue(&s, at)) {
+        let graph = match self.graphs[bucket].take() {
+            Some(graph) => graph,
+            None => match self.gpu.capture(|| self.queue(&s, at)) {
                 Ok(graph) => {
                     self.captures += 1;
                     tracing::info!(
@@ -561,7 +542,7 @@ impl GpuModel {
             },
         };
         let queued = self.gpu.replay(&graph);
-        self.graphs[bucket] = BucketStep::Captured(graph);
+        self.graphs[bucket] = Some(graph);
         self.fence(queued)?;
         Ok(at)
     }

@@ -201,11 +201,11 @@ pub(super) fn op(t: Transpose) -> sys::cublasOperation_t {
 
 impl Gpu {
     /// Queues the row-major product `g` of bf16 `a` and `b` into `c` (fp32 or bf16), accumulating
-    /// in fp32, with cuBLAS's own pick of algorithm ([`Gpu::gemm`] tunes it).
+    /// in fp32, with cuBLAS's own pick of algorithm.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] when an operand is too short for the shape; cuBLAS's error.
-    pub fn gemm_cublas<C: GemmOutput>(
+    pub fn gemm<C: GemmOutput>(
         &self,
         g: Gemm,
         c: GpuSlice<C>,

@@ -1,6 +1,6 @@
 //! Matrix products through cuBLASLt with a named algorithm: the candidates its heuristic
-//! offers for a shape, and a product run with one of them (what [`Gpu::gemm`]'s cuBLAS picks
-//! for itself). The shapes are [`Gemm`]'s row-major ones, swapped into cuBLAS's column-major
+//! offers for a shape, and a product run with one of them, for `miles bench gemm` to set
+//! against [`Gpu::gemm`] (cuBLAS's own pick). The shapes are [`Gemm`]'s row-major ones, swapped into cuBLAS's column-major
 //! order as `blas.rs` does.
 
 use std::ffi::c_void;

@@ -15,7 +15,6 @@
 mod blas;
 mod lt;
 mod nccl;
-mod tune;
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -165,7 +164,6 @@ pub struct Gpu {
     kernels: HashMap<&'static str, CudaFunction>,
     blas: blas::Blas,
     lt: lt::Lt,
-    tuned: tune::Tuned,
     device: Arc<CudaDevice>,
 }
 
@@ -217,7 +215,6 @@ impl Gpu {
             kernels,
             blas,
             lt,
-            tuned: tune::Tuned::default(),
             device,
         })
     }
