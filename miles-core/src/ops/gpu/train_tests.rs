@@ -52,8 +52,13 @@ fn gpu_rmsnorm_backward_adds_the_cpu_gradients_and_repeats_bit_for_bit() {
     ) else {
         return;
     };
-    // 320 columns: more than a block's 256 threads.
-    let (rows, c) = (37, 320);
+    // 320 columns, 8 at a time, more than a block's 256 threads; 100 columns one at a time.
+    for (rows, c) in [(37, 320), (9, 100)] {
+        rmsnorm_backward_case(&mut t, rows, c);
+    }
+}
+
+fn rmsnorm_backward_case(t: &mut TestGpu, rows: usize, c: usize) {
     let (x, x_host) = t.put_bf16(&seeded(21, rows * c));
     let (w, w_host) = t.put_bf16(&seeded(22, c));
     let (dout, dout_host) = t.put_bf16(&seeded(23, rows * c));
@@ -83,7 +88,12 @@ fn gpu_rmsnorm_backward_adds_the_cpu_gradients_and_repeats_bit_for_bit() {
     assert_eq!(
         bits(t.get(dw_again)),
         bits(t.get(dw)),
-        "dw repeats bit for bit"
+        "dw repeats bit for bit ({c} columns)"
+    );
+    assert_eq!(
+        bits(t.get_bf16(dx_again)),
+        bits(t.get_bf16(dx)),
+        "dx repeats bit for bit ({c} columns)"
     );
 }
 
@@ -207,7 +217,13 @@ fn gpu_crossentropy_matches_the_cpu_logprobs_and_gradients() {
     ) else {
         return;
     };
-    let (n, v) = (13, 1003);
+    // 1003 logits a row one at a time, 1000 four at a time.
+    for v in [1003, 1000] {
+        crossentropy_case(&mut t, 13, v);
+    }
+}
+
+fn crossentropy_case(t: &mut TestGpu, n: usize, v: usize) {
     let logits_host = scaled(seeded(45, n * v), 8.0);
     let targets_host: Vec<u32> = (0..n as u32).map(|i| (i * 379 + 11) % v as u32).collect();
     let mut weights_host: Vec<f32> = seeded(46, n).iter().map(|w| w.abs() + 0.1).collect();

@@ -36,12 +36,37 @@ extern "C" __global__ void rmsnorm_backward(bf16* dx, const bf16* dout, const bf
     const bf16* dyr = dout + row * c;
     bf16* dxr = dx + row * c;
     const float r = rstd[row];
-    float dot = 0.0f;
-    for (int j = threadIdx.x; j < c; j += blockDim.x) {
-        dot += bf2f(dyr[j]) * bf2f(w[j]) * bf2f(xr[j]);
+    // 8 values a read where the rows allow it (the common case), one at a time otherwise.
+    const bool wide =
+        (c & 7) == 0 && aligned16(xr) && aligned16(dyr) && aligned16(dxr) && aligned16(w);
+    float dot = 0.0f, a[8], b[8], g[8], o[8];
+    if (wide) {
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            unpack8(((const uint4*)dyr)[v], a);
+            unpack8(((const uint4*)w)[v], g);
+            unpack8(((const uint4*)xr)[v], b);
+#pragma unroll
+            for (int i = 0; i < 8; i++) dot += a[i] * g[i] * b[i];
+        }
+    } else {
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {
+            dot += bf2f(dyr[j]) * bf2f(w[j]) * bf2f(xr[j]);
+        }
     }
     dot = block_sum(dot, scratch);
     const float k = r * r * r * dot / (float)c;
+    if (wide) {
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            unpack8(((const uint4*)dyr)[v], a);
+            unpack8(((const uint4*)w)[v], g);
+            unpack8(((const uint4*)xr)[v], b);
+            unpack8(((const uint4*)dxr)[v], o);
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = o[i] + (r * g[i] * a[i] - k * b[i]);
+            ((uint4*)dxr)[v] = pack8(o);
+        }
+        return;
+    }
     for (int j = threadIdx.x; j < c; j += blockDim.x) {
         const float dy = bf2f(dyr[j]), xv = bf2f(xr[j]);
         dxr[j] = f2bf(bf2f(dxr[j]) + (r * bf2f(w[j]) * dy - k * xv));
@@ -111,42 +136,44 @@ extern "C" __global__ void rope_backward(bf16* dx, const unsigned int* positions
     }
 }
 
+// One value of swiglu's backward: the gate's and up's gradients from dout, and the output
+// recomputed with swiglu_forward's own expression (the same bits).
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float* dg, float* du,
+                                            float* sw) {
+    const float s = 1.0f / (1.0f + expf(-g));
+    *du = d * g * s;
+    *dg = d * u * s * (1.0f + g * (1.0f - s));
+    *sw = g / (1.0f + __expf(-g)) * u;
+}
+
 // In place: gate becomes dgate = dout * up * s * (1 + g * (1 - s)), up becomes dup = dout * g * s
-// with s = sigmoid(g), and dout becomes swiglu(gate, up) recomputed with swiglu_forward's own
-// expression (the same bits), for the down product's weight gradient. Each thread reads its
-// values before it writes them.
+// with s = sigmoid(g), and dout becomes swiglu(gate, up) recomputed, for the down product's
+// weight gradient. Each thread reads its values before it writes them; with `wide` (n a
+// multiple of 8, every buffer 16-byte aligned) a thread takes 8 values at a time, in registers.
 extern "C" __global__ void swiglu_backward(bf16* gate, bf16* up, bf16* dout, long long n,
                                            int wide) {
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long words = wide ? n / 8 : n;
-    for (long long i = first; i < words; i += stride) {
-        float g[8], u[8], d[8], dg[8], du[8], sw[8];
-        const int lanes = wide ? 8 : 1;
-        if (wide) {
+    if (wide) {
+        for (long long i = first; i < n / 8; i += stride) {
+            float g[8], u[8], d[8], dg[8], du[8], sw[8];
             unpack8(((const uint4*)gate)[i], g);
             unpack8(((const uint4*)up)[i], u);
             unpack8(((const uint4*)dout)[i], d);
-        } else {
-            g[0] = bf2f(gate[i]);
-            u[0] = bf2f(up[i]);
-            d[0] = bf2f(dout[i]);
-        }
-        for (int j = 0; j < lanes; j++) {
-            const float s = 1.0f / (1.0f + expf(-g[j]));
-            du[j] = d[j] * g[j] * s;
-            dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
-            sw[j] = g[j] / (1.0f + __expf(-g[j])) * u[j];
-        }
-        if (wide) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) swiglu_grad(g[j], u[j], d[j], &dg[j], &du[j], &sw[j]);
             ((uint4*)up)[i] = pack8(du);
             ((uint4*)gate)[i] = pack8(dg);
             ((uint4*)dout)[i] = pack8(sw);
-        } else {
-            up[i] = f2bf(du[0]);
-            gate[i] = f2bf(dg[0]);
-            dout[i] = f2bf(sw[0]);
         }
+        return;
+    }
+    for (long long i = first; i < n; i += stride) {
+        float dg, du, sw;
+        swiglu_grad(bf2f(gate[i]), bf2f(up[i]), bf2f(dout[i]), &dg, &du, &sw);
+        up[i] = f2bf(du);
+        gate[i] = f2bf(dg);
+        dout[i] = f2bf(sw);
     }
 }
 
@@ -166,9 +193,22 @@ extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout,
     }
 }
 
+// Adds logit x to a running (max, sum of exp(logit - max)): the online softmax. A NaN makes the
+// sum NaN for good; a -inf logit adds nothing.
+__device__ __forceinline__ void online_add(float x, float* m, float* s) {
+    if (x > *m) {
+        *s = *s * expf(*m - x) + 1.0f;
+        *m = x;
+    } else if (x != NEG_INF) {
+        *s += expf(x - *m);
+    }
+}
+
 // logprobs[row] = log softmax(logits[row])[targets[row]] over v fp32 logits; when dlogits is not
 // null, dlogits[row] = weights[row] / normaliser * (softmax - onehot(target)) (bf16, overwritten).
-// A target outside the vocabulary yields NaN, never a silent value. One block a row.
+// A target outside the vocabulary yields NaN, never a silent value. One block a row, two passes
+// over it: the online max and sum, then the gradient; 4 logits a read (2 gradients a write)
+// where the rows allow it.
 extern "C" __global__ void crossentropy(float* logprobs, bf16* dlogits, const float* logits,
                                         const unsigned int* targets, const float* weights, int v,
                                         float normaliser) {
@@ -177,23 +217,42 @@ extern "C" __global__ void crossentropy(float* logprobs, bf16* dlogits, const fl
     const float* x = logits + row * v;
     const unsigned int y = targets[row];
     const bool valid = y < (unsigned int)v;
-    float mx = NEG_INF;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, x[j]);
-    mx = block_max(mx, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) sum += expf(x[j] - mx);
-    sum = block_sum(sum, scratch);
+    bf16* d = dlogits ? dlogits + row * v : nullptr;
+    const bool wide = (v & 3) == 0 && aligned16(x) && (!d || ((unsigned long long)d & 7) == 0);
+    float mx = NEG_INF, sum = 0.0f;
+    if (wide) {
+        for (int j = threadIdx.x; j < v / 4; j += blockDim.x) {
+            const float4 f = ((const float4*)x)[j];
+            online_add(f.x, &mx, &sum);
+            online_add(f.y, &mx, &sum);
+            online_add(f.z, &mx, &sum);
+            online_add(f.w, &mx, &sum);
+        }
+    } else {
+        for (int j = threadIdx.x; j < v; j += blockDim.x) online_add(x[j], &mx, &sum);
+    }
+    const float row_max = block_max(mx, scratch);
+    sum = block_sum(mx == NEG_INF ? sum : sum * expf(mx - row_max), scratch);
+    mx = row_max;
     const float nan = __int_as_float(0x7fc00000);
     if (threadIdx.x == 0) logprobs[row] = valid ? x[y] - mx - logf(sum) : nan;
-    if (dlogits) {
-        const float scale = valid ? weights[row] / normaliser : nan;
-        const float inv = 1.0f / sum;
-        bf16* d = dlogits + row * v;
-        for (int j = threadIdx.x; j < v; j += blockDim.x) {
-            const float onehot = (unsigned int)j == y ? 1.0f : 0.0f;
-            d[j] = f2bf(scale * (expf(x[j] - mx) * inv - onehot));
+    if (!d) return;
+    const float scale = valid ? weights[row] / normaliser : nan;
+    const float inv = 1.0f / sum;
+    const auto grad = [&](float logit, int j) {
+        const float onehot = (unsigned int)j == y ? 1.0f : 0.0f;
+        return scale * (expf(logit - mx) * inv - onehot);
+    };
+    if (wide) {
+        for (int j = threadIdx.x; j < v / 4; j += blockDim.x) {
+            const float4 f = ((const float4*)x)[j];
+            const int c = 4 * j;
+            ((uint2*)d)[j] = make_uint2(pack2(grad(f.x, c), grad(f.y, c + 1)),
+                                        pack2(grad(f.z, c + 2), grad(f.w, c + 3)));
         }
+        return;
     }
+    for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = f2bf(grad(x[j], j));
 }
 
 // partial[block] = the sum of x^2 over the block's grid-stride elements. The grid and block are
