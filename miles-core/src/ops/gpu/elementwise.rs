@@ -174,7 +174,7 @@ impl Gpu {
         );
         self.launch(
             "rope_forward",
-            elementwise(n * heads * head_dim / 2),
+            per_row(n, ROW_THREADS),
             &[
                 &x.address(),
                 &positions.address(),

@@ -165,18 +165,20 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
     let Some(mut t) = TestGpu::open("gpu_rope_swiglu_residual_and_embedding", 64 << 20) else {
         return;
     };
-    let (n, heads, d) = (29, 3, 64);
-    let table = RopeTable::new(d, 10000.0, 128);
-    let positions: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 128).collect();
-    let (x, mut want) = t.put_bf16(&seeded(8, n * heads * d));
-    let pos = t.put(&positions);
-    let (cos, sin) = (t.put(table.cos()), t.put(table.sin()));
-    t.gpu
-        .rope_forward(x, pos, cos, sin, heads, d)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let host_positions: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
-    rope_forward(&mut want, &host_positions, heads, &table);
-    assert_close("rope", &t.get_bf16(x), &want, BF16_TOLERANCE);
+    // 96 pairs a row, fewer than a block's threads; 640, more.
+    for (n, heads, d) in [(29, 3, 64), (7, 10, 128)] {
+        let table = RopeTable::new(d, 10000.0, 128);
+        let positions: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 128).collect();
+        let (x, mut want) = t.put_bf16(&seeded(8, n * heads * d));
+        let pos = t.put(&positions);
+        let (cos, sin) = (t.put(table.cos()), t.put(table.sin()));
+        t.gpu
+            .rope_forward(x, pos, cos, sin, heads, d)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let host_positions: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+        rope_forward(&mut want, &host_positions, heads, &table);
+        assert_close("rope", &t.get_bf16(x), &want, BF16_TOLERANCE);
+    }
 
     let len = 1000;
     let (gate, gate_host) = t.put_bf16(&seeded(9, len));

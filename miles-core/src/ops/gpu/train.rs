@@ -295,7 +295,7 @@ impl Gpu {
         );
         self.launch(
             "rope_backward",
-            elementwise(n * heads * head_dim / 2),
+            per_row(n, ROW_THREADS),
             &[
                 &dx.address(),
                 &positions.address(),
@@ -364,9 +364,18 @@ impl Gpu {
         if ids.is_empty() {
             return Ok(());
         }
+        let column_blocks = c.div_ceil(ROW_THREADS as usize);
         self.launch(
             "embedding_backward",
-            per_row(ids.len(), ROW_THREADS),
+            LaunchConfig {
+                grid_dim: (
+                    ids.len() as u32,
+                    as_i32("embedding width", column_blocks)? as u32,
+                    1,
+                ),
+                block_dim: (ROW_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
             &[
                 &dtable.address(),
                 &dout.address(),

@@ -102,7 +102,13 @@ fn gpu_rope_backward_rotates_back_as_the_cpu_does() {
     let Some(mut t) = TestGpu::open("gpu_rope_backward_rotates_back_as_the_cpu_does", ARENA) else {
         return;
     };
-    let (n, heads, d) = (29, 3, 64);
+    // 96 pairs a row, fewer than a block's threads; 640, more.
+    for (n, heads, d) in [(29, 3, 64), (7, 10, 128)] {
+        rope_backward_case(&mut t, n, heads, d);
+    }
+}
+
+fn rope_backward_case(t: &mut TestGpu, n: usize, heads: usize, d: usize) {
     let table = RopeTable::new(d, 10000.0, 128);
     let positions: Vec<u32> = (0..n as u32).map(|i| (i * 7 + 3) % 128).collect();
     let host_positions: Vec<usize> = positions.iter().map(|&p| p as usize).collect();

@@ -76,24 +76,31 @@ extern "C" __global__ void bias_add(bf16* x, const bf16* b, long long n, int c) 
 }
 
 // Rotary embedding in place on x (n, heads, d), rotate-half convention (Hugging Face Llama):
-// pair (i, i + d/2) of each head turns by positions[row] * inv_freq[i]. cos/sin tables are
-// (max_pos, d/2) fp32. One thread a pair.
+// pair (i, i + d/2) of each head turns by positions[row] * inv_freq[i], by the angle's negative
+// with `back` (the backward pass). cos/sin tables are (max_pos, d/2) fp32. A block a row (grid-
+// stride over rows), its threads over the row's pairs, so no index divides in 64 bits.
+__device__ __forceinline__ void rope_rows(bf16* x, const unsigned int* positions,
+                                          const float* cos_t, const float* sin_t, long long n,
+                                          int heads, int d, bool back) {
+    const int half = d / 2, pairs = heads * half;
+    for (long long row = blockIdx.x; row < n; row += gridDim.x) {
+        const float* cs_row = cos_t + (long long)positions[row] * half;
+        const float* sn_row = sin_t + (long long)positions[row] * half;
+        bf16* xr = x + row * heads * d;
+        for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+            const int head = i / half, p = i - head * half;
+            const float cs = cs_row[p], sn = back ? -sn_row[p] : sn_row[p];
+            bf16* h = xr + head * d;
+            const float a = bf2f(h[p]), b = bf2f(h[p + half]);
+            h[p] = f2bf(a * cs - b * sn);
+            h[p + half] = f2bf(b * cs + a * sn);
+        }
+    }
+}
+
 extern "C" __global__ void rope_forward(bf16* x, const unsigned int* positions, const float* cos_t,
                                         const float* sin_t, long long n, int heads, int d) {
-    const int half = d / 2;
-    const long long pairs = n * heads * half;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int p = (int)(i % half);
-        const long long head = i / half;
-        const long long row = head / heads;
-        const long long pos = positions[row];
-        const float cs = cos_t[pos * half + p], sn = sin_t[pos * half + p];
-        bf16* h = x + head * d;
-        const float a = bf2f(h[p]), b = bf2f(h[p + half]);
-        h[p] = f2bf(a * cs - b * sn);
-        h[p + half] = f2bf(b * cs + a * sn);
-    }
+    rope_rows(x, positions, cos_t, sin_t, n, heads, d, false);
 }
 
 // out = silu(gate) * up, elementwise over n values.

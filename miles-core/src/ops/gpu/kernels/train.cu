@@ -10,11 +10,12 @@
 //                 long long rows_per_chunk)       blocks of (32, COLUMN_ROWS): 32 columns, a chunk
 // column_reduce(float* out, const float* partial, int chunks, int cols)      one thread a column
 // rope_backward(bf16* dx, const unsigned* positions, const float* cos, const float* sin,
-//               long long n, int heads, int d)                                one thread a pair
+//               long long n, int heads, int d)                                one block a row
 // swiglu_backward(bf16* gate, bf16* up, bf16* dout, long long n, int wide)
 //                                                   one thread a value (8 with `wide`)
 // embedding_backward(float* dtable, const bf16* dout, const unsigned* ids,
-//                    const unsigned* order, const unsigned* starts, int c)  one block an id
+//                    const unsigned* order, const unsigned* starts, int c)
+//                                                   blocks of (an id, ROW_THREADS columns)
 // crossentropy(float* logprobs, bf16* dlogits_or_null, const float* logits,
 //              const unsigned* targets, const float* weights, int v, float normaliser)
 //                                                                             one block a row
@@ -116,24 +117,11 @@ extern "C" __global__ void column_reduce(float* out, const float* partial, int c
     }
 }
 
-// The forward rotation with the sine negated, in place on dx (n, heads, d); one thread a pair.
+// The forward rotation with the sine negated, in place on dx (n, heads, d); one block a row.
 extern "C" __global__ void rope_backward(bf16* dx, const unsigned int* positions,
                                          const float* cos_t, const float* sin_t, long long n,
                                          int heads, int d) {
-    const int half = d / 2;
-    const long long pairs = n * heads * half;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int p = (int)(i % half);
-        const long long head = i / half;
-        const long long row = head / heads;
-        const long long pos = positions[row];
-        const float cs = cos_t[pos * half + p], sn = -sin_t[pos * half + p];
-        bf16* h = dx + head * d;
-        const float a = bf2f(h[p]), b = bf2f(h[p + half]);
-        h[p] = f2bf(a * cs - b * sn);
-        h[p + half] = f2bf(b * cs + a * sn);
-    }
+    rope_rows(dx, positions, cos_t, sin_t, n, heads, d, true);
 }
 
 // One value of swiglu's backward: the gate's and up's gradients from dout, and the output
@@ -177,20 +165,20 @@ extern "C" __global__ void swiglu_backward(bf16* gate, bf16* up, bf16* dout, lon
     }
 }
 
-// dtable[id] += the sum of dout over the rows of that id, in row order, without atomics: block s
-// takes the rows order[starts[s]] .. order[starts[s + 1] - 1] (all of one id, ascending); a block
-// whose range is empty (past the last distinct id) does nothing.
+// dtable[id] += the sum of dout over the rows of that id, in row order, without atomics: block
+// (s, y) takes columns y * blockDim.x .. of the rows order[starts[s]] .. order[starts[s + 1] - 1]
+// (all of one id, ascending), one column a thread, so a frequent id's rows spread over the
+// blocks of its columns; a block whose range is empty (past the last distinct id) does nothing.
 extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout,
                                               const unsigned int* ids, const unsigned int* order,
                                               const unsigned int* starts, int c) {
     const unsigned int first = starts[blockIdx.x], end = starts[blockIdx.x + 1];
-    if (first == end) return;
-    float* dst = dtable + (long long)ids[order[first]] * c;
-    for (int j = threadIdx.x; j < c; j += blockDim.x) {
-        float s = 0.0f;
-        for (unsigned int i = first; i < end; ++i) s += bf2f(dout[(long long)order[i] * c + j]);
-        dst[j] += s;
-    }
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (first == end || j >= c) return;
+    float s = 0.0f;
+#pragma unroll 4
+    for (unsigned int i = first; i < end; ++i) s += bf2f(dout[(long long)order[i] * c + j]);
+    dtable[(long long)ids[order[first]] * c + j] += s;
 }
 
 // Adds logit x to a running (max, sum of exp(logit - max)): the online softmax. A NaN makes the
