@@ -218,7 +218,7 @@ impl Drop for Plan {
 impl Gpu {
     /// Up to `count` cuBLASLt algorithms for the product `g` of these operands (their
     /// addresses' alignment counts), in the order of its heuristic (its first is its own
-    /// pick), each within [`LT_WORKSPACE_BYTES`].
+    /// pick), each within the handle's 32 MiB workspace.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] for operands too short or a batched product;
