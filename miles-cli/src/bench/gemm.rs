@@ -308,3 +308,31 @@ impl FromF32 for bf16 {
         bf16::from_f32(v)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: GemmBenchArgs,
+    }
+
+    fn refusal(flags: &[&str]) -> String {
+        let cli =
+            Cli::try_parse_from(std::iter::once("gemm").chain(flags.iter().copied())).unwrap();
+        let error = run(&cli.args).unwrap_err();
+        assert!(error.downcast_ref::<BadSettings>().is_some(), "{error:#}");
+        error.to_string()
+    }
+
+    #[test]
+    fn bench_gemm_refuses_zero_rows_and_counts_before_looking_for_a_gpu() {
+        assert!(refusal(&["--rows", "128,0"]).contains("--rows"));
+        assert!(refusal(&["--reps", "0"]).contains("--reps"));
+        assert!(refusal(&["--candidates", "0"]).contains("--candidates"));
+    }
+}
