@@ -14,11 +14,13 @@ use std::time::Instant;
 use anyhow::bail;
 use clap::Args;
 use half::bf16;
-use miles_core::DeviceChoice;
 use miles_core::device::{
-    AddressRange, Device, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose,
+    Device, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose,
 };
 use miles_core::model::LlamaConfig;
+use miles_core::{BackupPolicy, Buffer, DeviceChoice, ManagerSettings, MemoryManager, MemoryTag};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 use crate::model_cmd::parse_preset;
 use crate::settings_args::BadSettings;
@@ -70,60 +72,44 @@ fn products(c: &LlamaConfig) -> [Product; 5] {
     ]
 }
 
-/// Device memory for the operands, released on drop.
+/// Device memory for the operands: one region of a memory manager of its own, freed when both
+/// are dropped.
 struct Arena {
-    device: Arc<dyn Device>,
-    range: AddressRange,
-    used: usize,
+    buffers: Vec<Buffer>,
+    memory: MemoryManager,
 }
 
 impl Arena {
-    fn new(gpu: &Gpu, bytes: usize) -> anyhow::Result<Arena> {
-        let device: Arc<dyn Device> = Arc::clone(gpu.device()) as Arc<dyn Device>;
-        let len = bytes.next_multiple_of(device.granularity());
-        let range = device.reserve(len)?;
-        if let Err(error) = device.commit(range) {
-            device.unreserve(range)?;
-            return Err(error.into());
-        }
+    fn new(device: Arc<dyn Device>, bytes: usize) -> anyhow::Result<Arena> {
+        let settings = ManagerSettings {
+            margin_bytes: 0,
+            disk: None,
+        };
+        let memory = MemoryManager::new(device, settings)?;
+        memory.create_region(Self::tag(), BackupPolicy::None, bytes)?;
         Ok(Arena {
-            device,
-            range,
-            used: 0,
+            buffers: Vec::new(),
+            memory,
         })
+    }
+
+    fn tag() -> MemoryTag {
+        MemoryTag::Named("bench-gemm".to_string())
     }
 
     fn take<T: GpuElement>(&mut self, len: usize) -> anyhow::Result<GpuSlice<T>> {
-        let bytes = len * size_of::<T>();
-        let range = self.range.slice(self.used, bytes)?;
-        self.used = (self.used + bytes).next_multiple_of(256);
-        Ok(GpuSlice::of(range)?)
+        let buffer = self.memory.alloc(&Self::tag(), len * size_of::<T>())?;
+        let slice = GpuSlice::of(buffer.range())?;
+        self.buffers.push(buffer);
+        Ok(slice)
     }
 }
 
-impl Drop for Arena {
-    fn drop(&mut self) {
-        if let Err(error) = self
-            .device
-            .release(self.range)
-            .and_then(|()| self.device.unreserve(self.range))
-        {
-            tracing::error!(%error, "cannot free the bench's device memory");
-        }
-    }
-}
-
-/// Values of a fixed pseudo-random sequence in `[-scale, scale)`, as bf16.
+/// `len` values drawn uniformly from `[-scale, scale)` with `seed`, as bf16.
 fn values(seed: u64, len: usize, scale: f32) -> Vec<bf16> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
-            bf16::from_f32((unit * 2.0 - 1.0) * scale)
-        })
+        .map(|_| bf16::from_f32(rng.random_range(-scale..scale)))
         .collect()
 }
 
@@ -242,7 +228,8 @@ fn shape<C: GemmOutput + Default + PartialEq + FromF32>(
     let weight_bytes = p.out * p.inp * 2;
     let copies = COLD_BYTES.div_ceil(weight_bytes).max(1);
     let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * size_of::<C>();
-    let mut arena = Arena::new(gpu, bytes + (copies + 2) * 256)?;
+    let device = Arc::clone(gpu.device()) as Arc<dyn Device>;
+    let mut arena = Arena::new(device, bytes + (copies + 2) * 256)?;
     let ops = Operands {
         y: arena.take::<C>(rows * p.out)?,
         x: arena.take::<bf16>(rows * p.inp)?,
@@ -327,6 +314,18 @@ mod tests {
         let error = run(&cli.args).unwrap_err();
         assert!(error.downcast_ref::<BadSettings>().is_some(), "{error:#}");
         error.to_string()
+    }
+
+    #[test]
+    fn the_arena_hands_out_disjoint_aligned_slices_of_its_region() {
+        let device: Arc<dyn Device> = Arc::new(miles_core::CpuDevice::new(64 << 20));
+        let mut arena = Arena::new(device, 3 * 256 + 1000).unwrap();
+        let a = arena.take::<bf16>(100).unwrap();
+        let b = arena.take::<f32>(50).unwrap();
+        assert_eq!((a.len(), b.len()), (100, 50));
+        assert!(a.address() % 256 == 0 && b.address() % 256 == 0);
+        assert!(b.address() >= a.address() + a.bytes() as u64);
+        assert!(arena.take::<f32>(1 << 20).is_err(), "past the region");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The GPU activation table: where every activation of a batch of `B` sequences of `T` positions
-//! lives in three flat device buffers, one per element type (bf16 activations, fp32 statistics,
-//! scores, logits and inputs, u32 token ids and positions).
+//! lives in three flat device buffers, one per element type (bf16 activations, fp32 statistics
+//! log-probs and inputs, u32 token ids and positions).
 //!
 //! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout) in what a
 //! layer keeps for the backward pass:

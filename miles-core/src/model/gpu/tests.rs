@@ -161,6 +161,34 @@ fn gpu_forward_and_backward_match_the_cpu_on_tiny() {
     forward_and_backward_match_the_cpu("gpu_forward_and_backward_match_the_cpu_on_tiny", tiny());
 }
 
+#[test]
+fn gpu_backward_refuses_a_batch_of_another_shape_than_its_activations() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_backward_refuses_a_batch_of_another_shape_than_its_activations",
+        64 << 20,
+    ) else {
+        return;
+    };
+    let config = tiny();
+    let model = GpuTransformer::new(config.clone());
+    let params = family_params(&config, 21);
+    let (dev_params, _) = t.put_bf16(&params);
+    let dev_grads = t.alloc::<f32>(params.len());
+    let layout = model.activation_layout(B, T).unwrap();
+    let (bf, fl, ids) = (
+        t.alloc(layout.bf16_len()),
+        t.alloc(layout.f32_len()),
+        t.alloc(layout.u32_len()),
+    );
+    let acts = GpuActivations::new(layout, bf, fl, ids).unwrap();
+    let other = Batch::random_of(23, config.vocab_size, B, T + 1);
+    let result = model.backward(&t.gpu, dev_params, dev_grads, &acts, &other.view(), None);
+    assert!(
+        matches!(result, Err(ModelError::Batch(ref why)) if why.contains("build them for this batch")),
+        "{result:?}"
+    );
+}
+
 /// 600 rows: the LM head's two chunks, the second one short.
 #[test]
 fn gpu_forward_and_backward_match_the_cpu_over_several_head_chunks() {

@@ -276,6 +276,19 @@ fn gpu_casts_round_trip_through_bf16() {
 }
 
 #[test]
+fn gpu_slices_reinterpret_their_bytes_and_refuse_a_partial_or_misaligned_element() {
+    let range = |start: u64, len: usize| crate::device::AddressRange { start, len };
+    let halves = GpuSlice::<bf16>::of(range(4096, 64)).unwrap();
+    let floats = halves.reinterpret::<f32>().unwrap();
+    assert_eq!((floats.address(), floats.len()), (4096, 16));
+    assert_eq!(floats.reinterpret::<bf16>().unwrap().len(), 32);
+    let odd = halves.sub(0, 31).unwrap();
+    assert!(odd.reinterpret::<f32>().is_err(), "a partial fp32");
+    let skewed = halves.sub(1, 2).unwrap();
+    assert!(skewed.reinterpret::<f32>().is_err(), "a misaligned start");
+}
+
+#[test]
 fn gpu_slices_refuse_unaligned_ranges_and_views_outside_themselves() {
     let range = |start: u64, len: usize| crate::device::AddressRange { start, len };
     let floats = GpuSlice::<f32>::of(range(4096, 64)).unwrap();

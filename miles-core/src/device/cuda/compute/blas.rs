@@ -91,6 +91,22 @@ impl Gemm {
         }
     }
 
+    /// The row-major leading dimensions of `a`, `b` and `c`: an `a` stored `(m, k)` has rows
+    /// of `k`, and so on.
+    pub(super) fn leading_dims(&self) -> [usize; 3] {
+        let lda = if self.a == Transpose::No {
+            self.k
+        } else {
+            self.m
+        };
+        let ldb = if self.b == Transpose::No {
+            self.n
+        } else {
+            self.k
+        };
+        [lda, ldb, self.n]
+    }
+
     pub(super) fn check<C>(
         &self,
         c: &GpuSlice<C>,
@@ -217,10 +233,7 @@ impl Gpu {
             .context()
             .bind_to_thread()
             .map_err(super::cuda("cuCtxSetCurrent"))?;
-        // Row-major leading dimensions: a stored (m, k) has rows of k, and so on.
-        let lda = if g.a == Transpose::No { g.k } else { g.m } as i32;
-        let ldb = if g.b == Transpose::No { g.n } else { g.k } as i32;
-        let ldc = g.n as i32;
+        let [lda, ldb, ldc] = g.leading_dims().map(|ld| ld as i32);
         let (alpha, beta) = (g.alpha, g.beta);
         let alpha_ptr = (&alpha as *const f32).cast::<c_void>();
         let beta_ptr = (&beta as *const f32).cast::<c_void>();

@@ -1,7 +1,7 @@
 //! Matrix products through cuBLASLt with a named algorithm: the candidates its heuristic
 //! offers for a shape, and a product run with one of them, for `miles bench gemm` to set
-//! against [`Gpu::gemm`] (cuBLAS's own pick). The shapes are [`Gemm`]'s row-major ones, swapped into cuBLAS's column-major
-//! order as `blas.rs` does.
+//! against [`Gpu::gemm`] (cuBLAS's own pick). The shapes are [`Gemm`]'s row-major ones,
+//! swapped into cuBLAS's column-major order as `blas.rs` does.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -75,7 +75,6 @@ fn check(call: &'static str, status: lt::cublasStatus_t) -> Result<(), DeviceErr
 #[derive(Clone, Copy, Debug)]
 pub struct GemmAlgo {
     algo: lt::cublasLtMatmulAlgo_t,
-    workspace: usize,
     waves: f32,
 }
 
@@ -83,17 +82,6 @@ impl GemmAlgo {
     /// The heuristic's estimate of the waves of blocks it runs on the device.
     pub fn waves(&self) -> f32 {
         self.waves
-    }
-
-    /// Workspace bytes it needs.
-    pub fn workspace(&self) -> usize {
-        self.workspace
-    }
-
-    /// How many parts it splits the inner dimension into (1: it sums each output in one
-    /// pass, in order).
-    pub fn split_k(&self) -> i64 {
-        self.config(lt::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM)
     }
 
     /// One 4-byte attribute of its configuration; -1 when cuBLASLt does not say.
@@ -180,8 +168,7 @@ impl Plan {
             Transpose::No => (rows, cols, ld),
             Transpose::Yes => (cols, rows, ld),
         };
-        let ldb = if g.b == Transpose::No { g.n } else { g.k };
-        let lda = if g.a == Transpose::No { g.k } else { g.m };
+        let [lda, ldb, _] = g.leading_dims();
         let bf = lt::cudaDataType::CUDA_R_16BF;
         let shapes = [
             (bf, stored(g.b, g.n, g.k, ldb)),
@@ -305,7 +292,6 @@ impl Gpu {
             .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
             .map(|r| GemmAlgo {
                 algo: r.algo,
-                workspace: r.workspaceSize,
                 waves: r.wavesCount,
             })
             .collect())
