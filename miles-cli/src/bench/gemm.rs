@@ -323,7 +323,7 @@ mod tests {
         let a = arena.take::<bf16>(100).unwrap();
         let b = arena.take::<f32>(50).unwrap();
         assert_eq!((a.len(), b.len()), (100, 50));
-        assert!(a.address() % 256 == 0 && b.address() % 256 == 0);
+        assert!(a.address().is_multiple_of(256) && b.address().is_multiple_of(256));
         assert!(b.address() >= a.address() + a.bytes() as u64);
         assert!(arena.take::<f32>(1 << 20).is_err(), "past the region");
     }
