@@ -20,7 +20,7 @@ use clap::Args;
 use miles_core::config::{OffloadTarget, Settings};
 use miles_core::device::Gpu;
 use miles_core::model::ByteTokenizer;
-use miles_core::{CpuDevice, CudaDevice, Device, MemoryTag, OffloadStats};
+use miles_core::{BackupPolicy, CpuDevice, CudaDevice, Device, MemoryTag, OffloadStats};
 
 use crate::backends::build_backend;
 use crate::bench::baseline::{DirectIoBaseline, MemcpyBaseline};
@@ -221,12 +221,12 @@ fn streamed_report(
     Ok(())
 }
 
-/// Bytes a rank copied to or from its backup: parameters and optimizer state (gradients and
-/// activations are dropped, not moved).
+/// Bytes a rank copied to or from its backups (what is dropped, such as gradients and
+/// activations, does not move).
 fn moved_bytes(rank: &miles_core::RankOffload) -> u64 {
     rank.tags
         .iter()
-        .filter(|r| matches!(r.tag, MemoryTag::Params | MemoryTag::Optimizer))
+        .filter(|r| r.policy != BackupPolicy::None)
         .map(|r| r.bytes)
         .sum()
 }

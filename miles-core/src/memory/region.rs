@@ -355,6 +355,7 @@ impl Region {
         tracing::debug!(tag = %self.tag, policy = %self.policy, bytes, seconds, "paused");
         Ok(OffloadReport::new(
             self.tag.clone(),
+            self.policy,
             bytes,
             seconds,
             free_before,
@@ -629,6 +630,7 @@ impl Region {
         tracing::debug!(tag = %self.tag, policy = %self.policy, bytes, seconds, "resumed");
         Ok(OffloadReport::new(
             self.tag.clone(),
+            self.policy,
             bytes,
             seconds,
             free_before,

@@ -3,6 +3,8 @@
 use std::borrow::Cow;
 use std::fmt;
 
+use crate::choice::BackupPolicy;
+
 /// What a region holds; each tag owns its own address arena.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum MemoryTag {
@@ -85,6 +87,9 @@ impl fmt::Display for RegionState {
 pub struct OffloadReport {
     /// The region.
     pub tag: MemoryTag,
+    /// Where the region's bytes go when paused: with [`BackupPolicy::None`] a pause dropped
+    /// them and a resume brought back memory of unspecified contents, nothing was copied.
+    pub policy: BackupPolicy,
     /// Bytes of device memory released (pause) or committed (resume).
     pub bytes: u64,
     /// Wall time of the operation, from its start (for a pause, once the tag's views are gone)
@@ -102,6 +107,7 @@ pub struct OffloadReport {
 impl OffloadReport {
     pub(crate) fn new(
         tag: MemoryTag,
+        policy: BackupPolicy,
         bytes: u64,
         seconds: f64,
         free_before: u64,
@@ -114,6 +120,7 @@ impl OffloadReport {
         };
         OffloadReport {
             tag,
+            policy,
             bytes,
             seconds,
             gbps,

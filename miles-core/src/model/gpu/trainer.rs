@@ -34,8 +34,9 @@ pub struct GpuTrainerSpec {
     pub config: LlamaConfig,
     /// The optimizer.
     pub adamw: AdamWConfig,
-    /// Where the parameters and the optimizer state go when offloaded (gradients and
-    /// activations are dropped).
+    /// Where the optimizer state goes when offloaded, and the bf16 weights where the master
+    /// weights stream through the disk; otherwise the bf16 weights are dropped and rounded
+    /// again from the master weights on onload, as are the gradients and activations.
     pub backup: BackupPolicy,
     /// Activations are sized for this many tokens; a larger batch runs as micro-batches of
     /// whole sequences whose gradients add up.
@@ -139,13 +140,22 @@ impl GpuTrainer {
         let n = model.layout().len();
         let (half, full) = (n * size_of::<bf16>(), n * size_of::<f32>());
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
+        let master_streams = spec.stream.as_ref().is_some_and(|s| s.master_weights);
         let optimizer_buffers = match &spec.stream {
             None => 3,
-            Some(stream) if stream.master_weights => 0,
+            Some(_) if master_streams => 0,
             Some(_) => 1,
         };
+        // The bf16 weights are the master weights rounded (the AdamW kernel writes both), so
+        // with the master weights on the device they need not move: 2 bytes a parameter less
+        // each way.
+        let params_backup = if master_streams {
+            spec.backup
+        } else {
+            BackupPolicy::None
+        };
         for (tag, policy, bytes) in [
-            (MemoryTag::Params, spec.backup, half + BLOCK_SLACK),
+            (MemoryTag::Params, params_backup, half + BLOCK_SLACK),
             (
                 MemoryTag::Optimizer,
                 spec.backup,
@@ -453,9 +463,9 @@ impl GpuTrainer {
         Ok(reports)
     }
 
-    /// Resumes the regions (same order as [`offload`](Self::offload)) and zeroes the
-    /// gradients. A failed resume pauses the tags resumed before it again, so the trainer
-    /// stays offloaded.
+    /// Resumes the regions (same order as [`offload`](Self::offload)), rounds the bf16
+    /// weights again from the master weights on the device, and zeroes the gradients. A
+    /// failed resume pauses the tags resumed before it again, so the trainer stays offloaded.
     ///
     /// # Errors
     /// [`ModelError::NotOffloaded`]; [`ModelError::Memory`] from a resume (with
@@ -467,6 +477,10 @@ impl GpuTrainer {
         let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
+        if let Some(master) = &self.master {
+            self.gpu
+                .cast_to_bf16(slice(&self.params)?, slice(master)?)?;
+        }
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
         self.record_fences()?;
         Ok(reports)

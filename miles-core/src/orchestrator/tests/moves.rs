@@ -88,6 +88,22 @@ fn moves_behind_other_work_train_as_the_moves_in_line_and_count_their_own_time()
 }
 
 #[test]
+fn moves_behind_release_the_engine_s_memory_only_once_the_trainer_s_onload_is_done() {
+    let (calls, _, outcome) = run_on(3, ROOMY, false, None);
+    outcome.unwrap();
+    let steps: Vec<&[String]> = calls.split(|c| c == "engine.generate").skip(1).collect();
+    assert_eq!(steps.len(), 3, "{calls:?}");
+    for step in steps {
+        let at = |call: &str| step.iter().position(|c| c == call);
+        let (onload, release) = (at("actor.onload"), at("engine.offload_kv"));
+        assert!(
+            onload.is_some() && onload < release,
+            "the onload behind the rollout comes before the release: {step:?}"
+        );
+    }
+}
+
+#[test]
 fn offload_when_needed_moves_nothing_where_the_device_holds_both_phases() {
     let (_, in_line, outcome) = run_on(3, None, false, None);
     outcome.unwrap();
