@@ -16,6 +16,7 @@ use std::time::Instant;
 use miles_core::config::MomentDtype;
 use miles_core::model::{ActivationLayout, ParamLayout, TrainBatch, Transformer};
 use miles_core::ops::{AdamWConfig, adamw_update, clip_scale};
+use miles_core::store::stream_chunk_bytes;
 use miles_core::{
     BackendError, BackupPolicy, Buffer, Communicator, CpuDevice, DiskSettings, DiskStore, HostPool,
     ManagerSettings, MemoryManager, MemoryTag, RankOffload,
@@ -86,7 +87,7 @@ pub(crate) struct StreamSpec {
 #[derive(Debug)]
 enum Moments {
     Resident { m: Buffer, v: Buffer },
-    Streamed(StreamedMoments),
+    Streamed(Box<StreamedMoments>),
 }
 
 /// One rank's state.
@@ -176,16 +177,17 @@ impl Rank {
                 let store = DiskStore::new(
                     &stream.disk.dir,
                     stream.disk.rank,
-                    stream.disk.chunk_bytes,
+                    stream_chunk_bytes(stream.disk.chunk_bytes),
                     pool,
                 )?;
-                Moments::Streamed(StreamedMoments::new(
+                Moments::Streamed(Box::new(StreamedMoments::new(
                     &manager,
                     Arc::new(store),
                     stream.dtype,
                     shard_len,
                     bucket_elems,
-                )?)
+                    stream.disk.host_budget_bytes,
+                )?))
             }
         };
         let spans = layout
@@ -356,6 +358,9 @@ impl Rank {
         comms: &Comms,
         batch: &TrainBatch<'_>,
     ) -> Result<(f32, f32, Option<f32>), BackendError> {
+        if let Moments::Streamed(streamed) = &self.moments {
+            streamed.prefetch()?;
+        }
         let Pass { loss, entropy, .. } = self.forward_backward(&*comms.tp, batch, true)?;
         let dp_rank = self.grid.dp_rank();
         let owned = dp_rank * self.shard_len..(dp_rank + 1) * self.shard_len;

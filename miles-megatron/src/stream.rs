@@ -1,7 +1,7 @@
 //! Optimizer-state streaming (`--stream-optimizer-state-to-disk`): the Adam moments of a rank's
 //! shard live on disk, bucket by bucket, in the core disk store's checksummed chunk files; a step
-//! walks the buckets through core's [`BucketStream`], which prefetches bucket k+1 and writes back
-//! bucket k-1 on its own threads while bucket k is updated.
+//! walks the buckets through core's [`BucketStream`], whose disk thread reads them ahead (from
+//! the start of the step, within the host budget) and writes them back behind the walk.
 //!
 //! Each bucket is staged through one of three device buffers (bucket k always uses slot k % 3, so
 //! it is read back into the range it was saved from, as the disk store checks). A bucket holds
@@ -49,6 +49,7 @@ impl StreamedMoments {
         dtype: MomentDtype,
         shard_len: usize,
         bucket_elems: usize,
+        host_budget_bytes: u64,
     ) -> Result<StreamedMoments, BackendError> {
         let bucket_elems = bucket_elems.max(1);
         let buckets: Vec<Range<usize>> = (0..shard_len)
@@ -66,7 +67,7 @@ impl StreamedMoments {
         let ranges = slots.iter().map(Buffer::range).collect();
         let device = Arc::clone(manager.device());
         let mut moments = StreamedMoments {
-            stream: BucketStream::new(store, device, ranges, sizes),
+            stream: BucketStream::new(store, device, ranges, sizes, host_budget_bytes)?,
             dtype,
             buckets,
             slots,
@@ -78,6 +79,11 @@ impl StreamedMoments {
             moments.stream.write(k)?;
         }
         Ok(moments)
+    }
+
+    /// Lets the disk read the next step's buckets ahead while the passes run.
+    pub(crate) fn prefetch(&self) -> Result<(), BackendError> {
+        Ok(self.stream.prefetch()?)
     }
 
     fn slot_of(&mut self, bucket: usize) -> &mut Buffer {

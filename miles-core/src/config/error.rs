@@ -90,7 +90,7 @@ pub enum SettingsError {
     DiskTargetWithoutDir,
     /// Rule 3: a host budget for disk writes with another target.
     #[error(
-        "--offload-train-host-budget-gb is the host memory a disk offload copies into before its write to disk; with --offload-train-target {target} nothing goes to disk: add --offload-train-target disk or drop the budget"
+        "--offload-train-host-budget-gb is the host memory a disk offload copies into before its write to disk (and the optimizer stream reads ahead into); with --offload-train-target {target} and no --stream-optimizer-state-to-disk nothing goes to disk: add --offload-train-target disk or drop the budget"
     )]
     HostBudgetWithoutDiskTarget {
         /// The target given.

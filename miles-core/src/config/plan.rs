@@ -38,7 +38,7 @@ impl TrainOffload {
             OffloadTarget::Disk => Ok(TrainOffload::Disk {
                 dir: disk_dir(settings)?,
                 chunk_bytes: disk_chunk_bytes(settings)?,
-                host_budget_bytes: (settings.offload_train_host_budget_gb * 1e9) as u64,
+                host_budget_bytes: host_budget_bytes(settings),
             }),
         }
     }
@@ -87,6 +87,9 @@ pub struct OptimizerStream {
     pub dir: PathBuf,
     /// Bytes per bucket (the disk chunk).
     pub bucket_bytes: usize,
+    /// Host memory the stream reads ahead into and writes behind from
+    /// (`--offload-train-host-budget-gb`); at least a few buckets' worth either way.
+    pub host_budget_bytes: u64,
 }
 
 impl OptimizerStream {
@@ -103,12 +106,16 @@ impl OptimizerStream {
             master_weights: settings.stream_optimizer_master_weights,
             dir: disk_dir(settings)?,
             bucket_bytes: disk_chunk_bytes(settings)?,
+            host_budget_bytes: host_budget_bytes(settings),
         }))
     }
 
     /// The disk store of rank `rank`'s streamed optimizer state.
     pub fn disk(&self, rank: usize) -> DiskSettings {
-        rank_disk(&self.dir, rank, self.bucket_bytes)
+        DiskSettings {
+            host_budget_bytes: self.host_budget_bytes,
+            ..rank_disk(&self.dir, rank, self.bucket_bytes)
+        }
     }
 }
 
@@ -154,6 +161,10 @@ fn rank_disk(dir: &std::path::Path, rank: usize, chunk_bytes: usize) -> DiskSett
         chunk_bytes,
         host_budget_bytes: 0,
     }
+}
+
+fn host_budget_bytes(settings: &Settings) -> u64 {
+    (settings.offload_train_host_budget_gb * 1e9) as u64
 }
 
 fn disk_dir(settings: &Settings) -> Result<PathBuf, SettingsError> {

@@ -324,7 +324,7 @@ settings_table! {
         Optional offload_train_disk_dir: PathBuf = None, "DIR", "Offload", Range::Any;
         /// Granularity of disk writes and reads in MiB
         Value offload_train_disk_chunk_mb: u64 = 64, "N", "Offload", Range::Between(1.0, 4096.0);
-        /// Host memory (GB) a disk offload copies into first, writing to disk behind it; 0 writes in line
+        /// Host memory (GB) a disk offload copies into first, writing to disk behind it (0 writes in line), and the optimizer stream reads ahead into
         Value offload_train_host_budget_gb: f64 = 0.0, "GB", "Offload",
             Range::Between(0.0, 1_048_576.0);
         /// Optimizer state lives on disk and streams through the step

@@ -77,8 +77,8 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
     if disk_target && s.offload_train_disk_dir.is_none() {
         errors.push(SettingsError::DiskTargetWithoutDir);
     }
-    // Rule 3: the host budget serves the disk target only.
-    if s.offload_train_host_budget_gb > 0.0 && !disk_target {
+    // Rule 3: the host budget serves the disk target and the optimizer stream only.
+    if s.offload_train_host_budget_gb > 0.0 && !disk_target && !s.stream_optimizer_state_to_disk {
         errors.push(SettingsError::HostBudgetWithoutDiskTarget {
             target: s.offload_train_target,
         });

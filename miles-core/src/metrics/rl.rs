@@ -76,6 +76,7 @@ impl RlMetrics {
                     json!(stream.bytes_written),
                 ),
                 ("optimizer_stream_wait_seconds", json!(stream.wait_seconds)),
+                ("optimizer_stream_disk_seconds", json!(stream.disk_seconds)),
             ] {
                 fields.insert(key.to_owned(), value);
             }

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::device::{AddressRange, Device, HostBuffer};
 use crate::memory::MemoryTag;
 
-use self::load::Load;
+use self::load::{Destination, Load};
 use super::error::Unsafe;
 use super::rank_dir::{
     DATA_FILE, MANIFEST_FILE, MANIFEST_TMP, RankDir, errno_error, io_error, read_bounded, refused,
@@ -454,14 +454,41 @@ impl DiskStore {
         backup: &DiskBackup,
         runs: &[AddressRange],
     ) -> Result<(), StoreError> {
-        let result = self.load_verified(device, backup, runs);
+        let result = self.load_verified(Destination::Device(device), backup, runs);
+        lock(&self.backups).insert(backup.name.clone(), result.is_err());
+        result
+    }
+
+    /// As [`load`](Self::load), into `bytes`, host memory holding the ranges `runs` laid end
+    /// to end (the ranges are the ones the backup was saved from; no device memory is
+    /// touched).
+    ///
+    /// # Errors
+    /// As [`load`](Self::load); [`StoreError::Manifest`] when `bytes` cannot hold the backup.
+    pub fn load_host(
+        &self,
+        backup: &DiskBackup,
+        runs: &[AddressRange],
+        bytes: &mut [u8],
+    ) -> Result<(), StoreError> {
+        if (bytes.len() as u64) < backup.bytes() {
+            return Err(StoreError::Manifest {
+                path: backup.path.join(MANIFEST_FILE),
+                reason: format!(
+                    "a host buffer of {} bytes cannot hold its {}",
+                    bytes.len(),
+                    backup.bytes()
+                ),
+            });
+        }
+        let result = self.load_verified(Destination::Host(Mutex::new(bytes)), backup, runs);
         lock(&self.backups).insert(backup.name.clone(), result.is_err());
         result
     }
 
     fn load_verified(
         &self,
-        device: &dyn Device,
+        dest: Destination<'_>,
         backup: &DiskBackup,
         runs: &[AddressRange],
     ) -> Result<(), StoreError> {
@@ -487,7 +514,7 @@ impl DiskStore {
             });
         }
         Load {
-            device,
+            dest,
             pool: &self.pool,
             file: &file,
             path: &data_path,

@@ -79,6 +79,18 @@ pub enum StoreError {
         /// What happened to it.
         reason: &'static str,
     },
+    /// A streamed bucket's write behind a walk failed; its host copy is kept, so nothing is
+    /// lost, and the bucket's next walk writes it again.
+    #[error(
+        "the write behind of bucket {bucket} of the streamed optimizer state failed: {source}; its updated bytes are kept in host memory and the next step writes them again"
+    )]
+    StreamWriteFailed {
+        /// Index of the bucket.
+        bucket: usize,
+        /// Why the write failed.
+        #[source]
+        source: Box<StoreError>,
+    },
     /// Another job holds the lock of the rank directory.
     #[error(
         "offload directory {dir} is in use by another job (pid {}); give each job its own --offload-train-disk-dir, or wait for that job to end",

@@ -11,4 +11,4 @@ pub use disk::{DiskBackup, DiskStore};
 pub use error::{StoreError, Unsafe};
 pub use host_pool::HostPool;
 pub use rank_dir::RankDir;
-pub use stream::{BucketStream, STREAM_SLOTS, StreamStats};
+pub use stream::{BucketStream, MIN_HOST_BUCKETS, STREAM_SLOTS, StreamStats, stream_chunk_bytes};

@@ -18,7 +18,9 @@ use crate::memory::{BackupPolicy, Buffer, DiskSettings, MemoryManager, MemoryTag
 use crate::model::ModelError;
 use crate::ops::gpu::{AdamWStep, GpuMoments};
 use crate::ops::{decode_moments, encode_moments, moment_bytes};
-use crate::store::{BucketStream, DiskStore, HostPool, STREAM_SLOTS, StreamStats};
+use crate::store::{
+    BucketStream, DiskStore, HostPool, STREAM_SLOTS, StreamStats, stream_chunk_bytes,
+};
 
 /// Where and how the moments stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,7 +30,7 @@ pub struct MomentStream {
     /// The fp32 master weights stream with the moments, the device keeping none.
     pub master_weights: bool,
     /// The rank's disk store; its chunk size is the bucket's size (all of a bucket's state
-    /// fills at most one chunk).
+    /// fills at most one chunk), its host budget the stream's read-ahead.
     pub disk: DiskSettings,
 }
 
@@ -85,13 +87,21 @@ impl StreamedMoments {
             .collect::<Result<Vec<_>, _>>()?;
         let device = Arc::clone(memory.device());
         let pool = Arc::new(HostPool::new(Arc::clone(&device)));
-        let store = DiskStore::new(&spec.disk.dir, spec.disk.rank, spec.disk.chunk_bytes, pool)?;
+        let chunk = stream_chunk_bytes(spec.disk.chunk_bytes);
+        let store = DiskStore::new(&spec.disk.dir, spec.disk.rank, chunk, pool)?;
         let sizes = buckets.iter().map(|b| per_element * b.len()).collect();
         let ranges = slots.iter().map(Buffer::range).collect();
+        let stream = BucketStream::new(
+            Arc::new(store),
+            Arc::clone(&device),
+            ranges,
+            sizes,
+            spec.disk.host_budget_bytes,
+        )?;
         let mut moments = StreamedMoments {
             dtype: spec.dtype,
             master_weights: spec.master_weights,
-            stream: BucketStream::new(Arc::new(store), Arc::clone(&device), ranges, sizes),
+            stream,
             device,
             buckets,
             slots,
@@ -114,6 +124,11 @@ impl StreamedMoments {
             "gpu optimizer state streams through the disk"
         );
         Ok(moments)
+    }
+
+    /// Lets the disk read the next step's buckets ahead while the device computes.
+    pub(super) fn prefetch(&self) -> Result<(), ModelError> {
+        Ok(self.stream.prefetch()?)
     }
 
     /// Whether the master weights stream with the moments.

@@ -52,7 +52,7 @@ enum Moments {
     /// On the device: (P) fp32 each, in [`MemoryTag::Optimizer`].
     Resident { m: Buffer, v: Buffer },
     /// On disk, staged through a few device slots.
-    Streamed(StreamedMoments),
+    Streamed(Box<StreamedMoments>),
 }
 
 /// The activation buffers: allocated for one batch shape, reused for every shape they hold.
@@ -171,7 +171,9 @@ impl GpuTrainer {
                 m: memory.alloc(&MemoryTag::Optimizer, full)?,
                 v: memory.alloc(&MemoryTag::Optimizer, full)?,
             },
-            Some(stream) => Moments::Streamed(StreamedMoments::new(&memory, stream, params)?),
+            Some(stream) => {
+                Moments::Streamed(Box::new(StreamedMoments::new(&memory, stream, params)?))
+            }
         };
         let master = match &moments {
             Moments::Streamed(streamed) if streamed.holds_master() => None,
@@ -296,6 +298,10 @@ impl GpuTrainer {
     pub fn compute_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f32, ModelError> {
         self.ensure_active("compute gradients")?;
         self.check_batch(batch)?;
+        if let Moments::Streamed(streamed) = &self.moments {
+            // The disk reads the optimizer step's buckets while the passes run.
+            streamed.prefetch()?;
+        }
         let result = self
             .accumulate_grads(batch)
             .and_then(|nll| self.sum_over_group(nll));

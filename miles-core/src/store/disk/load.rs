@@ -9,9 +9,9 @@
 //!
 //! On a device the host addresses (the CPU device), a part is read straight into its device ranges
 //! and checksummed there; elsewhere it is read into one of its reader's staging buffers, which the
-//! verifier copies to the device once it has checksummed the part. Either way a chunk's earlier
-//! parts reach the device before its checksum is complete; a mismatch fails the load, and the
-//! caller keeps the tag paused.
+//! verifier copies to the device (or, for a load into host memory, to its place there) once it
+//! has checksummed the part. Either way a chunk's earlier parts reach their destination before
+//! its checksum is complete; a mismatch fails the load, and the caller keeps the tag paused.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -19,7 +19,7 @@ use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
+use std::sync::{Mutex, PoisonError, mpsc};
 
 use crate::device::{AddressRange, Device, HostBuffer, HostView, ViewAccess};
 
@@ -41,9 +41,17 @@ const READ_PART_BYTES: usize = 32 << 20;
 /// for the verifier.
 const STAGING_PER_READER: usize = 2;
 
-/// A data file being read back into the device ranges it was saved from.
-pub(super) struct Load<'a> {
-    pub(super) device: &'a dyn Device,
+/// Where a load puts the bytes.
+pub(super) enum Destination<'a> {
+    /// The device ranges the backup was saved from.
+    Device(&'a dyn Device),
+    /// Host memory holding those ranges laid end to end (the verifier alone writes it).
+    Host(Mutex<&'a mut [u8]>),
+}
+
+/// A data file being read back into the device ranges it was saved from, or into host memory.
+pub(super) struct Load<'a, 'd> {
+    pub(super) dest: Destination<'d>,
     pub(super) pool: &'a HostPool,
     pub(super) file: &'a File,
     pub(super) path: &'a Path,
@@ -112,7 +120,7 @@ impl Drop for UnwindNotice<'_> {
     }
 }
 
-impl Load<'_> {
+impl Load<'_, '_> {
     /// Read every chunk into the device ranges and verify its checksum.
     ///
     /// # Errors
@@ -292,8 +300,17 @@ impl Load<'_> {
             }
         }
         if let Landed::Staged(buffer) = landed {
-            for (range, at) in pieces(self.runs, part.offset, part.len) {
-                self.device.copy_from_host(buffer, at, range)?.wait()?;
+            match &self.dest {
+                Destination::Device(device) => {
+                    for (range, at) in pieces(self.runs, part.offset, part.len) {
+                        device.copy_from_host(buffer, at, range)?.wait()?;
+                    }
+                }
+                Destination::Host(bytes) => {
+                    let mut bytes = bytes.lock().unwrap_or_else(PoisonError::into_inner);
+                    let at = part.offset as usize;
+                    bytes[at..at + part.len].copy_from_slice(&buffer.as_slice()?[..part.len]);
+                }
             }
         }
         Ok(())
@@ -344,8 +361,12 @@ impl Load<'_> {
     }
 
     /// Writable host views of `part`'s device ranges, each with its offset in the part; `None`
-    /// when the device has no host views or a range does not suit O_DIRECT.
+    /// for a load into host memory, or when the device has no host views or a range does not
+    /// suit O_DIRECT.
     fn views(&self, part: Part) -> Result<Option<Vec<(HostView, usize)>>, StoreError> {
+        let Destination::Device(device) = &self.dest else {
+            return Ok(None);
+        };
         let ranges = pieces(self.runs, part.offset, part.len);
         let aligned = |range: &AddressRange| {
             (range.start as usize).is_multiple_of(DIRECT_ALIGN)
@@ -356,7 +377,7 @@ impl Load<'_> {
         }
         let mut views = Vec::with_capacity(ranges.len());
         for (range, at) in ranges {
-            match self.device.host_view(range, ViewAccess::Write)? {
+            match device.host_view(range, ViewAccess::Write)? {
                 Some(view) => views.push((view, at)),
                 None => return Ok(None),
             }
@@ -604,6 +625,35 @@ mod tests {
         round_trip_then_corrupt(&in_place, 50 * MIB + 17);
         let staged = chunks_of_several_reads(no_views(128 * MIB));
         round_trip_then_corrupt(&staged, 50 * MIB + 17);
+    }
+
+    #[test]
+    fn loads_into_host_memory_restore_every_byte_catch_a_flipped_one_and_refuse_a_short_buffer() {
+        let saved = chunks_of_several_reads(Arc::new(CpuDevice::new(128 * MIB as u64)));
+        let total: usize = saved.runs.iter().map(|r| r.len).sum();
+        let mut bytes = vec![0u8; total];
+        saved
+            .store
+            .load_host(&saved.backup, &saved.runs, &mut bytes)
+            .unwrap();
+        assert!(
+            bytes == saved.expected.concat(),
+            "the host copy holds the runs end to end"
+        );
+        let err = saved
+            .store
+            .load_host(&saved.backup, &saved.runs, &mut bytes[..total - 1])
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Manifest { .. }), "{err}");
+        saved.flip(50 * MIB + 17);
+        let err = saved
+            .store
+            .load_host(&saved.backup, &saved.runs, &mut bytes)
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::ChecksumMismatch { chunk: 0, .. }),
+            "{err}"
+        );
     }
 
     /// Staged loads (1 MiB chunks, so many more reads than staging buffers) over runs of 8 MiB.
