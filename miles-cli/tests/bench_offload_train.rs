@@ -77,7 +77,7 @@ fn a_streamed_optimizer_reports_its_step_against_a_resident_one() {
         String::from_utf8_lossy(&output.stderr)
     );
     for line in [
-        "streamed optimizer (fp32): step",
+        "streamed optimizer (fp32, 128 tokens a step): step",
         "against resident",
         "streamed optimizer state on the device",
         // The cpu backends do not report their stream's traffic: the bench says so.
@@ -85,4 +85,12 @@ fn a_streamed_optimizer_reports_its_step_against_a_resident_one() {
     ] {
         assert!(out.contains(line), "missing {line:?} in\n{out}");
     }
+}
+
+#[test]
+fn an_empty_batch_exits_2_before_any_work() {
+    let output = miles(&["--batch", "0"]);
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(err.contains("--batch must be at least 1"), "{err}");
 }

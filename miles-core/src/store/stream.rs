@@ -250,16 +250,9 @@ impl BucketStream {
     /// # Errors
     /// As [`DiskStore::save`]; the bucket is not on disk then.
     pub fn write(&self, bucket: usize) -> Result<u64, StoreError> {
-        let mut main = self.lock();
-        self.stop_reading(&mut main, bucket)?;
-        self.send(Job::WriteSlot(bucket), bucket)?;
-        match self.reply(&mut main, bucket, &mut Duration::default())? {
+        match self.ask(Job::WriteSlot(bucket), bucket)? {
             Reply::SlotWritten { bucket: b, result } if b == bucket => result,
-            _ => Err(lost(
-                &self.root,
-                bucket,
-                "its disk thread answered out of order",
-            )),
+            _ => Err(out_of_order(&self.root, bucket)),
         }
     }
 
@@ -269,16 +262,9 @@ impl BucketStream {
     /// # Errors
     /// [`StoreError::StreamBucketLost`] for a bucket not on disk; as [`DiskStore::load`].
     pub fn read(&self, bucket: usize) -> Result<(), StoreError> {
-        let mut main = self.lock();
-        self.stop_reading(&mut main, bucket)?;
-        self.send(Job::Read(bucket), bucket)?;
-        match self.reply(&mut main, bucket, &mut Duration::default())? {
+        match self.ask(Job::Read(bucket), bucket)? {
             Reply::Read { bucket: b, result } if b == bucket => result,
-            _ => Err(lost(
-                &self.root,
-                bucket,
-                "its disk thread answered out of order",
-            )),
+            _ => Err(out_of_order(&self.root, bucket)),
         }
     }
 
@@ -320,7 +306,7 @@ impl BucketStream {
         for k in 0..self.sizes.len() {
             let landed = match self.reply(&mut main, k, &mut waited) {
                 Ok(Reply::Landed { bucket, result }) if bucket == k => result,
-                Ok(_) => Err(lost(&self.root, k, "its disk thread answered out of order")),
+                Ok(_) => Err(out_of_order(&self.root, k)),
                 Err(error) => Err(error),
             };
             let mut buffer = match landed {
@@ -381,6 +367,14 @@ impl BucketStream {
             .and_then(|fence| fence.wait())
             .map_err(StoreError::from)?;
         Ok(())
+    }
+
+    /// Stops the reads ahead, sends `job` about `bucket` and waits for its reply.
+    fn ask(&self, job: Job, bucket: usize) -> Result<Reply, StoreError> {
+        let mut main = self.lock();
+        self.stop_reading(&mut main, bucket)?;
+        self.send(job, bucket)?;
+        self.reply(&mut main, bucket, &mut Duration::default())
     }
 
     fn lock(&self) -> MutexGuard<'_, Main> {
@@ -737,6 +731,10 @@ fn slot_of(
 
 fn bucket_tag(bucket: usize) -> MemoryTag {
     MemoryTag::Named(format!("optimizer-bucket-{bucket:05}"))
+}
+
+fn out_of_order(root: &Path, bucket: usize) -> StoreError {
+    lost(root, bucket, "its disk thread answered out of order")
 }
 
 fn lost(root: &Path, bucket: usize, reason: &'static str) -> StoreError {
