@@ -282,6 +282,9 @@ impl DiskStore {
                 for file in [DATA_FILE, MANIFEST_TMP, MANIFEST_FILE] {
                     remove_if_present(&dir, &path, file);
                 }
+                // The tag directory goes when the store drops, unless a save fills it again;
+                // left behind, the next job on the directory would take it for a dead one's.
+                lock(&self.backups).entry(name).or_insert(false);
                 Err(error)
             }
         }

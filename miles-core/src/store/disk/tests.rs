@@ -213,6 +213,24 @@ fn a_store_removes_the_backups_it_still_holds_when_it_drops() {
 }
 
 #[test]
+fn a_stopped_write_leaves_no_directory_behind_once_the_store_drops() {
+    let bench = Bench::new();
+    let store = bench.store();
+    let bytes = bench.expected[0].clone();
+    let stop = AtomicBool::new(true);
+    let tag = MemoryTag::Named("stopped".to_string());
+    let saved = store.save_host(&tag, &bytes, &bench.runs[0..1], &stop);
+    assert!(matches!(saved, Ok(None)), "{saved:?}");
+    let dir = bench.rank_dir().join("named-stopped");
+    assert!(
+        dir.exists() && !dir.join(DATA_FILE).exists(),
+        "a stopped write removes its data"
+    );
+    drop(store);
+    assert!(!dir.exists(), "and its directory with the store");
+}
+
+#[test]
 fn a_removal_a_kill_interrupted_does_not_stop_the_next_job_removing_its_backups() {
     let bench = Bench::new();
     // As a kill between moving a backup away and unlinking it leaves it.
