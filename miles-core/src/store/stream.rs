@@ -334,10 +334,11 @@ impl BucketStream {
             self.send(Job::Write { bucket: k, buffer }, k)?;
             stats.bytes_written += self.sizes[k] as u64;
         }
-        main.reading = false;
-        if outcome.is_err() {
+        if outcome.is_ok() {
+            // The thread's reads ended with the last bucket.
+            main.reading = false;
+        } else {
             // The reads ahead of the failure are given back; what was updated reaches disk.
-            main.reading = true;
             let last = self.sizes.len().saturating_sub(1);
             self.stop_reading(&mut main, last)?;
             self.flush(&mut main, &mut waited)?;
@@ -821,6 +822,15 @@ mod tests {
             (result, updated)
         }
 
+        /// One walk that must update every bucket; its figures.
+        fn walk_every_bucket(&mut self) -> StreamStats {
+            let (stats, updated) = self.walk();
+            let stats = stats.unwrap();
+            assert_eq!(updated, (0..BUCKETS).collect::<Vec<_>>());
+            self.bump(0..BUCKETS);
+            stats
+        }
+
         /// Reads bucket `k` back through its slot.
         fn read_back(&self, k: usize) -> Vec<u8> {
             self.stream.read(k).unwrap();
@@ -866,12 +876,9 @@ mod tests {
                 if step > 0 {
                     bench.stream.prefetch().unwrap();
                 }
-                let (stats, updated) = bench.walk();
-                let stats = stats.unwrap();
-                assert_eq!(updated, (0..BUCKETS).collect::<Vec<_>>());
+                let stats = bench.walk_every_bucket();
                 assert_eq!((stats.bytes_read, stats.bytes_written), (total, total));
                 assert!(stats.wait_seconds >= 0.0 && stats.disk_seconds > 0.0);
-                bench.bump(0..BUCKETS);
             }
             bench.check_on_disk(0..BUCKETS);
         }
@@ -891,10 +898,7 @@ mod tests {
             .unwrap();
         bench.stream.write(5).unwrap();
         bench.expected[5] = fresh;
-        let (stats, updated) = bench.walk();
-        stats.unwrap();
-        assert_eq!(updated.len(), BUCKETS);
-        bench.bump(0..BUCKETS);
+        bench.walk_every_bucket();
         bench.check_on_disk(0..BUCKETS);
     }
 
@@ -902,10 +906,8 @@ mod tests {
     fn a_failed_write_behind_keeps_the_bucket_in_host_memory_and_fails_the_next_walk() {
         let mut bench = Bench::new(75, 0);
         bench.stream.fail_next_write(2);
-        let (stats, updated) = bench.walk();
-        stats.unwrap();
-        assert_eq!(updated.len(), BUCKETS, "the failure lands behind the walk");
-        bench.bump(0..BUCKETS);
+        // The failure lands behind the walk.
+        bench.walk_every_bucket();
         let (result, updated) = bench.walk();
         let err = result.unwrap_err();
         assert!(
@@ -921,10 +923,7 @@ mod tests {
         // Nothing is lost: the bucket reads from its host copy, and the next walk goes on
         // and writes it again.
         assert!(bench.read_back(2) == bench.expected[2]);
-        let (stats, updated) = bench.walk();
-        stats.unwrap();
-        assert_eq!(updated.len(), BUCKETS);
-        bench.bump(0..BUCKETS);
+        bench.walk_every_bucket();
         bench.check_on_disk(0..BUCKETS);
     }
 

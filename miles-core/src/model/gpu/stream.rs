@@ -2,9 +2,10 @@
 //! parameter buffer cut into buckets, each bucket's `m` then `v` in the moment dtype (then,
 //! with `--stream-optimizer-master-weights`, its fp32 master weights) one tag of the disk
 //! store, staged through [`STREAM_SLOTS`] device slots of the
-//! [`stream_tag`](StreamedMoments::tag) region. A step walks the buckets
-//! ([`BucketStream::walk`]): bucket k+1 is read while the AdamW kernel updates bucket k in its
-//! slot and bucket k-1 is written back; the device never holds more than the slots.
+//! [`stream_tag`](StreamedMoments::tag) region. The disk reads a step's buckets ahead into host
+//! memory from the start of its forward pass ([`BucketStream::prefetch`]); the optimizer step
+//! walks them ([`BucketStream::walk`]), the AdamW kernel updating each in its slot, and their
+//! writes go on behind it; the device never holds more than the slots.
 
 use std::ops::Range;
 use std::sync::Arc;
