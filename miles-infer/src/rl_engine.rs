@@ -45,8 +45,19 @@ impl LoopEngine for InferenceController {
             stop_tokens: sampling.stop_tokens.clone(),
             seed: sampling.seed,
         };
+        let started = std::time::Instant::now();
         let generation =
             InferenceController::generate(self, prompts, &params).map_err(wrap("generate"))?;
+        let s = &generation.stats;
+        tracing::debug!(
+            seconds = started.elapsed().as_secs_f64(),
+            scheduled = s.seconds,
+            prefill = s.prefill_seconds,
+            decode = s.decode_seconds,
+            decode_steps = s.decode_steps,
+            tokens = s.generated_tokens,
+            "rollout: the call's seconds, the scheduler's, and its prefill and decode steps"
+        );
         let mut groups: Vec<Vec<Sample>> = vec![Vec::with_capacity(n); prompts.len()];
         for c in generation.completions {
             groups[c.prompt_index].push(Sample {

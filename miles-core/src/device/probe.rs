@@ -251,6 +251,7 @@ const CUDARC_SYMBOLS: &[&str] = &[
     "cuMemUnmap",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostGetDevicePointer_v2",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuStreamCreate",

@@ -313,6 +313,29 @@ pub(crate) fn mem_host_alloc(len: usize) -> Result<*mut u8, DeviceError> {
     Ok(host.cast())
 }
 
+/// `cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`, then
+/// `cuMemHostGetDevicePointer`: pinned host memory that kernels read and write directly; returns
+/// its host pointer and its device address. Freed with [`mem_free_host`].
+pub(crate) fn mem_host_alloc_mapped(len: usize) -> Result<(*mut u8, u64), DeviceError> {
+    let mut host = ptr::null_mut::<c_void>();
+    let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+    // SAFETY: writes one pointer to a live local.
+    check("cuMemHostAlloc", unsafe {
+        sys::cuMemHostAlloc(&mut host, len, flags)
+    })?;
+    let mut device: sys::CUdeviceptr = 0;
+    // SAFETY: `host` is a live mapped allocation made just above; writes one address to a local.
+    let mapped = check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0)
+    });
+    if let Err(error) = mapped {
+        // SAFETY: allocated above, used by nothing yet.
+        unsafe { mem_free_host(host.cast()) }?;
+        return Err(error);
+    }
+    Ok((host.cast(), device))
+}
+
 /// `cuMemFreeHost`: free pinned host memory.
 ///
 /// # Safety

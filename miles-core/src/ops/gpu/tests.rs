@@ -311,3 +311,33 @@ fn gpu_slices_refuse_unaligned_ranges_and_views_outside_themselves() {
         .to_string();
     assert!(err.contains("a test tensor holds 16 elements"), "{err}");
 }
+
+#[test]
+fn gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_alignment() {
+    let test = "gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_alignment";
+    let Some(mut t) = TestGpu::open(test, 400 << 20) else {
+        return;
+    };
+    // Staged through mapped host memory, growing its buffer, with element offsets that leave
+    // both addresses off 16 bytes, and one past the staging limit (a copy-engine copy).
+    for (seed, len) in [1usize, 7, 8, 9, 4097, (1 << 20) + 3, 40 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let values: Vec<bf16> = seeded(seed as u64, len)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        for offset in [0, 1] {
+            let src = t.alloc::<bf16>(len + offset).sub(offset, len).unwrap();
+            t.gpu.upload(src, &values).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(t.get(src), values, "{len} elements at offset {offset}");
+            let dst = t.alloc::<bf16>(len + 3).sub(3 - offset, len).unwrap();
+            t.gpu.copy(dst, src).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(t.get(dst), values, "device copy of {len} at {offset}");
+        }
+    }
+    let words: Vec<u32> = seeded(9, 1000).iter().map(|v| v.to_bits()).collect();
+    let small = t.put(&words);
+    assert_eq!(t.get(small), words, "a small transfer after a large one");
+}

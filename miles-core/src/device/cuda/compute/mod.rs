@@ -15,10 +15,11 @@
 mod blas;
 mod lt;
 mod nccl;
+mod staging;
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, PushKernelArg, sys};
 use half::bf16;
@@ -28,6 +29,7 @@ pub use cudarc::driver::LaunchConfig;
 pub use lt::GemmAlgo;
 pub use nccl::{ID_BYTES, NcclComm};
 
+use self::staging::{COPY_KERNEL, COPY_SOURCE, COPY_THREADS, STAGED_MAX_BYTES, StagingSlot};
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
@@ -165,6 +167,9 @@ pub struct Gpu {
     blas: blas::Blas,
     lt: lt::Lt,
     device: Arc<CudaDevice>,
+    /// The mapped host buffer of staged uploads and downloads, made at the first, grown as
+    /// needed.
+    staging: Mutex<StagingSlot>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -196,6 +201,7 @@ impl Gpu {
             .kernels
             .iter()
             .flat_map(|group| group.iter())
+            .chain([&COPY_KERNEL])
             .map(|&name| {
                 module
                     .load_function(name)
@@ -216,6 +222,7 @@ impl Gpu {
             blas,
             lt,
             device,
+            staging: Mutex::new(StagingSlot::default()),
         })
     }
 
@@ -255,26 +262,38 @@ impl Gpu {
         self.device.stream_wait(&self.stream, fence)
     }
 
-    /// Copies `src` into `dst` (same length) and waits for it.
+    /// Copies `src` into `dst` (same length) and waits for it. Up to [`STAGED_MAX_BYTES`] the
+    /// bytes go through mapped host memory and a kernel, never queued behind the copy engines'
+    /// work (`staging.rs`); larger uploads are a copy on a copy engine.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] for lengths that differ; the driver's error.
     pub fn upload<T: GpuElement>(&self, dst: GpuSlice<T>, src: &[T]) -> Result<(), DeviceError> {
         dst.expect_len("upload destination", src.len())?;
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda("cuCtxSetCurrent"))?;
-        // SAFETY: `dst` spans exactly `src`'s bytes; the stream is synchronised before `src`'s
-        // borrow ends, so the pageable source outlives the copy.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst.addr, src, self.stream.cu_stream())
+        self.bind()?;
+        let bytes = dst.bytes();
+        if bytes > STAGED_MAX_BYTES {
+            // SAFETY: `dst` spans exactly `src`'s bytes; the stream is synchronised before
+            // `src`'s borrow ends, so the pageable source outlives the copy.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst.addr, src, self.stream.cu_stream())
+            }
+            .map_err(cuda("cuMemcpyHtoDAsync"))?;
+            return self.synchronize();
         }
-        .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        let mut slot = self.staging();
+        let staging = slot.at_least(bytes)?;
+        // SAFETY: `src` is plain data of `bytes` bytes (a `GpuElement`).
+        let src = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), bytes) };
+        // SAFETY: the buffer holds at least `bytes` (`Gpu::staging`), and no kernel uses it: the
+        // lock is held, and every staged transfer waits for its kernel before letting go.
+        unsafe { staging.fill(src) };
+        self.copy_bytes(dst.addr, staging.device(), bytes)?;
         self.synchronize()
     }
 
-    /// Copies `src` into `dst` (same length) after the queued work, and waits for it.
+    /// Copies `src` into `dst` (same length) after the queued work, and waits for it; staged as
+    /// [`upload`](Self::upload) is.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] for lengths that differ; the driver's error, or the first
@@ -285,17 +304,55 @@ impl Gpu {
         src: GpuSlice<T>,
     ) -> Result<(), DeviceError> {
         src.expect_len("download source", dst.len())?;
+        self.bind()?;
+        let bytes = src.bytes();
+        if bytes > STAGED_MAX_BYTES {
+            // SAFETY: `src` spans exactly `dst`'s bytes; the stream is synchronised before
+            // `dst`'s borrow ends.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(dst, src.addr, self.stream.cu_stream())
+            }
+            .map_err(cuda("cuMemcpyDtoHAsync"))?;
+            return self.synchronize();
+        }
+        let mut slot = self.staging();
+        let staging = slot.at_least(bytes)?;
+        self.copy_bytes(staging.device(), src.addr, bytes)?;
+        self.synchronize()?;
+        // SAFETY: `dst` is `bytes` bytes of plain data (a `GpuElement`), every bit pattern of
+        // which the copied bytes of the same type are.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
+        // SAFETY: the kernel that filled the buffer is done (synchronised above) and no other
+        // runs: the lock is held; the buffer holds at least `bytes`.
+        unsafe { staging.drain(dst) };
+        Ok(())
+    }
+
+    /// Makes the stream's context current on this thread.
+    fn bind(&self) -> Result<(), DeviceError> {
         self.stream
             .context()
             .bind_to_thread()
-            .map_err(cuda("cuCtxSetCurrent"))?;
-        // SAFETY: `src` spans exactly `dst`'s bytes; the stream is synchronised before `dst`'s
-        // borrow ends.
-        unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(dst, src.addr, self.stream.cu_stream())
+            .map_err(cuda("cuCtxSetCurrent"))
+    }
+
+    /// The staging buffer's slot, locked: one staged transfer at a time.
+    fn staging(&self) -> MutexGuard<'_, StagingSlot> {
+        self.staging.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues the copy kernel: `bytes` bytes from device address `src` to `dst` (either may be
+    /// mapped host memory).
+    fn copy_bytes(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DeviceError> {
+        if bytes == 0 {
+            return Ok(());
         }
-        .map_err(cuda("cuMemcpyDtoHAsync"))?;
-        self.synchronize()
+        let config = LaunchConfig {
+            grid_dim: (staging::copy_blocks(bytes), 1, 1),
+            block_dim: (COPY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(COPY_KERNEL, config, &[&dst, &src, &(bytes as u64)])
     }
 
     /// Sets every byte of `dst` to zero (queued).
@@ -303,10 +360,7 @@ impl Gpu {
     /// # Errors
     /// The driver's error.
     pub fn zero<T: GpuElement>(&self, dst: GpuSlice<T>) -> Result<(), DeviceError> {
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda("cuCtxSetCurrent"))?;
+        self.bind()?;
         // SAFETY: `dst` is a view of device memory the caller holds; zero bytes are a valid value
         // of every `GpuElement`.
         unsafe {
@@ -320,31 +374,18 @@ impl Gpu {
         .map_err(cuda("cuMemsetD8Async"))
     }
 
-    /// Copies `src` into `dst` (same length) on the device (queued).
+    /// Copies `src` into `dst` (same length) on the device (queued), as a kernel: a copy
+    /// engine's copy would wait for the memory manager's copies queued before it.
     ///
     /// # Errors
-    /// [`DeviceError::ShapeMismatch`]; the driver's error.
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
     pub fn copy<T: GpuElement>(
         &self,
         dst: GpuSlice<T>,
         src: GpuSlice<T>,
     ) -> Result<(), DeviceError> {
         dst.expect_len("copy destination", src.len())?;
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda("cuCtxSetCurrent"))?;
-        // SAFETY: both views span the same number of bytes of device memory the caller holds.
-        unsafe {
-            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
-                dst.addr,
-                src.addr,
-                src.bytes(),
-                self.stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(cuda("cuMemcpyDtoDAsync"))
+        self.copy_bytes(dst.addr, src.addr, src.bytes())
     }
 
     /// Records the work `queue` puts on the compute stream into a graph instead of running
@@ -464,7 +505,8 @@ pub fn compile(program: &KernelProgram) -> Result<cudarc::nvrtc::Ptx, DeviceErro
         name: Some(format!("{}.cu", program.name)),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(program.sources.concat(), options).map_err(|error| {
+    let source = program.sources.concat() + COPY_SOURCE;
+    cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|error| {
         let message = match &error {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                 log.to_string_lossy().into_owned()

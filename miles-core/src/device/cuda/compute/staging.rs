@@ -1,0 +1,119 @@
+//! Transfers of the compute stream that stay off the copy engines.
+//!
+//! The memory manager's pauses and resumes queue gigabytes of copies on the copy engines. A
+//! copy of the compute stream queued behind them waited for all of them: on an H200 a rollout's
+//! prefill took 0.22 s instead of 2 ms while the trainer's 12.5 GB went to host memory behind
+//! it, and its decode steps 0.23 s longer while the trainer came back (`bench/RESULTS.md`,
+//! round 24). So the compute stream's uploads and downloads of up to [`STAGED_MAX_BYTES`] go
+//! through a pinned host buffer mapped into the device's address space, copied by a kernel
+//! ([`COPY_KERNEL`]), and its device-to-device copies are that kernel too.
+
+use super::super::driver;
+use crate::device::DeviceError;
+
+/// The largest upload or download staged through mapped host memory; larger ones are copies on
+/// a copy engine (the trainer's start-up uploads of whole parameter tables, say).
+pub(super) const STAGED_MAX_BYTES: usize = 64 << 20;
+
+/// The copy kernel's name in [`COPY_SOURCE`].
+pub(super) const COPY_KERNEL: &str = "miles_copy_bytes";
+
+/// `dst[i] = src[i]` for `n` bytes, 16 at a time where both addresses allow it; either side may
+/// be mapped host memory.
+pub(super) const COPY_SOURCE: &str = r#"
+extern "C" __global__ void miles_copy_bytes(
+    unsigned char* __restrict__ dst, const unsigned char* __restrict__ src, unsigned long long n) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long head = 0;
+    if ((((unsigned long long)dst | (unsigned long long)src) & 15) == 0) {
+        unsigned long long words = n / 16;
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (unsigned long long w = i; w < words; w += stride) d[w] = s[w];
+        head = words * 16;
+    }
+    for (unsigned long long b = head + i; b < n; b += stride) dst[b] = src[b];
+}
+"#;
+
+/// Threads a block of the copy kernel.
+pub(super) const COPY_THREADS: u32 = 256;
+
+/// Blocks of the copy kernel for `bytes`: one 16-byte word a thread, at most 4096 blocks (the
+/// kernel strides over the rest).
+pub(super) fn copy_blocks(bytes: usize) -> u32 {
+    let words = bytes.div_ceil(16).max(1);
+    words.div_ceil(COPY_THREADS as usize).min(4096) as u32
+}
+
+/// The staging buffer of a `Gpu`, made at its first transfer and grown as transfers need.
+#[derive(Debug, Default)]
+pub(super) struct StagingSlot(Option<Staging>);
+
+impl StagingSlot {
+    /// The buffer, holding at least `bytes` (made or grown here; the caller's context is
+    /// current and no kernel uses the old buffer).
+    pub(super) fn at_least(&mut self, bytes: usize) -> Result<&mut Staging, DeviceError> {
+        let staging = match self.0.take() {
+            Some(staging) if staging.len >= bytes => staging,
+            _ => Staging::new(bytes.next_power_of_two().clamp(1 << 20, STAGED_MAX_BYTES))?,
+        };
+        Ok(self.0.insert(staging))
+    }
+}
+
+/// Pinned host memory mapped into the device's address space, reused by one transfer at a time.
+#[derive(Debug)]
+pub(super) struct Staging {
+    host: *mut u8,
+    device: u64,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain pinned host memory owned by this value; `Gpu` lends it to one
+// transfer at a time under a mutex, and every transfer waits for its kernel before it returns.
+// The raw pointer is what keeps the type from being `Send` by itself.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    /// `len` bytes (the caller's context is current).
+    fn new(len: usize) -> Result<Staging, DeviceError> {
+        let (host, device) = driver::mem_host_alloc_mapped(len)?;
+        Ok(Staging { host, device, len })
+    }
+
+    /// The buffer's device address, for the copy kernel.
+    pub(super) fn device(&self) -> u64 {
+        self.device
+    }
+
+    /// Copies `src` into the start of the buffer.
+    ///
+    /// # Safety
+    /// No kernel reads or writes the buffer meanwhile; `src.len() <= self.len()`.
+    pub(super) unsafe fn fill(&mut self, src: &[u8]) {
+        // SAFETY: the caller keeps kernels off the buffer and `src` within it; the buffer and
+        // `src` are distinct allocations.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host, src.len()) }
+    }
+
+    /// Copies the start of the buffer into `dst`.
+    ///
+    /// # Safety
+    /// No kernel writes the buffer meanwhile, the one that filled it is done;
+    /// `dst.len() <= self.len()`.
+    pub(super) unsafe fn drain(&self, dst: &mut [u8]) {
+        // SAFETY: as in `fill`, the other way round.
+        unsafe { std::ptr::copy_nonoverlapping(self.host, dst.as_mut_ptr(), dst.len()) }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `new`, freed once here; every transfer waited for its kernel.
+        if let Err(error) = unsafe { driver::mem_free_host(self.host) } {
+            tracing::error!(%error, "cannot free the compute stream's staging buffer");
+        }
+    }
+}
