@@ -282,7 +282,7 @@ impl Gpu {
             return self.synchronize();
         }
         let mut slot = self.staging();
-        let staging = slot.at_least(bytes)?;
+        let staging = slot.at_least(bytes, self.stream.context())?;
         // SAFETY: `src` is plain data of `bytes` bytes (a `GpuElement`).
         let src = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), bytes) };
         // SAFETY: the buffer holds at least `bytes` (`Gpu::staging`), and no kernel uses it: the
@@ -316,7 +316,7 @@ impl Gpu {
             return self.synchronize();
         }
         let mut slot = self.staging();
-        let staging = slot.at_least(bytes)?;
+        let staging = slot.at_least(bytes, self.stream.context())?;
         self.copy_bytes(staging.device(), src.addr, bytes)?;
         self.synchronize()?;
         // SAFETY: `dst` is `bytes` bytes of plain data (a `GpuElement`), every bit pattern of

@@ -8,6 +8,10 @@
 //! through a pinned host buffer mapped into the device's address space, copied by a kernel
 //! ([`COPY_KERNEL`]), and its device-to-device copies are that kernel too.
 
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
 use super::super::driver;
 use crate::device::DeviceError;
 
@@ -52,12 +56,19 @@ pub(super) fn copy_blocks(bytes: usize) -> u32 {
 pub(super) struct StagingSlot(Option<Staging>);
 
 impl StagingSlot {
-    /// The buffer, holding at least `bytes` (made or grown here; the caller's context is
-    /// current and no kernel uses the old buffer).
-    pub(super) fn at_least(&mut self, bytes: usize) -> Result<&mut Staging, DeviceError> {
+    /// The buffer, holding at least `bytes` (made or grown here in `context`, which is current;
+    /// no kernel uses the old buffer).
+    pub(super) fn at_least(
+        &mut self,
+        bytes: usize,
+        context: &Arc<CudaContext>,
+    ) -> Result<&mut Staging, DeviceError> {
         let staging = match self.0.take() {
             Some(staging) if staging.len >= bytes => staging,
-            _ => Staging::new(bytes.next_power_of_two().clamp(1 << 20, STAGED_MAX_BYTES))?,
+            _ => {
+                let len = bytes.next_power_of_two().clamp(1 << 20, STAGED_MAX_BYTES);
+                Staging::new(len, Arc::clone(context))?
+            }
         };
         Ok(self.0.insert(staging))
     }
@@ -69,6 +80,8 @@ pub(super) struct Staging {
     host: *mut u8,
     device: u64,
     len: usize,
+    /// The context it was made in, kept alive and made current to free it.
+    context: Arc<CudaContext>,
 }
 
 // SAFETY: the buffer is plain pinned host memory owned by this value; `Gpu` lends it to one
@@ -77,10 +90,15 @@ pub(super) struct Staging {
 unsafe impl Send for Staging {}
 
 impl Staging {
-    /// `len` bytes (the caller's context is current).
-    fn new(len: usize) -> Result<Staging, DeviceError> {
+    /// `len` bytes in `context` (current on this thread).
+    fn new(len: usize, context: Arc<CudaContext>) -> Result<Staging, DeviceError> {
         let (host, device) = driver::mem_host_alloc_mapped(len)?;
-        Ok(Staging { host, device, len })
+        Ok(Staging {
+            host,
+            device,
+            len,
+            context,
+        })
     }
 
     /// The buffer's device address, for the copy kernel.
@@ -111,8 +129,16 @@ impl Staging {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        // SAFETY: allocated by `new`, freed once here; every transfer waited for its kernel.
-        if let Err(error) = unsafe { driver::mem_free_host(self.host) } {
+        let freed = self
+            .context
+            .bind_to_thread()
+            .map_err(|error| DeviceError::Cuda {
+                call: "cuCtxSetCurrent",
+                message: error.to_string(),
+            })
+            // SAFETY: allocated by `new`, freed once here; every transfer waited for its kernel.
+            .and_then(|()| unsafe { driver::mem_free_host(self.host) });
+        if let Err(error) = freed {
             tracing::error!(%error, "cannot free the compute stream's staging buffer");
         }
     }
