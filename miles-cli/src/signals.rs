@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use anyhow::Context;
-use signal_hook::consts::{SIGINT, SIGTERM};
+pub use signal_hook::consts::SIGINT;
+use signal_hook::consts::SIGTERM;
 use signal_hook::flag;
 use signal_hook::iterator::Signals;
 
@@ -35,7 +36,8 @@ fn status_of(signal: i32) -> u8 {
 /// The first one sets the [`flag`](Self::flag) (the work stops after its phase, saves and
 /// writes what it has); a second one ends the process at once with 128 + its number, which
 /// leaves no partial file behind because every checkpoint and metrics write lands by rename
-/// or whole lines.
+/// or whole lines. A clone watches the same signals.
+#[derive(Clone)]
 pub struct StopSignal {
     requested: Arc<AtomicBool>,
     received: Arc<AtomicUsize>,

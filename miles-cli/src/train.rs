@@ -8,9 +8,14 @@
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
 //! data-parallel replica of the trainer (`--train-backend fsdp --data-parallel-size N`, GRPO)
-//! whose gradients NCCL averages over the ranks. Rank 0 reports, writes metrics and saves.
+//! whose gradients NCCL averages over the ranks. Rank 0 reports, writes metrics and saves. A
+//! signal there stops every rank after the same step: at the end of each step the ranks agree
+//! over the job's host group whether any was asked to stop, and each exits with the status of the
+//! signal one of them received.
 
+use std::cell::{Cell, RefCell};
 use std::io::{IsTerminal, Write};
+use std::rc::Rc;
 
 use anyhow::Context;
 use clap::Args;
@@ -23,7 +28,7 @@ use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
 
 use crate::settings_args::{BadSettings, SettingsArgs};
-use crate::signals::StopSignal;
+use crate::signals::{Interrupted, StopSignal};
 
 /// `miles train`.
 #[derive(Args, Debug)]
@@ -102,7 +107,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let (mut group, comm) = job.map_or((None, None), |(group, comm)| (Some(group), Some(comm)));
+    let (group, comm) = job.map_or((None, None), |(group, comm)| {
+        (Some(Rc::new(RefCell::new(group))), Some(comm))
+    });
     let actor = build_actor(&settings, comm)?;
     let critic = build_critic(&settings, tokenizer.pad())?;
     if let Some(gpu) = crate::gpu::gpu_for(settings.device)? {
@@ -129,6 +136,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(dataset) = eval_data {
         orchestrator = orchestrator.with_eval_data(dataset);
     }
+    // The largest signal number any rank received, agreed at each step's end (0: none).
+    let agreed = Rc::new(Cell::new(0u32));
+    if let Some(group) = &group {
+        let (group, agreed, signal) = (Rc::clone(group), Rc::clone(&agreed), signal.clone());
+        orchestrator = orchestrator.with_stop_agreement(Box::new(move |flag| {
+            let mine = match (flag, signal.received()) {
+                (false, _) => 0,
+                (true, received) => received.map_or(crate::signals::SIGINT, |s| s.signal),
+            };
+            let all = group.borrow_mut().max(u32::try_from(mine).unwrap_or(0))?;
+            agreed.set(all);
+            Ok(all != 0)
+        }));
+    }
+    // A rank a peer's signal stopped exits as that peer does.
+    let stopped = || {
+        signal.received().or_else(|| {
+            let peers = i32::try_from(agreed.get()).unwrap_or(0);
+            (peers != 0).then_some(Interrupted { signal: peers })
+        })
+    };
     let summary = if rank == 0 {
         let mut progress = Progress::new(settings.steps);
         let summary = orchestrator.run(&mut |m| progress.step(m))?;
@@ -137,13 +165,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     } else {
         orchestrator.run(&mut |_| {})?
     };
-    if let Some(group) = &mut group {
-        group.barrier()?;
+    if let Some(group) = &group {
+        group.borrow_mut().barrier()?;
     }
     if rank > 0 {
-        return signal
-            .received()
-            .map_or(Ok(()), |stopped| Err(stopped.into()));
+        return stopped().map_or(Ok(()), |stopped| Err(stopped.into()));
     }
     let mut out = std::io::stdout().lock();
     let (first, last) = (
@@ -167,9 +193,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &settings.memory_timeline {
         writeln!(out, "memory timeline: {}", path.display())?;
     }
-    signal
-        .received()
-        .map_or(Ok(()), |stopped| Err(stopped.into()))
+    stopped().map_or(Ok(()), |stopped| Err(stopped.into()))
 }
 
 /// The rollout engine of `model` on the device `settings` name, behind its controller.

@@ -206,6 +206,38 @@ impl HostGroup {
         Ok(())
     }
 
+    /// The largest of every rank's `value`, on every rank (a gather to rank 0, then its
+    /// broadcast).
+    ///
+    /// # Errors
+    /// As [`barrier`](Self::barrier); [`CommError::BadLength`] for a part that is not one u32.
+    pub fn max(&mut self, value: u32) -> Result<u32, CommError> {
+        let rank_here = self.rank;
+        let bad = move |what: String| CommError::BadLength {
+            op: "max",
+            rank: rank_here,
+            what,
+        };
+        let mut largest = value.to_le_bytes().to_vec();
+        if let Some(parts) = self.gather(&largest)? {
+            let mut max = value;
+            for (rank, part) in parts.iter().enumerate() {
+                let bytes: [u8; 4] = part
+                    .as_slice()
+                    .try_into()
+                    .map_err(|_| bad(format!("rank {rank} sent {} bytes, not 4", part.len())))?;
+                max = max.max(u32::from_le_bytes(bytes));
+            }
+            largest = max.to_le_bytes().to_vec();
+        }
+        self.broadcast(&mut largest)?;
+        let bytes: [u8; 4] = largest
+            .as_slice()
+            .try_into()
+            .map_err(|_| bad(format!("rank 0 sent {} bytes, not 4", largest.len())))?;
+        Ok(u32::from_le_bytes(bytes))
+    }
+
     /// The connection to `peer`: rank 0 has one per rank, the others one to rank 0.
     fn link(&mut self, peer: usize) -> &mut TcpStream {
         let index = if self.rank == 0 { peer - 1 } else { 0 };

@@ -98,6 +98,18 @@ fn broadcast_gives_every_rank_the_bytes_of_rank_0() {
 }
 
 #[test]
+fn max_gives_every_rank_the_largest_value() {
+    let results = on_ranks(3, |group| {
+        let first = group.max([0, 130, 2][group.rank()])?;
+        let second = group.max(0)?;
+        Ok((first, second))
+    });
+    for result in results {
+        assert_eq!(result.unwrap(), (130, 0));
+    }
+}
+
+#[test]
 fn a_peer_that_calls_another_collective_is_a_mismatch() {
     let results = on_ranks(2, |group| {
         if group.rank() == 0 {

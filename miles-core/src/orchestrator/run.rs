@@ -75,6 +75,10 @@ const HEAD_BEHIND: [Phase; 5] = [
     Phase::Save,
 ];
 
+/// How the ranks of a multi-process job agree on stopping: called with this rank's stop flag at
+/// the same points on every rank, it returns whether any rank asked to stop.
+pub type StopAgreement = Box<dyn FnMut(bool) -> Result<bool, crate::comm::CommError>>;
+
 /// Whether the loop goes on after a phase.
 enum Next {
     Continue,
@@ -95,6 +99,8 @@ pub struct Orchestrator {
     problems: PromptSource,
     reward: Box<dyn Reward>,
     stop: Arc<AtomicBool>,
+    /// With several ranks, how they agree on stopping ([`with_stop_agreement`](Self::with_stop_agreement)).
+    agreement: Option<StopAgreement>,
     state: LoopState,
     timeline: MemoryTimeline,
     started: Instant,
@@ -149,6 +155,7 @@ impl Orchestrator {
             problems,
             reward: Box::new(BuiltinReward::new(RmType::Task, tokenizer)),
             stop: Arc::new(AtomicBool::new(false)),
+            agreement: None,
             state,
             timeline: MemoryTimeline::default(),
             started: Instant::now(),
@@ -189,6 +196,16 @@ impl Orchestrator {
     /// Uses `flag` as the stop flag (one a Ctrl-C handler already sets).
     pub fn with_stop_flag(mut self, flag: Arc<AtomicBool>) -> Self {
         self.stop = flag;
+        self
+    }
+
+    /// Makes the ranks of a multi-process job stop together: the stop flag no longer ends the
+    /// loop after a phase; instead, at the end of every step (and of every supervised warm-up
+    /// step, and of the start sequence) the loop passes it to `agreement`, and stops when any
+    /// rank asked to. Every rank then stops after the same step, so none is left waiting in a
+    /// collective of the next.
+    pub fn with_stop_agreement(mut self, agreement: StopAgreement) -> Self {
+        self.agreement = Some(agreement);
         self
     }
 
@@ -251,6 +268,10 @@ impl Orchestrator {
         while !interrupted && self.state.step < self.config.steps {
             let step = self.state.step + 1;
             let (mut metrics, next) = self.step(step)?;
+            let next = match next {
+                Next::Stop => Next::Stop,
+                Next::Continue => self.stop_agreed()?,
+            };
             interrupted = matches!(next, Next::Stop);
             // A step stopped before its training finished left nothing to report.
             if self.state.step == step {
@@ -281,12 +302,28 @@ impl Orchestrator {
         })
     }
 
+    /// Whether the stop flag ends the loop after this phase: never where the ranks agree on
+    /// stopping ([`stop_agreed`](Self::stop_agreed) asks at the end of a step instead).
     fn stopped(&self) -> Next {
-        if self.stop.load(Ordering::SeqCst) {
+        if self.agreement.is_none() && self.stop.load(Ordering::SeqCst) {
             Next::Stop
         } else {
             Next::Continue
         }
+    }
+
+    /// Whether the loop stops at the end of a step: the stop flag alone, or with several ranks
+    /// whether any rank's flag is set.
+    ///
+    /// # Errors
+    /// [`OrchestratorError::StopAgreement`] when the ranks cannot agree.
+    fn stop_agreed(&mut self) -> Result<Next, OrchestratorError> {
+        let flag = self.stop.load(Ordering::SeqCst);
+        let stop = match &mut self.agreement {
+            Some(agree) => agree(flag).map_err(OrchestratorError::StopAgreement)?,
+            None => flag,
+        };
+        Ok(if stop { Next::Stop } else { Next::Continue })
     }
 
     /// Start: the engine releases all its memory; after any supervised warm-up, the trainer
@@ -312,6 +349,9 @@ impl Orchestrator {
                 return Ok(Next::Stop);
             }
             self.warmup_step()?;
+            if let Next::Stop = self.stop_agreed()? {
+                return Ok(Next::Stop);
+            }
         }
         if self.config.rl.loss.kl.is_some() && self.reference.is_none() {
             self.reference = Some(ReferenceModel::of_actor(&mut **self.actor.get()?)?);
@@ -336,7 +376,7 @@ impl Orchestrator {
             self.run_phase(phase, &mut ignored, None)?;
             self.sample_memory(format!("start after_{}", phase.name()));
         }
-        Ok(self.stopped())
+        self.stop_agreed()
     }
 
     /// One RL step and its metrics; [`Next::Stop`] when the stop flag ended it after a phase

@@ -52,6 +52,77 @@ fn stop_flag_ends_the_loop_after_the_phase_in_progress() {
     assert_eq!(calls[START.len()..], ["engine.generate"]);
 }
 
+/// An agreement that records each rank's flag it is given and answers `peer(call)` or the flag.
+fn agreement(
+    seen: &Arc<std::sync::Mutex<Vec<bool>>>,
+    peer: fn(usize) -> Result<bool, crate::comm::CommError>,
+) -> super::super::StopAgreement {
+    let seen = Arc::clone(seen);
+    Box::new(move |flag| {
+        let mut seen = seen.lock().unwrap();
+        seen.push(flag);
+        Ok(peer(seen.len())? || flag)
+    })
+}
+
+#[test]
+fn with_a_stop_agreement_the_flag_stops_the_loop_after_the_step_in_progress() {
+    let log = Log::default();
+    let mut engine = FakeEngine::new(&log);
+    let flag = Arc::new(AtomicBool::new(false));
+    engine.stop_during_generate = Some(Arc::clone(&flag));
+    let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut o = Orchestrator::new(
+        colocated(3),
+        Box::new(FakeActor::new(&log)),
+        Box::new(engine),
+        tokenizer(),
+    )
+    .with_stop_flag(flag)
+    .with_stop_agreement(agreement(&asked, |_| Ok(false)));
+    let (summary, steps) = run(&mut o);
+    assert!(summary.interrupted);
+    assert_eq!((summary.steps, steps.len()), (1, 1));
+    // Once after the start sequence, once after step 1, where the flag was up.
+    assert_eq!(*asked.lock().unwrap(), [false, true]);
+    let calls = calls(&log);
+    assert!(calls.contains(&"actor.train_step".to_string()), "{calls:?}");
+}
+
+#[test]
+fn a_peer_s_stop_ends_every_rank_after_the_same_step() {
+    let log = Log::default();
+    let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut o = orchestrator(colocated(5), &log)
+        .with_stop_agreement(agreement(&asked, |call| Ok(call == 3)));
+    let (summary, steps) = run(&mut o);
+    assert!(summary.interrupted);
+    assert_eq!((summary.steps, steps.len()), (2, 2));
+    assert_eq!(*asked.lock().unwrap(), [false, false, false]);
+}
+
+#[test]
+fn ranks_that_cannot_agree_end_the_run_with_the_cause() {
+    let log = Log::default();
+    let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut o = orchestrator(colocated(5), &log).with_stop_agreement(agreement(&asked, |call| {
+        if call == 2 {
+            Err(crate::comm::CommError::PeerGone {
+                op: "gather",
+                rank: 0,
+                peer: 1,
+            })
+        } else {
+            Ok(false)
+        }
+    }));
+    let error = o.run(&mut |_| {}).unwrap_err();
+    assert!(
+        matches!(error, OrchestratorError::StopAgreement(_)),
+        "{error}"
+    );
+}
+
 /// The lines of a metrics file.
 fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
