@@ -1,5 +1,6 @@
 //! SIGINT and SIGTERM. In a process that runs the work ([`StopSignal`]) the first asks it to
-//! stop after the phase in progress, and the second ends the process at once; in the launcher
+//! stop after the phase in progress (one rank of several: after the step in progress, as its
+//! peers), and the second ends the process at once; in the launcher
 //! of `--nproc-per-node` ([`Forwarder`]) every one is passed on to the ranks. Either way a run
 //! that a signal stopped exits with 128 + the signal (130 for SIGINT, 143 for SIGTERM).
 
@@ -33,7 +34,7 @@ fn status_of(signal: i32) -> u8 {
 
 /// Watches SIGINT and SIGTERM for a process that runs the work itself.
 ///
-/// The first one sets the [`flag`](Self::flag) (the work stops after its phase, saves and
+/// The first one sets the [`flag`](Self::flag) (the work stops after its phase or step, saves and
 /// writes what it has); a second one ends the process at once with 128 + its number, which
 /// leaves no partial file behind because every checkpoint and metrics write lands by rename
 /// or whole lines. A clone watches the same signals.

@@ -30,6 +30,10 @@ use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::
 use crate::settings_args::{BadSettings, SettingsArgs};
 use crate::signals::{Interrupted, StopSignal};
 
+/// How long a rank waits for its peers at a step's end before the run fails (rank 0 may be
+/// saving a checkpoint meanwhile); a peer that exits is noticed at once.
+const AGREEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(6 * 3600);
+
 /// `miles train`.
 #[derive(Args, Debug)]
 pub struct TrainArgs {
@@ -139,13 +143,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // The largest signal number any rank received, agreed at each step's end (0: none).
     let agreed = Rc::new(Cell::new(0u32));
     if let Some(group) = &group {
+        // Rank 0 may save a checkpoint while the others wait for the step's agreement: a peer
+        // that leaves is noticed at once, only a stuck one waits this long.
+        group.borrow_mut().set_timeout(AGREEMENT_TIMEOUT)?;
         let (group, agreed, signal) = (Rc::clone(group), Rc::clone(&agreed), signal.clone());
         orchestrator = orchestrator.with_stop_agreement(Box::new(move |flag| {
+            // This rank's signal number, 0 for none (at least 1 once asked to stop).
             let mine = match (flag, signal.received()) {
                 (false, _) => 0,
-                (true, received) => received.map_or(crate::signals::SIGINT, |s| s.signal),
+                (true, received) => {
+                    let number = received.map_or(crate::signals::SIGINT, |s| s.signal);
+                    u32::try_from(number).unwrap_or(1).max(1)
+                }
             };
-            let all = group.borrow_mut().max(u32::try_from(mine).unwrap_or(0))?;
+            let all = group.borrow_mut().max(mine)?;
             agreed.set(all);
             Ok(all != 0)
         }));

@@ -209,7 +209,8 @@ impl Orchestrator {
         self
     }
 
-    /// The flag that stops the loop after the phase in progress (set it from a Ctrl-C handler).
+    /// The flag that stops the loop after the phase in progress, or with a stop agreement after
+    /// the step in progress (set it from a Ctrl-C handler).
     pub fn stop_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.stop)
     }
@@ -227,7 +228,8 @@ impl Orchestrator {
     /// Runs the start sequence, then RL steps until `config.steps`; calls `on_step` after each
     /// step with its metrics. Writes the memory timeline at the end, also when stopped.
     ///
-    /// When the stop flag ends the run, the phase in progress finishes; a step whose training
+    /// When the stop flag ends the run, the phase in progress finishes (with a stop agreement,
+    /// the step in progress); a step whose training
     /// finished still gets its metrics line (marked `interrupted`), and with `config.save` the
     /// newest state is saved unless it is saved already.
     ///
@@ -293,7 +295,7 @@ impl Orchestrator {
             self.timeline.write_svg(path)?;
         }
         if interrupted {
-            tracing::warn!(step = self.state.step, "stopped on request after a phase");
+            tracing::warn!(step = self.state.step, "stopped on request");
         }
         Ok(RunSummary {
             steps: self.state.step,

@@ -330,7 +330,9 @@ pub(crate) fn mem_host_alloc_mapped(len: usize) -> Result<(*mut u8, u64), Device
     });
     if let Err(error) = mapped {
         // SAFETY: allocated above, used by nothing yet.
-        unsafe { mem_free_host(host.cast()) }?;
+        if let Err(cleanup) = unsafe { mem_free_host(host.cast()) } {
+            tracing::error!(error = %cleanup, "cannot free pinned host memory that could not be mapped");
+        }
         return Err(error);
     }
     Ok((host.cast(), device))

@@ -315,7 +315,7 @@ fn gpu_slices_refuse_unaligned_ranges_and_views_outside_themselves() {
 #[test]
 fn gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_alignment() {
     let test = "gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_alignment";
-    let Some(mut t) = TestGpu::open(test, 400 << 20) else {
+    let Some(mut t) = TestGpu::open(test, 600 << 20) else {
         return;
     };
     // Staged through mapped host memory, growing its buffer, with element offsets that leave
@@ -332,9 +332,17 @@ fn gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_align
             let src = t.alloc::<bf16>(len + offset).sub(offset, len).unwrap();
             t.gpu.upload(src, &values).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(t.get(src), values, "{len} elements at offset {offset}");
-            let dst = t.alloc::<bf16>(len + 3).sub(3 - offset, len).unwrap();
-            t.gpu.copy(dst, src).unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(t.get(dst), values, "device copy of {len} at {offset}");
+            // To the source's own offset (16 bytes at a time where that is 16-byte aligned) and
+            // to another (one byte at a time).
+            for at in [offset, 3 - offset] {
+                let dst = t.alloc::<bf16>(len + 3).sub(at, len).unwrap();
+                t.gpu.copy(dst, src).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(
+                    t.get(dst),
+                    values,
+                    "device copy of {len} from {offset} to {at}"
+                );
+            }
         }
     }
     let words: Vec<u32> = seeded(9, 1000).iter().map(|v| v.to_bits()).collect();

@@ -272,6 +272,9 @@ impl Gpu {
         dst.expect_len("upload destination", src.len())?;
         self.bind()?;
         let bytes = dst.bytes();
+        if bytes == 0 {
+            return self.synchronize();
+        }
         if bytes > STAGED_MAX_BYTES {
             // SAFETY: `dst` spans exactly `src`'s bytes; the stream is synchronised before
             // `src`'s borrow ends, so the pageable source outlives the copy.
@@ -285,8 +288,10 @@ impl Gpu {
         let staging = slot.at_least(bytes, self.stream.context())?;
         // SAFETY: `src` is plain data of `bytes` bytes (a `GpuElement`).
         let src = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), bytes) };
-        // SAFETY: the buffer holds at least `bytes` (`Gpu::staging`), and no kernel uses it: the
-        // lock is held, and every staged transfer waits for its kernel before letting go.
+        // SAFETY: the buffer holds at least `bytes` (`StagingSlot::at_least`), and no
+        // kernel uses it: the lock is held, and a staged transfer lets go of it only once its
+        // kernel is done, or, where the wait failed, could not run (a capture) or died with the
+        // context.
         unsafe { staging.fill(src) };
         self.copy_bytes(dst.addr, staging.device(), bytes)?;
         self.synchronize()
@@ -306,6 +311,9 @@ impl Gpu {
         src.expect_len("download source", dst.len())?;
         self.bind()?;
         let bytes = src.bytes();
+        if bytes == 0 {
+            return self.synchronize();
+        }
         if bytes > STAGED_MAX_BYTES {
             // SAFETY: `src` spans exactly `dst`'s bytes; the stream is synchronised before
             // `dst`'s borrow ends.
@@ -374,8 +382,8 @@ impl Gpu {
         .map_err(cuda("cuMemsetD8Async"))
     }
 
-    /// Copies `src` into `dst` (same length) on the device (queued), as a kernel: a copy
-    /// engine's copy would wait for the memory manager's copies queued before it.
+    /// Copies `src` into `dst` (same length, not overlapping) on the device (queued), as a
+    /// kernel: a copy engine's copy would wait for the memory manager's copies queued before it.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
