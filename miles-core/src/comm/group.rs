@@ -212,30 +212,25 @@ impl HostGroup {
     /// # Errors
     /// As [`barrier`](Self::barrier); [`CommError::BadLength`] for a part that is not one u32.
     pub fn max(&mut self, value: u32) -> Result<u32, CommError> {
-        let rank_here = self.rank;
-        let bad = move |what: String| CommError::BadLength {
-            op: "max",
-            rank: rank_here,
-            what,
+        let rank = self.rank;
+        let read = |part: &[u8], from: usize| {
+            let bytes: [u8; 4] = part.try_into().map_err(|_| CommError::BadLength {
+                op: "max",
+                rank,
+                what: format!("rank {from} sent {} bytes, not 4", part.len()),
+            })?;
+            Ok(u32::from_le_bytes(bytes))
         };
         let mut largest = value.to_le_bytes().to_vec();
         if let Some(parts) = self.gather(&largest)? {
             let mut max = value;
-            for (rank, part) in parts.iter().enumerate() {
-                let bytes: [u8; 4] = part
-                    .as_slice()
-                    .try_into()
-                    .map_err(|_| bad(format!("rank {rank} sent {} bytes, not 4", part.len())))?;
-                max = max.max(u32::from_le_bytes(bytes));
+            for (from, part) in parts.iter().enumerate() {
+                max = max.max(read(part, from)?);
             }
             largest = max.to_le_bytes().to_vec();
         }
         self.broadcast(&mut largest)?;
-        let bytes: [u8; 4] = largest
-            .as_slice()
-            .try_into()
-            .map_err(|_| bad(format!("rank 0 sent {} bytes, not 4", largest.len())))?;
-        Ok(u32::from_le_bytes(bytes))
+        read(&largest, 0)
     }
 
     /// The connection to `peer`: rank 0 has one per rank, the others one to rank 0.

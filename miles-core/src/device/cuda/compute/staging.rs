@@ -109,7 +109,7 @@ impl Staging {
     /// Copies `src` into the start of the buffer.
     ///
     /// # Safety
-    /// No kernel reads or writes the buffer meanwhile; `src.len() <= self.len()`.
+    /// No kernel reads or writes the buffer meanwhile; `src` is no longer than the buffer.
     pub(super) unsafe fn fill(&mut self, src: &[u8]) {
         // SAFETY: the caller keeps kernels off the buffer and `src` within it; the buffer and
         // `src` are distinct allocations.
@@ -120,7 +120,7 @@ impl Staging {
     ///
     /// # Safety
     /// No kernel writes the buffer meanwhile, the one that filled it is done;
-    /// `dst.len() <= self.len()`.
+    /// `dst` is no longer than the buffer.
     pub(super) unsafe fn drain(&self, dst: &mut [u8]) {
         // SAFETY: as in `fill`, the other way round.
         unsafe { std::ptr::copy_nonoverlapping(self.host, dst.as_mut_ptr(), dst.len()) }
