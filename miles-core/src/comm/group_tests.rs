@@ -110,6 +110,23 @@ fn max_gives_every_rank_the_largest_value() {
 }
 
 #[test]
+fn a_max_part_that_is_not_four_bytes_is_refused_naming_the_rank() {
+    let results = on_ranks(2, |group| {
+        if group.rank() == 0 {
+            return group.max(0).map(|_| ());
+        }
+        group.gather(&[1, 2, 3])?;
+        group.broadcast(&mut Vec::new())
+    });
+    let error = results[0].as_ref().unwrap_err().to_string();
+    assert!(error.contains("rank 1 sent 3 bytes, not 4"), "{error}");
+    assert!(
+        results[1].is_err(),
+        "rank 1 waited for a broadcast rank 0 never sent"
+    );
+}
+
+#[test]
 fn a_peer_that_calls_another_collective_is_a_mismatch() {
     let results = on_ranks(2, |group| {
         if group.rank() == 0 {
