@@ -94,6 +94,14 @@ impl TrainerGroup for DataParallelGroup {
         gpu.download(&mut sum, sums)?;
         Ok(sum[0])
     }
+
+    fn release(&self) -> Result<Option<u64>, ModelError> {
+        Ok(self.comm().suspend()?)
+    }
+
+    fn restore(&self) -> Result<(), ModelError> {
+        Ok(self.comm().resume()?)
+    }
 }
 
 /// A data-parallel replica on `gpu`, rank `comm.rank()` of `comm`'s group, from the full
@@ -124,10 +132,11 @@ mod tests {
 
     use std::sync::Arc;
 
+    use miles_core::BackupPolicy;
     use miles_core::device::{Gpu, NcclComm};
     use miles_core::model::gpu_testing::{
         Batch, assert_pair_follows, bf16_params, gentle, losses, losses_alone, manager, one_gpu,
-        tiny, two_gpus,
+        spec, tiny, two_gpus,
     };
     use miles_core::model::{GpuTrainer, ModelError};
 
@@ -211,5 +220,46 @@ mod tests {
         ));
         let loss = trainer.train_step(&data.view(), 1).unwrap().loss;
         assert!(loss.is_finite(), "a group of one still trains: loss {loss}");
+    }
+
+    #[test]
+    fn gpu_a_group_trains_on_after_an_offload_that_released_its_nccl_buffers() {
+        let test = "gpu_a_group_trains_on_after_an_offload_that_released_its_nccl_buffers";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        if !NcclComm::can_suspend() {
+            eprintln!("{test}: the offload cycle runs, but this nccl keeps its buffers");
+        }
+        let config = tiny();
+        let params = bf16_params(&config, 81);
+        let data = Batch::random(82, config.vocab_size);
+        let member = || {
+            let spec = spec(config.clone(), BackupPolicy::Host, 64);
+            let mut trainer =
+                GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+            let comm =
+                NcclComm::new(Arc::clone(&gpu), NcclComm::unique_id().unwrap(), 0, 1).unwrap();
+            trainer
+                .join(Box::new(DataParallelGroup::new(comm)))
+                .unwrap();
+            trainer
+        };
+        let (mut cycled, mut resident) = (member(), member());
+        for step in 1..=3 {
+            let a = cycled.train_step(&data.view(), step).unwrap().loss;
+            let b = resident.train_step(&data.view(), step).unwrap().loss;
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "step {step}: loss {a} against {b}"
+            );
+            cycled.offload().unwrap();
+            cycled.onload().unwrap();
+        }
+        assert!(
+            cycled.master_params().unwrap() == resident.master_params().unwrap(),
+            "the offload cycles changed the master weights"
+        );
     }
 }

@@ -138,6 +138,14 @@ impl TrainerGroup for TensorParallelGroup {
         gpu.download(&mut sum, sums)?;
         Ok(sum[0] + sum[1] / comm.world_size() as f32)
     }
+
+    fn release(&self) -> Result<Option<u64>, ModelError> {
+        Ok(self.comm().suspend()?)
+    }
+
+    fn restore(&self) -> Result<(), ModelError> {
+        Ok(self.comm().resume()?)
+    }
 }
 
 /// Rank `rank`'s shard of a model of `config` over `tp` ranks: its config and its part of the

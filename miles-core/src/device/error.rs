@@ -100,6 +100,12 @@ pub enum DeviceError {
         /// The group's size.
         world: usize,
     },
+    /// A collective on a communicator whose device buffers are released for the other phase.
+    #[error("{call} on a suspended nccl communicator; resume it first (the trainer's onload does)")]
+    CommSuspended {
+        /// The collective.
+        call: &'static str,
+    },
     /// No CUDA driver or GPU could be used.
     #[error(
         "cuda is not available: {0}; use --device cpu, or run `miles doctor` to see what is missing"

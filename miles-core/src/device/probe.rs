@@ -296,6 +296,24 @@ pub(crate) fn cudarc_library_ready(name: &str) -> Result<(), String> {
     }
 }
 
+/// Whether the CUDA library `name`, as cudarc's loader finds it, has every one of `symbols`:
+/// cudarc panics on a missing one, and some arrive only in later versions (`ncclCommSuspend`
+/// in NCCL 2.29.7).
+pub(crate) fn cudarc_library_has(name: &str, symbols: &[&str]) -> bool {
+    // The first candidate that loads is the one cudarc opens.
+    let library = cudarc::get_lib_name_candidates(name)
+        .iter()
+        // SAFETY: loading a CUDA library runs its initialisers, which have no preconditions;
+        // the handle is dropped at the end of this function.
+        .find_map(|candidate| unsafe { libloading::Library::new(candidate) }.ok());
+    library.is_some_and(|library| {
+        symbols
+            .iter()
+            // SAFETY: only the symbol's presence is read; it is never called through this type.
+            .all(|symbol| unsafe { library.get::<*const ()>(symbol.as_bytes()) }.is_ok())
+    })
+}
+
 fn check_cudarc_library() -> Result<(), String> {
     // The same names, in the same order, as cudarc's own loader tries, so the library checked
     // here is the one cudarc opens.

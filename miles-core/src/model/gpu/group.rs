@@ -64,4 +64,24 @@ pub trait TrainerGroup: Send + Sync {
         sums: GpuSlice<f32>,
         partials: GpuSlice<f32>,
     ) -> Result<f32, ModelError>;
+
+    /// Called once the trainer's memory is paused: releases the device memory the group's
+    /// communicator holds for itself (NCCL's buffers) until [`restore`](Self::restore), and
+    /// returns its bytes; `None` where it stays (no such memory, or a library that cannot
+    /// release it).
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when the release fails.
+    fn release(&self) -> Result<Option<u64>, ModelError> {
+        Ok(None)
+    }
+
+    /// Called before the trainer's memory is resumed, on every rank of the group at once:
+    /// brings back what [`release`](Self::release) released.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when it cannot come back (no memory, a peer gone).
+    fn restore(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
 }

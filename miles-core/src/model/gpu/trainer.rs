@@ -455,7 +455,8 @@ impl GpuTrainer {
     /// Records a fence after the queued work, then pauses [`MemoryTag::Params`],
     /// [`MemoryTag::Optimizer`], [`MemoryTag::Grads`] and [`MemoryTag::Activations`] (and the
     /// slots of streamed moments); returns their reports in that order. A failed pause
-    /// resumes the tags paused before it.
+    /// resumes the tags paused before it. In a group, the group's communicator then releases
+    /// its own buffers ([`TrainerGroup::release`]).
     ///
     /// # Errors
     /// [`ModelError::Offloaded`] when offloaded already; [`ModelError::Memory`] from a pause.
@@ -466,10 +467,29 @@ impl GpuTrainer {
         self.record_fences()?;
         let reports = self.memory.pause_all(&self.tags())?;
         self.offloaded = true;
+        if let Some(group) = &self.group {
+            match group.release()? {
+                Some(bytes) => tracing::debug!(
+                    bytes,
+                    "released the {}-parallel group's nccl buffers",
+                    group.name()
+                ),
+                None => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        tracing::info!(
+                            "the {}-parallel group's nccl buffers stay on the device while the trainer is offloaded: this nccl lacks ncclCommSuspend (2.29.7 and later have it)",
+                            group.name()
+                        );
+                    });
+                }
+            }
+        }
         Ok(reports)
     }
 
-    /// Resumes the regions (same order as [`offload`](Self::offload)), rounds the bf16
+    /// Brings the group's communicator buffers back ([`TrainerGroup::restore`], on every rank
+    /// at once), resumes the regions (same order as [`offload`](Self::offload)), rounds the bf16
     /// weights again from the master weights on the device, and zeroes the gradients. A
     /// failed resume pauses the tags resumed before it again, so the trainer stays offloaded.
     ///
@@ -479,6 +499,9 @@ impl GpuTrainer {
     pub fn onload(&mut self) -> Result<Vec<OffloadReport>, ModelError> {
         if !self.offloaded {
             return Err(ModelError::NotOffloaded);
+        }
+        if let Some(group) = &self.group {
+            group.restore()?;
         }
         let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;

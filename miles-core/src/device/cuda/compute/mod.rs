@@ -288,12 +288,13 @@ impl Gpu {
         let staging = slot.at_least(bytes, self.stream.context())?;
         // SAFETY: `src` is plain data of `bytes` bytes (a `GpuElement`).
         let src = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), bytes) };
-        // SAFETY: the buffer holds at least `bytes` (`StagingSlot::at_least`), and no
-        // kernel uses it: the lock is held, and a staged transfer lets go of it only once its
-        // kernel is done, or, where the wait failed, could not run (a capture) or died with the
-        // context.
-        unsafe { staging.fill(src) };
-        self.copy_bytes(dst.addr, staging.device(), bytes)?;
+        let offset = staging::staged_offset(dst.addr);
+        // SAFETY: the buffer holds `bytes` from any offset below `ALIGN`
+        // (`StagingSlot::at_least`), and no kernel uses it: the lock is held, and a staged
+        // transfer lets go of it only once its kernel is done, or, where the wait failed, could
+        // not run (a capture) or died with the context.
+        unsafe { staging.fill(offset, src) };
+        self.copy_bytes(dst.addr, staging.device_at(offset), bytes)?;
         self.synchronize()
     }
 
@@ -325,14 +326,15 @@ impl Gpu {
         }
         let mut slot = self.staging();
         let staging = slot.at_least(bytes, self.stream.context())?;
-        self.copy_bytes(staging.device(), src.addr, bytes)?;
+        let offset = staging::staged_offset(src.addr);
+        self.copy_bytes(staging.device_at(offset), src.addr, bytes)?;
         self.synchronize()?;
         // SAFETY: `dst` is `bytes` bytes of plain data (a `GpuElement`), every bit pattern of
         // which the copied bytes of the same type are.
         let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
         // SAFETY: the kernel that filled the buffer is done (synchronised above) and no other
-        // runs: the lock is held; the buffer holds at least `bytes`.
-        unsafe { staging.drain(dst) };
+        // runs: the lock is held; the buffer holds `bytes` from any offset below `ALIGN`.
+        unsafe { staging.drain(offset, dst) };
         Ok(())
     }
 

@@ -13,9 +13,14 @@
 //! neither. A resume commits memory again at the same addresses, so the next collective simply
 //! sees the restored bytes. NVLink multicast (NVLS) buffers are NCCL's own as well; no
 //! multicast API is used here.
+//!
+//! NCCL's own buffers can leave the device for the other phase too: [`NcclComm::suspend`]
+//! releases them (`ncclCommSuspend`, NCCL 2.29.7 and later, checked at run time) and
+//! [`NcclComm::resume`] brings them back, the communicator and its connections kept. With an
+//! older NCCL they stay on the device, and `suspend` says so by returning `None`.
 
 use std::ffi::{CStr, c_int};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::nccl::result::{self, NcclError};
 use cudarc::nccl::sys;
@@ -26,6 +31,12 @@ use crate::device::DeviceError;
 
 /// Bytes of a communicator id (NCCL's `ncclUniqueId`).
 pub const ID_BYTES: usize = 128;
+
+/// `ncclCommSuspend`'s flag that releases the communicator's device memory (`nccl.h`).
+const SUSPEND_MEM: c_int = 0x01;
+
+/// The calls [`NcclComm::suspend`] and [`NcclComm::resume`] need, absent before NCCL 2.29.7.
+const SUSPEND_SYMBOLS: [&str; 3] = ["ncclCommSuspend", "ncclCommResume", "ncclCommMemStats"];
 
 /// One rank's NCCL communicator over f32 buffers of its GPU.
 ///
@@ -41,6 +52,8 @@ pub struct NcclComm {
     /// One f32 of device memory (`cuMemAlloc`, outside the memory manager) for
     /// [`NcclComm::barrier`].
     scratch: u64,
+    /// Whether NCCL's buffers are released ([`NcclComm::suspend`]).
+    suspended: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as two threads never call
@@ -129,7 +142,93 @@ impl NcclComm {
             rank,
             world,
             scratch,
+            suspended: false,
         })
+    }
+
+    /// Whether the NCCL loaded can release a communicator's buffers (`ncclCommSuspend` and
+    /// its companions, from 2.29.7 on).
+    pub fn can_suspend() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| crate::device::probe::cudarc_library_has("nccl", &SUSPEND_SYMBOLS))
+    }
+
+    /// Releases the device memory NCCL holds for this communicator until
+    /// [`resume`](Self::resume): its internal buffers go, the communicator and its connections
+    /// stay. Waits for the queued work first (no collective may be in flight). Returns the
+    /// bytes released, or `None` when the NCCL loaded cannot (before 2.29.7): its buffers stay
+    /// on the device. A suspended communicator refuses collectives; suspending it again does
+    /// nothing.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] from the queued work or from NCCL.
+    pub fn suspend(&mut self) -> Result<Option<u64>, DeviceError> {
+        if !Self::can_suspend() {
+            return Ok(None);
+        }
+        if self.suspended {
+            return Ok(Some(
+                self.memory_stat(sys::ncclCommMemStat_t::ncclStatGpuMemSuspended)?,
+            ));
+        }
+        bind(&self.gpu)?;
+        self.gpu.synchronize()?;
+        // SAFETY: the communicator is alive and idle (the stream it queues on is synchronised);
+        // the flag is one nccl.h defines.
+        unsafe { sys::ncclCommSuspend(self.comm, SUSPEND_MEM) }
+            .result()
+            .map_err(nccl("ncclCommSuspend"))?;
+        self.suspended = true;
+        self.memory_stat(sys::ncclCommMemStat_t::ncclStatGpuMemSuspended)
+            .map(Some)
+    }
+
+    /// Brings back what [`suspend`](Self::suspend) released. Collective: every rank of the
+    /// group calls it (NCCL exchanges the buffers' handles). Does nothing on a communicator
+    /// that is not suspended.
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] from NCCL (no memory for its buffers, a peer that is gone).
+    pub fn resume(&mut self) -> Result<(), DeviceError> {
+        if !self.suspended {
+            return Ok(());
+        }
+        bind(&self.gpu)?;
+        // SAFETY: the communicator is alive and suspended.
+        unsafe { sys::ncclCommResume(self.comm) }
+            .result()
+            .map_err(nccl("ncclCommResume"))?;
+        self.suspended = false;
+        Ok(())
+    }
+
+    /// Whether NCCL's buffers are released ([`suspend`](Self::suspend)).
+    pub fn is_suspended(&self) -> bool {
+        self.suspended
+    }
+
+    /// Device bytes NCCL holds for this communicator (`ncclStatGpuMemTotal`), or `None` when
+    /// the NCCL loaded cannot say (before 2.29.7).
+    ///
+    /// # Errors
+    /// [`DeviceError::Cuda`] from NCCL.
+    pub fn device_bytes(&self) -> Result<Option<u64>, DeviceError> {
+        if !Self::can_suspend() {
+            return Ok(None);
+        }
+        self.memory_stat(sys::ncclCommMemStat_t::ncclStatGpuMemTotal)
+            .map(Some)
+    }
+
+    /// One of `ncclCommMemStats`'s figures; only called once [`can_suspend`](Self::can_suspend)
+    /// found the call.
+    fn memory_stat(&self, stat: sys::ncclCommMemStat_t) -> Result<u64, DeviceError> {
+        let mut value = 0u64;
+        // SAFETY: the communicator is alive; `value` is a valid out-pointer.
+        unsafe { sys::ncclCommMemStats(self.comm, stat, &mut value) }
+            .result()
+            .map_err(nccl("ncclCommMemStats"))?;
+        Ok(value)
     }
 
     /// This rank, `0..world_size()`.
@@ -170,7 +269,7 @@ impl NcclComm {
         len: usize,
         datatype: sys::ncclDataType_t,
     ) -> Result<(), DeviceError> {
-        let stream = self.queue()?;
+        let stream = self.queue("ncclAllReduce")?;
         // SAFETY: `address` holds `len` elements of `datatype` in device memory of this GPU
         // that the caller holds (a `GpuSlice`), read and written in place (allowed by NCCL);
         // the communicator is alive.
@@ -197,7 +296,7 @@ impl NcclComm {
     /// [`DeviceError::ShapeMismatch`] for a `recv` of the wrong length; [`DeviceError::Cuda`].
     pub fn all_gather(&self, send: GpuSlice<f32>, recv: GpuSlice<f32>) -> Result<(), DeviceError> {
         recv.expect_len("all_gather receive buffer", self.world * send.len())?;
-        let stream = self.queue()?;
+        let stream = self.queue("ncclAllGather")?;
         // SAFETY: `recv` holds world * send.len() f32 of device memory, as NCCL writes; both
         // are device memory of this GPU the caller holds.
         unsafe {
@@ -225,7 +324,7 @@ impl NcclComm {
         recv: GpuSlice<f32>,
     ) -> Result<(), DeviceError> {
         send.expect_len("reduce_scatter send buffer", self.world * recv.len())?;
-        let stream = self.queue()?;
+        let stream = self.queue("ncclReduceScatter")?;
         // SAFETY: `send` holds world * recv.len() f32 of device memory, as NCCL reads; both
         // are device memory of this GPU the caller holds.
         unsafe {
@@ -255,7 +354,7 @@ impl NcclComm {
                 world: self.world,
             });
         }
-        let stream = self.queue()?;
+        let stream = self.queue("ncclBroadcast")?;
         // SAFETY: `buf` is device memory of this GPU the caller holds, read on the root and
         // written elsewhere, in place; `root` is below the world size, which fits a c_int.
         unsafe {
@@ -287,8 +386,12 @@ impl NcclComm {
         self.gpu.synchronize()
     }
 
-    /// Binds the GPU's context and returns the compute stream as NCCL takes it.
-    fn queue(&self) -> Result<sys::cudaStream_t, DeviceError> {
+    /// Binds the GPU's context and returns the compute stream as NCCL takes it, for `call`;
+    /// refused while suspended.
+    fn queue(&self, call: &'static str) -> Result<sys::cudaStream_t, DeviceError> {
+        if self.suspended {
+            return Err(DeviceError::CommSuspended { call });
+        }
         bind(&self.gpu)?;
         Ok(self.gpu.stream().cu_stream() as sys::cudaStream_t)
     }
@@ -514,6 +617,49 @@ mod tests {
         gpu.upload(a, &fresh).unwrap();
         comm.all_gather(a, b).unwrap();
         assert_eq!(get(&gpu, b), fresh, "all-gather after the resume");
+        comm.barrier().unwrap();
+    }
+
+    #[test]
+    fn gpu_nccl_suspend_releases_buffers_refuses_collectives_and_resume_brings_them_back() {
+        let test =
+            "gpu_nccl_suspend_releases_buffers_refuses_collectives_and_resume_brings_them_back";
+        let Some(t) = TestGpu::open(test, 1) else {
+            return;
+        };
+        let gpu = Arc::new(t.gpu);
+        let (memory, mut comm) = setup(&gpu);
+        let data = seeded_vec(74, N);
+        let (_a, a) = f32s(&memory, N);
+        gpu.upload(a, &data).unwrap();
+        comm.all_reduce_sum(a).unwrap();
+        if !NcclComm::can_suspend() {
+            assert_eq!(comm.suspend().unwrap(), None);
+            assert!(!comm.is_suspended());
+            eprintln!("{test}: skipped, this nccl lacks ncclCommSuspend (before 2.29.7)");
+            return;
+        }
+        let total = comm.device_bytes().unwrap().unwrap();
+        let released = comm.suspend().unwrap().unwrap();
+        eprintln!("{test}: nccl held {total} bytes on the device, released {released}");
+        assert!(released <= total, "released {released} of {total} bytes");
+        assert!(comm.is_suspended());
+        assert_eq!(comm.suspend().unwrap(), Some(released), "a second suspend");
+        assert!(matches!(
+            comm.all_reduce_sum(a),
+            Err(DeviceError::CommSuspended {
+                call: "ncclAllReduce"
+            })
+        ));
+        assert!(matches!(
+            comm.barrier(),
+            Err(DeviceError::CommSuspended { .. })
+        ));
+        comm.resume().unwrap();
+        assert!(!comm.is_suspended());
+        comm.resume().unwrap();
+        comm.all_reduce_sum(a).unwrap();
+        assert_eq!(get(&gpu, a), data, "all-reduce after the resume");
         comm.barrier().unwrap();
     }
 }

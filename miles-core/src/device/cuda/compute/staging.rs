@@ -22,24 +22,39 @@ pub(super) const STAGED_MAX_BYTES: usize = 64 << 20;
 /// The copy kernel's name in [`COPY_SOURCE`].
 pub(super) const COPY_KERNEL: &str = "miles_copy_bytes";
 
-/// `dst[i] = src[i]` for `n` bytes, 16 at a time where both addresses allow it; either side may
-/// be mapped host memory.
+/// `dst[i] = src[i]` for `n` bytes; either side may be mapped host memory. Where the two
+/// addresses sit at the same offset within 16 bytes (every staged transfer: the data is placed
+/// so, [`ALIGN`]), the bytes up to the first 16-byte boundary go one a thread, then 16 at a
+/// time, then the tail one a thread; otherwise every byte goes alone.
 pub(super) const COPY_SOURCE: &str = r#"
 extern "C" __global__ void miles_copy_bytes(
     unsigned char* __restrict__ dst, const unsigned char* __restrict__ src, unsigned long long n) {
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     unsigned long long head = 0;
-    if ((((unsigned long long)dst | (unsigned long long)src) & 15) == 0) {
-        unsigned long long words = n / 16;
-        const uint4* s = (const uint4*)src;
-        uint4* d = (uint4*)dst;
+    unsigned long long words = 0;
+    if ((((unsigned long long)dst ^ (unsigned long long)src) & 15) == 0) {
+        head = (16 - ((unsigned long long)dst & 15)) & 15;
+        if (head > n) head = n;
+        words = (n - head) / 16;
+        const uint4* s = (const uint4*)(src + head);
+        uint4* d = (uint4*)(dst + head);
         for (unsigned long long w = i; w < words; w += stride) d[w] = s[w];
-        head = words * 16;
     }
-    for (unsigned long long b = head + i; b < n; b += stride) dst[b] = src[b];
+    for (unsigned long long b = i; b < head; b += stride) dst[b] = src[b];
+    for (unsigned long long b = head + words * 16 + i; b < n; b += stride) dst[b] = src[b];
 }
 "#;
+
+/// The alignment the copy kernel moves whole words at: a staged transfer's bytes start at the
+/// device address's offset within it, and a buffer holds that much more than its transfers.
+pub(super) const ALIGN: usize = 16;
+
+/// Where a transfer to or from device address `address` starts in the staging buffer: at the
+/// same offset within [`ALIGN`] bytes, so the kernel copies whole words.
+pub(super) fn staged_offset(address: u64) -> usize {
+    (address % ALIGN as u64) as usize
+}
 
 /// Threads a block of the copy kernel.
 pub(super) const COPY_THREADS: u32 = 256;
@@ -56,17 +71,17 @@ pub(super) fn copy_blocks(bytes: usize) -> u32 {
 pub(super) struct StagingSlot(Option<Staging>);
 
 impl StagingSlot {
-    /// The buffer, holding at least `bytes` (made or grown here in `context`, which is current;
-    /// no kernel uses the old buffer).
+    /// The buffer, holding at least `bytes` at any offset below [`ALIGN`] (made or grown here
+    /// in `context`, which is current; no kernel uses the old buffer).
     pub(super) fn at_least(
         &mut self,
         bytes: usize,
         context: &Arc<CudaContext>,
     ) -> Result<&mut Staging, DeviceError> {
         let staging = match self.0.take() {
-            Some(staging) if staging.len >= bytes => staging,
+            Some(staging) if staging.len >= bytes + ALIGN => staging,
             _ => {
-                let len = bytes.next_power_of_two().clamp(1 << 20, STAGED_MAX_BYTES);
+                let len = bytes.next_power_of_two().clamp(1 << 20, STAGED_MAX_BYTES) + ALIGN;
                 Staging::new(len, Arc::clone(context))?
             }
         };
@@ -101,29 +116,30 @@ impl Staging {
         })
     }
 
-    /// The buffer's device address, for the copy kernel.
-    pub(super) fn device(&self) -> u64 {
-        self.device
+    /// The device address of the buffer's byte `offset`, for the copy kernel.
+    pub(super) fn device_at(&self, offset: usize) -> u64 {
+        self.device + offset as u64
     }
 
-    /// Copies `src` into the start of the buffer.
+    /// Copies `src` into the buffer from byte `offset` on.
     ///
     /// # Safety
-    /// No kernel reads or writes the buffer meanwhile; `src` is no longer than the buffer.
-    pub(super) unsafe fn fill(&mut self, src: &[u8]) {
-        // SAFETY: the caller keeps kernels off the buffer and `src` within it; the buffer and
-        // `src` are distinct allocations.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host, src.len()) }
+    /// No kernel reads or writes the buffer meanwhile; `offset + src.len()` is within the
+    /// buffer.
+    pub(super) unsafe fn fill(&mut self, offset: usize, src: &[u8]) {
+        // SAFETY: the caller keeps kernels off the buffer and the bytes within it; the buffer
+        // and `src` are distinct allocations.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host.add(offset), src.len()) }
     }
 
-    /// Copies the start of the buffer into `dst`.
+    /// Copies the buffer's bytes from `offset` on into `dst`.
     ///
     /// # Safety
     /// No kernel writes the buffer meanwhile, the one that filled it is done;
-    /// `dst` is no longer than the buffer.
-    pub(super) unsafe fn drain(&self, dst: &mut [u8]) {
+    /// `offset + dst.len()` is within the buffer.
+    pub(super) unsafe fn drain(&self, offset: usize, dst: &mut [u8]) {
         // SAFETY: as in `fill`, the other way round.
-        unsafe { std::ptr::copy_nonoverlapping(self.host, dst.as_mut_ptr(), dst.len()) }
+        unsafe { std::ptr::copy_nonoverlapping(self.host.add(offset), dst.as_mut_ptr(), dst.len()) }
     }
 }
 
