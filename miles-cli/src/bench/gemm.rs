@@ -6,8 +6,6 @@
 //! several replays of a CUDA graph of `--reps` products, so the host's launch cost is not in
 //! it; the products cycle through enough copies of the weight (at least 128 MiB of them) that
 //! each reads its weight from device memory, as a decode step does, not from the 50 MB L2.
-//! At up to 128 rows the engine's own skinny products (`Gpu::skinny_gemm`) are timed too, at
-//! the slicing the engine plans and at others, a sliced one with the sum of its slices.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -20,7 +18,6 @@ use miles_core::device::{
     Device, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose,
 };
 use miles_core::model::LlamaConfig;
-use miles_core::ops::gpu::{Skinny, SkinnyOut};
 use miles_core::{BackupPolicy, Buffer, DeviceChoice, ManagerSettings, MemoryManager, MemoryTag};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -116,13 +113,11 @@ fn values(seed: u64, len: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
-/// How the product is queued: cuBLAS's own pick ([`Gpu::gemm`]), a cuBLASLt algorithm, or a
-/// skinny product with its partial sums' buffer.
+/// How the product is queued: cuBLAS's own pick ([`Gpu::gemm`]) or a cuBLASLt algorithm.
 #[derive(Clone, Copy)]
 enum Route<'a> {
     Blas,
     Lt(&'a GemmAlgo),
-    Skinny(Skinny, GpuSlice<f32>),
 }
 
 /// Bytes of weight copies the timed products cycle through: more than the H200's L2.
@@ -136,7 +131,7 @@ struct Operands<C> {
     start: Vec<C>,
 }
 
-impl<C: BenchOutput> Operands<C> {
+impl<C: GemmOutput + Default + PartialEq> Operands<C> {
     fn queue(
         &self,
         gpu: &Gpu,
@@ -148,7 +143,6 @@ impl<C: BenchOutput> Operands<C> {
         match route {
             Route::Blas => gpu.gemm(g, self.y, self.x, w),
             Route::Lt(algo) => gpu.gemm_with(g, algo, self.y, self.x, w),
-            Route::Skinny(p, part) => C::skinny(gpu, p, self.y, part, self.x, w, g.beta != 0.0),
         }
     }
 
@@ -221,7 +215,7 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
 }
 
 /// The timings of one product at `rows`, as printed lines.
-fn shape<C: BenchOutput>(
+fn shape<C: GemmOutput + Default + PartialEq + FromF32>(
     gpu: &Gpu,
     p: &Product,
     rows: usize,
@@ -233,10 +227,9 @@ fn shape<C: BenchOutput>(
     }
     let weight_bytes = p.out * p.inp * 2;
     let copies = COLD_BYTES.div_ceil(weight_bytes).max(1);
-    let partials = Skinny::partial_bound(rows, p.out, p.inp).max(1) * size_of::<f32>();
-    let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * size_of::<C>() + partials;
+    let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * size_of::<C>();
     let device = Arc::clone(gpu.device()) as Arc<dyn Device>;
-    let mut arena = Arena::new(device, bytes + (copies + 3) * 256)?;
+    let mut arena = Arena::new(device, bytes + (copies + 2) * 256)?;
     let ops = Operands {
         y: arena.take::<C>(rows * p.out)?,
         x: arena.take::<bf16>(rows * p.inp)?,
@@ -283,128 +276,23 @@ fn shape<C: BenchOutput>(
             algo.describe()
         );
     }
-    if rows <= miles_core::ops::gpu::SKINNY_MAX_ROWS {
-        lines += &skinny_lines(gpu, &ops, &mut arena, g, blas, &reference, args)?;
-    }
     Ok(lines)
 }
 
-/// The skinny product's lines: the engine's slicing, then 1, 2, 4 and 8 slices (one only for
-/// an fp32 output), each with its largest difference from cuBLAS's output.
-fn skinny_lines<C: BenchOutput>(
-    gpu: &Gpu,
-    ops: &Operands<C>,
-    arena: &mut Arena,
-    g: Gemm,
-    blas: f64,
-    reference: &[C],
-    args: &GemmBenchArgs,
-) -> anyhow::Result<String> {
-    let (rows, out, inp) = (g.m, g.n, g.k);
-    let weight_gb = (out * inp * 2) as f64 / 1e9;
-    let planned = Skinny::plan(rows, out, inp, gpu.multiprocessors()?);
-    let mut plans: Vec<Skinny> = planned.into_iter().collect();
-    let counts: &[usize] = if C::SLICES { &[1, 2, 4, 8] } else { &[1] };
-    for &splits in counts {
-        match Skinny::with_splits(rows, out, inp, splits) {
-            Some(p) if !plans.contains(&p) => plans.push(p),
-            _ => {}
-        }
-    }
-    let most = plans.iter().map(Skinny::partial_len).max().unwrap_or(0);
-    let part = arena.take::<f32>(most.max(1))?;
-    let mut lines = String::new();
-    for p in plans.into_iter().filter(|p| C::SLICES || p.splits == 1) {
-        let route = Route::Skinny(p, part.sub(0, p.partial_len().max(1))?);
-        let got = ops.output(gpu, g, route)?;
-        let worst = got
-            .iter()
-            .zip(reference)
-            .map(|(a, b)| (a.to_f32() - b.to_f32()).abs() / b.to_f32().abs().max(1.0))
-            .fold(0.0f32, f32::max);
-        let t = ops.seconds(gpu, g, route, args)?;
-        lines += &format!(
-            "  skinny{} {} slices {:>8.1} us  {:>5.2}x cublas  {:>5.0} GB/s  largest difference from cublas {worst:.1e}\n",
-            if Some(p) == planned { " (engine)" } else { "" },
-            p.splits,
-            t * 1e6,
-            blas / t,
-            weight_gb / t,
-        );
-    }
-    Ok(lines)
-}
-
-/// An output type of the timed products.
-trait BenchOutput: GemmOutput + Default + PartialEq + Copy {
-    /// Whether a sliced skinny product can end in this type (its sums are bf16).
-    const SLICES: bool;
-
+/// The outputs' starting values from fp32.
+trait FromF32 {
     fn from_f32(v: f32) -> Self;
-
-    fn to_f32(self) -> f32;
-
-    /// Queues the skinny product `p` into `y`, through `part` and a sum where sliced.
-    fn skinny(
-        gpu: &Gpu,
-        p: Skinny,
-        y: GpuSlice<Self>,
-        part: GpuSlice<f32>,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        accumulate: bool,
-    ) -> Result<(), miles_core::DeviceError>;
 }
 
-impl BenchOutput for f32 {
-    const SLICES: bool = false;
-
+impl FromF32 for f32 {
     fn from_f32(v: f32) -> f32 {
         v
     }
-
-    fn to_f32(self) -> f32 {
-        self
-    }
-
-    fn skinny(
-        gpu: &Gpu,
-        p: Skinny,
-        y: GpuSlice<f32>,
-        _part: GpuSlice<f32>,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        _accumulate: bool,
-    ) -> Result<(), miles_core::DeviceError> {
-        gpu.skinny_gemm(p, SkinnyOut::F32(y), x, w)
-    }
 }
 
-impl BenchOutput for bf16 {
-    const SLICES: bool = true;
-
+impl FromF32 for bf16 {
     fn from_f32(v: f32) -> bf16 {
         bf16::from_f32(v)
-    }
-
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-
-    fn skinny(
-        gpu: &Gpu,
-        p: Skinny,
-        y: GpuSlice<bf16>,
-        part: GpuSlice<f32>,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        accumulate: bool,
-    ) -> Result<(), miles_core::DeviceError> {
-        if p.splits == 1 {
-            return gpu.skinny_gemm(p, SkinnyOut::Bf16 { y, accumulate }, x, w);
-        }
-        gpu.skinny_gemm(p, SkinnyOut::Partials(part), x, w)?;
-        gpu.split_sum(y, part, p.splits, accumulate)
     }
 }
 

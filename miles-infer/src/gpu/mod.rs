@@ -28,13 +28,12 @@
 //! prompt fits whole) and `max_batch` sequences; a prefill of more is split into several passes.
 
 mod pass;
-mod products;
 mod scratch;
 
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{DeviceError, Gpu, GpuGraph, GpuSlice};
+use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, Transpose};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
@@ -45,7 +44,6 @@ use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
 
 use self::pass::Pass;
-use self::products::Products;
 use self::scratch::{Index, Scratch};
 pub(crate) use self::scratch::{Limits, scratch_bytes};
 use crate::paged::BlockTables;
@@ -135,8 +133,6 @@ pub(crate) struct GpuModel {
     graphs: Vec<Option<GpuGraph>>,
     /// Graphs captured in the model's life.
     captures: usize,
-    /// The GPU's SMs, which the skinny products are sliced to cover.
-    multiprocessors: usize,
 }
 
 impl GpuModel {
@@ -182,9 +178,6 @@ impl GpuModel {
                 )));
             }
         }
-        let multiprocessors = gpu
-            .multiprocessors()
-            .map_err(InferError::device("count the gpu's multiprocessors"))?;
         let spare_block = u32::try_from(num_blocks).map_err(|_| {
             InferError::Internal(format!("{num_blocks} kv blocks do not fit 32 bits"))
         })?;
@@ -206,7 +199,6 @@ impl GpuModel {
             step,
             graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
             captures: 0,
-            multiprocessors,
         })
     }
 
@@ -420,14 +412,9 @@ impl GpuModel {
         };
         let cache = self.cache_slice()?;
         let eps = c.rms_norm_eps;
-        let products = Products {
-            gpu: g,
-            rows: n,
-            partials: s.partials,
-            multiprocessors: self.multiprocessors,
-        };
+        // y = x W^T for an HF weight W (out, in); the residual adds ride on the products.
+        let linear = |rows, out, inp| Gemm::new(rows, out, inp, Transpose::No, Transpose::Yes);
         g.embedding_forward(x, ids, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
-        g.rmsnorm_forward(ln, None, x, self.weight(ParamKind::InputNorm, 0)?, eps)?;
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
             let heads = QkvHeads {
@@ -438,19 +425,20 @@ impl GpuModel {
                 k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
                 eps,
             };
-            products.linear(qkv, ln, self.fused(&QKV, l)?)?;
+            g.rmsnorm_forward(ln, None, x, w(ParamKind::InputNorm)?, eps)?;
+            g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
             g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
             g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
-            let post_norm = Some((ln, w(ParamKind::PostAttentionNorm)?, eps));
-            products.residual(x, att, w(ParamKind::OProj)?, post_norm)?; // x += o
-            products.linear(gate_up, ln, self.fused(&GATE_UP, l)?)?;
+            g.gemm(linear(n, h, qd).accumulate(), x, att, w(ParamKind::OProj)?)?; // x += o
+            g.rmsnorm_forward(ln, None, x, w(ParamKind::PostAttentionNorm)?, eps)?;
+            g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
             g.swiglu_rows(act, gate_up, f)?;
-            // The next layer's input norm rides on the down product's sum.
-            let next_norm = (l + 1 < c.num_layers)
-                .then(|| self.weight(ParamKind::InputNorm, l + 1))
-                .transpose()?
-                .map(|weight| (ln, weight, eps));
-            products.residual(x, act, w(ParamKind::DownProj)?, next_norm)?; // x += down
+            g.gemm(
+                linear(n, h, f).accumulate(),
+                x,
+                act,
+                w(ParamKind::DownProj)?,
+            )?; // x += down
         }
         // Only the rows that need logits go through the final norm and the head: gather them
         // (an embedding lookup whose table is the residual stream).
@@ -464,11 +452,12 @@ impl GpuModel {
             eps,
         )?;
         let logits = s.logits.sub(0, r * c.vocab_size)?; // (R, V) fp32
-        let head = Products {
-            rows: r,
-            ..products
-        };
-        head.fp32(logits, rows_ln, self.weight(ParamKind::LmHead, 0)?)
+        g.gemm(
+            linear(r, c.vocab_size, h),
+            logits,
+            rows_ln,
+            self.weight(ParamKind::LmHead, 0)?,
+        )
     }
 
     /// Runs `pass` and its `draws` over `s` as queued kernels.

@@ -5,7 +5,7 @@
 use half::bf16;
 use miles_core::device::{AddressRange, DeviceError, GpuElement, GpuSlice};
 use miles_core::model::LlamaConfig;
-use miles_core::ops::gpu::{DRAW_WORDS, RULE_WORDS, SKINNY_MAX_ROWS, Skinny};
+use miles_core::ops::gpu::{DRAW_WORDS, RULE_WORDS};
 
 use crate::InferError;
 
@@ -78,7 +78,6 @@ pub(super) struct Scratch {
     pub(super) sin: GpuSlice<f32>,      // (P_max, D/2)
     pub(super) index: GpuSlice<u32>,    // the pass's index arrays, draws and rule ([`Index`])
     pub(super) picked: GpuSlice<u32>,   // (2R) drawn tokens, then their log-probs' bits
-    pub(super) partials: GpuSlice<f32>, // a sliced skinny product's partial sums
 }
 
 impl Scratch {
@@ -107,23 +106,9 @@ impl Scratch {
             sin: at.take(rope)?,
             index: at.take(Index::new(n, r, r, l.blocks).len)?,
             picked: at.take(2 * r)?,
-            partials: at.take(partials_len(c, n))?,
         };
         Ok((scratch, at.used))
     }
-}
-
-/// The most partial sums a skinny product of a pass of `n` tokens takes (`Products`): those
-/// of a pass of at most [`SKINNY_MAX_ROWS`] tokens (at least one element, so the slice exists).
-fn partials_len(c: &LlamaConfig, n: usize) -> usize {
-    let rows = n.min(SKINNY_MAX_ROWS);
-    let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-    [(qd + 2 * kvd, h), (h, qd), (2 * f, h), (h, f)]
-        .into_iter()
-        .map(|(out, inp)| Skinny::partial_bound(rows, out, inp))
-        .max()
-        .unwrap_or(0)
-        .max(1)
 }
 
 /// Where each array of a pass lies in the index scratch, in words: `n` token ids, positions,

@@ -7,7 +7,7 @@ use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
 /// Threads per block of the per-row kernels (norms).
-pub(super) const ROW_THREADS: u32 = 256;
+const ROW_THREADS: u32 = 256;
 
 fn as_i64(n: usize) -> i64 {
     n as i64

@@ -1,7 +1,6 @@
 //! GPU kernels of the transformer: the CUDA C++ sources (`kernels/`, compiled at start-up for
 //! `compute_90`) and their typed launch wrappers on [`Gpu`], each checking shapes before it
-//! queues work. Matrix products are [`Gpu::gemm`] (cuBLAS), and a decode step's few rows times
-//! a whole weight [`Gpu::skinny_gemm`].
+//! queues work. Matrix products are [`Gpu::gemm`] (cuBLAS).
 //!
 //! The raw launch, the compute stream and the libraries live in [`crate::device`]; everything
 //! here is safe code.
@@ -19,10 +18,6 @@ mod paged;
 #[allow(clippy::panic, clippy::print_stderr)]
 mod paged_tests;
 mod sampling;
-mod skinny;
-#[cfg(test)]
-#[allow(clippy::panic, clippy::print_stderr)]
-mod skinny_tests;
 #[cfg(any(test, feature = "testing"))]
 #[allow(clippy::panic, clippy::print_stderr)]
 // With the `testing` feature alone, `model::gpu::testing` uses only the GPU and its lock.
@@ -41,7 +36,6 @@ use std::sync::Arc;
 pub use flash::FLASH_MAX_HEAD_DIM;
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
-pub use skinny::{SKINNY_MAX_ROWS, SKINNY_MAX_SPLITS, Skinny, SkinnyOut};
 pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, SQUARE_PARTIALS};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
@@ -54,7 +48,6 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         include_str!("kernels/forward.cu"),
         include_str!("kernels/train.cu"),
         include_str!("kernels/flash.cu"),
-        include_str!("kernels/skinny.cu"),
         include_str!("kernels/paged.cu"),
         include_str!("kernels/sampling.cu"),
     ],
@@ -62,7 +55,6 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         &FORWARD_KERNELS,
         &train::KERNELS,
         &flash::KERNELS,
-        &skinny::KERNELS,
         &paged::KERNELS,
         &sampling::KERNELS,
     ],

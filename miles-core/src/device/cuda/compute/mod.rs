@@ -338,18 +338,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// The GPU's streaming multiprocessors.
-    ///
-    /// # Errors
-    /// The driver's error.
-    pub fn multiprocessors(&self) -> Result<usize, DeviceError> {
-        self.stream
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map(|count| count.max(1) as usize)
-            .map_err(cuda("cuDeviceGetAttribute"))
-    }
-
     /// Makes the stream's context current on this thread.
     fn bind(&self) -> Result<(), DeviceError> {
         self.stream
