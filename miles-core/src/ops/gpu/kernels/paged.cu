@@ -43,8 +43,9 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 //
 // One block serves a token, a kv head and up to PAGED_HEADS of the query heads sharing it, so
 // each key and value row is read once for all of them. The block walks the positions in tiles
-// of PAGED_TILE: its warps copy the tile's key and value rows into shared memory (each row one
-// coalesced read; rows past the sequence are zeros), then each warp takes its own heads (warp,
+// of PAGED_TILE: its threads start copying every 16-byte chunk of the tile's key and value rows
+// into shared memory at once (cp.async; rows past the sequence are zeros), so a tile costs one
+// trip to memory, then each warp takes its own heads (warp,
 // warp + PAGED_WARPS): lane j scores positions j and j + 32 of the tile, and every lane adds
 // its channel pairs (2 lane, 2 lane + 1, then 64 further) of the value rows, with an online
 // softmax in fp32 per head. Shared memory is read 16 bytes at a time where it can be: the key
@@ -52,11 +53,16 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 // different banks. Dynamic shared memory: the key rows, the value rows, the queries and the
 // tile's probabilities, 4 * (PAGED_TILE * (d + 4) + PAGED_HEADS * (d + PAGED_TILE)) bytes.
 #define PAGED_TILE 64
-#define PAGED_ROWS (PAGED_TILE / PAGED_WARPS)  // rows of a tile each warp copies
-#define PAGED_BATCH 8                          // rows a warp reads before it stores them
 #define PAGED_OWN (PAGED_HEADS / PAGED_WARPS)  // heads a warp owns at most
 #define PAGED_PAIRS (PAGED_MAX_D / 64)         // channel pairs a lane owns at most
 
+
+// Starts copying 16 bytes from global `src` to shared `dst` (cp.async), or zeros where not
+// `inside` (then nothing is read, though `src` must still be a valid address).
+__device__ __forceinline__ void paged_copy16(void* dst, const bf16* src, bool inside) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+                 "l"(src), "r"(inside ? 16 : 0));
+}
 
 extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16* cache,
                                            const unsigned int* tables,
@@ -95,47 +101,25 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
         for (int i = 0; i < PAGED_PAIRS; ++i) acc[k][i][0] = acc[k][i][1] = 0.0f;
     }
 
+    const int row_chunks = d / 8;  // 16-byte chunks of a key or value row
     for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
         const int rows = min(PAGED_TILE, pos - u0 + 1);
         __syncthreads();  // the last tile's readers are done (and the queries are in)
-        // Warp w copies rows w * PAGED_ROWS.. of the tile. Its first lanes find where those
-        // rows lie; then every lane reads its words of a batch of rows before storing any, so
-        // the reads are in flight together.
-        const int first = warp * PAGED_ROWS;
-        const int mine = first + (lane % PAGED_ROWS);
-        const long long at = mine < rows
-                                 ? paged_offset(table[(u0 + mine) / block_size], layer, layers, 0,
-                                                (u0 + mine) % block_size, block_size, kv_dim) +
-                                       (long long)kvh * d
-                                 : 0;
-#pragma unroll
-        for (int r0 = 0; r0 < PAGED_ROWS; r0 += PAGED_BATCH) {
-            unsigned int kw[PAGED_BATCH][PAGED_PAIRS], vw[PAGED_BATCH][PAGED_PAIRS];
-#pragma unroll
-            for (int r = 0; r < PAGED_BATCH; ++r) {
-                const long long row_at = __shfl_sync(0xffffffffu, at, r0 + r);
-                const unsigned int* key = (const unsigned int*)(cache + row_at);
-                const unsigned int* value = (const unsigned int*)(cache + row_at + half_stride);
-#pragma unroll
-                for (int i = 0; i < PAGED_PAIRS; ++i) {
-                    const int w = lane + 32 * i;
-                    const bool copy = first + r0 + r < rows && w < pairs;
-                    kw[r][i] = copy ? key[w] : 0u;
-                    vw[r][i] = copy ? value[w] : 0u;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < PAGED_BATCH; ++r) {
-#pragma unroll
-                for (int i = 0; i < PAGED_PAIRS; ++i) {
-                    const int w = lane + 32 * i;
-                    if (w < pairs) {
-                        ks[(first + r0 + r) * stride + w] = kw[r][i];
-                        vs[(first + r0 + r) * pairs + w] = vw[r][i];
-                    }
-                }
-            }
+        // Every chunk of the tile's key and value rows is copied at once (cp.async), rows past
+        // the sequence as zeros, so the tile costs one trip to memory.
+        for (int i = threadIdx.x; i < PAGED_TILE * row_chunks; i += blockDim.x) {
+            const int r = i / row_chunks, c = i - r * row_chunks;
+            const bool inside = r < rows;
+            const long long at =
+                inside ? paged_offset(table[(u0 + r) / block_size], layer, layers, 0,
+                                      (u0 + r) % block_size, block_size, kv_dim) +
+                             (long long)kvh * d + c * 8
+                       : 0;
+            paged_copy16(ks + r * stride + c * 4, cache + at, inside);
+            paged_copy16(vs + r * pairs + c * 4, cache + at + half_stride, inside);
         }
+        commit_tiles();
+        wait_tiles(0);
         __syncthreads();
         const int rows4 = (rows + 3) & ~3;  // rows past the sequence: p 0 and values 0
 #pragma unroll
