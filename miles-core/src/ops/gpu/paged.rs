@@ -13,8 +13,19 @@ use super::elementwise::as_i32;
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
-/// The kernels of `kernels/paged.cu`.
-pub(super) const KERNELS: [&str; 2] = ["paged_attention", "qkv_rotary_cache"];
+/// The kernels of `kernels/paged.cu`: the attention for each of [`PADDED`], then the q/k/v
+/// kernel.
+pub(super) const KERNELS: [&str; 5] = [
+    "paged_attention_16",
+    "paged_attention_32",
+    "paged_attention_64",
+    "paged_attention_128",
+    "qkv_rotary_cache",
+];
+
+/// The head dims the attention kernel is built for, each an instance padding smaller dims with
+/// zeros.
+const PADDED: [usize; 4] = [16, 32, 64, 128];
 
 /// Largest head dim [`Gpu::paged_attention`] takes (`PAGED_MAX_D` in the kernel).
 pub const PAGED_MAX_HEAD_DIM: usize = 128;
@@ -28,12 +39,10 @@ const ATTENTION_HEADS: usize = 8;
 /// Positions of one attention tile (`PAGED_TILE` in the kernel).
 const ATTENTION_TILE: usize = 64;
 
-/// Dynamic shared memory of the attention kernel at head dim `d`: a tile's key rows (`d/2`
-/// words padded by 4) and value rows (`d/2` words), the block's queries and the tile's
-/// probabilities, 4 bytes a word.
-fn attention_shared_bytes(d: usize) -> u32 {
-    let words = ATTENTION_TILE * (d + 4) + ATTENTION_HEADS * (d + ATTENTION_TILE);
-    (4 * words) as u32
+/// Dynamic shared memory of the attention kernel's instance for head dims up to `padded`: the
+/// queries (16 rows), a tile of keys and one of values, bf16 rows of `padded + 8`.
+fn attention_shared_bytes(padded: usize) -> u32 {
+    ((16 + 2 * ATTENTION_TILE) * (padded + 8) * 2) as u32
 }
 
 /// The shape of a paged KV cache: `(blocks, L, 2, P, K*D)` bf16 elements.
@@ -244,9 +253,10 @@ impl Gpu {
     /// Causal attention of the new tokens' queries `q (N, H*D)` over their sequences' cached
     /// keys and values of `layer`, into `out (N, H*D)`: token `i` at position `p` attends to
     /// positions `0..=p` of its sequence, query head `h` to kv head `h / (H / K)`, scores scaled
-    /// by `1/sqrt(D)`, softmax in fp32. Serves prefill (many tokens of a sequence) and decode
-    /// (one token each) alike; every position read must have been written first. `H` is
-    /// `q`'s length over `N*D`.
+    /// by `1/sqrt(D)`, softmax in fp32, the products on the tensor cores (fp32 sums, the
+    /// probabilities rounded to bf16 for the second, as in training's attention). Serves
+    /// prefill (many tokens of a sequence) and decode (one token each) alike; every position
+    /// read must have been written first. `H` is `q`'s length over `N*D`.
     ///
     /// Block tables and positions are trusted to lie inside the cache (the engine's bookkeeping
     /// builds them).
@@ -295,10 +305,15 @@ impl Gpu {
             });
         }
         let blocks = n * shape.kv_heads * (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
+        // The smallest instance that holds `d` (d is at most the largest, checked above).
+        let instance = PADDED
+            .iter()
+            .position(|&p| d <= p)
+            .unwrap_or(PADDED.len() - 1);
         let config = LaunchConfig {
             grid_dim: (as_i32("attention blocks", blocks)? as u32, 1, 1),
             block_dim: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: attention_shared_bytes(d),
+            shared_mem_bytes: attention_shared_bytes(PADDED[instance]),
         };
         let args = (
             n as i64,
@@ -309,10 +324,11 @@ impl Gpu {
             as_i32("layers", shape.num_layers)?,
             as_i32("block size", shape.block_size)?,
             as_i32("max blocks", tokens.max_blocks)?,
-            1.0 / (d as f32).sqrt(),
+            // The kernel's softmax is in base 2.
+            std::f32::consts::LOG2_E / (d as f32).sqrt(),
         );
         self.launch(
-            "paged_attention",
+            KERNELS[instance],
             config,
             &[
                 &out.address(),

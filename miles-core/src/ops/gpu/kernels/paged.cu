@@ -39,23 +39,24 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 
 // out[token, h] = softmax(q[token, h] . K[0..=p] * scale) V[0..=p] over the positions of the
 // token's sequence up to its own position p, with K, V of kv head h / (heads / kv_heads) read
-// through the block table. Nothing of size T x T is stored. d is a multiple of 8.
+// through the block table. Nothing of size T x T is stored. d is a multiple of 8, padded with
+// zeros to DP (16, 32, 64 or 128: one instance each).
 //
 // One block serves a token, a kv head and up to PAGED_HEADS of the query heads sharing it, so
 // each key and value row is read once for all of them. The block walks the positions in tiles
 // of PAGED_TILE: its threads start copying every 16-byte chunk of the tile's key and value rows
 // into shared memory at once (cp.async; rows past the sequence are zeros), so a tile costs one
-// trip to memory, then each warp takes its own heads (warp,
-// warp + PAGED_WARPS): lane j scores positions j and j + 32 of the tile, and every lane adds
-// its channel pairs (2 lane, 2 lane + 1, then 64 further) of the value rows, with an online
-// softmax in fp32 per head. Shared memory is read 16 bytes at a time where it can be: the key
-// rows are padded to d/2 + 4 words, so 8 lanes reading 16 bytes of 8 different rows fall in
-// different banks. Dynamic shared memory: the key rows, the value rows, the queries and the
-// tile's probabilities, 4 * (PAGED_TILE * (d + 4) + PAGED_HEADS * (d + PAGED_TILE)) bytes.
+// trip to memory. The products run on the tensor cores (mma.sync m16n8k16, with the training
+// attention's helpers): the block's query heads are the 16 rows of A (zeros past them), and
+// warp w takes positions 16 w .. 16 w + 15 of every tile with its own online softmax (fp32,
+// base 2) and its own output; at the end the warps' maxima, sums and outputs are merged
+// through shared memory. The probabilities are rounded to bf16 for the second product, as in
+// training.
+//
+// Dynamic shared memory (`attention_shared_bytes` in the wrapper): the queries (16 rows), a tile
+// of keys and one of values (PAGED_TILE rows each), bf16 rows of DP + 8; once the tiles are
+// done, their space holds each warp's 16 rows of outputs, maximum and sum (fp32 rows of DP + 2).
 #define PAGED_TILE 64
-#define PAGED_OWN (PAGED_HEADS / PAGED_WARPS)  // heads a warp owns at most
-#define PAGED_PAIRS (PAGED_MAX_D / 64)         // channel pairs a lane owns at most
-
 
 // Starts copying 16 bytes from global `src` to shared `dst` (cp.async), or zeros where not
 // `inside` (then nothing is read, though `src` must still be a valid address).
@@ -64,19 +65,20 @@ __device__ __forceinline__ void paged_copy16(void* dst, const bf16* src, bool in
                  "l"(src), "r"(inside ? 16 : 0));
 }
 
-extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16* cache,
-                                           const unsigned int* tables,
-                                           const unsigned int* seq_rows,
-                                           const unsigned int* positions, long long n, int heads,
-                                           int kv_heads, int d, int layer, int layers,
-                                           int block_size, int max_blocks, float scale) {
+
+template <int DP>
+__device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache,
+                                     const unsigned int* tables, const unsigned int* seq_rows,
+                                     const unsigned int* positions, int heads, int kv_heads, int d,
+                                     int layer, int layers, int block_size, int max_blocks,
+                                     float scale_log2) {
+    constexpr int SD = DP + 8, KD = DP / 16, MD = DP + 2;
     extern __shared__ uint4 shared4[];
-    const int pairs = d / 2, stride = pairs + 4;
-    unsigned int* ks = (unsigned int*)shared4;             // [PAGED_TILE][stride]
-    unsigned int* vs = ks + PAGED_TILE * stride;           // [PAGED_TILE][pairs]
-    float* qs = (float*)(vs + PAGED_TILE * pairs);         // [PAGED_HEADS][d]
-    float* ps = qs + PAGED_HEADS * d;                      // [PAGED_HEADS][PAGED_TILE]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    bf16* qs = (bf16*)shared4;                      // [16][SD]
+    bf16* ks = qs + 16 * SD;                        // [PAGED_TILE][SD]
+    bf16* vs = ks + PAGED_TILE * SD;                // [PAGED_TILE][SD]
+    float* merge = (float*)ks;  // [PAGED_WARPS][16][MD], over the tiles once they are done
+    const int warp = threadIdx.x >> 5;
     const int group = heads / kv_heads;
     const int chunks = (group + PAGED_HEADS - 1) / PAGED_HEADS;
     const int chunk = (int)(blockIdx.x % chunks);
@@ -88,25 +90,11 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
     const long long half_stride = (long long)block_size * kv_dim;  // keys to values
     const int pos = (int)positions[token];
     const unsigned int* table = tables + (long long)seq_rows[token] * max_blocks;
-    for (int i = threadIdx.x; i < hn * d; i += blockDim.x) {
-        qs[i] = bf2f(q[(token * heads + h0) * d + i]) * scale;
-    }
-
-    float m[PAGED_OWN], l[PAGED_OWN], acc[PAGED_OWN][PAGED_PAIRS][2];
-#pragma unroll
-    for (int k = 0; k < PAGED_OWN; ++k) {
-        m[k] = NEG_INF;
-        l[k] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PAGED_PAIRS; ++i) acc[k][i][0] = acc[k][i][1] = 0.0f;
-    }
-
     const int row_chunks = d / 8;  // 16-byte chunks of a key or value row
-    for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
+
+    // Starts copying the first d columns of tile u0's key and value rows.
+    auto load = [&](int u0) {
         const int rows = min(PAGED_TILE, pos - u0 + 1);
-        __syncthreads();  // the last tile's readers are done (and the queries are in)
-        // Every chunk of the tile's key and value rows is copied at once (cp.async), rows past
-        // the sequence as zeros, so the tile costs one trip to memory.
         for (int i = threadIdx.x; i < PAGED_TILE * row_chunks; i += blockDim.x) {
             const int r = i / row_chunks, c = i - r * row_chunks;
             const bool inside = r < rows;
@@ -115,83 +103,126 @@ extern "C" __global__ void paged_attention(bf16* out, const bf16* q, const bf16*
                                       (u0 + r) % block_size, block_size, kv_dim) +
                              (long long)kvh * d + c * 8
                        : 0;
-            paged_copy16(ks + r * stride + c * 4, cache + at, inside);
-            paged_copy16(vs + r * pairs + c * 4, cache + at + half_stride, inside);
+            paged_copy16(ks + r * SD + c * 8, cache + at, inside);
+            paged_copy16(vs + r * SD + c * 8, cache + at + half_stride, inside);
         }
         commit_tiles();
-        wait_tiles(0);
-        __syncthreads();
-        const int rows4 = (rows + 3) & ~3;  // rows past the sequence: p 0 and values 0
-#pragma unroll
-        for (int k = 0; k < PAGED_OWN; ++k) {
-            const int g = warp + PAGED_WARPS * k;
-            if (g >= hn) continue;  // the same for the whole warp
-            const float4* q4 = (const float4*)(qs + g * d);
-            float s[2];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int j = lane + 32 * half;
-                float dot = NEG_INF;
-                if (j < rows) {
-                    const uint4* key = (const uint4*)(ks + j * stride);
-                    dot = 0.0f;
-                    for (int w4 = 0; w4 < pairs / 4; ++w4) {
-                        const uint4 kk = key[w4];
-                        const float4 qa = q4[2 * w4], qb = q4[2 * w4 + 1];
-                        dot += qa.x * bf_lo(kk.x) + qa.y * bf_hi(kk.x) + qa.z * bf_lo(kk.y) +
-                               qa.w * bf_hi(kk.y) + qb.x * bf_lo(kk.z) + qb.y * bf_hi(kk.z) +
-                               qb.z * bf_lo(kk.w) + qb.w * bf_hi(kk.w);
-                    }
-                }
-                s[half] = dot;
-            }
-            // Position u0 (lane 0's first) is always scored, so m_new is finite.
-            const float m_new = fmaxf(m[k], warp_max(fmaxf(s[0], s[1])));
-            const float correction = expf(m[k] - m_new);  // 0 on the first tile
-            const float p0 = lane < rows ? expf(s[0] - m_new) : 0.0f;
-            const float p1 = lane + 32 < rows ? expf(s[1] - m_new) : 0.0f;
-            l[k] = l[k] * correction + warp_sum(p0 + p1);
-            m[k] = m_new;
-            float* pg = ps + g * PAGED_TILE;
-            pg[lane] = p0;
-            pg[lane + 32] = p1;
-            __syncwarp();
-            const float4* p4 = (const float4*)pg;
-#pragma unroll
-            for (int i = 0; i < PAGED_PAIRS; ++i) {
-                const int w = lane + 32 * i;
-                if (w >= pairs) continue;
-                float a0 = acc[k][i][0] * correction, a1 = acc[k][i][1] * correction;
-                for (int j = 0; j < rows4; j += 4) {
-                    const float4 pj = p4[j / 4];
-                    const unsigned int v0 = vs[j * pairs + w], v1 = vs[(j + 1) * pairs + w];
-                    const unsigned int v2 = vs[(j + 2) * pairs + w], v3 = vs[(j + 3) * pairs + w];
-                    a0 += pj.x * bf_lo(v0) + pj.y * bf_lo(v1) + pj.z * bf_lo(v2) + pj.w * bf_lo(v3);
-                    a1 += pj.x * bf_hi(v0) + pj.y * bf_hi(v1) + pj.z * bf_hi(v2) + pj.w * bf_hi(v3);
-                }
-                acc[k][i][0] = a0;
-                acc[k][i][1] = a1;
-            }
-            __syncwarp();
-        }
+    };
+    load(0);
+    // The queries, zeros past the block's heads and past d; and the tiles' columns past d,
+    // which no copy writes (the products must read zeros there, not stale bits).
+    for (int i = threadIdx.x; i < 16 * SD; i += blockDim.x) {
+        const int r = i / SD, c = i - r * SD;
+        qs[i] = r < hn && c < d ? q[(token * heads + h0 + r) * d + c] : (bf16)0;
+    }
+    for (int i = threadIdx.x; i < PAGED_TILE * (SD - d); i += blockDim.x) {
+        const int r = i / (SD - d), c = d + i % (SD - d);
+        ks[r * SD + c] = 0;
+        vs[r * SD + c] = 0;
     }
 
+    float o[DP / 8][4] = {};
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    unsigned qa[KD][4];
+    for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
+        if (u0 > 0) {
+            __syncthreads();  // every warp is done with the last tile
+            load(u0);
+        }
+        wait_tiles(0);
+        __syncthreads();
+        if (u0 == 0) {
 #pragma unroll
-    for (int k = 0; k < PAGED_OWN; ++k) {
-        const int g = warp + PAGED_WARPS * k;
-        if (g >= hn) continue;
-        const float inv = 1.0f / l[k];
-        unsigned int* o = (unsigned int*)(out + (token * heads + h0 + g) * d);
+            for (int kk = 0; kk < KD; kk++) a_frag(qa[kk], qs, SD, 0, kk * 16);
+        }
+        const int first = u0 + warp * 16;  // this warp's first position of the tile
+        if (first > pos) continue;         // the same for the whole warp
+        float s[2][4] = {};
+        mma_xt<2, KD>(s, qa, ks + warp * 16 * SD, SD);
+        float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int i = 0; i < PAGED_PAIRS; ++i) {
-            const int w = lane + 32 * i;
-            if (w < pairs) {
-                o[w] = (unsigned int)f2bf(acc[k][i][0] * inv) |
-                       ((unsigned int)f2bf(acc[k][i][1] * inv) << 16);
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s[n][j] = first + c_col(n, j) <= pos ? s[n][j] * scale_log2 : NEG_INF;
+                mx[j >> 1] = fmaxf(mx[j >> 1], s[n][j]);
             }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            // The warp's first position is scored, so the new maximum is finite.
+            const float next = fmaxf(m[r], quad_max(mx[r]));
+            alpha[r] = exp2f(m[r] - next);  // 0 on the warp's first tile
+            m[r] = next;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                s[n][j] = exp2f(s[n][j] - m[j >> 1]);
+                l[j >> 1] += s[n][j];
+            }
+#pragma unroll
+        for (int n = 0; n < DP / 8; n++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) o[n][j] *= alpha[j >> 1];
+        unsigned pa[1][4];
+        a_from_c(pa[0], s[0], s[1]);
+        mma_x<DP / 8, 1>(o, pa, vs + warp * 16 * SD, SD);
+    }
+
+    // Merge the warps: each writes its rows' outputs, maximum and sum (a warp that saw no
+    // position keeps a maximum of -inf and adds nothing); then each thread takes output
+    // elements of the block's heads.
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    float* mine = merge + warp * 16 * MD;
+    __syncthreads();  // every warp is done with the tiles
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float sum = quad_sum(l[r]);
+        if (t == 0) {
+            mine[(g + 8 * r) * MD + DP] = m[r];
+            mine[(g + 8 * r) * MD + DP + 1] = sum;
         }
     }
+#pragma unroll
+    for (int n = 0; n < DP / 8; n++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) mine[c_row(j) * MD + c_col(n, j)] = o[n][j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < hn * d; i += blockDim.x) {
+        const int r = i / d, c = i - r * d;
+        float top = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < PAGED_WARPS; w++) top = fmaxf(top, merge[(w * 16 + r) * MD + DP]);
+        float sum = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < PAGED_WARPS; w++) {
+            const float* row = merge + (w * 16 + r) * MD;
+            if (row[DP] == NEG_INF) continue;
+            const float f = exp2f(row[DP] - top);
+            sum += row[DP + 1] * f;
+            acc += row[c] * f;
+        }
+        out[(token * heads + h0 + r) * d + c] = f2bf(acc / sum);
+    }
 }
+
+#define PAGED_ATTENTION(DP)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS)                                \
+        paged_attention_##DP(bf16* out, const bf16* q, const bf16* cache,                         \
+                             const unsigned int* tables, const unsigned int* seq_rows,            \
+                             const unsigned int* positions, long long n, int heads, int kv_heads, \
+                             int d, int layer, int layers, int block_size, int max_blocks,        \
+                             float scale_log2) {                                                  \
+        paged_attention_tile<DP>(out, q, cache, tables, seq_rows, positions, heads, kv_heads, d,  \
+                                 layer, layers, block_size, max_blocks, scale_log2);              \
+    }
+PAGED_ATTENTION(16)
+PAGED_ATTENTION(32)
+PAGED_ATTENTION(64)
+PAGED_ATTENTION(128)
 
 // The q, k and v heads of `layer` from the fused product qkv (n, (heads + 2 kv_heads) d), a row
 // holding the q heads, then the k heads, then the v heads: adds the biases (bias, of one row's
