@@ -65,10 +65,10 @@ pub trait TrainerGroup: Send + Sync {
         partials: GpuSlice<f32>,
     ) -> Result<f32, ModelError>;
 
-    /// Called once the trainer's memory is paused: releases the device memory the group's
-    /// communicator holds for itself (NCCL's buffers) until [`restore`](Self::restore), and
-    /// returns its bytes; `None` where it stays (no such memory, or a library that cannot
-    /// release it).
+    /// Called once the trainer's memory is paused, on every rank of the group at once:
+    /// releases the device memory the group's communicator holds for itself (NCCL's buffers)
+    /// until [`restore`](Self::restore), and returns its bytes; `None` where it stays (no such
+    /// memory, or a library that cannot release it).
     ///
     /// # Errors
     /// [`ModelError::Gpu`] when the release fails.

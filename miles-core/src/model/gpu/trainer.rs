@@ -456,7 +456,8 @@ impl GpuTrainer {
     /// [`MemoryTag::Optimizer`], [`MemoryTag::Grads`] and [`MemoryTag::Activations`] (and the
     /// slots of streamed moments); returns their reports in that order. A failed pause
     /// resumes the tags paused before it. In a group, the group's communicator then releases
-    /// its own buffers ([`TrainerGroup::release`]).
+    /// its own buffers ([`TrainerGroup::release`], on every rank at once); where that fails,
+    /// the trainer stays offloaded and the error says why.
     ///
     /// # Errors
     /// [`ModelError::Offloaded`] when offloaded already; [`ModelError::Memory`] from a pause.
@@ -478,7 +479,7 @@ impl GpuTrainer {
                     static SAID: std::sync::Once = std::sync::Once::new();
                     SAID.call_once(|| {
                         tracing::info!(
-                            "the {}-parallel group's nccl buffers stay on the device while the trainer is offloaded: this nccl lacks ncclCommSuspend (2.29.7 and later have it)",
+                            "the {}-parallel group's nccl buffers stay on the device while the trainer is offloaded: this nccl cannot release them (ncclCommSuspend needs nccl 2.29.7 or later with its memory manager on)",
                             group.name()
                         );
                     });

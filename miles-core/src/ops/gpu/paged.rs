@@ -294,6 +294,14 @@ impl Gpu {
             });
         }
         out.expect_len("paged attention output", q.len())?;
+        if !cache.address().is_multiple_of(16) {
+            // The tiles are copied 16 bytes at a time.
+            return Err(DeviceError::ShapeMismatch {
+                what: "paged attention cache (16-byte aligned)",
+                expected: 16,
+                actual: (cache.address() % 16) as usize,
+            });
+        }
         tokens
             .seq_rows
             .expect_len("paged attention sequence rows", n)?;

@@ -17,14 +17,14 @@
 //                  int heads, int kv_heads, int d, float eps, int layer, int layers,
 //                  int block_size, long long num_blocks)
 //                                      one warp per (token, q or kv head), 4 warps a block
-// paged_attention(bf16* out, const bf16* q, const bf16* cache, const unsigned* tables,
-//                 const unsigned* seq_rows, const unsigned* positions, long long n, int heads,
-//                 int kv_heads, int d, int layer, int layers, int block_size, int max_blocks,
-//                 float scale)
+// paged_attention_DP(bf16* out, const bf16* q, const bf16* cache, const unsigned* tables,
+//                    const unsigned* seq_rows, const unsigned* positions, long long n, int heads,
+//                    int kv_heads, int d, int layer, int layers, int block_size,
+//                    int max_blocks, float scale_log2)      for DP 16, 32, 64, 128 (d <= DP)
 //                 one block of 4 warps per (token, kv head, up to 8 of its query heads),
-//                 dynamic shared memory of 4 * (64 * (d + 4) + 8 * (d + 64)) bytes
+//                 dynamic shared memory of (16 + 2 * 64) * (DP + 8) * 2 bytes
 
-// Largest head dim the attention kernel takes: each lane keeps d / 32 outputs in registers.
+// Largest head dim the kernels take (qkv_rotary_cache keeps a row of it per warp).
 #define PAGED_MAX_D 128
 #define PAGED_WARPS 4
 // Query heads one attention block serves.
