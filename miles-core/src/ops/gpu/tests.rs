@@ -332,8 +332,8 @@ fn gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_align
             let src = t.alloc::<bf16>(len + offset).sub(offset, len).unwrap();
             t.gpu.upload(src, &values).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(t.get(src), values, "{len} elements at offset {offset}");
-            // To the source's own offset (16 bytes at a time where that is 16-byte aligned) and
-            // to another (one byte at a time).
+            // To the source's own offset within 16 bytes (whole words after a byte head) and to
+            // another (one byte at a time).
             for at in [offset, 3 - offset] {
                 let dst = t.alloc::<bf16>(len + 3).sub(at, len).unwrap();
                 t.gpu.copy(dst, src).unwrap_or_else(|e| panic!("{e}"));
