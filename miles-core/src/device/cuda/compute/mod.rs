@@ -29,7 +29,7 @@ pub use cudarc::driver::LaunchConfig;
 pub use lt::GemmAlgo;
 pub use nccl::{ID_BYTES, NcclComm};
 
-use self::staging::{COPY_KERNEL, COPY_SOURCE, COPY_THREADS, STAGED_MAX_BYTES, StagingSlot};
+use self::staging::{COPY_KERNEL, COPY_SOURCE, STAGED_MAX_BYTES, StagingSlot};
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
@@ -357,11 +357,7 @@ impl Gpu {
         if bytes == 0 {
             return Ok(());
         }
-        let config = LaunchConfig {
-            grid_dim: (staging::copy_blocks(bytes), 1, 1),
-            block_dim: (COPY_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = staging::copy_launch(bytes);
         self.launch(COPY_KERNEL, config, &[&dst, &src, &(bytes as u64)])
     }
 

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, LaunchConfig};
 
 use super::super::driver;
 use crate::device::DeviceError;
@@ -48,7 +48,7 @@ extern "C" __global__ void miles_copy_bytes(
 
 /// The alignment the copy kernel moves whole words at: a staged transfer's bytes start at the
 /// device address's offset within it, and a buffer holds that much more than its transfers.
-pub(super) const ALIGN: usize = 16;
+const ALIGN: usize = 16;
 
 /// Where a transfer to or from device address `address` starts in the staging buffer: at the
 /// same offset within [`ALIGN`] bytes, so the kernel copies whole words.
@@ -57,13 +57,17 @@ pub(super) fn staged_offset(address: u64) -> usize {
 }
 
 /// Threads a block of the copy kernel.
-pub(super) const COPY_THREADS: u32 = 256;
+const COPY_THREADS: u32 = 256;
 
-/// Blocks of the copy kernel for `bytes`: one 16-byte word a thread, at most 4096 blocks (the
+/// The copy kernel's launch for `bytes`: one 16-byte word a thread, at most 4096 blocks (the
 /// kernel strides over the rest).
-pub(super) fn copy_blocks(bytes: usize) -> u32 {
+pub(super) fn copy_launch(bytes: usize) -> LaunchConfig {
     let words = bytes.div_ceil(16).max(1);
-    words.div_ceil(COPY_THREADS as usize).min(4096) as u32
+    LaunchConfig {
+        grid_dim: (words.div_ceil(COPY_THREADS as usize).min(4096) as u32, 1, 1),
+        block_dim: (COPY_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// The staging buffer of a `Gpu`, made at its first transfer and grown as transfers need.
