@@ -18,7 +18,7 @@ pub fn build_backend(
     settings: &Settings,
     group: Option<NcclComm>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
-    let gpu = crate::gpu::gpu_for(settings.device)?;
+    let gpu = crate::gpu::training_gpu_for(settings.device)?;
     match settings.train_backend {
         miles_core::TrainBackendKind::Megatron if group.is_some() => Err(BadSettings(
             "--train-backend megatron runs one process in miles train for now; over several gpus use --train-backend fsdp --data-parallel-size N (tensor parallelism on gpus runs in bench train --tensor-parallel)".into(),

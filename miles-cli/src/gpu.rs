@@ -1,5 +1,8 @@
 //! The GPU this process computes on: opened once (device, NVRTC kernels, cuBLAS) and shared by
-//! the trainers and the rollout engine, which each keep their own memory manager over it.
+//! the trainers and the rollout engine, which each keep their own memory manager over it. The
+//! trainers queue on a compute stream of their own ([`training_gpu_for`]): the loop moves a
+//! trainer's state on another thread while the engine captures its decode graphs, and work
+//! queued there on the engine's stream would land in the graph.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -12,6 +15,7 @@ use miles_core::{DeviceChoice, DeviceKind, HostGroup, LaunchEnv};
 use crate::settings_args::BadSettings;
 
 static SHARED: Mutex<Option<Arc<Gpu>>> = Mutex::new(None);
+static TRAINING: Mutex<Option<Arc<Gpu>>> = Mutex::new(None);
 
 /// How long a rank waits for the others to join the job.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
@@ -69,5 +73,27 @@ pub fn gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>> {
             .with_context(|| format!("cannot start gpu compute on cuda:{ordinal}"))?,
     );
     *shared = Some(Arc::clone(&gpu));
+    Ok(Some(gpu))
+}
+
+/// The GPU of [`gpu_for`] with a compute stream of its own, for the trainers (actor, critic,
+/// and the collectives of their groups), made once.
+///
+/// # Errors
+/// As [`gpu_for`]; the stream or its cuBLAS handles cannot be made.
+pub fn training_gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>> {
+    let Some(shared) = gpu_for(choice)? else {
+        return Ok(None);
+    };
+    let mut training = TRAINING.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(gpu) = training.as_ref() {
+        return Ok(Some(Arc::clone(gpu)));
+    }
+    let gpu = Arc::new(
+        shared
+            .with_own_stream()
+            .context("cannot open the trainers' compute stream")?,
+    );
+    *training = Some(Arc::clone(&gpu));
     Ok(Some(gpu))
 }

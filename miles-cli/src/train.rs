@@ -101,7 +101,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let engine = build_engine(&settings, &model)?;
     let job = match &env {
         Some(env) => {
-            let Some(gpu) = crate::gpu::gpu_for(settings.device)? else {
+            let Some(gpu) = crate::gpu::training_gpu_for(settings.device)? else {
                 return Err(BadSettings(
                     "several processes train on gpus; add --device cuda".into(),
                 )

@@ -226,6 +226,30 @@ impl Gpu {
         })
     }
 
+    /// Compute on the same GPU with the same kernels (nothing compiled again) on a compute
+    /// stream of its own, with its own cuBLAS handles and staging buffer: for a second user of
+    /// the GPU (the trainer beside the rollout engine) whose work may be queued from another
+    /// thread while this one captures a graph, which would otherwise take that work in (or be
+    /// broken by it). Work on the two streams is ordered only by fences.
+    ///
+    /// # Errors
+    /// The driver's or cuBLAS's error creating the stream or the handles.
+    pub fn with_own_stream(&self) -> Result<Gpu, DeviceError> {
+        let stream = self
+            .stream
+            .context()
+            .new_stream()
+            .map_err(cuda("cuStreamCreate"))?;
+        Ok(Gpu {
+            blas: blas::Blas::new(&stream)?,
+            lt: lt::Lt::new(&stream)?,
+            stream,
+            kernels: self.kernels.clone(),
+            device: Arc::clone(&self.device),
+            staging: Mutex::new(StagingSlot::default()),
+        })
+    }
+
     /// The device whose memory the tensors live in.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
