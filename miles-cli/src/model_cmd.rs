@@ -229,7 +229,13 @@ fn score_on_gpu(
 ) -> anyhow::Result<(Vec<f32>, f32)> {
     let weights = vec![1.0; tokens.len().saturating_sub(1)];
     let batch = scoring_batch(tokens, &weights)?;
-    let mut trainer = miles_core::model::standalone_gpu_trainer(gpu, config, params, batch.seq)?;
+    let mut trainer = miles_core::model::standalone_gpu_trainer(
+        gpu,
+        config,
+        params,
+        batch.seq,
+        miles_core::model::OptimizerShard::WHOLE,
+    )?;
     Ok(trainer.logprobs(&batch)?)
 }
 

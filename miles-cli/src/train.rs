@@ -8,7 +8,8 @@
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
 //! data-parallel replica of the trainer (`--train-backend fsdp --data-parallel-size N`, GRPO)
-//! whose gradients NCCL averages over the ranks. Rank 0 reports, writes metrics and saves. A
+//! whose gradients NCCL reduce-scatters over the ranks, each rank updating its block of the
+//! optimizer state. Rank 0 reports, writes metrics and saves (the others send it their blocks). A
 //! signal there stops every rank after the same step: at the end of each step the ranks agree
 //! over the job's host group whether any was asked to stop, and each exits with the status of the
 //! signal one of them received.
@@ -69,7 +70,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut loop_config = LoopConfig::from_settings(&settings);
     loop_config.seed += rank as u64;
     if rank > 0 {
-        loop_config.save = None;
+        // Rank 0 writes the checkpoints; the others take part where the state is split.
         loop_config.metrics = None;
         loop_config.memory_timeline = None;
     }
@@ -132,6 +133,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         Orchestrator::new(loop_config, actor, engine, tokenizer).with_stop_flag(signal.flag());
     if let Some(critic) = critic {
         orchestrator = orchestrator.with_critic(critic);
+    }
+    if rank > 0 {
+        orchestrator = orchestrator.assist_saves();
     }
     orchestrator = orchestrator.with_reward(reward);
     if let Some(dataset) = prompt_data {

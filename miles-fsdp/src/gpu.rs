@@ -1,12 +1,15 @@
-//! FSDP on GPUs: one process a GPU, each holding the whole model (nothing is sharded on the GPU
-//! yet: each rank is a data-parallel replica), computed by core's GPU trainer, saved in core's
-//! optimizer files (so a GPU checkpoint loads on the CPU at any data-parallel size, and
-//! back).
+//! FSDP on GPUs: one process a GPU, computed by core's GPU trainer. Over several GPUs each rank
+//! keeps its block of the optimizer state (fp32 master weights and AdamW moments,
+//! [`OptimizerShard`]) and the whole bf16 weights: the gradients are reduce-scattered, each rank
+//! updates its block, and the bf16 weights are all-gathered (ZeRO's stage 2; the bf16 weights
+//! are not split per unit yet). Saved in core's optimizer files, gathered to rank 0 (so a GPU
+//! checkpoint loads on the CPU at any data-parallel size, and back).
 
 use std::sync::Arc;
 
 use miles_core::backend::{GpuBackend, OptimizerFiles};
 use miles_core::device::{Gpu, NcclComm};
+use miles_core::model::OptimizerShard;
 use miles_core::{BackendError, Settings};
 
 use crate::backend::NAME;
@@ -26,12 +29,13 @@ pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
 /// with `group`, this process's rank of a data-parallel job over one GPU a process (a
-/// [`DataParallelGroup`]).
+/// [`DataParallelGroup`]), keeping its block of the optimizer state.
 ///
 /// # Errors
 /// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
-/// tensor parallelism, or native CPU offload without core offload (on the GPU the memory
-/// manager moves the training state: use `--offload-train`); as
+/// tensor parallelism, native CPU offload without core offload (on the GPU the memory
+/// manager moves the training state: use `--offload-train`), or optimizer streaming over
+/// several ranks; as
 /// [`GpuBackend::from_settings`] and [`GpuBackend::join_data_parallel`].
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
@@ -40,8 +44,11 @@ pub fn gpu_trainer(
 ) -> Result<FsdpGpu, BackendError> {
     let ranks = group.as_ref().map_or(1, NcclComm::world_size);
     check_gpu_settings(settings, ranks)?;
-    let rank = group.as_ref().map_or(0, NcclComm::rank);
-    let mut trainer = GpuBackend::from_settings(gpu, settings, rank)?;
+    let shard = OptimizerShard {
+        rank: group.as_ref().map_or(0, NcclComm::rank),
+        ranks,
+    };
+    let mut trainer = GpuBackend::from_settings(gpu, settings, shard)?;
     if let Some(comm) = group {
         trainer.join_data_parallel(Box::new(DataParallelGroup::new(comm)))?;
     }
@@ -61,6 +68,11 @@ fn check_gpu_settings(settings: &Settings, ranks: usize) -> Result<(), BackendEr
             settings.data_parallel_size,
             settings.tensor_model_parallel_size,
             settings.data_parallel_size
+        )));
+    }
+    if settings.stream_optimizer_state_to_disk && ranks > 1 {
+        return Err(refuse(format!(
+            "over {ranks} gpus each rank keeps its block of the optimizer state, which does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu"
         )));
     }
     if settings.fsdp_cpu_offload && !settings.offload_train {

@@ -9,7 +9,7 @@ use half::bf16;
 use miles_core::BackendError;
 use miles_core::device::{Gpu, GpuSlice, NcclComm};
 use miles_core::model::{
-    GpuTrainer, LlamaConfig, ModelError, TrainerGroup, standalone_gpu_trainer,
+    GpuTrainer, LlamaConfig, ModelError, OptimizerShard, TrainerGroup, standalone_gpu_trainer,
 };
 
 /// One replica of a data-parallel group: every rank holds every weight and trains on its part
@@ -95,6 +95,36 @@ impl TrainerGroup for DataParallelGroup {
         Ok(sum[0])
     }
 
+    fn reduce_scatter_grads(
+        &self,
+        gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        scalar: GpuSlice<f32>,
+        nll: f64,
+    ) -> Result<f64, ModelError> {
+        let comm = self.comm();
+        let block = grads.len() / comm.world_size();
+        let own = grads.sub(comm.rank() * block, block)?;
+        comm.reduce_scatter_sum(grads, own)?;
+        gpu.upload(scalar, &[nll as f32])?;
+        comm.all_reduce_sum(scalar)?;
+        let mut sum = [0.0f32];
+        gpu.download(&mut sum, scalar)?;
+        Ok(f64::from(sum[0]))
+    }
+
+    fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
+        Ok(self.comm().all_reduce_sum(x)?)
+    }
+
+    fn all_gather_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
+        Ok(self.comm().all_gather_bf16_in_place(all)?)
+    }
+
+    fn all_gather_f32(&self, block: GpuSlice<f32>, all: GpuSlice<f32>) -> Result<(), ModelError> {
+        Ok(self.comm().all_gather(block, all)?)
+    }
+
     fn release(&self) -> Result<Option<u64>, ModelError> {
         Ok(self.comm().suspend()?)
     }
@@ -104,10 +134,11 @@ impl TrainerGroup for DataParallelGroup {
     }
 }
 
-/// A data-parallel replica on `gpu`, rank `comm.rank()` of `comm`'s group, from the full
-/// weights `params` of `config` (the same on every rank), for one-off work (a benchmark): a
+/// A data-parallel rank on `gpu`, rank `comm.rank()` of `comm`'s group, from the full weights
+/// `params` of `config` (the same on every rank), for one-off work (a benchmark): a
 /// [`standalone_gpu_trainer`] trainer with activations for `max_batch_tokens` tokens (this
-/// rank's part of a batch), joined to a [`DataParallelGroup`].
+/// rank's part of a batch) keeping its block of the optimizer state, joined to a
+/// [`DataParallelGroup`].
 ///
 /// # Errors
 /// [`BackendError::Model`] when the trainer cannot be built or `comm` is on another GPU.
@@ -118,7 +149,11 @@ pub fn data_parallel_gpu_trainer(
     comm: NcclComm,
     max_batch_tokens: usize,
 ) -> Result<GpuTrainer, BackendError> {
-    let mut trainer = standalone_gpu_trainer(gpu, config, params, max_batch_tokens)?;
+    let shard = OptimizerShard {
+        rank: comm.rank(),
+        ranks: comm.world_size(),
+    };
+    let mut trainer = standalone_gpu_trainer(gpu, config, params, max_batch_tokens, shard)?;
     trainer.join(Box::new(DataParallelGroup::new(comm)))?;
     Ok(trainer)
 }
@@ -135,10 +170,10 @@ mod tests {
     use miles_core::BackupPolicy;
     use miles_core::device::{Gpu, NcclComm};
     use miles_core::model::gpu_testing::{
-        Batch, assert_pair_follows, bf16_params, gentle, losses, losses_alone, manager, one_gpu,
-        spec, tiny, two_gpus,
+        Batch, PARALLEL_STEPS, assert_pair_follows, bf16_params, gentle, losses, losses_alone,
+        manager, one_gpu, spec, tiny, two_gpus,
     };
-    use miles_core::model::{GpuTrainer, ModelError};
+    use miles_core::model::{GpuTrainer, GpuTrainerSpec, ModelError};
 
     use super::*;
 
@@ -189,6 +224,106 @@ mod tests {
             alone[0]
         );
         assert_pair_follows("data-parallel", &losses, &alone);
+    }
+
+    #[test]
+    fn gpu_split_optimizer_pair_follows_one_gpu_in_half_the_state_across_an_offload() {
+        let Some(gpus) = two_gpus("gpu_split_optimizer_pair_follows_one_gpu") else {
+            return;
+        };
+        let config = tiny();
+        let params = Arc::new(bf16_params(&config, 53));
+        let data = Arc::new(Batch::random(54, config.vocab_size));
+        let alone = losses_alone(&gpus[0], &config, &params, &data);
+        let whole = GpuTrainer::new(
+            Arc::clone(&gpus[0]),
+            manager(&gpus[0]),
+            gentle(config.clone()),
+            &params,
+        )
+        .unwrap()
+        .optimizer_device_bytes();
+        let id = NcclComm::unique_id().unwrap();
+        let ranks: Vec<_> = gpus
+            .iter()
+            .enumerate()
+            .map(|(rank, gpu)| {
+                let (gpu, config) = (Arc::clone(gpu), config.clone());
+                let (params, data) = (Arc::clone(&params), Arc::clone(&data));
+                std::thread::spawn(move || {
+                    let spec = GpuTrainerSpec {
+                        shard: OptimizerShard { rank, ranks: 2 },
+                        backup: BackupPolicy::Host,
+                        ..gentle(config)
+                    };
+                    let mut trainer =
+                        GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                    trainer
+                        .join(Box::new(DataParallelGroup::new(comm)))
+                        .unwrap();
+                    let batch = data.view();
+                    let part = batch.shard(rank, 2).unwrap();
+                    let mut losses = Vec::new();
+                    for step in 1..=PARALLEL_STEPS {
+                        losses.push(trainer.train_step(&part, step).unwrap().loss);
+                        if step == 2 {
+                            // The bf16 weights of a split state move with it.
+                            trainer.offload().unwrap();
+                            trainer.onload().unwrap();
+                        }
+                    }
+                    let bytes = trainer.optimizer_device_bytes();
+                    let master = trainer.master_params().unwrap();
+                    let (m, v) = trainer.moments().unwrap();
+                    (losses, bytes, master, m, v)
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+        let losses: Vec<Vec<f32>> = results.iter().map(|r| r.0.clone()).collect();
+        for (rank, (_, bytes, master, m, v)) in results.iter().enumerate() {
+            assert!(
+                *bytes <= whole / 2 + 4096,
+                "rank {rank} keeps {bytes} bytes of optimizer state, one gpu {whole}"
+            );
+            assert!(
+                *master == results[0].2 && *m == results[0].3 && *v == results[0].4,
+                "rank {rank} gathered another state than rank 0"
+            );
+            assert!(
+                m.iter().any(|&x| x != 0.0) && v.iter().all(|&x| x >= 0.0),
+                "rank {rank}: the moments were not gathered whole"
+            );
+        }
+        assert_pair_follows("split-optimizer data-parallel", &losses, &alone);
+    }
+
+    #[test]
+    fn gpu_trainer_of_a_split_state_trains_only_in_its_own_place_of_its_group() {
+        let test = "gpu_trainer_of_a_split_state_trains_only_in_its_own_place_of_its_group";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        let config = tiny();
+        let params = bf16_params(&config, 91);
+        let data = Batch::random(92, config.vocab_size);
+        let spec = GpuTrainerSpec {
+            shard: OptimizerShard { rank: 1, ranks: 2 },
+            ..gentle(config)
+        };
+        let mut trainer = GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+        let err = trainer.train_step(&data.view(), 1).unwrap_err().to_string();
+        assert!(err.contains("join its data-parallel group"), "{err}");
+        let comm = NcclComm::new(Arc::clone(&gpu), NcclComm::unique_id().unwrap(), 0, 1).unwrap();
+        let err = trainer
+            .join(Box::new(DataParallelGroup::new(comm)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("block 1 of 2") && err.contains("rank 0 of 1"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
 use miles_core::device::Gpu;
-use miles_core::model::{LlamaConfig, ParamLayout};
+use miles_core::model::{LlamaConfig, OptimizerShard, ParamLayout};
 use miles_core::{BackendError, Settings};
 
 use crate::checkpoint::read_full_optimizer;
@@ -41,7 +41,7 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 /// `--stream-optimizer-state-to-disk`).
 pub fn gpu_trainer(gpu: Arc<Gpu>, settings: &Settings) -> Result<MegatronGpu, BackendError> {
     check_gpu_settings(settings)?;
-    GpuBackend::from_settings(gpu, settings, 0)
+    GpuBackend::from_settings(gpu, settings, OptimizerShard::WHOLE)
 }
 
 /// The settings [`gpu_trainer`] refuses, checked before anything touches the GPU.

@@ -9,7 +9,7 @@ use half::bf16;
 use miles_core::BackendError;
 use miles_core::device::{Gpu, GpuSlice, NcclComm};
 use miles_core::model::{
-    GpuTrainer, LlamaConfig, ModelError, ParamKind, ParamLayout, TrainerGroup,
+    GpuTrainer, LlamaConfig, ModelError, OptimizerShard, ParamKind, ParamLayout, TrainerGroup,
     standalone_gpu_trainer,
 };
 
@@ -190,7 +190,13 @@ pub fn tensor_parallel_gpu_trainer(
     max_batch_tokens: usize,
 ) -> Result<GpuTrainer, BackendError> {
     let (local_config, local) = shard_weights(config, params, comm.rank(), comm.world_size())?;
-    let mut trainer = standalone_gpu_trainer(gpu, local_config, &local, max_batch_tokens)?;
+    let mut trainer = standalone_gpu_trainer(
+        gpu,
+        local_config,
+        &local,
+        max_batch_tokens,
+        OptimizerShard::WHOLE,
+    )?;
     let group = TensorParallelGroup::new(comm, trainer.layout());
     trainer.join(Box::new(group))?;
     Ok(trainer)

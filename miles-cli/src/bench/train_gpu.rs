@@ -13,8 +13,8 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{
-    ByteTokenizer, LlamaConfig, ModelError, ParamLayout, StepReport, TrainBatch, init_params,
-    standalone_gpu_trainer,
+    ByteTokenizer, LlamaConfig, ModelError, OptimizerShard, ParamLayout, StepReport, TrainBatch,
+    init_params, standalone_gpu_trainer,
 };
 use miles_core::{Batch, DeviceChoice, LaunchEnv};
 use serde_json::Value;
@@ -83,7 +83,8 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     } = Workload::of(args)?;
     let (b, t) = (args.batch, args.seq);
     let batch = owned.view();
-    let mut trainer = standalone_gpu_trainer(gpu, config.clone(), &params, b * t)?;
+    let mut trainer =
+        standalone_gpu_trainer(gpu, config.clone(), &params, b * t, OptimizerShard::WHOLE)?;
     drop(params);
     let (losses, seconds) = train_steps(|step| trainer.train_step(&batch, step), args)?;
     let loss = losses.last().copied().unwrap_or(f32::NAN);
@@ -224,7 +225,8 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     let gathered = group.gather(&serde_json::to_vec(&parallel)?)?;
     let alone = match env.rank {
         0 => {
-            let mut trainer = standalone_gpu_trainer(gpu, config, &params, b * t)?;
+            let mut trainer =
+                standalone_gpu_trainer(gpu, config, &params, b * t, OptimizerShard::WHOLE)?;
             Some(train_steps(|step| trainer.train_step(&batch, step), args)?)
         }
         _ => None,

@@ -21,8 +21,8 @@ use crate::config::{OffloadTarget, OptimizerStream, Settings, TrainOffload};
 use crate::device::{Device, Gpu};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
-    GpuTrainer, GpuTrainerSpec, LlamaConfig, MomentStream, ParamLayout, TrainerGroup, init_params,
-    save_checkpoint,
+    GpuTrainer, GpuTrainerSpec, LlamaConfig, MomentStream, OptimizerShard, ParamLayout,
+    TrainerGroup, init_params, save_checkpoint,
 };
 use crate::ops::AdamWConfig;
 
@@ -73,31 +73,31 @@ impl<F> std::fmt::Debug for GpuBackend<F> {
 const MAX_BATCH_TOKENS: usize = 8192;
 
 impl<F: OptimizerFiles> GpuBackend<F> {
-    /// The trainer `settings` describe, on `gpu`, as rank `rank` of its job: the preset,
-    /// weights seeded by `--seed`, then `--load` when given. Backends check their own flags
-    /// first.
+    /// The trainer `settings` describe, on `gpu`, keeping `shard` of the optimizer state (its
+    /// rank is this process's rank in its job): the preset, weights seeded by `--seed`, then
+    /// `--load` when given. Backends check their own flags first.
     ///
     /// # Errors
     /// An unknown preset; as [`GpuBackend::new`] and [`TrainBackend::load`].
     pub fn from_settings(
         gpu: Arc<Gpu>,
         settings: &Settings,
-        rank: usize,
+        shard: OptimizerShard,
     ) -> Result<GpuBackend<F>, BackendError> {
         let config = LlamaConfig::from_settings(settings)?;
         let layout = ParamLayout::new(&config);
         let mut params = vec![0.0; layout.len()];
         init_params(&layout, &config, settings.seed, &mut params)?;
-        let mut trainer = GpuBackend::new(gpu, config, settings, &params, rank)?;
+        let mut trainer = GpuBackend::new(gpu, config, settings, &params, shard)?;
         if let Some(dir) = &settings.load {
             trainer.load(dir)?;
         }
         Ok(trainer)
     }
 
-    /// A trainer of `config` on `gpu` starting from the full weights `params`, offloading to
-    /// `--offload-train-target` (with its disk settings; rank `rank` of a job writes its own
-    /// files there), its AdamW moments streamed through the disk with
+    /// A trainer of `config` on `gpu` starting from the full weights `params`, keeping `shard`
+    /// of the optimizer state, offloading to `--offload-train-target` (with its disk settings;
+    /// each rank of a job writes its own files there), its AdamW moments streamed through the disk with
     /// `--stream-optimizer-state-to-disk`, keeping `--train-memory-margin-bytes` free on resume, with the learning
     /// rate of `settings`.
     ///
@@ -109,8 +109,9 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         config: LlamaConfig,
         settings: &Settings,
         params: &[f32],
-        rank: usize,
+        shard: OptimizerShard,
     ) -> Result<GpuBackend<F>, BackendError> {
+        let rank = shard.rank;
         let refused = |error: crate::config::SettingsError| BackendError::Settings {
             backend: F::NAME,
             reason: error.to_string(),
@@ -139,6 +140,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 master_weights: stream.master_weights,
                 disk: stream.disk(rank),
             }),
+            shard,
         };
         let trainer = GpuTrainer::new(gpu, Arc::clone(&memory), spec, params)?;
         let started = Instant::now();
@@ -281,14 +283,25 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
         self.check_on_device("save")?;
         let full = self.trainer.master_params()?;
-        save_checkpoint(dir, self.trainer.config(), &self.layout, &full)?;
         let (m, v) = self.trainer.moments()?;
+        save_checkpoint(dir, self.trainer.config(), &self.layout, &full)?;
         let saved = SavedOptimizer {
             step: self.step,
             m,
             v,
         };
         write_optimizer(dir, &saved, 1)
+    }
+
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        self.check_on_device("save")?;
+        if !self.trainer.shard().is_split() {
+            return Ok(());
+        }
+        // A split state's blocks are gathered on every rank; the writer saves them.
+        self.trainer.master_params()?;
+        self.trainer.moments()?;
+        Ok(())
     }
 
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {

@@ -356,6 +356,16 @@ pub trait TrainBackend: Send {
     /// [`BackendError::Offloaded`], [`BackendError::Model`] or [`BackendError::Io`].
     fn save(&mut self, dir: &Path) -> Result<(), BackendError>;
 
+    /// On a rank of a job that does not write the checkpoint, at the moment the writing rank
+    /// calls [`save`](Self::save): the part of the save every rank takes part in (a state
+    /// split over the ranks is gathered to the writer). Writes nothing. By default, nothing.
+    ///
+    /// # Errors
+    /// [`BackendError::Offloaded`], [`BackendError::Model`].
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     /// Restores weights, optimizer state and step from a checkpoint written by
     /// [`save`](Self::save) with the same parallel layout (weights alone, from any Hugging Face
     /// checkpoint of the same config, when the optimizer files are absent).

@@ -101,6 +101,8 @@ pub struct Orchestrator {
     stop: Arc<AtomicBool>,
     /// With several ranks, how they agree on stopping ([`with_stop_agreement`](Self::with_stop_agreement)).
     agreement: Option<StopAgreement>,
+    /// Another rank writes the checkpoints; this one takes part ([`assist_saves`](Self::assist_saves)).
+    assists_saves: bool,
     state: LoopState,
     timeline: MemoryTimeline,
     started: Instant,
@@ -156,6 +158,7 @@ impl Orchestrator {
             reward: Box::new(BuiltinReward::new(RmType::Task, tokenizer)),
             stop: Arc::new(AtomicBool::new(false)),
             agreement: None,
+            assists_saves: false,
             state,
             timeline: MemoryTimeline::default(),
             started: Instant::now(),
@@ -206,6 +209,15 @@ impl Orchestrator {
     /// collective of the next.
     pub fn with_stop_agreement(mut self, agreement: StopAgreement) -> Self {
         self.agreement = Some(agreement);
+        self
+    }
+
+    /// Makes this rank of a multi-process job one that does not write the checkpoints: where
+    /// the writing rank saves (`save` set alike on every rank), this one calls the actor's
+    /// [`assist_save`](crate::backend::TrainBackend::assist_save) instead (a state split over
+    /// the ranks is gathered to the writer) and writes nothing.
+    pub fn assist_saves(mut self) -> Self {
+        self.assists_saves = true;
         self
     }
 

@@ -1,7 +1,9 @@
 //! The seam between the single-GPU trainer and a parallel group it is one rank of: the trainer
-//! calls a [`TrainerGroup`] at the four points where ranks must agree, and the backends that
-//! name a parallel layout implement it (Megatron's tensor-parallel group in `miles-megatron`,
-//! the data-parallel group in `miles-fsdp`).
+//! calls a [`TrainerGroup`] at the points where ranks must agree, and the backends that name a
+//! parallel layout implement it (Megatron's tensor-parallel group in `miles-megatron`, the
+//! data-parallel group in `miles-fsdp`). A data-parallel group may also split the optimizer
+//! state over its ranks ([`OptimizerShard`]), as FSDP and ZeRO do: then the gradients are
+//! reduce-scattered, each rank updates its block, and the bf16 weights are all-gathered.
 
 use std::sync::Arc;
 
@@ -76,6 +78,51 @@ pub trait TrainerGroup: Send + Sync {
         Ok(None)
     }
 
+    /// For a trainer whose optimizer state is split over the group ([`OptimizerShard`]), in
+    /// place of [`after_backward`](Self::after_backward): sums `grads` (the group's size times
+    /// a block) over the ranks, leaving this rank's block of the sum in its own block (the
+    /// others are then undefined), and returns `nll` summed over the ranks. `scalar` is one fp32
+    /// element of scratch on the device.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] for a group that does not split the optimizer state (the
+    /// default); [`ModelError::Gpu`] when a copy or a collective fails.
+    fn reduce_scatter_grads(
+        &self,
+        _gpu: &Gpu,
+        _grads: GpuSlice<f32>,
+        _scalar: GpuSlice<f32>,
+        _nll: f64,
+    ) -> Result<f64, ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
+    /// Sums `x` over the ranks in place (a split optimizer's squared gradient norm).
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_grads`](Self::reduce_scatter_grads).
+    fn sum_f32(&self, _x: GpuSlice<f32>) -> Result<(), ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
+    /// Fills every block of `all` (the group's size times a block) with that rank's block: the
+    /// bf16 weights after each rank updated its own.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_grads`](Self::reduce_scatter_grads).
+    fn all_gather_bf16(&self, _all: GpuSlice<bf16>) -> Result<(), ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
+    /// Concatenates every rank's `block` in rank order into `all` (the group's size times the
+    /// block): a split optimizer's master weights or moments, whole, for a checkpoint.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_grads`](Self::reduce_scatter_grads).
+    fn all_gather_f32(&self, _block: GpuSlice<f32>, _all: GpuSlice<f32>) -> Result<(), ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
     /// Called before the trainer's memory is resumed, on every rank of the group at once:
     /// brings back what [`release`](Self::release) released.
     ///
@@ -83,5 +130,96 @@ pub trait TrainerGroup: Send + Sync {
     /// [`ModelError::Gpu`] when it cannot come back (no memory, a peer gone).
     fn restore(&self) -> Result<(), ModelError> {
         Ok(())
+    }
+}
+
+/// The error of a group asked for a split optimizer's collectives it does not run.
+fn not_sharded(group: &str) -> ModelError {
+    ModelError::Config(format!(
+        "a {group}-parallel group does not split the optimizer state over its ranks; build the trainer with OptimizerShard::WHOLE"
+    ))
+}
+
+/// Which block of the optimizer state (fp32 master weights and AdamW moments) a trainer keeps:
+/// rank `rank` of `ranks` keeps the parameters from `rank * block` on, `block` of them (the last
+/// block padded with zeros that stay zero). The gradients and bf16 weights are padded to
+/// `ranks * block` elements so that a collective can move whole blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OptimizerShard {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks the state is split over.
+    pub ranks: usize,
+}
+
+/// A block is a multiple of this many elements, so that every block of bf16 or fp32 elements
+/// starts 256-byte aligned.
+const BLOCK_ALIGN: usize = 128;
+
+impl OptimizerShard {
+    /// The whole state on one rank.
+    pub const WHOLE: OptimizerShard = OptimizerShard { rank: 0, ranks: 1 };
+
+    /// Whether the state is split over more than one rank.
+    pub fn is_split(&self) -> bool {
+        self.ranks > 1
+    }
+
+    /// Elements of one rank's block of `params` parameters.
+    pub fn block(&self, params: usize) -> usize {
+        if self.is_split() {
+            params.div_ceil(self.ranks).next_multiple_of(BLOCK_ALIGN)
+        } else {
+            params
+        }
+    }
+
+    /// The first parameter of this rank's block.
+    pub fn start(&self, params: usize) -> usize {
+        self.rank * self.block(params)
+    }
+
+    /// Elements of the padded gradients and bf16 weights: every rank's block.
+    pub fn padded(&self, params: usize) -> usize {
+        self.ranks * self.block(params)
+    }
+
+    /// This rank's block of `full` (the whole parameter vector), zero-padded to a block.
+    pub fn block_of(&self, full: &[f32]) -> Vec<f32> {
+        let (start, block) = (self.start(full.len()), self.block(full.len()));
+        let mut out = vec![0.0; block];
+        let end = full.len().min(start + block);
+        if start < end {
+            out[..end - start].copy_from_slice(&full[start..end]);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_every_parameter_once_aligned_and_padded_with_zeros() {
+        let full: Vec<f32> = (0..1000).map(|i| i as f32 + 1.0).collect();
+        let whole = OptimizerShard::WHOLE;
+        assert_eq!(
+            (whole.block(1000), whole.start(1000), whole.padded(1000)),
+            (1000, 0, 1000)
+        );
+        assert_eq!(whole.block_of(&full), full);
+        for ranks in [2, 3, 8, 16] {
+            let blocks: Vec<Vec<f32>> = (0..ranks)
+                .map(|rank| OptimizerShard { rank, ranks }.block_of(&full))
+                .collect();
+            let shard = OptimizerShard { rank: 0, ranks };
+            assert_eq!(shard.block(1000) % BLOCK_ALIGN, 0);
+            assert_eq!(shard.padded(1000), ranks * shard.block(1000));
+            let joined: Vec<f32> = blocks.concat();
+            assert_eq!(joined.len(), shard.padded(1000));
+            assert_eq!(&joined[..1000], &full[..], "{ranks} ranks");
+            assert!(joined[1000..].iter().all(|&x| x == 0.0), "{ranks} ranks");
+        }
     }
 }

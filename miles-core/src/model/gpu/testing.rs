@@ -11,7 +11,7 @@ use half::bf16;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{GpuTrainer, GpuTrainerSpec};
+use super::{GpuTrainer, GpuTrainerSpec, OptimizerShard};
 use crate::device::{CudaDevice, Device, Gpu};
 use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager};
 use crate::model::{LlamaConfig, ParamKind, ParamLayout, TrainBatch, init_params};
@@ -145,6 +145,7 @@ pub fn spec(config: LlamaConfig, backup: BackupPolicy, max_batch_tokens: usize) 
         backup,
         max_batch_tokens,
         stream: None,
+        shard: OptimizerShard::WHOLE,
     }
 }
 

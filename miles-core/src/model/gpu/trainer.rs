@@ -8,7 +8,9 @@ use half::bf16;
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
-use super::{ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, TrainerGroup};
+use super::{
+    ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
+};
 use crate::device::{Device, DeviceError, Fence, Gpu, GpuElement, GpuSlice};
 use crate::memory::{
     BackupPolicy, Buffer, ManagerSettings, MemoryError, MemoryManager, MemoryTag, OffloadReport,
@@ -45,11 +47,16 @@ pub struct GpuTrainerSpec {
     /// time (`--stream-optimizer-state-to-disk`); `None`: resident in
     /// [`MemoryTag::Optimizer`].
     pub stream: Option<MomentStream>,
+    /// The block of the optimizer state this trainer keeps: [`OptimizerShard::WHOLE`], or one
+    /// rank's block of a data-parallel group that splits it (the trainer then must
+    /// [`join`](GpuTrainer::join) that group before it trains).
+    pub shard: OptimizerShard,
 }
 
 /// Where the AdamW moments live.
 enum Moments {
-    /// On the device: (P) fp32 each, in [`MemoryTag::Optimizer`].
+    /// On the device: (P) fp32 each, or this rank's block of a split state, in
+    /// [`MemoryTag::Optimizer`].
     Resident { m: Buffer, v: Buffer },
     /// On disk, staged through a few device slots.
     Streamed(Box<StreamedMoments>),
@@ -83,8 +90,12 @@ pub struct GpuTrainer {
     model: GpuTransformer,
     adamw: AdamWConfig,
     max_batch_tokens: usize,
+    /// The block of the optimizer state kept here; P below is the parameters padded to whole
+    /// blocks ([`OptimizerShard::padded`]), the parameters themselves when not split.
+    shard: OptimizerShard,
     params: Buffer, // (P) bf16, Params
-    /// (P) fp32, Optimizer; `None` when the master weights stream with the moments.
+    /// (P) fp32 (this rank's block when split), Optimizer; `None` when the master weights
+    /// stream with the moments.
     master: Option<Buffer>,
     moments: Moments,
     grads: Buffer,  // (P) fp32, Grads
@@ -137,8 +148,16 @@ impl GpuTrainer {
         if !same_device {
             return Err(ModelError::DeviceMismatch);
         }
+        let shard = spec.shard;
+        if shard.is_split() && spec.stream.is_some() {
+            return Err(ModelError::Config(
+                "the optimizer state split over data-parallel ranks does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu".into(),
+            ));
+        }
         let n = model.layout().len();
-        let (half, full) = (n * size_of::<bf16>(), n * size_of::<f32>());
+        let padded = shard.padded(n);
+        let half = padded * size_of::<bf16>();
+        let (full, block) = (padded * size_of::<f32>(), shard.block(n) * size_of::<f32>());
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
         let master_streams = spec.stream.as_ref().is_some_and(|s| s.master_weights);
         let optimizer_buffers = match &spec.stream {
@@ -148,8 +167,9 @@ impl GpuTrainer {
         };
         // The bf16 weights are the master weights rounded (the AdamW kernel writes both), so
         // with the master weights on the device they need not move: 2 bytes a parameter less
-        // each way.
-        let params_backup = if master_streams {
+        // each way. A rank of a split state holds only its block of master weights, and
+        // rounding the others again would take the group's collective: its weights move.
+        let params_backup = if master_streams || shard.is_split() {
             spec.backup
         } else {
             BackupPolicy::None
@@ -159,7 +179,7 @@ impl GpuTrainer {
             (
                 MemoryTag::Optimizer,
                 spec.backup,
-                optimizer_buffers * (full + BLOCK_SLACK),
+                optimizer_buffers * (block + BLOCK_SLACK),
             ),
             (MemoryTag::Grads, BackupPolicy::None, full + BLOCK_SLACK),
             (MemoryTag::Activations, BackupPolicy::None, act_bytes),
@@ -168,8 +188,8 @@ impl GpuTrainer {
         }
         let moments = match &spec.stream {
             None => Moments::Resident {
-                m: memory.alloc(&MemoryTag::Optimizer, full)?,
-                v: memory.alloc(&MemoryTag::Optimizer, full)?,
+                m: memory.alloc(&MemoryTag::Optimizer, block)?,
+                v: memory.alloc(&MemoryTag::Optimizer, block)?,
             },
             Some(stream) => {
                 Moments::Streamed(Box::new(StreamedMoments::new(&memory, stream, params)?))
@@ -177,9 +197,10 @@ impl GpuTrainer {
         };
         let master = match &moments {
             Moments::Streamed(streamed) if streamed.holds_master() => None,
-            _ => Some(memory.alloc(&MemoryTag::Optimizer, full)?),
+            _ => Some(memory.alloc(&MemoryTag::Optimizer, block)?),
         };
         let trainer = GpuTrainer {
+            shard,
             params: memory.alloc(&MemoryTag::Params, half)?,
             master,
             moments,
@@ -199,7 +220,9 @@ impl GpuTrainer {
             trainer.gpu.zero(slice::<f32>(v)?)?;
         }
         trainer.gpu.zero(slice::<f32>(&trainer.grads)?)?;
+        trainer.gpu.zero(slice::<bf16>(&trainer.params)?)?;
         match &trainer.master {
+            Some(master) if shard.is_split() => trainer.upload_master_block(master, params)?,
             Some(master) => trainer.upload_master(master, params)?,
             // The stream wrote the master weights with the zero moments.
             None => trainer.upload_rounded(params)?,
@@ -220,6 +243,11 @@ impl GpuTrainer {
     /// The model's parameter table (of this rank's shard, in a tensor-parallel group).
     pub fn layout(&self) -> &ParamLayout {
         self.model.layout()
+    }
+
+    /// The block of the optimizer state this trainer keeps.
+    pub fn shard(&self) -> OptimizerShard {
+        self.shard
     }
 
     /// The memory manager holding the trainer's regions.
@@ -276,6 +304,17 @@ impl GpuTrainer {
                 "the gpu trainer is one rank of a parallel group already; it joins one group, data or tensor parallel".into(),
             ));
         }
+        if self.shard.is_split()
+            && (group.rank(), group.world_size()) != (self.shard.rank, self.shard.ranks)
+        {
+            return Err(ModelError::Config(format!(
+                "the trainer keeps block {} of {} of the optimizer state, and the group makes it rank {} of {}; build it for its place in the group",
+                self.shard.rank,
+                self.shard.ranks,
+                group.rank(),
+                group.world_size()
+            )));
+        }
         tracing::info!(
             rank = group.rank(),
             world = group.world_size(),
@@ -315,10 +354,18 @@ impl GpuTrainer {
     /// Alone: `nll`.
     fn sum_over_group(&self, nll: f64) -> Result<f64, ModelError> {
         let Some(group) = &self.group else {
-            return Ok(nll);
+            return if self.shard.is_split() {
+                Err(unjoined())
+            } else {
+                Ok(nll)
+            };
         };
         let scalar = slice::<f32>(&self.scalar)?.sub(0, 1)?;
-        group.after_backward(&self.gpu, slice(&self.grads)?, scalar, nll)
+        if self.shard.is_split() {
+            group.reduce_scatter_grads(&self.gpu, slice(&self.grads)?, scalar, nll)
+        } else {
+            group.after_backward(&self.gpu, slice(&self.grads)?, scalar, nll)
+        }
     }
 
     /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
@@ -362,13 +409,16 @@ impl GpuTrainer {
         Ok((logprobs, (nll / f64::from(batch.normaliser)) as f32))
     }
 
-    /// The fp32 master weights, in [`ParamLayout`](crate::model::ParamLayout) order.
+    /// The fp32 master weights, in [`ParamLayout`](crate::model::ParamLayout) order. With the
+    /// optimizer state split over a group, every rank of the group calls it at once (the
+    /// blocks are gathered through the gradients' buffer, which the next step zeroes).
     ///
     /// # Errors
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`].
     pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
         self.ensure_active("read the master weights")?;
         match (&self.master, &self.moments) {
+            (Some(master), _) if self.shard.is_split() => self.gathered(master),
             (Some(master), _) => self.download(master),
             (None, Moments::Streamed(streamed)) => streamed.read_master(self.model.layout().len()),
             (None, Moments::Resident { .. }) => Err(no_master(self.model.layout().len())),
@@ -402,13 +452,17 @@ impl GpuTrainer {
     }
 
     /// The AdamW moments `(m, v)`, in [`ParamLayout`](crate::model::ParamLayout) order (read
-    /// from disk when streamed).
+    /// from disk when streamed). Collective when the state is split, as
+    /// [`master_params`](Self::master_params).
     ///
     /// # Errors
     /// As [`master_params`](Self::master_params); [`ModelError::Store`] for streamed moments.
     pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         self.ensure_active("read the optimizer moments")?;
         match &self.moments {
+            Moments::Resident { m, v } if self.shard.is_split() => {
+                Ok((self.gathered(m)?, self.gathered(v)?))
+            }
             Moments::Resident { m, v } => Ok((self.download(m)?, self.download(v)?)),
             Moments::Streamed(streamed) => streamed.read_all(self.model.layout().len()),
         }
@@ -434,8 +488,8 @@ impl GpuTrainer {
         self.ensure_active("set the optimizer moments")?;
         match &mut self.moments {
             Moments::Resident { m: dm, v: dv } => {
-                self.gpu.upload(slice(dm)?, m)?;
-                self.gpu.upload(slice(dv)?, v)?;
+                self.gpu.upload(slice(dm)?, &self.shard.block_of(m))?;
+                self.gpu.upload(slice(dv)?, &self.shard.block_of(v))?;
             }
             Moments::Streamed(streamed) => streamed.write_all(m, v)?,
         }
@@ -443,7 +497,8 @@ impl GpuTrainer {
     }
 
     /// The gradients of the last [`compute_grads`](Self::compute_grads) (or train step), before
-    /// clipping.
+    /// clipping. With the optimizer state split over a group, only this rank's block holds
+    /// the group's sum; the rest are undefined.
     ///
     /// # Errors
     /// As [`master_params`](Self::master_params).
@@ -507,7 +562,8 @@ impl GpuTrainer {
         let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
-        if let Some(master) = &self.master {
+        // A rank of a split state brought its bf16 weights back with the rest.
+        if let Some(master) = self.master.as_ref().filter(|_| !self.shard.is_split()) {
             self.gpu
                 .cast_to_bf16(slice(&self.params)?, slice(master)?)?;
         }
@@ -570,8 +626,10 @@ impl GpuTrainer {
     /// Zeroes the gradients, runs forward and backward over each micro-batch; returns the
     /// summed weighted negative log-probs.
     fn accumulate_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f64, ModelError> {
-        let (params, grads) = (slice::<bf16>(&self.params)?, slice::<f32>(&self.grads)?);
+        let n = self.model.layout().len();
+        let grads = slice::<f32>(&self.grads)?;
         self.gpu.zero(grads)?;
+        let (params, grads) = (slice::<bf16>(&self.params)?.sub(0, n)?, grads.sub(0, n)?);
         let mut nll = 0.0;
         for micro in micro_batches(batch, self.max_batch_tokens) {
             let acts = self.activations_for(micro.batch, micro.seq)?;
@@ -588,7 +646,7 @@ impl GpuTrainer {
     /// Forward passes over each micro-batch: the log-probs and the summed weighted negative
     /// log-probs.
     fn score(&mut self, batch: &TrainBatch<'_>) -> Result<(Vec<f32>, f64), ModelError> {
-        let params = slice::<bf16>(&self.params)?;
+        let params = slice::<bf16>(&self.params)?.sub(0, self.model.layout().len())?;
         let mut logprobs = Vec::with_capacity(batch.batch * batch.seq);
         let mut nll = 0.0;
         for micro in micro_batches(batch, self.max_batch_tokens) {
@@ -614,6 +672,10 @@ impl GpuTrainer {
         &mut self,
         step: u64,
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
+        let n = self.model.layout().len();
+        if self.shard.is_split() {
+            return self.split_adamw_step(step);
+        }
         let grads = slice::<f32>(&self.grads)?;
         let scalar = slice::<f32>(&self.scalar)?;
         let (sums, partials) = (scalar.sub(0, 2)?, scalar.sub(2, SQUARE_PARTIALS)?);
@@ -632,7 +694,6 @@ impl GpuTrainer {
         let s = AdamWStep::new(&self.adamw, step, clip);
         let master = self.master.as_ref().map(slice::<f32>).transpose()?;
         let params = slice(&self.params)?;
-        let n = self.model.layout().len();
         let stream = match &mut self.moments {
             Moments::Resident { m, v } => {
                 let master = master.ok_or_else(|| no_master(n))?;
@@ -654,6 +715,55 @@ impl GpuTrainer {
             clip_scale: clip,
         };
         Ok((stats, stream))
+    }
+
+    /// [`adamw_step`](Self::adamw_step) of a rank of a split state: the squared norm of its
+    /// block of the reduced gradients summed over the group, its block's update, then the
+    /// group's bf16 weights gathered from every rank's block.
+    fn split_adamw_step(
+        &mut self,
+        step: u64,
+    ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
+        let group = self.group.as_deref().ok_or_else(unjoined)?;
+        let (Some(master), Moments::Resident { m, v }) = (&self.master, &self.moments) else {
+            return Err(no_master(self.model.layout().len()));
+        };
+        let n = self.model.layout().len();
+        let (start, block) = (self.shard.start(n), self.shard.block(n));
+        let grads = slice::<f32>(&self.grads)?.sub(start, block)?;
+        let scalar = slice::<f32>(&self.scalar)?;
+        let (sums, partials) = (scalar.sub(0, 2)?, scalar.sub(2, SQUARE_PARTIALS)?);
+        self.gpu.zero(sums)?;
+        self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
+        group.sum_f32(sums.sub(0, 1)?)?;
+        let mut sum = [0.0f32; 2];
+        self.gpu.download(&mut sum, sums)?;
+        let grad_norm = sum[0].sqrt();
+        let clip = clip_scale(&self.adamw, grad_norm);
+        let s = AdamWStep::new(&self.adamw, step, clip);
+        let params = slice::<bf16>(&self.params)?;
+        let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
+        self.gpu
+            .adamw_update(slice(master)?, params.sub(start, block)?, moments, grads, s)?;
+        group.all_gather_bf16(params)?;
+        let stats = AdamWStepStats {
+            step,
+            grad_norm,
+            clip_scale: clip,
+        };
+        Ok((stats, None))
+    }
+
+    /// A split state's `block` (master weights or a moment) of every rank, gathered through
+    /// the gradients' buffer and downloaded whole. Collective.
+    fn gathered(&self, block: &Buffer) -> Result<Vec<f32>, ModelError> {
+        let group = self.group.as_deref().ok_or_else(unjoined)?;
+        let all = slice::<f32>(&self.grads)?;
+        group.all_gather_f32(slice(block)?, all)?;
+        let n = self.model.layout().len();
+        let mut out = vec![0.0; n];
+        self.gpu.download(&mut out, all.sub(0, n)?)?;
+        Ok(out)
     }
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
@@ -700,7 +810,11 @@ impl GpuTrainer {
     /// their bf16 rounding into the bf16 weights.
     fn upload_params(&mut self, params: &[f32]) -> Result<(), ModelError> {
         if let Some(master) = &self.master {
-            return self.upload_master(master, params);
+            return if self.shard.is_split() {
+                self.upload_master_block(master, params)
+            } else {
+                self.upload_master(master, params)
+            };
         }
         let Moments::Streamed(streamed) = &mut self.moments else {
             return Err(no_master(params.len()));
@@ -717,17 +831,27 @@ impl GpuTrainer {
         self.record_fences()
     }
 
+    /// Uploads this rank's block of `params` into `master` (a split state's) and the bf16
+    /// rounding of all of them into the bf16 weights.
+    fn upload_master_block(&self, master: &Buffer, params: &[f32]) -> Result<(), ModelError> {
+        self.gpu
+            .upload(slice(master)?, &self.shard.block_of(params))?;
+        self.upload_rounded(params)
+    }
+
     /// Uploads the bf16 rounding of `params` (round to nearest even, as the device's cast)
-    /// into the bf16 weights, for master weights that live on disk.
+    /// into the bf16 weights, for master weights that live on disk or in blocks over a group.
     fn upload_rounded(&self, params: &[f32]) -> Result<(), ModelError> {
         let rounded: Vec<bf16> = params.iter().map(|&x| bf16::from_f32(x)).collect();
-        self.gpu.upload(slice(&self.params)?, &rounded)?;
+        let dst = slice::<bf16>(&self.params)?.sub(0, rounded.len())?;
+        self.gpu.upload(dst, &rounded)?;
         self.record_fences()
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<f32>, ModelError> {
-        let mut out = vec![0.0; self.model.layout().len()];
-        self.gpu.download(&mut out, slice(buffer)?)?;
+        let n = self.model.layout().len();
+        let mut out = vec![0.0; n];
+        self.gpu.download(&mut out, slice(buffer)?.sub(0, n)?)?;
         Ok(out)
     }
 
@@ -751,7 +875,8 @@ impl GpuTrainer {
 
 /// A trainer of `config` on `gpu` from the full weights `params` for one-off work (scoring,
 /// a benchmark, one rank of a parallel benchmark): its own memory manager keeping no
-/// margin, no backup, AdamW's defaults, activations for `max_batch_tokens` tokens.
+/// margin, no backup, AdamW's defaults, activations for `max_batch_tokens` tokens, keeping
+/// `shard` of the optimizer state.
 ///
 /// # Errors
 /// As [`GpuTrainer::new`].
@@ -760,6 +885,7 @@ pub fn standalone_gpu_trainer(
     config: LlamaConfig,
     params: &[f32],
     max_batch_tokens: usize,
+    shard: OptimizerShard,
 ) -> Result<GpuTrainer, ModelError> {
     let device: Arc<dyn Device> = gpu.device().clone();
     let memory = Arc::new(MemoryManager::new(
@@ -775,6 +901,7 @@ pub fn standalone_gpu_trainer(
         backup: BackupPolicy::None,
         max_batch_tokens,
         stream: None,
+        shard,
     };
     GpuTrainer::new(gpu, memory, spec, params)
 }
@@ -791,6 +918,13 @@ impl Drop for GpuTrainer {
 /// The buffer's bytes as elements of `T`.
 fn slice<T: GpuElement>(buffer: &Buffer) -> Result<GpuSlice<T>, DeviceError> {
     GpuSlice::of(buffer.range())
+}
+
+/// The error of a trainer of a split optimizer state used before it joined its group.
+fn unjoined() -> ModelError {
+    ModelError::Config(
+        "the trainer keeps one block of a split optimizer state; join its data-parallel group before it trains or reads its state".into(),
+    )
 }
 
 /// The error of a trainer that has its master weights neither on the device nor streamed

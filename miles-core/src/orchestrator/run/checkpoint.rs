@@ -21,7 +21,8 @@ impl Orchestrator {
                     .is_some_and(|every| step.is_multiple_of(every)))
     }
 
-    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest. The
+    /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest (on a rank
+    /// that [assists](Orchestrator::assist_saves), only the actor's part of the save). The
     /// checkpoint is written into `save/.step-<N>.partial/` and renamed into place whole, so a
     /// run killed mid-save leaves the previous checkpoint in use and only that hidden
     /// directory, which the next save removes.
@@ -29,6 +30,14 @@ impl Orchestrator {
         let Some(save) = self.config.save.clone() else {
             return Ok(());
         };
+        if self.assists_saves {
+            self.actor
+                .get()?
+                .assist_save()
+                .map_err(OrchestratorError::train("actor", "save"))?;
+            self.saved_step = Some(self.state.step);
+            return Ok(());
+        }
         let io = |action: &'static str, path: &Path| {
             let path = path.to_path_buf();
             move |source| OrchestratorError::Io {

@@ -28,7 +28,7 @@ use cudarc::nccl::sys;
 use half::bf16;
 
 use super::{Gpu, GpuSlice, cuda};
-use crate::device::DeviceError;
+use crate::device::{DeviceError, GpuElement};
 
 /// Bytes of a communicator id (NCCL's `ncclUniqueId`).
 pub const ID_BYTES: usize = 128;
@@ -306,15 +306,38 @@ impl NcclComm {
     /// [`DeviceError::ShapeMismatch`] for a `recv` of the wrong length; [`DeviceError::Cuda`].
     pub fn all_gather(&self, send: GpuSlice<f32>, recv: GpuSlice<f32>) -> Result<(), DeviceError> {
         recv.expect_len("all_gather receive buffer", self.world * send.len())?;
+        self.all_gather_raw(send, recv, sys::ncclDataType_t::ncclFloat32)
+    }
+
+    /// Fills every block of `all` (`world_size` equal blocks of bf16) with that rank's block,
+    /// in place: the bf16 weights after each rank updated its own block.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for a length the world size does not divide;
+    /// [`DeviceError::Cuda`].
+    pub fn all_gather_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        let block = all.len() / self.world;
+        all.expect_len("all_gather buffer", self.world * block)?;
+        let send = all.sub(self.rank * block, block)?;
+        self.all_gather_raw(send, all, sys::ncclDataType_t::ncclBfloat16)
+    }
+
+    fn all_gather_raw<T: GpuElement>(
+        &self,
+        send: GpuSlice<T>,
+        recv: GpuSlice<T>,
+        datatype: sys::ncclDataType_t,
+    ) -> Result<(), DeviceError> {
         let stream = self.queue("ncclAllGather")?;
-        // SAFETY: `recv` holds world * send.len() f32 of device memory, as NCCL writes; both
-        // are device memory of this GPU the caller holds.
+        // SAFETY: the callers checked that `recv` holds world * send.len() elements of
+        // `datatype`, as NCCL writes; both are device memory of this GPU the caller holds, and
+        // `send` is either apart from `recv` or block `rank` of it (NCCL's in-place form).
         unsafe {
             result::all_gather(
                 send.address() as *const _,
                 recv.address() as *mut _,
                 send.len(),
-                sys::ncclDataType_t::ncclFloat32,
+                datatype,
                 self.comm,
                 stream,
             )
