@@ -7,10 +7,10 @@
 
 use std::sync::Arc;
 
-use miles_core::backend::{GpuBackend, OptimizerFiles};
+use miles_core::backend::{GpuBackend, OptimizerFiles, TrainBackend};
 use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::OptimizerShard;
-use miles_core::{BackendError, Settings};
+use miles_core::{BackendError, MemoryTag, Settings};
 
 use crate::backend::NAME;
 use crate::gpu_group::DataParallelGroup;
@@ -51,6 +51,15 @@ pub fn gpu_trainer(
     let mut trainer = GpuBackend::from_settings(gpu, settings, shard)?;
     if let Some(comm) = group {
         trainer.join_data_parallel(Box::new(DataParallelGroup::new(comm)))?;
+        let held = trainer.device_memory();
+        let bytes = |tag: MemoryTag| held.iter().find(|(t, _)| *t == tag).map_or(0, |(_, b)| *b);
+        tracing::info!(
+            rank = shard.rank,
+            ranks,
+            params = bytes(MemoryTag::Params),
+            optimizer = bytes(MemoryTag::Optimizer),
+            "this rank keeps its block of the optimizer state (fp32 master weights and moments) and the whole bf16 weights"
+        );
     }
     Ok(trainer)
 }

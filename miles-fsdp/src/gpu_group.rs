@@ -165,15 +165,15 @@ mod tests {
     //! cargo test -p miles-fsdp gpu_ -- --test-threads=1`; elsewhere (or with one GPU) they
     //! skip.
 
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
 
     use miles_core::BackupPolicy;
-    use miles_core::device::{Gpu, NcclComm};
+    use miles_core::device::{Gpu, GpuSlice, NcclComm};
     use miles_core::model::gpu_testing::{
         Batch, PARALLEL_STEPS, assert_pair_follows, bf16_params, gentle, losses, losses_alone,
         manager, one_gpu, spec, tiny, two_gpus,
     };
-    use miles_core::model::{GpuTrainer, GpuTrainerSpec, ModelError};
+    use miles_core::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
 
     use super::*;
 
@@ -226,11 +226,17 @@ mod tests {
         assert_pair_follows("data-parallel", &losses, &alone);
     }
 
-    #[test]
-    fn gpu_split_optimizer_pair_follows_one_gpu_in_half_the_state_across_an_offload() {
-        let Some(gpus) = two_gpus("gpu_split_optimizer_pair_follows_one_gpu") else {
-            return;
-        };
+    /// What one rank of a split pair ends with: its losses, its optimizer bytes on the device,
+    /// and the gathered master weights and moments.
+    type RankEnd = (Vec<f32>, usize, Vec<f32>, Vec<f32>, Vec<f32>);
+
+    /// Two ranks of a split optimizer state on `gpus`, each joined to `group(rank, gpu)`,
+    /// training on halves of a batch (an offload cycle after step 2), against one GPU on the
+    /// whole: the pair follows it, each rank keeps half the state, and both gather the same.
+    fn split_pair_follows_one_gpu<G>(gpus: [Arc<Gpu>; 2], group: G)
+    where
+        G: Fn(usize, &Arc<Gpu>) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
+    {
         let config = tiny();
         let params = Arc::new(bf16_params(&config, 53));
         let data = Arc::new(Batch::random(54, config.vocab_size));
@@ -243,14 +249,14 @@ mod tests {
         )
         .unwrap()
         .optimizer_device_bytes();
-        let id = NcclComm::unique_id().unwrap();
+        let group = Arc::new(group);
         let ranks: Vec<_> = gpus
             .iter()
             .enumerate()
             .map(|(rank, gpu)| {
-                let (gpu, config) = (Arc::clone(gpu), config.clone());
+                let (gpu, config, group) = (Arc::clone(gpu), config.clone(), Arc::clone(&group));
                 let (params, data) = (Arc::clone(&params), Arc::clone(&data));
-                std::thread::spawn(move || {
+                std::thread::spawn(move || -> RankEnd {
                     let spec = GpuTrainerSpec {
                         shard: OptimizerShard { rank, ranks: 2 },
                         backup: BackupPolicy::Host,
@@ -258,10 +264,7 @@ mod tests {
                     };
                     let mut trainer =
                         GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
-                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
-                    trainer
-                        .join(Box::new(DataParallelGroup::new(comm)))
-                        .unwrap();
+                    trainer.join(group(rank, &gpu)).unwrap();
                     let batch = data.view();
                     let part = batch.shard(rank, 2).unwrap();
                     let mut losses = Vec::new();
@@ -280,7 +283,7 @@ mod tests {
                 })
             })
             .collect();
-        let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+        let results: Vec<RankEnd> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
         let losses: Vec<Vec<f32>> = results.iter().map(|r| r.0.clone()).collect();
         for (rank, (_, bytes, master, m, v)) in results.iter().enumerate() {
             assert!(
@@ -297,6 +300,172 @@ mod tests {
             );
         }
         assert_pair_follows("split-optimizer data-parallel", &losses, &alone);
+    }
+
+    #[test]
+    fn gpu_split_optimizer_pair_follows_one_gpu_in_half_the_state_across_an_offload() {
+        let Some(gpus) = two_gpus("gpu_split_optimizer_pair_follows_one_gpu") else {
+            return;
+        };
+        let id = NcclComm::unique_id().unwrap();
+        split_pair_follows_one_gpu(gpus, move |rank, gpu| {
+            let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
+            Box::new(DataParallelGroup::new(comm))
+        });
+    }
+
+    #[test]
+    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu() {
+        let test = "gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        let second = Arc::new(gpu.with_own_stream().unwrap());
+        let exchange = Arc::new(HostExchange::default());
+        split_pair_follows_one_gpu([gpu, second], move |rank, gpu| {
+            Box::new(HostPair {
+                gpu: Arc::clone(gpu),
+                rank,
+                exchange: Arc::clone(&exchange),
+            })
+        });
+    }
+
+    /// Two ranks' slots and the barrier they meet at.
+    struct HostExchange {
+        barrier: std::sync::Barrier,
+        f32s: Mutex<[Vec<f32>; 2]>,
+        bf16s: Mutex<[Vec<bf16>; 2]>,
+    }
+
+    impl Default for HostExchange {
+        fn default() -> Self {
+            HostExchange {
+                barrier: std::sync::Barrier::new(2),
+                f32s: Mutex::default(),
+                bf16s: Mutex::default(),
+            }
+        }
+    }
+
+    impl HostExchange {
+        /// Leaves `mine` in slot `rank` and returns the other rank's.
+        fn swap<T: Clone>(&self, slots: &Mutex<[Vec<T>; 2]>, rank: usize, mine: Vec<T>) -> Vec<T> {
+            slots.lock().unwrap()[rank] = mine;
+            self.barrier.wait();
+            let other = slots.lock().unwrap()[1 - rank].clone();
+            self.barrier.wait();
+            other
+        }
+    }
+
+    /// A data-parallel pair of ranks on one GPU computing the split optimizer's collectives
+    /// through host memory, as NCCL does them (a sum of two is the same in either order), so
+    /// the trainer's blocks are tested where no second GPU is lent.
+    struct HostPair {
+        gpu: Arc<Gpu>,
+        rank: usize,
+        exchange: Arc<HostExchange>,
+    }
+
+    impl HostPair {
+        fn sum(&self, gpu: &Gpu, x: GpuSlice<f32>) -> Result<Vec<f32>, ModelError> {
+            let mut mine = vec![0.0; x.len()];
+            gpu.download(&mut mine, x)?;
+            let other = self
+                .exchange
+                .swap(&self.exchange.f32s, self.rank, mine.clone());
+            Ok(mine.iter().zip(&other).map(|(a, b)| a + b).collect())
+        }
+    }
+
+    impl TrainerGroup for HostPair {
+        fn name(&self) -> &'static str {
+            "data"
+        }
+
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn world_size(&self) -> usize {
+            2
+        }
+
+        fn gpu(&self) -> &Arc<Gpu> {
+            &self.gpu
+        }
+
+        fn sum_row_parallel(&self, _x: GpuSlice<bf16>) -> Result<(), ModelError> {
+            Ok(())
+        }
+
+        fn after_backward(
+            &self,
+            _: &Gpu,
+            _: GpuSlice<f32>,
+            _: GpuSlice<f32>,
+            _: f64,
+        ) -> Result<f64, ModelError> {
+            panic!("a split trainer reduce-scatters its gradients");
+        }
+
+        fn grad_norm_sq(
+            &self,
+            _: &Gpu,
+            _: GpuSlice<f32>,
+            _: GpuSlice<f32>,
+            _: GpuSlice<f32>,
+        ) -> Result<f32, ModelError> {
+            panic!("a split trainer sums its block's norm with sum_f32");
+        }
+
+        fn reduce_scatter_grads(
+            &self,
+            gpu: &Gpu,
+            grads: GpuSlice<f32>,
+            scalar: GpuSlice<f32>,
+            nll: f64,
+        ) -> Result<f64, ModelError> {
+            let summed = self.sum(gpu, grads)?;
+            let block = grads.len() / 2;
+            let own = self.rank * block;
+            gpu.upload(grads.sub(own, block)?, &summed[own..own + block])?;
+            gpu.upload(scalar, &[nll as f32])?;
+            Ok(f64::from(self.sum(gpu, scalar)?[0]))
+        }
+
+        fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
+            let summed = self.sum(&self.gpu, x)?;
+            Ok(self.gpu.upload(x, &summed)?)
+        }
+
+        fn all_gather_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
+            let block = all.len() / 2;
+            let mut mine = vec![bf16::ZERO; block];
+            self.gpu
+                .download(&mut mine, all.sub(self.rank * block, block)?)?;
+            let other = self.exchange.swap(&self.exchange.bf16s, self.rank, mine);
+            let peer = 1 - self.rank;
+            Ok(self.gpu.upload(all.sub(peer * block, block)?, &other)?)
+        }
+
+        fn all_gather_f32(
+            &self,
+            block: GpuSlice<f32>,
+            all: GpuSlice<f32>,
+        ) -> Result<(), ModelError> {
+            let mut mine = vec![0.0; block.len()];
+            self.gpu.download(&mut mine, block)?;
+            let other = self
+                .exchange
+                .swap(&self.exchange.f32s, self.rank, mine.clone());
+            let n = block.len();
+            for (rank, part) in [(self.rank, &mine), (1 - self.rank, &other)] {
+                self.gpu.upload(all.sub(rank * n, n)?, part)?;
+            }
+            Ok(())
+        }
     }
 
     #[test]
