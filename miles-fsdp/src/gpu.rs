@@ -1,9 +1,14 @@
-//! FSDP on GPUs: one process a GPU, computed by core's GPU trainer. Over several GPUs each rank
-//! keeps its block of the optimizer state (fp32 master weights and AdamW moments,
-//! [`OptimizerShard`]) and the whole bf16 weights: the gradients are reduce-scattered, each rank
-//! updates its block, and the bf16 weights are all-gathered (ZeRO's stage 2; the bf16 weights
-//! are not split per unit yet). Saved in core's optimizer files, gathered to rank 0 (so a GPU
-//! checkpoint loads on the CPU at any data-parallel size, and back).
+//! FSDP on GPUs: one process a GPU, computed by core's GPU trainer.
+//!
+//! - Over several GPUs each rank keeps its block of the optimizer state (fp32 master weights
+//!   and AdamW moments, [`OptimizerShard`]) and the whole bf16 weights and gradients: the
+//!   gradients are reduce-scattered, each rank updates its block, and the bf16 weights are
+//!   all-gathered. In ZeRO's terms that is stage 1 (the optimizer state split); the
+//!   gradients and the bf16 weights are not split per unit yet.
+//! - On one GPU, `--fsdp-cpu-offload` without `--offload-train` keeps the optimizer state and
+//!   its step on the host (the trainer's `optimizer_on_host`).
+//! - Saved in core's optimizer files, gathered to rank 0, so a GPU checkpoint loads on the CPU
+//!   at any data-parallel size, and back.
 
 use std::sync::Arc;
 
@@ -33,9 +38,8 @@ pub type FsdpGpu = GpuBackend<FsdpFiles>;
 ///
 /// # Errors
 /// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
-/// tensor parallelism, native CPU offload without core offload (on the GPU the memory
-/// manager moves the training state: use `--offload-train`), or optimizer streaming over
-/// several ranks; as
+/// tensor parallelism, native CPU offload over several ranks or with optimizer streaming, or
+/// optimizer streaming over several ranks; as
 /// [`GpuBackend::from_settings`] and [`GpuBackend::join_data_parallel`].
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
@@ -84,9 +88,17 @@ fn check_gpu_settings(settings: &Settings, ranks: usize) -> Result<(), BackendEr
             "over {ranks} gpus each rank keeps its block of the optimizer state, which does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu"
         )));
     }
-    if settings.fsdp_cpu_offload && !settings.offload_train {
+    if settings.fsdp_cpu_offload && !settings.offload_train && ranks > 1 {
+        return Err(refuse(format!(
+            "--fsdp-cpu-offload keeps the whole optimizer state on the host of one gpu; over {ranks} gpus drop it (each rank keeps its block on its gpu) or use --offload-train"
+        )));
+    }
+    if settings.fsdp_cpu_offload
+        && !settings.offload_train
+        && settings.stream_optimizer_state_to_disk
+    {
         return Err(refuse(
-            "--fsdp-cpu-offload keeps parameters on the host between passes on the cpu device only; on cuda use --offload-train".into(),
+            "--fsdp-cpu-offload keeps the optimizer state in host memory; drop it or --stream-optimizer-state-to-disk".into(),
         ));
     }
     Ok(())
@@ -110,8 +122,30 @@ mod tests {
             offload_train: false,
             ..Settings::default()
         };
-        let err = check_gpu_settings(&native, 1).unwrap_err().to_string();
-        assert!(err.contains("--offload-train"), "{err}");
+        check_gpu_settings(&native, 1).unwrap();
+        let native_pair = Settings {
+            data_parallel_size: 2,
+            ..native.clone()
+        };
+        let err = check_gpu_settings(&native_pair, 2).unwrap_err().to_string();
+        assert!(err.contains("--fsdp-cpu-offload"), "{err}");
+        let native_streamed = Settings {
+            stream_optimizer_state_to_disk: true,
+            ..native
+        };
+        let err = check_gpu_settings(&native_streamed, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
+        let split_streamed = Settings {
+            data_parallel_size: 2,
+            stream_optimizer_state_to_disk: true,
+            ..Settings::default()
+        };
+        let err = check_gpu_settings(&split_streamed, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
         check_gpu_settings(&Settings::default(), 1).unwrap();
     }
 }

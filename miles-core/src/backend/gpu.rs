@@ -141,6 +141,8 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 disk: stream.disk(rank),
             }),
             shard,
+            // FSDP's native CPU offload; it yields to core offload (`--offload-train`).
+            optimizer_on_host: settings.fsdp_cpu_offload && !settings.offload_train,
         };
         let trainer = GpuTrainer::new(gpu, Arc::clone(&memory), spec, params)?;
         let started = Instant::now();
@@ -295,13 +297,7 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
 
     fn assist_save(&mut self) -> Result<(), BackendError> {
         self.check_on_device("save")?;
-        if !self.trainer.shard().is_split() {
-            return Ok(());
-        }
-        // A split state's blocks are gathered on every rank; the writer saves them.
-        self.trainer.master_params()?;
-        self.trainer.moments()?;
-        Ok(())
+        Ok(self.trainer.send_state_blocks()?)
     }
 
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {

@@ -146,6 +146,7 @@ pub fn spec(config: LlamaConfig, backup: BackupPolicy, max_batch_tokens: usize) 
         max_batch_tokens,
         stream: None,
         shard: OptimizerShard::WHOLE,
+        optimizer_on_host: false,
     }
 }
 

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use half::bf16;
+use rayon::prelude::*;
 
 use super::forward::nll_sum;
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
@@ -51,6 +52,11 @@ pub struct GpuTrainerSpec {
     /// rank's block of a data-parallel group that splits it (the trainer then must
     /// [`join`](GpuTrainer::join) that group before it trains).
     pub shard: OptimizerShard,
+    /// The optimizer state (fp32 master weights and AdamW moments) in host memory and the
+    /// optimizer step on the host, as FSDP's native CPU offload (`--fsdp-cpu-offload` without
+    /// `--offload-train`): the device holds only the bf16 weights, gradients and activations;
+    /// each step downloads the gradients and uploads the bf16 weights.
+    pub optimizer_on_host: bool,
 }
 
 /// Where the AdamW moments live.
@@ -60,6 +66,29 @@ enum Moments {
     Resident { m: Buffer, v: Buffer },
     /// On disk, staged through a few device slots.
     Streamed(Box<StreamedMoments>),
+    /// In host memory with the master weights, updated by the host.
+    Host(Box<HostOptimizer>),
+}
+
+/// The optimizer state on the host ([`GpuTrainerSpec::optimizer_on_host`]), with the buffers a
+/// step reuses: the gradients it downloads and the bf16 weights it uploads.
+struct HostOptimizer {
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    grads: Vec<f32>,
+    rounded: Vec<bf16>,
+}
+
+impl HostOptimizer {
+    /// The bf16 weights: the master weights rounded to nearest even, as the device's cast.
+    fn round(&mut self) -> &[bf16] {
+        self.rounded
+            .par_iter_mut()
+            .zip(self.master.par_iter())
+            .for_each(|(r, &x)| *r = bf16::from_f32(x));
+        &self.rounded
+    }
 }
 
 /// The activation buffers: allocated for one batch shape, reused for every shape they hold.
@@ -154,6 +183,11 @@ impl GpuTrainer {
                 "the optimizer state split over data-parallel ranks does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu".into(),
             ));
         }
+        if spec.optimizer_on_host && (shard.is_split() || spec.stream.is_some()) {
+            return Err(ModelError::Config(
+                "the optimizer state on the host (--fsdp-cpu-offload) is one whole state in host memory: not split over ranks, not streamed through the disk; drop one of them".into(),
+            ));
+        }
         let n = model.layout().len();
         let padded = shard.padded(n);
         let half = padded * size_of::<bf16>();
@@ -161,6 +195,7 @@ impl GpuTrainer {
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
         let master_streams = spec.stream.as_ref().is_some_and(|s| s.master_weights);
         let optimizer_buffers = match &spec.stream {
+            None if spec.optimizer_on_host => 0,
             None => 3,
             Some(_) if master_streams => 0,
             Some(_) => 1,
@@ -187,6 +222,13 @@ impl GpuTrainer {
             memory.create_region(tag, policy, bytes)?;
         }
         let moments = match &spec.stream {
+            None if spec.optimizer_on_host => Moments::Host(Box::new(HostOptimizer {
+                master: params.to_vec(),
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+                grads: vec![0.0; n],
+                rounded: vec![bf16::ZERO; n],
+            })),
             None => Moments::Resident {
                 m: memory.alloc(&MemoryTag::Optimizer, block)?,
                 v: memory.alloc(&MemoryTag::Optimizer, block)?,
@@ -197,6 +239,7 @@ impl GpuTrainer {
         };
         let master = match &moments {
             Moments::Streamed(streamed) if streamed.holds_master() => None,
+            Moments::Host(_) => None,
             _ => Some(memory.alloc(&MemoryTag::Optimizer, block)?),
         };
         let trainer = GpuTrainer {
@@ -224,7 +267,7 @@ impl GpuTrainer {
         match &trainer.master {
             Some(master) if shard.is_split() => trainer.upload_master_block(master, params)?,
             Some(master) => trainer.upload_master(master, params)?,
-            // The stream wrote the master weights with the zero moments.
+            // The stream wrote the master weights with the zero moments, or the host holds them.
             None => trainer.upload_rounded(params)?,
         }
         tracing::debug!(
@@ -421,6 +464,7 @@ impl GpuTrainer {
             (Some(master), _) if self.shard.is_split() => self.gathered(master),
             (Some(master), _) => self.download(master),
             (None, Moments::Streamed(streamed)) => streamed.read_master(self.model.layout().len()),
+            (None, Moments::Host(host)) => Ok(host.master.clone()),
             (None, Moments::Resident { .. }) => Err(no_master(self.model.layout().len())),
         }
     }
@@ -465,6 +509,7 @@ impl GpuTrainer {
             }
             Moments::Resident { m, v } => Ok((self.download(m)?, self.download(v)?)),
             Moments::Streamed(streamed) => streamed.read_all(self.model.layout().len()),
+            Moments::Host(host) => Ok((host.m.clone(), host.v.clone())),
         }
     }
 
@@ -474,8 +519,31 @@ impl GpuTrainer {
         let moments = match &self.moments {
             Moments::Resident { m, v } => m.len() + v.len(),
             Moments::Streamed(streamed) => streamed.slot_bytes(),
+            Moments::Host(_) => 0,
         };
         self.master.as_ref().map_or(0, Buffer::len) + moments
+    }
+
+    /// On a rank that does not write a checkpoint, where the writer reads the master weights
+    /// and moments of a split state: this rank's part of those gathers (master weights, m,
+    /// v, in that order), without reading them back. Does nothing for a whole state.
+    ///
+    /// # Errors
+    /// As [`master_params`](Self::master_params).
+    pub fn send_state_blocks(&self) -> Result<(), ModelError> {
+        self.ensure_active("send its optimizer state")?;
+        let (Some(master), Moments::Resident { m, v }) = (&self.master, &self.moments) else {
+            return Ok(());
+        };
+        if !self.shard.is_split() {
+            return Ok(());
+        }
+        let group = self.group.as_deref().ok_or_else(unjoined)?;
+        let all = slice::<f32>(&self.grads)?;
+        for block in [master, m, v] {
+            group.all_gather_f32(slice(block)?, all)?;
+        }
+        self.record_fences()
     }
 
     /// Replaces the AdamW moments (rounded to the stream's dtype when streamed).
@@ -487,11 +555,19 @@ impl GpuTrainer {
         self.model.layout().check("adamw v", v)?;
         self.ensure_active("set the optimizer moments")?;
         match &mut self.moments {
-            Moments::Resident { m: dm, v: dv } => {
+            Moments::Resident { m: dm, v: dv } if self.shard.is_split() => {
                 self.gpu.upload(slice(dm)?, &self.shard.block_of(m))?;
                 self.gpu.upload(slice(dv)?, &self.shard.block_of(v))?;
             }
+            Moments::Resident { m: dm, v: dv } => {
+                self.gpu.upload(slice(dm)?, m)?;
+                self.gpu.upload(slice(dv)?, v)?;
+            }
             Moments::Streamed(streamed) => streamed.write_all(m, v)?,
+            Moments::Host(host) => {
+                host.m.copy_from_slice(m);
+                host.v.copy_from_slice(v);
+            }
         }
         Ok(())
     }
@@ -566,6 +642,11 @@ impl GpuTrainer {
         if let Some(master) = self.master.as_ref().filter(|_| !self.shard.is_split()) {
             self.gpu
                 .cast_to_bf16(slice(&self.params)?, slice(master)?)?;
+        }
+        if let Moments::Host(host) = &mut self.moments {
+            let rounded = host.round();
+            let params = slice::<bf16>(&self.params)?.sub(0, rounded.len())?;
+            self.gpu.upload(params, rounded)?;
         }
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
         self.record_fences()?;
@@ -708,6 +789,19 @@ impl GpuTrainer {
                 grads.sub(0, n)?,
                 s,
             )?),
+            Moments::Host(host) => {
+                self.gpu.download(&mut host.grads, grads.sub(0, n)?)?;
+                let HostOptimizer {
+                    master,
+                    m,
+                    v,
+                    grads,
+                    ..
+                } = &mut **host;
+                crate::ops::adamw_update(master, grads, m, v, step, &self.adamw, clip);
+                self.gpu.upload(params.sub(0, n)?, host.round())?;
+                None
+            }
         };
         let stats = AdamWStepStats {
             step,
@@ -816,10 +910,11 @@ impl GpuTrainer {
                 self.upload_master(master, params)
             };
         }
-        let Moments::Streamed(streamed) = &mut self.moments else {
-            return Err(no_master(params.len()));
-        };
-        streamed.write_master(params)?;
+        match &mut self.moments {
+            Moments::Streamed(streamed) => streamed.write_master(params)?,
+            Moments::Host(host) => host.master.copy_from_slice(params),
+            Moments::Resident { .. } => return Err(no_master(params.len())),
+        }
         self.upload_rounded(params)
     }
 
@@ -864,6 +959,7 @@ impl GpuTrainer {
         let moments: Vec<&Buffer> = match &self.moments {
             Moments::Resident { m, v } => vec![m, v],
             Moments::Streamed(streamed) => streamed.slots().iter().collect(),
+            Moments::Host(_) => Vec::new(),
         };
         let acts = self.acts.iter().flat_map(|a| [&a.bf16, &a.f32, &a.u32]);
         for buffer in state.chain(moments).chain(acts) {
@@ -902,6 +998,7 @@ pub fn standalone_gpu_trainer(
         max_batch_tokens,
         stream: None,
         shard,
+        optimizer_on_host: false,
     };
     GpuTrainer::new(gpu, memory, spec, params)
 }

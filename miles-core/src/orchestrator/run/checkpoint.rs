@@ -51,9 +51,17 @@ impl Orchestrator {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        remove_partial_saves(&save)?;
         let partial = save.join(format!(".{name}{PARTIAL}"));
-        std::fs::create_dir_all(partial.join("actor")).map_err(io("create", &partial))?;
+        let ready = remove_partial_saves(&save).and_then(|()| {
+            std::fs::create_dir_all(partial.join("actor")).map_err(io("create", &partial))
+        });
+        if let Err(error) = ready {
+            // The other ranks wait in the save's gathers: send them this rank's part first.
+            if let Err(also) = self.actor.get()?.assist_save() {
+                tracing::error!(%also, "cannot take part in the other ranks' save either");
+            }
+            return Err(error);
+        }
         self.actor
             .get()?
             .save(&partial.join("actor"))
