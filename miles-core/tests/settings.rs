@@ -28,6 +28,7 @@ fn label(error: &SettingsError) -> String {
             format!("rule5:{value}->{}", suggestion.unwrap_or("none"))
         }
         SettingsError::FsdpCpuOffloadWithMegatron => "rule7".into(),
+        SettingsError::GradReduceInBf16 { backend, device } => format!("rule9:{backend}:{device}"),
         SettingsError::EmptyRolloutLevel => "rule5:empty".into(),
         SettingsError::OffloadDirIsAFile { .. } => "rule3:file".into(),
         SettingsError::OutOfRange { flag, .. } => format!("range:{flag}"),
@@ -271,6 +272,16 @@ const CASES: &[(&str, &str, Expect)] = &[
         "fsdp cpu offload with megatron and colocate",
         "train_backend = \"megatron\"\nfsdp_cpu_offload = true\ncolocate = true",
         Expect::Invalid(&["rule7"]),
+    ),
+    (
+        "bf16 gradient reduction with megatron on the cpu device",
+        "grad_reduce_in_bf16 = true\ndevice = \"cpu\"",
+        Expect::Invalid(&["rule9:megatron:cpu"]),
+    ),
+    (
+        "bf16 gradient reduction with fsdp on the cpu device",
+        "grad_reduce_in_bf16 = true\ntrain_backend = \"fsdp\"\ndevice = \"cpu\"",
+        Expect::Invalid(&["rule9:fsdp:cpu"]),
     ),
     (
         "every broken rule is reported at once",

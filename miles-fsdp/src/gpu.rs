@@ -49,8 +49,8 @@ pub fn gpu_trainer(
     let ranks = group.as_ref().map_or(1, NcclComm::world_size);
     check_gpu_settings(settings, ranks)?;
     let shard = OptimizerShard {
-        rank: group.as_ref().map_or(0, NcclComm::rank),
-        ranks,
+        bf16_reduce: settings.grad_reduce_in_bf16,
+        ..OptimizerShard::split(group.as_ref().map_or(0, NcclComm::rank), ranks)
     };
     let mut trainer = GpuBackend::from_settings(gpu, settings, shard)?;
     if let Some(comm) = group {

@@ -95,22 +95,15 @@ impl TrainerGroup for DataParallelGroup {
         Ok(sum[0])
     }
 
-    fn reduce_scatter_grads(
-        &self,
-        gpu: &Gpu,
-        grads: GpuSlice<f32>,
-        scalar: GpuSlice<f32>,
-        nll: f64,
-    ) -> Result<f64, ModelError> {
+    fn reduce_scatter_f32(&self, all: GpuSlice<f32>) -> Result<(), ModelError> {
         let comm = self.comm();
-        let block = grads.len() / comm.world_size();
-        let own = grads.sub(comm.rank() * block, block)?;
-        comm.reduce_scatter_sum(grads, own)?;
-        gpu.upload(scalar, &[nll as f32])?;
-        comm.all_reduce_sum(scalar)?;
-        let mut sum = [0.0f32];
-        gpu.download(&mut sum, scalar)?;
-        Ok(f64::from(sum[0]))
+        let block = all.len() / comm.world_size();
+        let own = all.sub(comm.rank() * block, block)?;
+        Ok(comm.reduce_scatter_sum(all, own)?)
+    }
+
+    fn reduce_scatter_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
+        Ok(self.comm().reduce_scatter_bf16_in_place(all)?)
     }
 
     fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
@@ -137,8 +130,8 @@ impl TrainerGroup for DataParallelGroup {
 /// A data-parallel rank on `gpu`, rank `comm.rank()` of `comm`'s group, from the full weights
 /// `params` of `config` (the same on every rank), for one-off work (a benchmark): a
 /// [`standalone_gpu_trainer`] trainer with activations for `max_batch_tokens` tokens (this
-/// rank's part of a batch) keeping its block of the optimizer state, joined to a
-/// [`DataParallelGroup`].
+/// rank's part of a batch) keeping its block of the optimizer state (its gradients reduced in
+/// bf16 with `bf16_reduce`), joined to a [`DataParallelGroup`].
 ///
 /// # Errors
 /// [`BackendError::Model`] when the trainer cannot be built or `comm` is on another GPU.
@@ -148,10 +141,11 @@ pub fn data_parallel_gpu_trainer(
     params: &[f32],
     comm: NcclComm,
     max_batch_tokens: usize,
+    bf16_reduce: bool,
 ) -> Result<GpuTrainer, BackendError> {
     let shard = OptimizerShard {
-        rank: comm.rank(),
-        ranks: comm.world_size(),
+        bf16_reduce,
+        ..OptimizerShard::split(comm.rank(), comm.world_size())
     };
     let mut trainer = standalone_gpu_trainer(gpu, config, params, max_batch_tokens, shard)?;
     trainer.join(Box::new(DataParallelGroup::new(comm)))?;
@@ -230,10 +224,11 @@ mod tests {
     /// and the gathered master weights and moments.
     type RankEnd = (Vec<f32>, usize, Vec<f32>, Vec<f32>, Vec<f32>);
 
-    /// Two ranks of a split optimizer state on `gpus`, each joined to `group(rank, gpu)`,
-    /// training on halves of a batch (an offload cycle after step 2), against one GPU on the
-    /// whole: the pair follows it, each rank keeps half the state, and both gather the same.
-    fn split_pair_follows_one_gpu<G>(gpus: [Arc<Gpu>; 2], group: G)
+    /// Two ranks of a split optimizer state on `gpus` (reducing their gradients in bf16 with
+    /// `bf16_reduce`), each joined to `group(rank, gpu)`, training on halves of a batch (an
+    /// offload cycle after step 2), against one GPU on the whole: the pair follows it, each
+    /// rank keeps half the state, and both gather the same.
+    fn split_pair_follows_one_gpu<G>(gpus: [Arc<Gpu>; 2], bf16_reduce: bool, group: G)
     where
         G: Fn(usize, &Arc<Gpu>) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
     {
@@ -258,7 +253,10 @@ mod tests {
                 let (params, data) = (Arc::clone(&params), Arc::clone(&data));
                 std::thread::spawn(move || -> RankEnd {
                     let spec = GpuTrainerSpec {
-                        shard: OptimizerShard { rank, ranks: 2 },
+                        shard: OptimizerShard {
+                            bf16_reduce,
+                            ..OptimizerShard::split(rank, 2)
+                        },
                         backup: BackupPolicy::Host,
                         ..gentle(config)
                     };
@@ -308,27 +306,43 @@ mod tests {
             return;
         };
         let id = NcclComm::unique_id().unwrap();
-        split_pair_follows_one_gpu(gpus, move |rank, gpu| {
+        split_pair_follows_one_gpu(gpus, false, move |rank, gpu| {
             let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
             Box::new(DataParallelGroup::new(comm))
         });
     }
 
     #[test]
-    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu() {
+    fn gpu_split_optimizer_pair_reducing_in_bf16_follows_one_gpu() {
+        let Some(gpus) = two_gpus("gpu_split_optimizer_pair_reducing_in_bf16_follows_one_gpu")
+        else {
+            return;
+        };
+        let id = NcclComm::unique_id().unwrap();
+        split_pair_follows_one_gpu(gpus, true, move |rank, gpu| {
+            let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
+            Box::new(DataParallelGroup::new(comm))
+        });
+    }
+
+    #[test]
+    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu_in_fp32_and_bf16() {
         let test = "gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu";
         let Some(gpu) = one_gpu(test) else {
             return;
         };
-        let second = Arc::new(gpu.with_own_stream().unwrap());
-        let exchange = Arc::new(HostExchange::default());
-        split_pair_follows_one_gpu([gpu, second], move |rank, gpu| {
-            Box::new(HostPair {
-                gpu: Arc::clone(gpu),
-                rank,
-                exchange: Arc::clone(&exchange),
-            })
-        });
+        for bf16_reduce in [false, true] {
+            let second = Arc::new(gpu.with_own_stream().unwrap());
+            let exchange = Arc::new(HostExchange::default());
+            let first = Arc::clone(&gpu);
+            split_pair_follows_one_gpu([first, second], bf16_reduce, move |rank, gpu| {
+                Box::new(HostPair {
+                    gpu: Arc::clone(gpu),
+                    rank,
+                    exchange: Arc::clone(&exchange),
+                })
+            });
+        }
     }
 
     /// Two ranks' slots and the barrier they meet at.
@@ -420,19 +434,30 @@ mod tests {
             panic!("a split trainer sums its block's norm with sum_f32");
         }
 
-        fn reduce_scatter_grads(
-            &self,
-            gpu: &Gpu,
-            grads: GpuSlice<f32>,
-            scalar: GpuSlice<f32>,
-            nll: f64,
-        ) -> Result<f64, ModelError> {
-            let summed = self.sum(gpu, grads)?;
-            let block = grads.len() / 2;
+        fn reduce_scatter_f32(&self, all: GpuSlice<f32>) -> Result<(), ModelError> {
+            let summed = self.sum(&self.gpu, all)?;
+            let block = all.len() / 2;
             let own = self.rank * block;
-            gpu.upload(grads.sub(own, block)?, &summed[own..own + block])?;
-            gpu.upload(scalar, &[nll as f32])?;
-            Ok(f64::from(self.sum(gpu, scalar)?[0]))
+            Ok(self
+                .gpu
+                .upload(all.sub(own, block)?, &summed[own..own + block])?)
+        }
+
+        fn reduce_scatter_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
+            let mut mine = vec![bf16::ZERO; all.len()];
+            self.gpu.download(&mut mine, all)?;
+            let other = self
+                .exchange
+                .swap(&self.exchange.bf16s, self.rank, mine.clone());
+            let block = all.len() / 2;
+            let own = self.rank * block..(self.rank + 1) * block;
+            // NCCL adds two bf16 values in fp32 and rounds the sum to bf16.
+            let summed: Vec<bf16> = mine[own.clone()]
+                .iter()
+                .zip(&other[own.clone()])
+                .map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32()))
+                .collect();
+            Ok(self.gpu.upload(all.sub(own.start, block)?, &summed)?)
         }
 
         fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
@@ -478,7 +503,7 @@ mod tests {
         let params = bf16_params(&config, 91);
         let data = Batch::random(92, config.vocab_size);
         let spec = GpuTrainerSpec {
-            shard: OptimizerShard { rank: 1, ranks: 2 },
+            shard: OptimizerShard::split(1, 2),
             ..gentle(config)
         };
         let mut trainer = GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();

@@ -74,6 +74,9 @@ pub struct BenchTrainArgs {
     /// columns over the ranks, every rank on the whole batch).
     #[arg(long)]
     pub tensor_parallel: bool,
+    /// With several processes, data parallel: reduce-scatter the gradients in bf16.
+    #[arg(long)]
+    pub grad_reduce_in_bf16: bool,
 }
 
 /// A PyTorch baseline of `bench train --device cuda` (`bench/torch_train.py`).
@@ -125,6 +128,12 @@ pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
     if args.device != BenchDevice::Cuda && (args.nproc_per_node > 1 || args.tensor_parallel) {
         return Err(BadSettings(
             "--nproc-per-node and --tensor-parallel train over gpus; add --device cuda".into(),
+        )
+        .into());
+    }
+    if args.grad_reduce_in_bf16 && (args.device != BenchDevice::Cuda || args.tensor_parallel) {
+        return Err(BadSettings(
+            "--grad-reduce-in-bf16 reduces the gradients of data parallelism over gpus; add --device cuda and drop --tensor-parallel, or drop it".into(),
         )
         .into());
     }

@@ -254,10 +254,10 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         out,
         "bench train: {} parameters, batch {b} x seq {t}, {} parallel over {} gpus, {} timed steps after {} warmup",
         layout.len(),
-        if args.tensor_parallel {
-            "tensor"
-        } else {
-            "data"
+        match (args.tensor_parallel, args.grad_reduce_in_bf16) {
+            (true, _) => "tensor",
+            (false, false) => "data (optimizer state split, gradients reduced in fp32)",
+            (false, true) => "data (optimizer state split, gradients reduced in bf16)",
         },
         ranks.len(),
         args.steps,
@@ -343,8 +343,14 @@ fn data_parallel_rank(
 ) -> anyhow::Result<(Vec<f32>, f64)> {
     let part = batch.shard(env.rank, env.world_size)?;
     let tokens = part.batch * part.seq;
-    let mut trainer =
-        miles_fsdp::data_parallel_gpu_trainer(gpu, config.clone(), params, comm, tokens)?;
+    let mut trainer = miles_fsdp::data_parallel_gpu_trainer(
+        gpu,
+        config.clone(),
+        params,
+        comm,
+        tokens,
+        args.grad_reduce_in_bf16,
+    )?;
     train_steps(|step| trainer.train_step(&part, step), args)
 }
 

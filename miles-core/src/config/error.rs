@@ -165,6 +165,16 @@ pub enum SettingsError {
         "--fsdp-cpu-offload requires --train-backend fsdp (got megatron); drop --fsdp-cpu-offload or use --train-backend fsdp"
     )]
     FsdpCpuOffloadWithMegatron,
+    /// Rule 9: bf16 gradient reduction where nothing reduces gradients that way.
+    #[error(
+        "--grad-reduce-in-bf16 reduces fsdp's data-parallel gradients on cuda (got --train-backend {backend} on the {device} device); drop it or use --train-backend fsdp --device cuda"
+    )]
+    GradReduceInBf16 {
+        /// The backend named.
+        backend: String,
+        /// The device the settings resolve to.
+        device: String,
+    },
     /// A number outside its range.
     #[error("--{flag} must be {expected} (got {value})")]
     OutOfRange {

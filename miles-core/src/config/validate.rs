@@ -107,6 +107,16 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
     if s.fsdp_cpu_offload && s.train_backend == TrainBackendKind::Megatron {
         errors.push(SettingsError::FsdpCpuOffloadWithMegatron);
     }
+    // Rule 9.
+    if s.grad_reduce_in_bf16 {
+        let device = crate::device::resolve(s.device);
+        if s.train_backend != TrainBackendKind::Fsdp || device != crate::DeviceKind::Cuda {
+            errors.push(SettingsError::GradReduceInBf16 {
+                backend: s.train_backend.to_string(),
+                device: device.to_string(),
+            });
+        }
+    }
     errors.extend(check_ranges(s));
     errors.extend(super::algorithm::check(s));
     errors

@@ -79,28 +79,30 @@ pub trait TrainerGroup: Send + Sync {
     }
 
     /// For a trainer whose optimizer state is split over the group ([`OptimizerShard`]), in
-    /// place of [`after_backward`](Self::after_backward): sums `grads` (the group's size times
-    /// a block) over the ranks, leaving this rank's block of the sum in its own block (the
-    /// others are then undefined), and returns `nll` summed over the ranks. `scalar` is one fp32
-    /// element of scratch on the device.
+    /// place of [`after_backward`](Self::after_backward)'s sum: sums `all` (the group's size
+    /// times a block) over the ranks, leaving this rank's block of the sum in its own block (the
+    /// others are then undefined).
     ///
     /// # Errors
     /// [`ModelError::Config`] for a group that does not split the optimizer state (the
-    /// default); [`ModelError::Gpu`] when a copy or a collective fails.
-    fn reduce_scatter_grads(
-        &self,
-        _gpu: &Gpu,
-        _grads: GpuSlice<f32>,
-        _scalar: GpuSlice<f32>,
-        _nll: f64,
-    ) -> Result<f64, ModelError> {
+    /// default); [`ModelError::Gpu`] when the collective fails.
+    fn reduce_scatter_f32(&self, _all: GpuSlice<f32>) -> Result<(), ModelError> {
         Err(not_sharded(self.name()))
     }
 
-    /// Sums `x` over the ranks in place (a split optimizer's squared gradient norm).
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32) on bf16 elements (each sum rounded
+    /// to bf16): half the bytes (`--grad-reduce-in-bf16`).
     ///
     /// # Errors
-    /// As [`reduce_scatter_grads`](Self::reduce_scatter_grads).
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
+    fn reduce_scatter_bf16(&self, _all: GpuSlice<bf16>) -> Result<(), ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
+    /// Sums `x` over the ranks in place (a split optimizer's loss and squared gradient norm).
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
     fn sum_f32(&self, _x: GpuSlice<f32>) -> Result<(), ModelError> {
         Err(not_sharded(self.name()))
     }
@@ -109,7 +111,7 @@ pub trait TrainerGroup: Send + Sync {
     /// bf16 weights after each rank updated its own.
     ///
     /// # Errors
-    /// As [`reduce_scatter_grads`](Self::reduce_scatter_grads).
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
     fn all_gather_bf16(&self, _all: GpuSlice<bf16>) -> Result<(), ModelError> {
         Err(not_sharded(self.name()))
     }
@@ -118,7 +120,7 @@ pub trait TrainerGroup: Send + Sync {
     /// block): a split optimizer's master weights or moments, whole, for a checkpoint.
     ///
     /// # Errors
-    /// As [`reduce_scatter_grads`](Self::reduce_scatter_grads).
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
     fn all_gather_f32(&self, _block: GpuSlice<f32>, _all: GpuSlice<f32>) -> Result<(), ModelError> {
         Err(not_sharded(self.name()))
     }
@@ -150,6 +152,10 @@ pub struct OptimizerShard {
     pub rank: usize,
     /// Ranks the state is split over.
     pub ranks: usize,
+    /// The gradients are reduce-scattered in bf16 (`--grad-reduce-in-bf16`), not fp32: each
+    /// rank's fp32 gradients rounded to bf16, summed over the ranks in bf16, the block widened
+    /// back to fp32 for the optimizer step.
+    pub bf16_reduce: bool,
 }
 
 /// A block is a multiple of this many elements, so that every block of bf16 or fp32 elements
@@ -158,7 +164,16 @@ const BLOCK_ALIGN: usize = 128;
 
 impl OptimizerShard {
     /// The whole state on one rank.
-    pub const WHOLE: OptimizerShard = OptimizerShard { rank: 0, ranks: 1 };
+    pub const WHOLE: OptimizerShard = OptimizerShard::split(0, 1);
+
+    /// Rank `rank`'s block of a state split over `ranks`, reduced in fp32.
+    pub const fn split(rank: usize, ranks: usize) -> OptimizerShard {
+        OptimizerShard {
+            rank,
+            ranks,
+            bf16_reduce: false,
+        }
+    }
 
     /// Whether the state is split over more than one rank.
     pub fn is_split(&self) -> bool {
@@ -211,9 +226,9 @@ mod tests {
         assert_eq!(whole.block_of(&full), full);
         for ranks in [2, 3, 8, 16] {
             let blocks: Vec<Vec<f32>> = (0..ranks)
-                .map(|rank| OptimizerShard { rank, ranks }.block_of(&full))
+                .map(|rank| OptimizerShard::split(rank, ranks).block_of(&full))
                 .collect();
-            let shard = OptimizerShard { rank: 0, ranks };
+            let shard = OptimizerShard::split(0, ranks);
             assert_eq!(shard.block(1000) % BLOCK_ALIGN, 0);
             assert_eq!(shard.padded(1000), ranks * shard.block(1000));
             let joined: Vec<f32> = blocks.concat();

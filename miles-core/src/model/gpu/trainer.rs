@@ -127,7 +127,10 @@ pub struct GpuTrainer {
     /// stream with the moments.
     master: Option<Buffer>,
     moments: Moments,
-    grads: Buffer,  // (P) fp32, Grads
+    grads: Buffer, // (P) fp32, Grads
+    /// (P) bf16, Grads: the gradients rounded for a bf16 reduce-scatter
+    /// ([`OptimizerShard::bf16_reduce`] of a split state).
+    low: Option<Buffer>,
     scalar: Buffer, // (SCALAR_BYTES) fp32, Activations
     acts: Option<ActivationBuffers>,
     offloaded: bool,
@@ -193,6 +196,12 @@ impl GpuTrainer {
         let half = padded * size_of::<bf16>();
         let (full, block) = (padded * size_of::<f32>(), shard.block(n) * size_of::<f32>());
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
+        let reduces_in_bf16 = shard.is_split() && shard.bf16_reduce;
+        let low_bytes = if reduces_in_bf16 {
+            half + BLOCK_SLACK
+        } else {
+            0
+        };
         let master_streams = spec.stream.as_ref().is_some_and(|s| s.master_weights);
         let optimizer_buffers = match &spec.stream {
             None if spec.optimizer_on_host => 0,
@@ -216,7 +225,11 @@ impl GpuTrainer {
                 spec.backup,
                 optimizer_buffers * (block + BLOCK_SLACK),
             ),
-            (MemoryTag::Grads, BackupPolicy::None, full + BLOCK_SLACK),
+            (
+                MemoryTag::Grads,
+                BackupPolicy::None,
+                full + low_bytes + BLOCK_SLACK,
+            ),
             (MemoryTag::Activations, BackupPolicy::None, act_bytes),
         ] {
             memory.create_region(tag, policy, bytes)?;
@@ -248,6 +261,9 @@ impl GpuTrainer {
             master,
             moments,
             grads: memory.alloc(&MemoryTag::Grads, full)?,
+            low: reduces_in_bf16
+                .then(|| memory.alloc(&MemoryTag::Grads, half))
+                .transpose()?,
             scalar: memory.alloc(&MemoryTag::Activations, SCALAR_BYTES)?,
             gpu,
             memory,
@@ -393,8 +409,9 @@ impl GpuTrainer {
         Ok((nll / f64::from(batch.normaliser)) as f32)
     }
 
-    /// In a group: what [`TrainerGroup::after_backward`] makes of the gradients and `nll`.
-    /// Alone: `nll`.
+    /// In a group: what [`TrainerGroup::after_backward`] makes of the gradients and `nll`, or
+    /// for a split state, this rank's block of the gradients summed over the group (in fp32,
+    /// or through bf16 with [`OptimizerShard::bf16_reduce`]) and `nll` summed. Alone: `nll`.
     fn sum_over_group(&self, nll: f64) -> Result<f64, ModelError> {
         let Some(group) = &self.group else {
             return if self.shard.is_split() {
@@ -404,11 +421,27 @@ impl GpuTrainer {
             };
         };
         let scalar = slice::<f32>(&self.scalar)?.sub(0, 1)?;
-        if self.shard.is_split() {
-            group.reduce_scatter_grads(&self.gpu, slice(&self.grads)?, scalar, nll)
-        } else {
-            group.after_backward(&self.gpu, slice(&self.grads)?, scalar, nll)
+        if !self.shard.is_split() {
+            return group.after_backward(&self.gpu, slice(&self.grads)?, scalar, nll);
         }
+        let grads = slice::<f32>(&self.grads)?;
+        match &self.low {
+            Some(low) => {
+                let n = self.model.layout().len();
+                let (start, block) = (self.shard.start(n), self.shard.block(n));
+                let low = slice::<bf16>(low)?;
+                self.gpu.cast_to_bf16(low, grads)?;
+                group.reduce_scatter_bf16(low)?;
+                self.gpu
+                    .cast_to_f32(grads.sub(start, block)?, low.sub(start, block)?)?;
+            }
+            None => group.reduce_scatter_f32(grads)?,
+        }
+        self.gpu.upload(scalar, &[nll as f32])?;
+        group.sum_f32(scalar)?;
+        let mut sum = [0.0f32];
+        self.gpu.download(&mut sum, scalar)?;
+        Ok(f64::from(sum[0]))
     }
 
     /// AdamW step `step` (counting from 1) with the gradients in place: their global norm,
@@ -955,7 +988,8 @@ impl GpuTrainer {
         let fence = self.gpu.record_fence()?;
         let state = [&self.params, &self.grads, &self.scalar]
             .into_iter()
-            .chain(&self.master);
+            .chain(&self.master)
+            .chain(&self.low);
         let moments: Vec<&Buffer> = match &self.moments {
             Moments::Resident { m, v } => vec![m, v],
             Moments::Streamed(streamed) => streamed.slots().iter().collect(),

@@ -357,15 +357,38 @@ impl NcclComm {
         recv: GpuSlice<f32>,
     ) -> Result<(), DeviceError> {
         send.expect_len("reduce_scatter send buffer", self.world * recv.len())?;
+        self.reduce_scatter_raw(send, recv, sys::ncclDataType_t::ncclFloat32)
+    }
+
+    /// Sums `all` (`world_size` equal blocks of bf16) over the ranks, in bf16, leaving block
+    /// `rank` of the sum in block `rank` of `all`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for a length the world size does not divide;
+    /// [`DeviceError::Cuda`].
+    pub fn reduce_scatter_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        let block = all.len() / self.world;
+        all.expect_len("reduce_scatter buffer", self.world * block)?;
+        let recv = all.sub(self.rank * block, block)?;
+        self.reduce_scatter_raw(all, recv, sys::ncclDataType_t::ncclBfloat16)
+    }
+
+    fn reduce_scatter_raw<T: GpuElement>(
+        &self,
+        send: GpuSlice<T>,
+        recv: GpuSlice<T>,
+        datatype: sys::ncclDataType_t,
+    ) -> Result<(), DeviceError> {
         let stream = self.queue("ncclReduceScatter")?;
-        // SAFETY: `send` holds world * recv.len() f32 of device memory, as NCCL reads; both
-        // are device memory of this GPU the caller holds.
+        // SAFETY: the callers checked that `send` holds world * recv.len() elements of
+        // `datatype`, as NCCL reads; both are device memory of this GPU the caller holds, and
+        // `recv` is either apart from `send` or block `rank` of it (NCCL's in-place form).
         unsafe {
             result::reduce_scatter(
                 send.address() as *const _,
                 recv.address() as *mut _,
                 recv.len(),
-                sys::ncclDataType_t::ncclFloat32,
+                datatype,
                 sys::ncclRedOp_t::ncclSum,
                 self.comm,
                 stream,
