@@ -165,6 +165,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             Ok(all != 0)
         }));
     }
+    if let Some(group) = &group {
+        let group = Rc::clone(group);
+        orchestrator = orchestrator.with_fit_agreement(Box::new(move |fits| {
+            // Both phases fit only where no rank says they do not.
+            Ok(group.borrow_mut().max(u32::from(!fits))? == 0)
+        }));
+    }
     // A rank a peer's signal stopped exits as that peer does.
     let stopped = || {
         signal.received().or_else(|| {

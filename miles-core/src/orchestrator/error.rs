@@ -37,9 +37,15 @@ pub enum OrchestratorError {
         /// Seconds from the first attempt to the last.
         seconds: f64,
     },
-    /// The ranks of a job could not agree whether to stop (a peer left or timed out).
-    #[error("the job's ranks cannot agree whether to stop after this step")]
-    StopAgreement(#[source] crate::comm::CommError),
+    /// The ranks of a job could not agree (a peer left or timed out).
+    #[error("the job's ranks cannot agree {about}")]
+    Agreement {
+        /// What they had to agree on.
+        about: &'static str,
+        /// Why not.
+        #[source]
+        source: crate::comm::CommError,
+    },
     /// The rollout engine failed.
     #[error(transparent)]
     Engine(#[from] EngineError),

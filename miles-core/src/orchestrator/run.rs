@@ -79,6 +79,12 @@ const HEAD_BEHIND: [Phase; 5] = [
 /// the same points on every rank, it returns whether any rank asked to stop.
 pub type StopAgreement = Box<dyn FnMut(bool) -> Result<bool, crate::comm::CommError>>;
 
+/// How the ranks of a multi-process job agree whether their devices hold both phases: called
+/// with whether this rank's does, at the same points on every rank, it returns whether every
+/// rank's does. Ranks that decided apart would move their trainers apart, and a move may hold
+/// a collective (a split state's export, NCCL's buffers released).
+pub type FitAgreement = Box<dyn FnMut(bool) -> Result<bool, crate::comm::CommError>>;
+
 /// Whether the loop goes on after a phase.
 enum Next {
     Continue,
@@ -103,6 +109,11 @@ pub struct Orchestrator {
     agreement: Option<StopAgreement>,
     /// Another rank writes the checkpoints; this one takes part ([`assist_saves`](Self::assist_saves)).
     assists_saves: bool,
+    /// With several ranks, how they agree whether both phases fit ([`with_fit_agreement`](Self::with_fit_agreement)).
+    fit_agreement: Option<FitAgreement>,
+    /// Whether the device holds both phases with the margin, as last decided
+    /// ([`decide_fit`](Self::decide_fit)).
+    fits: bool,
     state: LoopState,
     timeline: MemoryTimeline,
     started: Instant,
@@ -159,6 +170,8 @@ impl Orchestrator {
             stop: Arc::new(AtomicBool::new(false)),
             agreement: None,
             assists_saves: false,
+            fit_agreement: None,
+            fits: false,
             state,
             timeline: MemoryTimeline::default(),
             started: Instant::now(),
@@ -209,6 +222,14 @@ impl Orchestrator {
     /// collective of the next.
     pub fn with_stop_agreement(mut self, agreement: StopAgreement) -> Self {
         self.agreement = Some(agreement);
+        self
+    }
+
+    /// Makes the ranks of a multi-process job decide together whether their devices hold both
+    /// phases (at the start, after the warm-up and at each step's start): every rank moves its
+    /// trainer, or none does.
+    pub fn with_fit_agreement(mut self, agreement: FitAgreement) -> Self {
+        self.fit_agreement = Some(agreement);
         self
     }
 
@@ -330,11 +351,14 @@ impl Orchestrator {
     /// whether any rank's flag is set.
     ///
     /// # Errors
-    /// [`OrchestratorError::StopAgreement`] when the ranks cannot agree.
+    /// [`OrchestratorError::Agreement`] when the ranks cannot agree.
     fn stop_agreed(&mut self) -> Result<Next, OrchestratorError> {
         let flag = self.stop.load(Ordering::SeqCst);
         let stop = match &mut self.agreement {
-            Some(agree) => agree(flag).map_err(OrchestratorError::StopAgreement)?,
+            Some(agree) => agree(flag).map_err(|source| OrchestratorError::Agreement {
+                about: "whether to stop after this step",
+                source,
+            })?,
             None => flag,
         };
         Ok(if stop { Next::Stop } else { Next::Continue })
@@ -346,6 +370,7 @@ impl Orchestrator {
     /// the trainer sleeps; the KV cache comes back.
     fn start(&mut self) -> Result<Next, OrchestratorError> {
         self.sample_memory("start".into());
+        self.decide_fit()?;
         if self.config.offload_rollout && !self.keep_resident() {
             self.engine.flush_cache()?;
             self.engine.offload_kv()?;
@@ -373,6 +398,7 @@ impl Orchestrator {
                 "reference model of the kl penalty: the actor's weights at the start of rl, under tag ref"
             );
         }
+        self.decide_fit()?;
         let mut ignored = StepMetrics::default();
         for phase in self.tail()? {
             if phase == Phase::OffloadTrain {
@@ -402,6 +428,7 @@ impl Orchestrator {
         };
         let total = self.sample_memory(format!("step {step} step_start"));
         metrics.boundary("step_start".into(), total);
+        self.decide_fit()?;
         self.tell_fit();
         let mut rollout = None;
         let head = if self.moves_behind() {

@@ -105,14 +105,31 @@ impl Orchestrator {
         }
     }
 
-    /// Whether the shared device holds both phases' peaks with the margin to spare (said once
-    /// in the log).
+    /// Whether the shared device holds both phases' peaks with the margin to spare, as
+    /// [`decide_fit`](Self::decide_fit) last decided (said once in the log).
     pub(super) fn holds_both(&self) -> bool {
-        let Some(total) = self.config.device_bytes else {
-            return false;
-        };
+        self.fits
+    }
+
+    /// Decides [`holds_both`](Self::holds_both) from the peaks so far, with the other ranks
+    /// where they agree ([`with_fit_agreement`](Orchestrator::with_fit_agreement)): both
+    /// phases fit only where they fit on every rank.
+    ///
+    /// # Errors
+    /// [`OrchestratorError::Agreement`] when the ranks cannot agree.
+    pub(super) fn decide_fit(&mut self) -> Result<(), OrchestratorError> {
         let (train, rollout) = self.peaks;
-        train > 0 && rollout > 0 && train + rollout + self.config.margin_bytes <= total
+        let here = self.config.device_bytes.is_some_and(|total| {
+            train > 0 && rollout > 0 && train + rollout + self.config.margin_bytes <= total
+        });
+        self.fits = match &mut self.fit_agreement {
+            Some(agree) => agree(here).map_err(|source| OrchestratorError::Agreement {
+                about: "whether their devices hold both phases",
+                source,
+            })?,
+            None => here,
+        };
+        Ok(())
     }
 
     /// Whether `--offload-when-needed` keeps both phases resident.

@@ -118,7 +118,7 @@ fn ranks_that_cannot_agree_end_the_run_with_the_cause() {
     }));
     let error = o.run(&mut |_| {}).unwrap_err();
     assert!(
-        matches!(error, OrchestratorError::StopAgreement(_)),
+        matches!(error, OrchestratorError::Agreement { .. }),
         "{error}"
     );
 }

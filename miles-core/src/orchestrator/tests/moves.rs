@@ -131,6 +131,37 @@ fn offload_when_needed_moves_nothing_where_the_device_holds_both_phases() {
 }
 
 #[test]
+fn ranks_that_agree_the_phases_do_not_fit_everywhere_move_although_this_device_holds_both() {
+    let log = Log::default();
+    let mut config = colocated(3);
+    config.device_bytes = ROOMY;
+    config.margin_bytes = MIB as u64;
+    config.offload_when_needed = true;
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = std::sync::Arc::clone(&asked);
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(FakeActor::new(&log)),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    )
+    .with_fit_agreement(Box::new(move |fits| {
+        // Another rank's device is too small.
+        seen.lock().unwrap().push(fits);
+        Ok(false)
+    }));
+    o.run(&mut |_| {}).unwrap();
+    let calls = calls(&log);
+    assert_eq!(count(&calls, "actor.offload"), 4, "{calls:?}");
+    assert_eq!(count(&calls, "engine.offload_kv"), 4, "{calls:?}");
+    // At the start (before and after the warm-up) and at each step's start; this device holds
+    // both once the first peaks are in.
+    let asked = asked.lock().unwrap().clone();
+    assert_eq!(asked.len(), 5, "{asked:?}");
+    assert!(asked[2..].iter().all(|&fits| fits), "{asked:?}");
+}
+
+#[test]
 fn an_offload_that_fails_behind_the_rollout_fails_the_next_use_of_the_actor_with_its_cause() {
     let (calls, metrics, outcome) = run_on(3, ROOMY, false, Some(1));
     let err = outcome.unwrap_err();
