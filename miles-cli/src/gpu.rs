@@ -27,7 +27,17 @@ const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The group cannot form (a rank missing, a port taken), or NCCL fails.
 pub fn join_job(env: &LaunchEnv, gpu: &Arc<Gpu>) -> anyhow::Result<(HostGroup, NcclComm)> {
     let mut group = HostGroup::connect(env, JOIN_TIMEOUT)?;
-    let mut id = match env.rank {
+    let comm = open_comm(&mut group, gpu)?;
+    Ok((group, comm))
+}
+
+/// One more NCCL communicator over every rank of `group` (this rank's GPU `gpu`), its id handed
+/// out by rank 0 over the group: every rank calls it at the same point.
+///
+/// # Errors
+/// The group fails, or NCCL does.
+pub fn open_comm(group: &mut HostGroup, gpu: &Arc<Gpu>) -> anyhow::Result<NcclComm> {
+    let mut id = match group.rank() {
         0 => NcclComm::unique_id()?.to_vec(),
         _ => Vec::new(),
     };
@@ -35,8 +45,12 @@ pub fn join_job(env: &LaunchEnv, gpu: &Arc<Gpu>) -> anyhow::Result<(HostGroup, N
     let id: [u8; ID_BYTES] = id
         .try_into()
         .map_err(|_| anyhow::anyhow!("rank 0 sent a communicator id of the wrong length"))?;
-    let comm = NcclComm::new(Arc::clone(gpu), id, env.rank, env.world_size)?;
-    Ok((group, comm))
+    Ok(NcclComm::new(
+        Arc::clone(gpu),
+        id,
+        group.rank(),
+        group.world_size(),
+    )?)
 }
 
 /// The shared GPU when `choice` resolves to CUDA (`auto` does when a driver and a GPU are

@@ -7,9 +7,9 @@
 //!
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
-//! data-parallel replica of the trainer (`--train-backend fsdp --data-parallel-size N`, GRPO)
-//! whose gradients NCCL reduce-scatters over the ranks, each rank updating its block of the
-//! optimizer state. Rank 0 reports, writes metrics and saves (the others send it their blocks). A
+//! data-parallel rank of the trainer (`--train-backend fsdp --data-parallel-size N`; under PPO
+//! its critic is another, with a communicator of its own) whose gradients NCCL reduce-scatters
+//! over the ranks, each rank updating its block of the optimizer state. Rank 0 reports, writes metrics and saves (the others send it their blocks). A
 //! signal there stops every rank after the same step: at the end of each step the ranks agree
 //! over the job's host group whether any was asked to stop, and each exits with the status of the
 //! signal one of them received.
@@ -116,7 +116,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         (Some(Rc::new(RefCell::new(group))), Some(comm))
     });
     let actor = build_actor(&settings, comm)?;
-    let critic = build_critic(&settings, tokenizer.pad())?;
+    // PPO's critic is one more data-parallel trainer, with a communicator of its own.
+    let critic_comm = match (&group, settings.advantage_estimator) {
+        (Some(group), AdvantageEstimator::Ppo) => {
+            let gpu = crate::gpu::training_gpu_for(settings.device)?
+                .context("several processes train on gpus")?;
+            Some(crate::gpu::open_comm(&mut group.borrow_mut(), &gpu)?)
+        }
+        _ => None,
+    };
+    let critic = build_critic(&settings, tokenizer.pad(), critic_comm)?;
     if let Some(gpu) = crate::gpu::gpu_for(settings.device)? {
         // What this process may hold on its gpu: what is free and what its trainer and engine
         // hold already (another process's memory does not count).
@@ -252,11 +261,6 @@ fn check_ranks(settings: &Settings, env: &LaunchEnv) -> anyhow::Result<()> {
             "over several processes miles train runs --train-backend fsdp (data parallel) for now; megatron's tensor parallelism on gpus runs in bench train --tensor-parallel".into(),
         );
     }
-    if settings.advantage_estimator != AdvantageEstimator::Grpo {
-        return refuse(
-            "over several processes miles train runs --advantage-estimator grpo for now (ppo's critic is one more data-parallel trainer, not wired yet)".into(),
-        );
-    }
     Ok(())
 }
 
@@ -277,15 +281,19 @@ fn build_actor(
 }
 
 /// The PPO critic (none under GRPO): a second backend of the same kind, its language model
-/// read as the value head.
+/// read as the value head; with `group`, one rank of a job, as the actor.
 ///
 /// # Errors
 /// As [`build_actor`].
-fn build_critic(settings: &Settings, pad: u32) -> anyhow::Result<Option<Box<dyn Critic>>> {
+fn build_critic(
+    settings: &Settings,
+    pad: u32,
+    group: Option<NcclComm>,
+) -> anyhow::Result<Option<Box<dyn Critic>>> {
     match settings.advantage_estimator {
         AdvantageEstimator::Grpo | AdvantageEstimator::ReinforcePlusPlus => Ok(None),
         AdvantageEstimator::Ppo => {
-            let backend = build_actor(settings, None).context("cannot build the critic")?;
+            let backend = build_actor(settings, group).context("cannot build the critic")?;
             Ok(Some(Box::new(LmCritic::new(backend, pad))))
         }
     }
@@ -369,14 +377,12 @@ mod tests {
                 },
                 "--train-backend fsdp",
             ),
-            (
-                Settings {
-                    advantage_estimator: AdvantageEstimator::Ppo,
-                    ..cuda.clone()
-                },
-                "--advantage-estimator grpo",
-            ),
         ];
+        let ppo = Settings {
+            advantage_estimator: AdvantageEstimator::Ppo,
+            ..cuda.clone()
+        };
+        check_ranks(&ppo, &rank(2)).unwrap();
         for (settings, flag) in cases {
             let error = check_ranks(&settings, &rank(2)).unwrap_err();
             assert!(

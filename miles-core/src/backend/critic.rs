@@ -54,6 +54,15 @@ pub trait Critic: Send {
     /// As [`TrainBackend::save`](super::TrainBackend::save).
     fn save(&mut self, dir: &Path) -> Result<(), BackendError>;
 
+    /// On a rank that does not write the checkpoint: its part of the critic's save, as
+    /// [`TrainBackend::assist_save`](super::TrainBackend::assist_save). By default, nothing.
+    ///
+    /// # Errors
+    /// As [`TrainBackend::assist_save`](super::TrainBackend::assist_save).
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     /// Restores the critic from `dir`.
     ///
     /// # Errors

@@ -131,6 +131,10 @@ impl Critic for LmCritic {
         self.backend.save(dir)
     }
 
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        self.backend.assist_save()
+    }
+
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
         self.backend.load(dir)
     }

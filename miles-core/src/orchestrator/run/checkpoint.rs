@@ -31,10 +31,7 @@ impl Orchestrator {
             return Ok(());
         };
         if self.assists_saves {
-            self.actor
-                .get()?
-                .assist_save()
-                .map_err(OrchestratorError::train("actor", "save"))?;
+            self.assist_save()?;
             self.saved_step = Some(self.state.step);
             return Ok(());
         }
@@ -57,7 +54,7 @@ impl Orchestrator {
         });
         if let Err(error) = ready {
             // The other ranks wait in the save's gathers: send them this rank's part first.
-            if let Err(also) = self.actor.get()?.assist_save() {
+            if let Err(also) = self.assist_save() {
                 tracing::error!(%also, "cannot take part in the other ranks' save either");
             }
             return Err(error);
@@ -89,6 +86,21 @@ impl Orchestrator {
         mark_latest(&save, &dir)?;
         self.saved_step = Some(self.state.step);
         tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
+        Ok(())
+    }
+
+    /// This rank's part of a save another rank writes: the actor's, then the critic's, in the
+    /// order the writer saves them.
+    fn assist_save(&mut self) -> Result<(), OrchestratorError> {
+        self.actor
+            .get()?
+            .assist_save()
+            .map_err(OrchestratorError::train("actor", "save"))?;
+        if let Some(critic) = &mut self.critic {
+            critic
+                .assist_save()
+                .map_err(OrchestratorError::train("critic", "save"))?;
+        }
         Ok(())
     }
 
