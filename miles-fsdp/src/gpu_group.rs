@@ -225,11 +225,16 @@ mod tests {
     type RankEnd = (Vec<f32>, usize, Vec<f32>, Vec<f32>, Vec<f32>);
 
     /// Two ranks of a split optimizer state on `gpus` (reducing their gradients in bf16 with
-    /// `bf16_reduce`), each joined to `group(rank, gpu)`, training on halves of a batch (an
-    /// offload cycle after step 2), against one GPU on the whole: the pair follows it, each
-    /// rank keeps half the state, and both gather the same.
-    fn split_pair_follows_one_gpu<G>(gpus: [Arc<Gpu>; 2], bf16_reduce: bool, group: G)
-    where
+    /// `bf16_reduce`, keeping their blocks on the host with `on_host`), each joined to
+    /// `group(rank, gpu)`, training on halves of a batch (an offload cycle after step 2),
+    /// against one GPU on the whole: the pair follows it, each rank keeps at most half the
+    /// state on its device, and both gather the same.
+    fn split_pair_follows_one_gpu<G>(
+        gpus: [Arc<Gpu>; 2],
+        bf16_reduce: bool,
+        on_host: bool,
+        group: G,
+    ) where
         G: Fn(usize, &Arc<Gpu>) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
     {
         let config = tiny();
@@ -258,6 +263,7 @@ mod tests {
                             ..OptimizerShard::split(rank, 2)
                         },
                         backup: BackupPolicy::Host,
+                        optimizer_on_host: on_host,
                         ..gentle(config)
                     };
                     let mut trainer =
@@ -306,7 +312,7 @@ mod tests {
             return;
         };
         let id = NcclComm::unique_id().unwrap();
-        split_pair_follows_one_gpu(gpus, false, move |rank, gpu| {
+        split_pair_follows_one_gpu(gpus, false, false, move |rank, gpu| {
             let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
             Box::new(DataParallelGroup::new(comm))
         });
@@ -319,23 +325,24 @@ mod tests {
             return;
         };
         let id = NcclComm::unique_id().unwrap();
-        split_pair_follows_one_gpu(gpus, true, move |rank, gpu| {
+        split_pair_follows_one_gpu(gpus, true, false, move |rank, gpu| {
             let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
             Box::new(DataParallelGroup::new(comm))
         });
     }
 
     #[test]
-    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu_in_fp32_and_bf16() {
+    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu_reduced_and_kept_every_way()
+     {
         let test = "gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu";
         let Some(gpu) = one_gpu(test) else {
             return;
         };
-        for bf16_reduce in [false, true] {
+        for (bf16_reduce, on_host) in [(false, false), (true, false), (false, true)] {
             let second = Arc::new(gpu.with_own_stream().unwrap());
             let exchange = Arc::new(HostExchange::default());
             let first = Arc::clone(&gpu);
-            split_pair_follows_one_gpu([first, second], bf16_reduce, move |rank, gpu| {
+            split_pair_follows_one_gpu([first, second], bf16_reduce, on_host, move |rank, gpu| {
                 Box::new(HostPair {
                     gpu: Arc::clone(gpu),
                     rank,

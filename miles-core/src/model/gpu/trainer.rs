@@ -52,10 +52,11 @@ pub struct GpuTrainerSpec {
     /// rank's block of a data-parallel group that splits it (the trainer then must
     /// [`join`](GpuTrainer::join) that group before it trains).
     pub shard: OptimizerShard,
-    /// The optimizer state (fp32 master weights and AdamW moments) in host memory and the
-    /// optimizer step on the host, as FSDP's native CPU offload (`--fsdp-cpu-offload` without
-    /// `--offload-train`): the device holds only the bf16 weights, gradients and activations;
-    /// each step downloads the gradients and uploads the bf16 weights.
+    /// The optimizer state (fp32 master weights and AdamW moments; this rank's block when
+    /// split) in host memory and the optimizer step on the host, as FSDP's native CPU offload
+    /// (`--fsdp-cpu-offload` without `--offload-train`): the device holds only the bf16
+    /// weights, gradients and activations; each step downloads the gradients (of the block)
+    /// and uploads the bf16 weights (of the block, then gathered).
     pub optimizer_on_host: bool,
 }
 
@@ -70,8 +71,9 @@ enum Moments {
     Host(Box<HostOptimizer>),
 }
 
-/// The optimizer state on the host ([`GpuTrainerSpec::optimizer_on_host`]), with the buffers a
-/// step reuses: the gradients it downloads and the bf16 weights it uploads.
+/// The optimizer state on the host ([`GpuTrainerSpec::optimizer_on_host`]; this rank's block of
+/// it when split), with the buffers a step reuses: the gradients it downloads and the bf16
+/// weights it uploads.
 struct HostOptimizer {
     master: Vec<f32>,
     m: Vec<f32>,
@@ -186,9 +188,9 @@ impl GpuTrainer {
                 "the optimizer state split over data-parallel ranks does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu".into(),
             ));
         }
-        if spec.optimizer_on_host && (shard.is_split() || spec.stream.is_some()) {
+        if spec.optimizer_on_host && spec.stream.is_some() {
             return Err(ModelError::Config(
-                "the optimizer state on the host (--fsdp-cpu-offload) is one whole state in host memory: not split over ranks, not streamed through the disk; drop one of them".into(),
+                "the optimizer state on the host (--fsdp-cpu-offload) stays in host memory, not streamed through the disk; drop one of them".into(),
             ));
         }
         let n = model.layout().len();
@@ -235,13 +237,16 @@ impl GpuTrainer {
             memory.create_region(tag, policy, bytes)?;
         }
         let moments = match &spec.stream {
-            None if spec.optimizer_on_host => Moments::Host(Box::new(HostOptimizer {
-                master: params.to_vec(),
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-                grads: vec![0.0; n],
-                rounded: vec![bf16::ZERO; n],
-            })),
+            None if spec.optimizer_on_host => {
+                let block = shard.block(n);
+                Moments::Host(Box::new(HostOptimizer {
+                    master: shard.block_of(params),
+                    m: vec![0.0; block],
+                    v: vec![0.0; block],
+                    grads: vec![0.0; block],
+                    rounded: vec![bf16::ZERO; block],
+                }))
+            }
             None => Moments::Resident {
                 m: memory.alloc(&MemoryTag::Optimizer, block)?,
                 v: memory.alloc(&MemoryTag::Optimizer, block)?,
@@ -494,9 +499,12 @@ impl GpuTrainer {
     pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
         self.ensure_active("read the master weights")?;
         match (&self.master, &self.moments) {
-            (Some(master), _) if self.shard.is_split() => self.gathered(master),
+            (Some(master), _) if self.shard.is_split() => self.gathered(Block::Device(master)),
             (Some(master), _) => self.download(master),
             (None, Moments::Streamed(streamed)) => streamed.read_master(self.model.layout().len()),
+            (None, Moments::Host(host)) if self.shard.is_split() => {
+                self.gathered(Block::Host(&host.master))
+            }
             (None, Moments::Host(host)) => Ok(host.master.clone()),
             (None, Moments::Resident { .. }) => Err(no_master(self.model.layout().len())),
         }
@@ -537,9 +545,14 @@ impl GpuTrainer {
     pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         self.ensure_active("read the optimizer moments")?;
         match &self.moments {
-            Moments::Resident { m, v } if self.shard.is_split() => {
-                Ok((self.gathered(m)?, self.gathered(v)?))
-            }
+            Moments::Resident { m, v } if self.shard.is_split() => Ok((
+                self.gathered(Block::Device(m))?,
+                self.gathered(Block::Device(v))?,
+            )),
+            Moments::Host(host) if self.shard.is_split() => Ok((
+                self.gathered(Block::Host(&host.m))?,
+                self.gathered(Block::Host(&host.v))?,
+            )),
             Moments::Resident { m, v } => Ok((self.download(m)?, self.download(v)?)),
             Moments::Streamed(streamed) => streamed.read_all(self.model.layout().len()),
             Moments::Host(host) => Ok((host.m.clone(), host.v.clone())),
@@ -565,16 +578,22 @@ impl GpuTrainer {
     /// As [`master_params`](Self::master_params).
     pub fn send_state_blocks(&self) -> Result<(), ModelError> {
         self.ensure_active("send its optimizer state")?;
-        let (Some(master), Moments::Resident { m, v }) = (&self.master, &self.moments) else {
-            return Ok(());
-        };
         if !self.shard.is_split() {
             return Ok(());
         }
-        let group = self.group.as_deref().ok_or_else(unjoined)?;
-        let all = slice::<f32>(&self.grads)?;
-        for block in [master, m, v] {
-            group.all_gather_f32(slice(block)?, all)?;
+        let blocks = match (&self.master, &self.moments) {
+            (Some(master), Moments::Resident { m, v }) => {
+                [Block::Device(master), Block::Device(m), Block::Device(v)]
+            }
+            (None, Moments::Host(host)) => [
+                Block::Host(&host.master),
+                Block::Host(&host.m),
+                Block::Host(&host.v),
+            ],
+            _ => return Err(no_master(self.model.layout().len())),
+        };
+        for block in blocks {
+            self.gather_blocks(block)?;
         }
         self.record_fences()
     }
@@ -597,6 +616,10 @@ impl GpuTrainer {
                 self.gpu.upload(slice(dv)?, v)?;
             }
             Moments::Streamed(streamed) => streamed.write_all(m, v)?,
+            Moments::Host(host) if self.shard.is_split() => {
+                host.m = self.shard.block_of(m);
+                host.v = self.shard.block_of(v);
+            }
             Moments::Host(host) => {
                 host.m.copy_from_slice(m);
                 host.v.copy_from_slice(v);
@@ -676,7 +699,9 @@ impl GpuTrainer {
             self.gpu
                 .cast_to_bf16(slice(&self.params)?, slice(master)?)?;
         }
-        if let Moments::Host(host) = &mut self.moments {
+        if let Moments::Host(host) = &mut self.moments
+            && !self.shard.is_split()
+        {
             let rounded = host.round();
             let params = slice::<bf16>(&self.params)?.sub(0, rounded.len())?;
             self.gpu.upload(params, rounded)?;
@@ -852,9 +877,6 @@ impl GpuTrainer {
         step: u64,
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         let group = self.group.as_deref().ok_or_else(unjoined)?;
-        let (Some(master), Moments::Resident { m, v }) = (&self.master, &self.moments) else {
-            return Err(no_master(self.model.layout().len()));
-        };
         let n = self.model.layout().len();
         let (start, block) = (self.shard.start(n), self.shard.block(n));
         let grads = slice::<f32>(&self.grads)?.sub(start, block)?;
@@ -869,9 +891,31 @@ impl GpuTrainer {
         let clip = clip_scale(&self.adamw, grad_norm);
         let s = AdamWStep::new(&self.adamw, step, clip);
         let params = slice::<bf16>(&self.params)?;
-        let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
-        self.gpu
-            .adamw_update(slice(master)?, params.sub(start, block)?, moments, grads, s)?;
+        match (&self.master, &mut self.moments) {
+            (Some(master), Moments::Resident { m, v }) => {
+                let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
+                self.gpu.adamw_update(
+                    slice(master)?,
+                    params.sub(start, block)?,
+                    moments,
+                    grads,
+                    s,
+                )?;
+            }
+            (None, Moments::Host(host)) => {
+                self.gpu.download(&mut host.grads, grads)?;
+                let HostOptimizer {
+                    master,
+                    m,
+                    v,
+                    grads,
+                    ..
+                } = &mut **host;
+                crate::ops::adamw_update(master, grads, m, v, step, &self.adamw, clip);
+                self.gpu.upload(params.sub(start, block)?, host.round())?;
+            }
+            _ => return Err(no_master(n)),
+        }
         group.all_gather_bf16(params)?;
         let stats = AdamWStepStats {
             step,
@@ -881,12 +925,28 @@ impl GpuTrainer {
         Ok((stats, None))
     }
 
-    /// A split state's `block` (master weights or a moment) of every rank, gathered through
-    /// the gradients' buffer and downloaded whole. Collective.
-    fn gathered(&self, block: &Buffer) -> Result<Vec<f32>, ModelError> {
+    /// Every rank's `block` of a split state (master weights or a moment), gathered in the
+    /// gradients' buffer, which it returns. Collective.
+    fn gather_blocks(&self, block: Block<'_>) -> Result<GpuSlice<f32>, ModelError> {
         let group = self.group.as_deref().ok_or_else(unjoined)?;
         let all = slice::<f32>(&self.grads)?;
-        group.all_gather_f32(slice(block)?, all)?;
+        let send = match block {
+            Block::Device(buffer) => slice(buffer)?,
+            Block::Host(values) => {
+                // Sent from this rank's own block of the buffer (NCCL's in-place form).
+                let n = self.model.layout().len();
+                let own = all.sub(self.shard.start(n), values.len())?;
+                self.gpu.upload(own, values)?;
+                own
+            }
+        };
+        group.all_gather_f32(send, all)?;
+        Ok(all)
+    }
+
+    /// [`gather_blocks`](Self::gather_blocks), downloaded whole.
+    fn gathered(&self, block: Block<'_>) -> Result<Vec<f32>, ModelError> {
+        let all = self.gather_blocks(block)?;
         let n = self.model.layout().len();
         let mut out = vec![0.0; n];
         self.gpu.download(&mut out, all.sub(0, n)?)?;
@@ -945,6 +1005,9 @@ impl GpuTrainer {
         }
         match &mut self.moments {
             Moments::Streamed(streamed) => streamed.write_master(params)?,
+            Moments::Host(host) if self.shard.is_split() => {
+                host.master = self.shard.block_of(params)
+            }
             Moments::Host(host) => host.master.copy_from_slice(params),
             Moments::Resident { .. } => return Err(no_master(params.len())),
         }
@@ -1049,6 +1112,14 @@ impl Drop for GpuTrainer {
 /// The buffer's bytes as elements of `T`.
 fn slice<T: GpuElement>(buffer: &Buffer) -> Result<GpuSlice<T>, DeviceError> {
     GpuSlice::of(buffer.range())
+}
+
+/// Where a rank's block of a split state lives.
+enum Block<'a> {
+    /// In a device buffer of its own.
+    Device(&'a Buffer),
+    /// In host memory ([`GpuTrainerSpec::optimizer_on_host`]).
+    Host(&'a [f32]),
 }
 
 /// The error of a trainer of a split optimizer state used before it joined its group.
