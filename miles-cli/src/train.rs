@@ -42,7 +42,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub settings: SettingsArgs,
     /// Start this many processes on this machine, one per GPU, each running the loop with one
-    /// data-parallel replica of the trainer (`--device cuda --train-backend fsdp
+    /// data-parallel rank of the trainer (`--device cuda --train-backend fsdp
     /// --data-parallel-size N`). Under torchrun, srun or mpirun leave it out.
     #[arg(long, default_value_t = 1)]
     pub nproc_per_node: usize,

@@ -1,7 +1,7 @@
-//! Data parallelism on GPUs, as PyTorch's DDP runs it: [`DataParallelGroup`], the
-//! [`TrainerGroup`] that makes core's GPU trainer one replica of a data-parallel group, and
-//! [`data_parallel_gpu_trainer`], which builds that replica. This backend's GPU trainer
-//! ([`gpu_trainer`](crate::gpu_trainer)) and `miles bench train` both use it.
+//! Data parallelism on GPUs: [`DataParallelGroup`], the [`TrainerGroup`] that makes core's GPU
+//! trainer one rank of a data-parallel group, and [`data_parallel_gpu_trainer`], which builds
+//! such a rank. This backend's GPU trainer ([`gpu_trainer`](crate::gpu_trainer)) and `miles
+//! bench train` both use it, with the optimizer state split over the ranks.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -12,11 +12,13 @@ use miles_core::model::{
     GpuTrainer, LlamaConfig, ModelError, OptimizerShard, TrainerGroup, standalone_gpu_trainer,
 };
 
-/// One replica of a data-parallel group: every rank holds every weight and trains on its part
+/// One rank of a data-parallel group: every rank holds every bf16 weight and trains on its part
 /// of each batch ([`TrainBatch::shard`](miles_core::model::TrainBatch::shard)), all parts with
-/// the whole batch's normaliser, and every rank starts from the same weights. After the
-/// backward pass the gradients and the loss are summed over the group (NCCL on the compute
-/// stream), so every rank takes the same optimizer step and the replicas stay equal.
+/// the whole batch's normaliser, and every rank starts from the same weights. A trainer whose
+/// optimizer state is split over the group ([`OptimizerShard`]) has its gradients
+/// reduce-scattered and its bf16 weights all-gathered; a whole trainer (every rank a replica,
+/// as PyTorch's DDP) has its gradients and loss summed over the group after the backward pass.
+/// Either way every rank takes the same optimizer step (NCCL on the trainer's stream).
 pub struct DataParallelGroup {
     gpu: Arc<Gpu>,
     comm: Mutex<NcclComm>,

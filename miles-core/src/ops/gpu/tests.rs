@@ -349,3 +349,62 @@ fn gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_align
     let small = t.put(&words);
     assert_eq!(t.get(small), words, "a small transfer after a large one");
 }
+
+#[test]
+fn gpu_a_capture_takes_only_its_own_stream_while_another_thread_queues_on_a_stream_of_its_own() {
+    // The loop's mover thread queues a trainer's work while the engine captures its decode
+    // graph: on a stream of its own (`Gpu::with_own_stream`) that work runs, and stays out of
+    // the graph.
+    let test = "gpu_a_capture_takes_only_its_own_stream_while_another_thread_queues";
+    let Some(mut t) = TestGpu::open(test, 64 << 20) else {
+        return;
+    };
+    let n = 1 << 20;
+    let (x, x_host) = t.put_bf16(&seeded(11, n));
+    let (y, y_host) = t.put_bf16(&seeded(12, n));
+    let other = t.put(&vec![1.0f32; n]);
+    let trainer = t.gpu.with_own_stream().unwrap_or_else(|e| panic!("{e}"));
+    let (inside, queued) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    let graph = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            inside.wait();
+            for _ in 0..50 {
+                trainer.zero(other).unwrap_or_else(|e| panic!("{e}"));
+                trainer.record_fence().unwrap_or_else(|e| panic!("{e}"));
+            }
+            queued.wait();
+        });
+        t.gpu
+            .capture(|| {
+                inside.wait();
+                queued.wait();
+                t.gpu.residual_add(x, y)
+            })
+            .unwrap_or_else(|e| panic!("the capture broke: {e}"))
+    });
+    trainer.synchronize().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        t.get(other).iter().all(|&v| v == 0.0),
+        "the other stream's work ran"
+    );
+    t.gpu
+        .upload(other, &vec![1.0f32; n])
+        .unwrap_or_else(|e| panic!("{e}"));
+    t.gpu.replay(&graph).unwrap_or_else(|e| panic!("{e}"));
+    t.gpu.synchronize().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        t.get(other).iter().all(|&v| v == 1.0),
+        "the graph holds the other stream's work"
+    );
+    let want: Vec<f32> = x_host
+        .iter()
+        .zip(&y_host)
+        .map(|(a, b)| bf16::from_f32(a + b).to_f32())
+        .collect();
+    assert_close(
+        "the captured add, replayed once",
+        &t.get_bf16(x),
+        &want,
+        BF16_TOLERANCE,
+    );
+}
