@@ -308,39 +308,32 @@ mod tests {
         assert_pair_follows("split-optimizer data-parallel", &losses, &alone);
     }
 
+    /// The ways a split pair reduces and keeps its state: (bf16 reduction, state on the host).
+    const SPLIT_WAYS: [(bool, bool); 3] = [(false, false), (true, false), (false, true)];
+
     #[test]
-    fn gpu_split_optimizer_pair_follows_one_gpu_in_half_the_state_across_an_offload() {
-        let Some(gpus) = two_gpus("gpu_split_optimizer_pair_follows_one_gpu") else {
+    fn gpu_split_optimizer_pair_over_nccl_follows_one_gpu_every_way() {
+        let test = "gpu_split_optimizer_pair_over_nccl_follows_one_gpu_every_way";
+        let Some(gpus) = two_gpus(test) else {
             return;
         };
-        let id = NcclComm::unique_id().unwrap();
-        split_pair_follows_one_gpu(gpus, false, false, move |rank, gpu| {
-            let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
-            Box::new(DataParallelGroup::new(comm))
-        });
+        for (bf16_reduce, on_host) in SPLIT_WAYS {
+            let id = NcclComm::unique_id().unwrap();
+            let pair = [Arc::clone(&gpus[0]), Arc::clone(&gpus[1])];
+            split_pair_follows_one_gpu(pair, bf16_reduce, on_host, move |rank, gpu| {
+                let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
+                Box::new(DataParallelGroup::new(comm))
+            });
+        }
     }
 
     #[test]
-    fn gpu_split_optimizer_pair_reducing_in_bf16_follows_one_gpu() {
-        let Some(gpus) = two_gpus("gpu_split_optimizer_pair_reducing_in_bf16_follows_one_gpu")
-        else {
-            return;
-        };
-        let id = NcclComm::unique_id().unwrap();
-        split_pair_follows_one_gpu(gpus, true, false, move |rank, gpu| {
-            let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
-            Box::new(DataParallelGroup::new(comm))
-        });
-    }
-
-    #[test]
-    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu_reduced_and_kept_every_way()
-     {
-        let test = "gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu";
+    fn gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu_every_way() {
+        let test = "gpu_split_optimizer_pair_on_one_gpu_through_the_host_follows_one_gpu_every_way";
         let Some(gpu) = one_gpu(test) else {
             return;
         };
-        for (bf16_reduce, on_host) in [(false, false), (true, false), (false, true)] {
+        for (bf16_reduce, on_host) in SPLIT_WAYS {
             let second = Arc::new(gpu.with_own_stream().unwrap());
             let exchange = Arc::new(HostExchange::default());
             let first = Arc::clone(&gpu);
