@@ -252,6 +252,10 @@ impl TrainBackend for FakeActor {
         std::fs::write(dir.join("fake.json"), text).unwrap();
         Ok(())
     }
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        note(&self.log, "actor.assist_save");
+        Ok(())
+    }
     fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
         note(&self.log, "actor.load");
         let text = std::fs::read_to_string(dir.join("fake.json")).unwrap();
@@ -301,6 +305,10 @@ impl Critic for FakeCritic {
         note(&self.log, "critic.onload");
         self.offloaded = false;
         Ok(stats(resume(&self.memory, &[MemoryTag::Params])))
+    }
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        note(&self.log, "critic.assist_save");
+        Ok(())
     }
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
         note(&self.log, "critic.save");

@@ -336,3 +336,36 @@ fn warmup_trains_on_answers_before_the_trainer_first_sleeps() {
     );
     assert_eq!(o.state().warmup_steps, 2);
 }
+
+#[test]
+fn a_rank_that_assists_saves_takes_part_where_the_writer_saves_and_writes_nothing() {
+    let log = Log::default();
+    let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
+    let critic = FakeCritic {
+        log: Arc::clone(&log),
+        memory: Arc::clone(&memory),
+        _buffers: buffers,
+        value: 0.25,
+        offloaded: false,
+    };
+    let save = tempfile::tempdir().unwrap();
+    let config = LoopConfig {
+        advantage_estimator: AdvantageEstimator::Ppo,
+        save: Some(save.path().to_path_buf()),
+        save_interval: Some(1),
+        ..colocated(2)
+    };
+    let mut o = orchestrator(config, &log)
+        .with_critic(Box::new(critic))
+        .assist_saves();
+    run(&mut o);
+    let calls = calls(&log);
+    let count = |c: &str| calls.iter().filter(|x| *x == c).count();
+    assert_eq!(count("actor.assist_save"), 2, "{calls:?}");
+    assert_eq!(count("critic.assist_save"), 2, "{calls:?}");
+    assert_eq!(count("actor.save") + count("critic.save"), 0, "{calls:?}");
+    let first = |c: &str| calls.iter().position(|x| x == c).unwrap();
+    assert!(first("actor.assist_save") < first("critic.assist_save"));
+    let written: Vec<_> = std::fs::read_dir(save.path()).unwrap().collect();
+    assert!(written.is_empty(), "the assisting rank wrote {written:?}");
+}
