@@ -122,8 +122,8 @@ enum Job {
     WriteSlot(usize),
     /// Read `bucket` into its slot; answered by [`Reply::Read`].
     Read(usize),
-    /// A buffer of a read the walk did not use.
-    Return(HostBuffer),
+    /// The buffer of `bucket`'s read that the walk did not use.
+    Return { bucket: usize, buffer: HostBuffer },
     /// Answer [`Reply::Flushed`] once every write queued before is done.
     Flush,
     /// Fail the next write of a bucket (tests of the failure path).
@@ -321,13 +321,13 @@ impl BucketStream {
             if k == 0
                 && let Some(error) = main.failed.take()
             {
-                self.send(Job::Return(buffer), k)?;
+                self.send(Job::Return { bucket: k, buffer }, k)?;
                 outcome = Err(error.into());
                 break;
             }
             stats.bytes_read += self.sizes[k] as u64;
             if let Err(error) = self.update_in_slot(k, &mut buffer, &mut update) {
-                self.send(Job::Return(buffer), k)?;
+                self.send(Job::Return { bucket: k, buffer }, k)?;
                 outcome = Err(error);
                 break;
             }
@@ -419,8 +419,15 @@ impl BucketStream {
         loop {
             match self.reply(main, bucket, &mut Duration::default())? {
                 Reply::Landed {
-                    result: Ok(buffer), ..
-                } => self.send(Job::Return(buffer), bucket)?,
+                    bucket: landed,
+                    result: Ok(buffer),
+                } => self.send(
+                    Job::Return {
+                        bucket: landed,
+                        buffer,
+                    },
+                    bucket,
+                )?,
                 Reply::ReadingStopped => break,
                 _ => {}
             }
@@ -551,7 +558,7 @@ impl DiskThread {
             Job::Write { bucket, buffer } => self.writes.push_back((bucket, Some(buffer))),
             Job::WriteSlot(bucket) => self.writes.push_back((bucket, None)),
             Job::Read(bucket) => self.reads.push_back(bucket),
-            Job::Return(buffer) => self.give_back(buffer),
+            Job::Return { bucket, buffer } => self.take_back(bucket, buffer),
             Job::Flush => self.flush = true,
             #[cfg(test)]
             Job::FailWrite(bucket) => self.fail_write = Some(bucket),
@@ -609,6 +616,17 @@ impl DiskThread {
     fn give_back(&mut self, buffer: HostBuffer) {
         self.held -= 1;
         self.pool.put(buffer);
+    }
+
+    /// Takes back the buffer of `bucket`'s read that a walk did not use: a bucket whose last
+    /// write failed has no copy on disk, so the buffer (its kept host copy) is kept again.
+    fn take_back(&mut self, bucket: usize, buffer: HostBuffer) {
+        if self.backups[bucket].is_none() {
+            self.held -= 1;
+            self.kept.insert(bucket, buffer);
+        } else {
+            self.give_back(buffer);
+        }
     }
 
     /// Bucket `bucket` in a host buffer: its kept host copy, or read from disk.
@@ -923,6 +941,25 @@ mod tests {
         // Nothing is lost: the bucket reads from its host copy, and the next walk goes on
         // and writes it again.
         assert!(bench.read_back(2) == bench.expected[2]);
+        bench.walk_every_bucket();
+        bench.check_on_disk(0..BUCKETS);
+    }
+
+    #[test]
+    fn a_kept_host_copy_read_ahead_by_a_walk_that_fails_stays_kept() {
+        let mut bench = Bench::new(76, 0);
+        bench.stream.fail_next_write(2);
+        bench.walk_every_bucket();
+        // The reads ahead take bucket 2's kept copy before the walk finds the failed write
+        // and gives back what it read.
+        bench.stream.prefetch().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let (result, _) = bench.walk();
+        assert!(matches!(
+            result,
+            Err(StoreError::StreamWriteFailed { bucket: 2, .. })
+        ));
+        assert!(bench.read_back(2) == bench.expected[2], "bucket 2 was lost");
         bench.walk_every_bucket();
         bench.check_on_disk(0..BUCKETS);
     }
