@@ -13,10 +13,10 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{
-    ByteTokenizer, LlamaConfig, ModelError, OptimizerShard, ParamLayout, StepReport, TrainBatch,
-    init_params, standalone_gpu_trainer,
+    ByteTokenizer, GpuTrainer, LlamaConfig, ModelError, OptimizerShard, ParamLayout, StepReport,
+    TrainBatch, init_params, standalone_gpu_trainer,
 };
-use miles_core::{Batch, DeviceChoice, LaunchEnv};
+use miles_core::{Batch, DeviceChoice, LaunchEnv, MemoryTag};
 use serde_json::Value;
 
 use crate::bench::baseline::python_json;
@@ -227,20 +227,22 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         0 => {
             let mut trainer =
                 standalone_gpu_trainer(gpu, config, &params, b * t, OptimizerShard::WHOLE)?;
-            Some(train_steps(|step| trainer.train_step(&batch, step), args)?)
+            let (losses, seconds) = train_steps(|step| trainer.train_step(&batch, step), args)?;
+            Some((losses, seconds, state_bytes(&trainer)))
         }
         _ => None,
     };
     group.barrier()?;
-    let (Some(gathered), Some((alone_losses, alone_seconds))) = (gathered, alone) else {
+    let (Some(gathered), Some((alone_losses, alone_seconds, alone_bytes))) = (gathered, alone)
+    else {
         return Ok(());
     };
-    let ranks: Vec<(Vec<f32>, f64)> = gathered
+    let ranks: Vec<RankRun> = gathered
         .iter()
         .map(|part| serde_json::from_slice(part))
         .collect::<Result<_, _>>()
         .context("a rank sent figures this rank cannot read; run the same miles on every rank")?;
-    let slowest = ranks.iter().map(|(_, s)| *s).fold(0.0, f64::max);
+    let slowest = ranks.iter().map(|(_, s, _)| *s).fold(0.0, f64::max);
     let tokens = (args.steps * b * t) as f64;
     let (together, single) = (tokens / slowest, tokens / alone_seconds);
     let worst = ranks[0]
@@ -278,12 +280,41 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
             ranks.len()
         )?;
     }
-    let same = ranks.iter().all(|(losses, _)| *losses == ranks[0].0);
+    let same = ranks.iter().all(|(losses, _, _)| *losses == ranks[0].0);
     writeln!(
         out,
         "  largest relative loss difference against one gpu: {worst:.2e}; every rank reports the same losses: {same}"
     )?;
+    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    let per_rank: Vec<String> = ranks
+        .iter()
+        .map(|(_, _, bytes)| format!("{:.2}", gib(*bytes)))
+        .collect();
+    let largest = ranks.iter().map(|(_, _, bytes)| *bytes).max().unwrap_or(0);
+    writeln!(
+        out,
+        "  parameters + optimizer state on the device, per rank: {} GiB; one gpu: {:.2} GiB ({:.2}x)",
+        per_rank.join(", "),
+        gib(alone_bytes),
+        largest as f64 / alone_bytes.max(1) as f64
+    )?;
     Ok(())
+}
+
+/// One rank's run: its losses, its timed seconds, and the device bytes of its parameters and
+/// optimizer state.
+type RankRun = (Vec<f32>, f64, u64);
+
+/// Device bytes of `trainer`'s bf16 weights and optimizer state (tags `params` and
+/// `optimizer`).
+fn state_bytes(trainer: &GpuTrainer) -> u64 {
+    trainer
+        .memory()
+        .resident_bytes()
+        .into_iter()
+        .filter(|(tag, _)| matches!(tag, MemoryTag::Params | MemoryTag::Optimizer))
+        .map(|(_, bytes)| bytes)
+        .sum()
 }
 
 /// This rank's steps of Megatron's tensor-parallel GPU trainer over the job's GPUs, its shard
@@ -300,7 +331,7 @@ fn tensor_parallel_rank(
     comm: NcclComm,
     batch: &TrainBatch<'_>,
     args: &BenchTrainArgs,
-) -> anyhow::Result<(Vec<f32>, f64)> {
+) -> anyhow::Result<RankRun> {
     let tokens = batch.batch * batch.seq;
     let mut trainer = miles_megatron::tensor_parallel_gpu_trainer(
         gpu, config, params, comm, tokens,
@@ -311,7 +342,8 @@ fn tensor_parallel_rank(
         }
         error => error.into(),
     })?;
-    train_steps(|step| trainer.train_step(batch, step), args)
+    let (losses, seconds) = train_steps(|step| trainer.train_step(batch, step), args)?;
+    Ok((losses, seconds, state_bytes(&trainer)))
 }
 
 #[cfg(not(feature = "megatron"))]
@@ -322,12 +354,12 @@ fn tensor_parallel_rank(
     _: NcclComm,
     _: &TrainBatch<'_>,
     _: &BenchTrainArgs,
-) -> anyhow::Result<(Vec<f32>, f64)> {
+) -> anyhow::Result<RankRun> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
 }
 
-/// This rank's steps of fsdp's data-parallel GPU replica over the job's GPUs, on its share of
-/// `batch`'s sequences.
+/// This rank's steps of fsdp's data-parallel GPU trainer over the job's GPUs (its block of the
+/// optimizer state), on its share of `batch`'s sequences.
 ///
 /// # Errors
 /// A batch of fewer sequences than ranks; a failure of the trainer.
@@ -340,7 +372,7 @@ fn data_parallel_rank(
     batch: &TrainBatch<'_>,
     env: &LaunchEnv,
     args: &BenchTrainArgs,
-) -> anyhow::Result<(Vec<f32>, f64)> {
+) -> anyhow::Result<RankRun> {
     let part = batch.shard(env.rank, env.world_size)?;
     let tokens = part.batch * part.seq;
     let mut trainer = miles_fsdp::data_parallel_gpu_trainer(
@@ -351,7 +383,8 @@ fn data_parallel_rank(
         tokens,
         args.grad_reduce_in_bf16,
     )?;
-    train_steps(|step| trainer.train_step(&part, step), args)
+    let (losses, seconds) = train_steps(|step| trainer.train_step(&part, step), args)?;
+    Ok((losses, seconds, state_bytes(&trainer)))
 }
 
 #[cfg(not(feature = "fsdp"))]
@@ -363,7 +396,7 @@ fn data_parallel_rank(
     _: &TrainBatch<'_>,
     _: &LaunchEnv,
     _: &BenchTrainArgs,
-) -> anyhow::Result<(Vec<f32>, f64)> {
+) -> anyhow::Result<RankRun> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }
 
