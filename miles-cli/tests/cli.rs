@@ -596,6 +596,38 @@ fn tensor_parallel_without_gpus_exits_2_naming_the_device_flag() {
 }
 
 #[test]
+fn bf16_gradient_reduction_in_bench_train_needs_data_parallel_gpus_exiting_2() {
+    let (_, err) = expect(
+        &[
+            "bench",
+            "train",
+            "--preset",
+            "tiny",
+            "--grad-reduce-in-bf16",
+        ],
+        2,
+    );
+    assert!(
+        err.contains("--grad-reduce-in-bf16") && err.contains("--device cuda"),
+        "{err}"
+    );
+    // On cuda with one process it is refused before any gpu is opened.
+    let (_, err) = expect(
+        &[
+            "bench",
+            "train",
+            "--device",
+            "cuda",
+            "--preset",
+            "tiny",
+            "--grad-reduce-in-bf16",
+        ],
+        2,
+    );
+    assert!(err.contains("--nproc-per-node 2"), "{err}");
+}
+
+#[test]
 fn the_readme_settings_table_is_the_one_the_settings_table_prints() {
     let (table, _) = expect(&["check-config", "--table"], 0);
     let readme =
