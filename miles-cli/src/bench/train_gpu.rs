@@ -21,7 +21,6 @@ use serde_json::Value;
 
 use crate::bench::baseline::python_json;
 use crate::bench::train::{BenchTrainArgs, TorchLeg, text_batch};
-use crate::settings_args::BadSettings;
 
 /// What the GPU bench trains: the preset, its parameter table, the batch of text and the
 /// weights seeded with 0.
@@ -337,9 +336,9 @@ fn tensor_parallel_rank(
         gpu, config, params, comm, tokens,
     )
     .map_err(|error| match error {
-        error @ miles_core::BackendError::Settings { .. } => {
-            anyhow::Error::new(BadSettings(format!("--tensor-parallel: {error}")))
-        }
+        error @ miles_core::BackendError::Settings { .. } => anyhow::Error::new(
+            crate::settings_args::BadSettings(format!("--tensor-parallel: {error}")),
+        ),
         error => error.into(),
     })?;
     let (losses, seconds) = train_steps(|step| trainer.train_step(batch, step), args)?;
