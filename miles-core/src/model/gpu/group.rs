@@ -5,6 +5,7 @@
 //! state over its ranks ([`OptimizerShard`]), as FSDP and ZeRO do: then the gradients are
 //! reduce-scattered, each rank updates its block, and the bf16 weights are all-gathered.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use half::bf16;
@@ -199,15 +200,19 @@ impl OptimizerShard {
         self.ranks * self.block(params)
     }
 
-    /// This rank's block of `full` (the whole parameter vector), zero-padded to a block.
-    pub fn block_of(&self, full: &[f32]) -> Vec<f32> {
+    /// This rank's block of `full` (the whole parameter vector), zero-padded to a block:
+    /// `full` itself when the state is whole.
+    pub fn block_of<'a>(&self, full: &'a [f32]) -> Cow<'a, [f32]> {
+        if !self.is_split() {
+            return Cow::Borrowed(full);
+        }
         let (start, block) = (self.start(full.len()), self.block(full.len()));
         let mut out = vec![0.0; block];
         let end = full.len().min(start + block);
         if start < end {
             out[..end - start].copy_from_slice(&full[start..end]);
         }
-        out
+        Cow::Owned(out)
     }
 }
 
@@ -223,10 +228,14 @@ mod tests {
             (whole.block(1000), whole.start(1000), whole.padded(1000)),
             (1000, 0, 1000)
         );
-        assert_eq!(whole.block_of(&full), full);
+        assert_eq!(*whole.block_of(&full), full[..]);
         for ranks in [2, 3, 8, 16] {
             let blocks: Vec<Vec<f32>> = (0..ranks)
-                .map(|rank| OptimizerShard::split(rank, ranks).block_of(&full))
+                .map(|rank| {
+                    OptimizerShard::split(rank, ranks)
+                        .block_of(&full)
+                        .into_owned()
+                })
                 .collect();
             let shard = OptimizerShard::split(0, ranks);
             assert_eq!(shard.block(1000) % BLOCK_ALIGN, 0);

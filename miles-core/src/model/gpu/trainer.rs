@@ -83,13 +83,36 @@ struct HostOptimizer {
 }
 
 impl HostOptimizer {
-    /// The bf16 weights: the master weights rounded to nearest even, as the device's cast.
-    fn round(&mut self) -> &[bf16] {
+    /// Uploads the master weights rounded to nearest even (as the device's cast) into
+    /// `params`, their bf16 weights on the device.
+    fn upload_rounded(&mut self, gpu: &Gpu, params: GpuSlice<bf16>) -> Result<(), ModelError> {
         self.rounded
             .par_iter_mut()
             .zip(self.master.par_iter())
             .for_each(|(r, &x)| *r = bf16::from_f32(x));
-        &self.rounded
+        Ok(gpu.upload(params, &self.rounded)?)
+    }
+
+    /// AdamW step `step` on the host with the device's gradients `grads` (clipped by
+    /// `clip`), then the new bf16 weights uploaded into `params`.
+    fn step(
+        &mut self,
+        gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        params: GpuSlice<bf16>,
+        (step, adamw, clip): (u64, &AdamWConfig, f32),
+    ) -> Result<(), ModelError> {
+        gpu.download(&mut self.grads, grads)?;
+        crate::ops::adamw_update(
+            &mut self.master,
+            &self.grads,
+            &mut self.m,
+            &mut self.v,
+            step,
+            adamw,
+            clip,
+        );
+        self.upload_rounded(gpu, params)
     }
 }
 
@@ -240,7 +263,7 @@ impl GpuTrainer {
             None if spec.optimizer_on_host => {
                 let block = shard.block(n);
                 Moments::Host(Box::new(HostOptimizer {
-                    master: shard.block_of(params),
+                    master: shard.block_of(params).into_owned(),
                     m: vec![0.0; block],
                     v: vec![0.0; block],
                     grads: vec![0.0; block],
@@ -284,7 +307,6 @@ impl GpuTrainer {
             trainer.gpu.zero(slice::<f32>(v)?)?;
         }
         trainer.gpu.zero(slice::<f32>(&trainer.grads)?)?;
-        trainer.gpu.zero(slice::<bf16>(&trainer.params)?)?;
         match &trainer.master {
             Some(master) if shard.is_split() => trainer.upload_master_block(master, params)?,
             Some(master) => trainer.upload_master(master, params)?,
@@ -607,22 +629,14 @@ impl GpuTrainer {
         self.model.layout().check("adamw v", v)?;
         self.ensure_active("set the optimizer moments")?;
         match &mut self.moments {
-            Moments::Resident { m: dm, v: dv } if self.shard.is_split() => {
+            Moments::Resident { m: dm, v: dv } => {
                 self.gpu.upload(slice(dm)?, &self.shard.block_of(m))?;
                 self.gpu.upload(slice(dv)?, &self.shard.block_of(v))?;
             }
-            Moments::Resident { m: dm, v: dv } => {
-                self.gpu.upload(slice(dm)?, m)?;
-                self.gpu.upload(slice(dv)?, v)?;
-            }
             Moments::Streamed(streamed) => streamed.write_all(m, v)?,
-            Moments::Host(host) if self.shard.is_split() => {
-                host.m = self.shard.block_of(m);
-                host.v = self.shard.block_of(v);
-            }
             Moments::Host(host) => {
-                host.m.copy_from_slice(m);
-                host.v.copy_from_slice(v);
+                host.m = self.shard.block_of(m).into_owned();
+                host.v = self.shard.block_of(v).into_owned();
             }
         }
         Ok(())
@@ -702,9 +716,8 @@ impl GpuTrainer {
         if let Moments::Host(host) = &mut self.moments
             && !self.shard.is_split()
         {
-            let rounded = host.round();
-            let params = slice::<bf16>(&self.params)?.sub(0, rounded.len())?;
-            self.gpu.upload(params, rounded)?;
+            let params = slice::<bf16>(&self.params)?.sub(0, host.master.len())?;
+            host.upload_rounded(&self.gpu, params)?;
         }
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
         self.record_fences()?;
@@ -812,55 +825,35 @@ impl GpuTrainer {
         step: u64,
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         let n = self.model.layout().len();
-        if self.shard.is_split() {
-            return self.split_adamw_step(step);
-        }
-        let grads = slice::<f32>(&self.grads)?;
-        let scalar = slice::<f32>(&self.scalar)?;
-        let (sums, partials) = (scalar.sub(0, 2)?, scalar.sub(2, SQUARE_PARTIALS)?);
-        self.gpu.zero(sums)?;
-        let norm_sq = match &self.group {
-            None => {
-                let mut sum = [0.0f32; 2];
-                self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
-                self.gpu.download(&mut sum, sums)?;
-                sum[0]
-            }
-            Some(group) => group.grad_norm_sq(&self.gpu, grads, sums, partials)?,
-        };
-        let grad_norm = norm_sq.sqrt();
+        let (start, block) = (self.shard.start(n), self.shard.block(n));
+        // This rank's block of the (reduced) gradients: all of them unless the state is split.
+        let grads = slice::<f32>(&self.grads)?.sub(start, block)?;
+        let grad_norm = self.grad_norm_sq(grads)?.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
         let s = AdamWStep::new(&self.adamw, step, clip);
+        let params = slice::<bf16>(&self.params)?;
+        let own = params.sub(start, block)?;
         let master = self.master.as_ref().map(slice::<f32>).transpose()?;
-        let params = slice(&self.params)?;
         let stream = match &mut self.moments {
             Moments::Resident { m, v } => {
                 let master = master.ok_or_else(|| no_master(n))?;
                 let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
-                self.gpu.adamw_update(master, params, moments, grads, s)?;
+                self.gpu.adamw_update(master, own, moments, grads, s)?;
                 None
             }
-            Moments::Streamed(streamed) => Some(streamed.update(
-                &self.gpu,
-                master.map(|m| m.sub(0, n)).transpose()?,
-                params.sub(0, n)?,
-                grads.sub(0, n)?,
-                s,
-            )?),
+            Moments::Streamed(streamed) => Some(streamed.update(&self.gpu, master, own, grads, s)?),
             Moments::Host(host) => {
-                self.gpu.download(&mut host.grads, grads.sub(0, n)?)?;
-                let HostOptimizer {
-                    master,
-                    m,
-                    v,
-                    grads,
-                    ..
-                } = &mut **host;
-                crate::ops::adamw_update(master, grads, m, v, step, &self.adamw, clip);
-                self.gpu.upload(params.sub(0, n)?, host.round())?;
+                host.step(&self.gpu, grads, own, (step, &self.adamw, clip))?;
                 None
             }
         };
+        if self.shard.is_split() {
+            // Every rank updated its block of the bf16 weights; each gets all of them.
+            self.group
+                .as_deref()
+                .ok_or_else(unjoined)?
+                .all_gather_bf16(params)?;
+        }
         let stats = AdamWStepStats {
             step,
             grad_norm,
@@ -869,60 +862,25 @@ impl GpuTrainer {
         Ok((stats, stream))
     }
 
-    /// [`adamw_step`](Self::adamw_step) of a rank of a split state: the squared norm of its
-    /// block of the reduced gradients summed over the group, its block's update, then the
-    /// group's bf16 weights gathered from every rank's block.
-    fn split_adamw_step(
-        &mut self,
-        step: u64,
-    ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
-        let group = self.group.as_deref().ok_or_else(unjoined)?;
-        let n = self.model.layout().len();
-        let (start, block) = (self.shard.start(n), self.shard.block(n));
-        let grads = slice::<f32>(&self.grads)?.sub(start, block)?;
+    /// The squared global norm of the gradients, `grads` being this rank's block of them: the
+    /// block's sum over a split state's group, the group's own reading for a whole state in a
+    /// group ([`TrainerGroup::grad_norm_sq`]), else the sum here.
+    fn grad_norm_sq(&self, grads: GpuSlice<f32>) -> Result<f32, ModelError> {
         let scalar = slice::<f32>(&self.scalar)?;
         let (sums, partials) = (scalar.sub(0, 2)?, scalar.sub(2, SQUARE_PARTIALS)?);
         self.gpu.zero(sums)?;
-        self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
-        group.sum_f32(sums.sub(0, 1)?)?;
+        match (&self.group, self.shard.is_split()) {
+            (Some(group), false) => return group.grad_norm_sq(&self.gpu, grads, sums, partials),
+            (None, true) => return Err(unjoined()),
+            (Some(group), true) => {
+                self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
+                group.sum_f32(sums.sub(0, 1)?)?;
+            }
+            (None, false) => self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?,
+        }
         let mut sum = [0.0f32; 2];
         self.gpu.download(&mut sum, sums)?;
-        let grad_norm = sum[0].sqrt();
-        let clip = clip_scale(&self.adamw, grad_norm);
-        let s = AdamWStep::new(&self.adamw, step, clip);
-        let params = slice::<bf16>(&self.params)?;
-        match (&self.master, &mut self.moments) {
-            (Some(master), Moments::Resident { m, v }) => {
-                let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
-                self.gpu.adamw_update(
-                    slice(master)?,
-                    params.sub(start, block)?,
-                    moments,
-                    grads,
-                    s,
-                )?;
-            }
-            (None, Moments::Host(host)) => {
-                self.gpu.download(&mut host.grads, grads)?;
-                let HostOptimizer {
-                    master,
-                    m,
-                    v,
-                    grads,
-                    ..
-                } = &mut **host;
-                crate::ops::adamw_update(master, grads, m, v, step, &self.adamw, clip);
-                self.gpu.upload(params.sub(start, block)?, host.round())?;
-            }
-            _ => return Err(no_master(n)),
-        }
-        group.all_gather_bf16(params)?;
-        let stats = AdamWStepStats {
-            step,
-            grad_norm,
-            clip_scale: clip,
-        };
-        Ok((stats, None))
+        Ok(sum[0])
     }
 
     /// Every rank's `block` of a split state (master weights or a moment), gathered in the
@@ -1005,10 +963,7 @@ impl GpuTrainer {
         }
         match &mut self.moments {
             Moments::Streamed(streamed) => streamed.write_master(params)?,
-            Moments::Host(host) if self.shard.is_split() => {
-                host.master = self.shard.block_of(params)
-            }
-            Moments::Host(host) => host.master.copy_from_slice(params),
+            Moments::Host(host) => host.master = self.shard.block_of(params).into_owned(),
             Moments::Resident { .. } => return Err(no_master(params.len())),
         }
         self.upload_rounded(params)
