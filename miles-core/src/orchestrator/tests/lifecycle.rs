@@ -121,6 +121,18 @@ fn ranks_that_cannot_agree_end_the_run_with_the_cause() {
         matches!(error, OrchestratorError::Agreement { .. }),
         "{error}"
     );
+    assert!(error.to_string().contains("whether to stop"), "{error}");
+    // Whether both phases fit is agreed too, and a peer gone there ends the run alike.
+    let log = Log::default();
+    let mut o = orchestrator(colocated(5), &log).with_fit_agreement(Box::new(|_| {
+        Err(crate::comm::CommError::PeerGone {
+            op: "max",
+            rank: 0,
+            peer: 1,
+        })
+    }));
+    let error = o.run(&mut |_| {}).unwrap_err();
+    assert!(error.to_string().contains("hold both phases"), "{error}");
 }
 
 /// The lines of a metrics file.
@@ -368,4 +380,26 @@ fn a_rank_that_assists_saves_takes_part_where_the_writer_saves_and_writes_nothin
     assert!(first("actor.assist_save") < first("critic.assist_save"));
     let written: Vec<_> = std::fs::read_dir(save.path()).unwrap().collect();
     assert!(written.is_empty(), "the assisting rank wrote {written:?}");
+}
+
+#[test]
+fn a_writer_that_cannot_prepare_its_save_sends_its_part_to_the_other_ranks_then_fails() {
+    let log = Log::default();
+    let save = tempfile::tempdir().unwrap();
+    // A file where a killed save's directory would be: the writer cannot clear it away.
+    std::fs::write(save.path().join(".step-00000009.partial"), b"in the way").unwrap();
+    let config = LoopConfig {
+        save: Some(save.path().to_path_buf()),
+        save_interval: Some(1),
+        ..colocated(2)
+    };
+    let mut o = orchestrator(config, &log);
+    let error = o.run(&mut |_| {}).unwrap_err();
+    assert!(matches!(error, OrchestratorError::Io { .. }), "{error}");
+    let calls = calls(&log);
+    assert!(
+        calls.contains(&"actor.assist_save".to_string()),
+        "the other ranks would wait in the save's gathers: {calls:?}"
+    );
+    assert!(!calls.contains(&"actor.save".to_string()), "{calls:?}");
 }
