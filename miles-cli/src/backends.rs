@@ -9,7 +9,7 @@ use miles_core::device::{Gpu, NcclComm};
 use crate::settings_args::BadSettings;
 
 /// The backend `--train-backend` names, built from the settings; with `group`, this process's
-/// rank of a job over one GPU a process (data parallel: `--train-backend fsdp`).
+/// rank of a data-parallel job over one GPU a process.
 ///
 /// # Errors
 /// `BadSettings` for settings the backend refuses, `BackendNotBuilt` for a backend this
@@ -20,11 +20,7 @@ pub fn build_backend(
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     let gpu = crate::gpu::training_gpu_for(settings.device)?;
     match settings.train_backend {
-        miles_core::TrainBackendKind::Megatron if group.is_some() => Err(BadSettings(
-            "--train-backend megatron runs one process in miles train for now; over several gpus use --train-backend fsdp --data-parallel-size N (tensor parallelism on gpus runs in bench train --tensor-parallel)".into(),
-        )
-        .into()),
-        miles_core::TrainBackendKind::Megatron => megatron(settings, gpu),
+        miles_core::TrainBackendKind::Megatron => megatron(settings, gpu, group),
         miles_core::TrainBackendKind::Fsdp => fsdp(settings, gpu, group),
     }
 }
@@ -39,9 +35,13 @@ fn refused(error: miles_core::BackendError) -> anyhow::Error {
 }
 
 #[cfg(feature = "megatron")]
-fn megatron(settings: &Settings, gpu: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn megatron(
+    settings: &Settings,
+    gpu: Option<Arc<Gpu>>,
+    group: Option<NcclComm>,
+) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
-        Some(gpu) => Box::new(miles_megatron::gpu_trainer(gpu, settings).map_err(refused)?),
+        Some(gpu) => Box::new(miles_megatron::gpu_trainer(gpu, settings, group).map_err(refused)?),
         None => {
             Box::new(miles_megatron::MegatronTrainer::from_settings(settings).map_err(refused)?)
         }
@@ -49,7 +49,11 @@ fn megatron(settings: &Settings, gpu: Option<Arc<Gpu>>) -> anyhow::Result<Box<dy
 }
 
 #[cfg(not(feature = "megatron"))]
-fn megatron(_: &Settings, _: Option<Arc<Gpu>>) -> anyhow::Result<Box<dyn TrainBackend>> {
+fn megatron(
+    _: &Settings,
+    _: Option<Arc<Gpu>>,
+    _: Option<NcclComm>,
+) -> anyhow::Result<Box<dyn TrainBackend>> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
 }
 

@@ -26,7 +26,7 @@ use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::device::NcclComm;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Tokenizer};
 use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator};
-use miles_core::{DeviceKind, LaunchEnv, StepMetrics, TrainBackendKind, backend::TrainBackend};
+use miles_core::{DeviceKind, LaunchEnv, StepMetrics, backend::TrainBackend};
 
 use crate::settings_args::{BadSettings, SettingsArgs};
 use crate::signals::{Interrupted, StopSignal};
@@ -256,10 +256,11 @@ fn check_ranks(settings: &Settings, env: &LaunchEnv) -> anyhow::Result<()> {
             env.world_size
         ));
     }
-    if settings.train_backend != TrainBackendKind::Fsdp {
-        return refuse(
-            "over several processes miles train runs --train-backend fsdp (data parallel) for now; megatron's tensor parallelism on gpus runs in bench train --tensor-parallel".into(),
-        );
+    if settings.tensor_model_parallel_size != 1 {
+        return refuse(format!(
+            "over several processes miles train runs data parallel, one gpu a process; set --tensor-model-parallel-size 1 (got {}): megatron's tensor parallelism on gpus runs in bench train --tensor-parallel",
+            settings.tensor_model_parallel_size
+        ));
     }
     Ok(())
 }
@@ -337,7 +338,7 @@ impl Progress {
 
 #[cfg(test)]
 mod tests {
-    use miles_core::DeviceChoice;
+    use miles_core::{DeviceChoice, TrainBackendKind};
 
     use super::*;
 
@@ -373,11 +374,18 @@ mod tests {
             (
                 Settings {
                     train_backend: TrainBackendKind::Megatron,
+                    tensor_model_parallel_size: 2,
+                    data_parallel_size: 1,
                     ..cuda.clone()
                 },
-                "--train-backend fsdp",
+                "--tensor-model-parallel-size 1",
             ),
         ];
+        let megatron = Settings {
+            train_backend: TrainBackendKind::Megatron,
+            ..cuda.clone()
+        };
+        check_ranks(&megatron, &rank(2)).unwrap();
         let ppo = Settings {
             advantage_estimator: AdvantageEstimator::Ppo,
             ..cuda.clone()

@@ -1,7 +1,7 @@
 //! FSDP on GPUs: one process a GPU, computed by core's GPU trainer.
 //!
 //! - Over several GPUs each rank keeps its block of the optimizer state (fp32 master weights
-//!   and AdamW moments, [`OptimizerShard`]) and the whole bf16 weights and gradients: the
+//!   and AdamW moments, core's `OptimizerShard`) and the whole bf16 weights and gradients: the
 //!   gradients are reduce-scattered, each rank updates its block, and the bf16 weights are
 //!   all-gathered. In ZeRO's terms that is stage 1 (the optimizer state split); the
 //!   gradients and the bf16 weights are not split per unit yet.
@@ -12,13 +12,11 @@
 
 use std::sync::Arc;
 
-use miles_core::backend::{GpuBackend, OptimizerFiles, TrainBackend};
+use miles_core::backend::{GpuBackend, OptimizerFiles};
 use miles_core::device::{Gpu, NcclComm};
-use miles_core::model::OptimizerShard;
-use miles_core::{BackendError, MemoryTag, Settings};
+use miles_core::{BackendError, Settings};
 
 use crate::backend::NAME;
-use crate::gpu_group::DataParallelGroup;
 
 /// This backend's name and its reading of the shared optimizer files (tensor parallel 1), for
 /// [`GpuBackend`].
@@ -33,39 +31,20 @@ impl OptimizerFiles for FsdpFiles {
 pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
-/// with `group`, this process's rank of a data-parallel job over one GPU a process (a
-/// [`DataParallelGroup`]), keeping its block of the optimizer state.
+/// with `group`, this process's rank of a data-parallel job over one GPU a process, keeping
+/// its block of the optimizer state ([`GpuBackend::on_ranks`]).
 ///
 /// # Errors
 /// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
 /// tensor parallelism, native CPU offload with optimizer streaming, or optimizer streaming
-/// over several ranks; as
-/// [`GpuBackend::from_settings`] and [`GpuBackend::join_data_parallel`].
+/// over several ranks; as [`GpuBackend::on_ranks`].
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,
     group: Option<NcclComm>,
 ) -> Result<FsdpGpu, BackendError> {
-    let ranks = group.as_ref().map_or(1, NcclComm::world_size);
-    check_gpu_settings(settings, ranks)?;
-    let shard = OptimizerShard {
-        bf16_reduce: settings.grad_reduce_in_bf16,
-        ..OptimizerShard::split(group.as_ref().map_or(0, NcclComm::rank), ranks)
-    };
-    let mut trainer = GpuBackend::from_settings(gpu, settings, shard)?;
-    if let Some(comm) = group {
-        trainer.join_data_parallel(Box::new(DataParallelGroup::new(comm)))?;
-        let held = trainer.device_memory();
-        let bytes = |tag: MemoryTag| held.iter().find(|(t, _)| *t == tag).map_or(0, |(_, b)| *b);
-        tracing::info!(
-            rank = shard.rank,
-            ranks,
-            params = bytes(MemoryTag::Params),
-            optimizer = bytes(MemoryTag::Optimizer),
-            "this rank keeps its block of the optimizer state (fp32 master weights and moments) and the whole bf16 weights"
-        );
-    }
-    Ok(trainer)
+    check_gpu_settings(settings, group.as_ref().map_or(1, NcclComm::world_size))?;
+    GpuBackend::on_ranks(gpu, settings, group)
 }
 
 /// The settings [`gpu_trainer`] refuses for a job of `ranks` processes, checked before

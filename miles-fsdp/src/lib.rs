@@ -41,14 +41,12 @@
 
 mod backend;
 mod gpu;
-mod gpu_group;
 mod rank;
 mod shards;
 mod units;
 
 pub use backend::FsdpBackend;
 pub use gpu::{FsdpFiles, FsdpGpu, gpu_trainer};
-pub use gpu_group::{DataParallelGroup, data_parallel_gpu_trainer};
 pub use miles_core::backend::TrainBackend;
 pub use miles_core::config::{OffloadTarget, Settings};
 pub use miles_core::model::LlamaConfig;

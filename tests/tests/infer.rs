@@ -545,7 +545,7 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
         train_memory_margin_bytes: 0,
         ..Settings::default()
     };
-    let mut trainer = miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings).unwrap();
+    let mut trainer = miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings, None).unwrap();
     trainer.train_step(&train_batch(4, 32, 5)).unwrap();
     let model = trainer.config().clone();
     let engine = || {

@@ -357,12 +357,11 @@ fn tensor_parallel_rank(
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
 }
 
-/// This rank's steps of fsdp's data-parallel GPU trainer over the job's GPUs (its block of the
+/// This rank's steps of the data-parallel GPU trainer over the job's GPUs (its block of the
 /// optimizer state), on its share of `batch`'s sequences.
 ///
 /// # Errors
 /// A batch of fewer sequences than ranks; a failure of the trainer.
-#[cfg(feature = "fsdp")]
 fn data_parallel_rank(
     gpu: Arc<Gpu>,
     config: &LlamaConfig,
@@ -374,7 +373,7 @@ fn data_parallel_rank(
 ) -> anyhow::Result<RankRun> {
     let part = batch.shard(env.rank, env.world_size)?;
     let tokens = part.batch * part.seq;
-    let mut trainer = miles_fsdp::data_parallel_gpu_trainer(
+    let mut trainer = miles_core::backend::data_parallel_gpu_trainer(
         gpu,
         config.clone(),
         params,
@@ -384,19 +383,6 @@ fn data_parallel_rank(
     )?;
     let (losses, seconds) = train_steps(|step| trainer.train_step(&part, step), args)?;
     Ok((losses, seconds, state_bytes(&trainer)))
-}
-
-#[cfg(not(feature = "fsdp"))]
-fn data_parallel_rank(
-    _: Arc<Gpu>,
-    _: &LlamaConfig,
-    _: &[f32],
-    _: NcclComm,
-    _: &TrainBatch<'_>,
-    _: &LaunchEnv,
-    _: &BenchTrainArgs,
-) -> anyhow::Result<RankRun> {
-    Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }
 
 /// Runs the PyTorch script on the same shapes and returns its JSON figures.

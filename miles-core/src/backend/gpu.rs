@@ -3,26 +3,28 @@
 //!
 //! On one GPU a Megatron-style trainer (tensor and data parallel size 1) and an FSDP trainer
 //! (data parallel size 1) run the same step; what differs is the backend's name and its reading
-//! of the shared optimizer files, which [`OptimizerFiles`] supplies, and the flags each backend accepts, which its constructor
-//! checks before building this. Over several GPUs, one process each, a backend joins a
-//! data-parallel group that it implements ([`GpuBackend::join_data_parallel`]).
+//! of the shared optimizer files, which [`OptimizerFiles`] supplies, and the flags each backend
+//! accepts, which its constructor checks before building this. Over several GPUs, one process
+//! each, either backend runs data parallel with the optimizer state split over the ranks
+//! ([`GpuBackend::on_ranks`]): fsdp's ZeRO stage 1, Megatron's distributed optimizer.
 
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::data_parallel::DataParallelGroup;
 use super::optimizer::{SavedOptimizer, read_optimizer, write_optimizer};
 use super::{
     BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
     WeightSink, export_full_weights, load_checkpoint_of,
 };
 use crate::config::{OffloadTarget, OptimizerStream, Settings, TrainOffload};
-use crate::device::{Device, Gpu};
+use crate::device::{Device, Gpu, NcclComm};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
     GpuTrainer, GpuTrainerSpec, LlamaConfig, MomentStream, OptimizerShard, ParamLayout,
-    TrainerGroup, init_params, save_checkpoint,
+    init_params, save_checkpoint,
 };
 use crate::ops::AdamWConfig;
 
@@ -164,21 +166,47 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         })
     }
 
-    /// Makes this backend one rank of a data-parallel `group` (a backend's implementation of
-    /// data parallelism, such as fsdp's, which sums the gradients and the loss over the
-    /// ranks), as PyTorch's DDP does: every rank trains on its own batches (normalised by their
-    /// own normaliser), the gradients are averaged over the ranks, and every rank takes the
-    /// same step, so the replicas stay equal. A step's loss is the ranks' summed negative
+    /// The trainer `settings` describe on `gpu` ([`GpuBackend::from_settings`]): alone, or with
+    /// `comm` this process's rank of a data-parallel job over one GPU a process, keeping its
+    /// block of the optimizer state ([`OptimizerShard::split`], its gradients reduced in bf16
+    /// with `--grad-reduce-in-bf16`) in a [`DataParallelGroup`]. Every rank trains on its own
+    /// batches (normalised by their own normaliser), the gradients are averaged over the
+    /// ranks, and every rank takes the same step. A step's loss is the ranks' summed negative
     /// log-probs over this rank's normaliser times the ranks: their mean loss when the ranks'
-    /// batches weigh alike.
+    /// batches weigh alike. Backends check their own flags first.
     ///
     /// # Errors
-    /// [`BackendError::Model`] for a group on another GPU or a trainer in a group already.
-    pub fn join_data_parallel(&mut self, group: Box<dyn TrainerGroup>) -> Result<(), BackendError> {
-        let ranks = group.world_size();
-        self.trainer.join(group)?;
-        self.ranks = ranks;
-        Ok(())
+    /// As [`GpuBackend::from_settings`]; [`BackendError::Model`] for a communicator on another
+    /// GPU.
+    pub fn on_ranks(
+        gpu: Arc<Gpu>,
+        settings: &Settings,
+        comm: Option<NcclComm>,
+    ) -> Result<GpuBackend<F>, BackendError> {
+        let ranks = comm.as_ref().map_or(1, NcclComm::world_size);
+        let shard = OptimizerShard {
+            bf16_reduce: settings.grad_reduce_in_bf16,
+            ..OptimizerShard::split(comm.as_ref().map_or(0, NcclComm::rank), ranks)
+        };
+        let mut backend = GpuBackend::from_settings(gpu, settings, shard)?;
+        if let Some(comm) = comm {
+            backend
+                .trainer
+                .join(Box::new(DataParallelGroup::new(comm)))?;
+            backend.ranks = ranks;
+            let held = backend.device_memory();
+            let bytes =
+                |tag: MemoryTag| held.iter().find(|(t, _)| *t == tag).map_or(0, |(_, b)| *b);
+            tracing::info!(
+                backend = F::NAME,
+                rank = shard.rank,
+                ranks,
+                params = bytes(MemoryTag::Params),
+                optimizer = bytes(MemoryTag::Optimizer),
+                "this rank keeps its block of the optimizer state (fp32 master weights and moments) and the whole bf16 weights"
+            );
+        }
+        Ok(backend)
     }
 
     fn check_on_device(&self, op: &'static str) -> Result<(), BackendError> {

@@ -12,6 +12,7 @@
 //! (threads on the CPU device, processes on CUDA) and returns once all are done.
 
 mod critic;
+mod data_parallel;
 mod gpu;
 pub mod optimizer;
 mod rollout;
@@ -29,6 +30,7 @@ use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::{StoreError, StreamStats};
 
 pub use critic::Critic;
+pub use data_parallel::{DataParallelGroup, data_parallel_gpu_trainer};
 pub use gpu::{GpuBackend, OptimizerFiles};
 pub use optimizer::{OPTIMIZER_DIR, OptimizerShards, SavedOptimizer};
 pub use rollout::{EngineError, RolloutEngine, Sample, Sampling};

@@ -1,19 +1,20 @@
-//! Data parallelism on GPUs: [`DataParallelGroup`], the [`TrainerGroup`] that makes core's GPU
+//! Data parallelism on GPUs: [`DataParallelGroup`], the [`TrainerGroup`] that makes the GPU
 //! trainer one rank of a data-parallel group, and [`data_parallel_gpu_trainer`], which builds
-//! such a rank. This backend's GPU trainer ([`gpu_trainer`](crate::gpu_trainer)) and `miles
-//! bench train` both use it, with the optimizer state split over the ranks.
+//! such a rank. Both backends' GPU trainers ([`GpuBackend::on_ranks`](super::GpuBackend::on_ranks):
+//! fsdp's, and Megatron's distributed optimizer) and `miles bench train` use it, with the
+//! optimizer state split over the ranks.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use half::bf16;
-use miles_core::BackendError;
-use miles_core::device::{Gpu, GpuSlice, NcclComm};
-use miles_core::model::{
+use super::BackendError;
+use crate::device::{Gpu, GpuSlice, NcclComm};
+use crate::model::{
     GpuTrainer, LlamaConfig, ModelError, OptimizerShard, TrainerGroup, standalone_gpu_trainer,
 };
+use half::bf16;
 
 /// One rank of a data-parallel group: every rank holds every bf16 weight and trains on its part
-/// of each batch ([`TrainBatch::shard`](miles_core::model::TrainBatch::shard)), all parts with
+/// of each batch ([`TrainBatch::shard`](crate::model::TrainBatch::shard)), all parts with
 /// the whole batch's normaliser, and every rank starts from the same weights. A trainer whose
 /// optimizer state is split over the group ([`OptimizerShard`]) has its gradients
 /// reduce-scattered and its bf16 weights all-gathered; a whole trainer (every rank a replica,
@@ -157,19 +158,19 @@ pub fn data_parallel_gpu_trainer(
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
 mod tests {
-    //! Two-GPU tests of the data-parallel group. On a GPU machine: `MILES_TEST_DEVICE=cuda
-    //! cargo test -p miles-fsdp gpu_ -- --test-threads=1`; elsewhere (or with one GPU) they
-    //! skip.
+    //! Two-GPU tests of the data-parallel group (and one on one GPU, its collectives computed
+    //! through the host). On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core
+    //! backend::data_parallel -- --test-threads=1`; elsewhere (or with one GPU) they skip.
 
     use std::sync::{Arc, Mutex};
 
-    use miles_core::BackupPolicy;
-    use miles_core::device::{Gpu, GpuSlice, NcclComm};
-    use miles_core::model::gpu_testing::{
+    use crate::BackupPolicy;
+    use crate::device::{Gpu, GpuSlice, NcclComm};
+    use crate::model::gpu_testing::{
         Batch, PARALLEL_STEPS, assert_pair_follows, bf16_params, gentle, losses, losses_alone,
         manager, one_gpu, spec, tiny, two_gpus,
     };
-    use miles_core::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
+    use crate::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
 
     use super::*;
 
@@ -539,7 +540,7 @@ mod tests {
             Box::new(DataParallelGroup::new(comm))
         };
         // Another compute handle on the same device is not the trainer's stream.
-        let other = Arc::new(miles_core::ops::gpu::open_gpu(Arc::clone(gpu.device())).unwrap());
+        let other = Arc::new(crate::ops::gpu::open_gpu(Arc::clone(gpu.device())).unwrap());
         assert!(matches!(
             trainer.join(alone(&other)),
             Err(ModelError::DeviceMismatch)
