@@ -32,48 +32,32 @@ pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
 /// with `group`, this process's rank of a data-parallel job over one GPU a process, keeping
-/// its block of the optimizer state ([`GpuBackend::on_ranks`]).
+/// its block of the optimizer state.
 ///
 /// # Errors
-/// [`BackendError::Settings`] for a data-parallel size other than the group's (1 alone),
-/// tensor parallelism, native CPU offload with optimizer streaming, or optimizer streaming
-/// over several ranks; as [`GpuBackend::on_ranks`].
+/// [`BackendError::Settings`] for native CPU offload with optimizer streaming; as
+/// [`GpuBackend::on_ranks`] (which refuses tensor parallelism, a data-parallel size other than
+/// the group's, and optimizer streaming over several ranks).
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,
     group: Option<NcclComm>,
 ) -> Result<FsdpGpu, BackendError> {
-    check_gpu_settings(settings, group.as_ref().map_or(1, NcclComm::world_size))?;
+    check_gpu_settings(settings)?;
     GpuBackend::on_ranks(gpu, settings, group)
 }
 
-/// The settings [`gpu_trainer`] refuses for a job of `ranks` processes, checked before
+/// The settings [`gpu_trainer`] refuses beyond [`GpuBackend::on_ranks`]'s, checked before
 /// anything touches the GPU.
-fn check_gpu_settings(settings: &Settings, ranks: usize) -> Result<(), BackendError> {
-    let refuse = |reason: String| BackendError::Settings {
-        backend: NAME,
-        reason,
-    };
-    if settings.data_parallel_size != ranks || settings.tensor_model_parallel_size != 1 {
-        return Err(refuse(format!(
-            "on cuda it runs one data-parallel rank a process, here {ranks}; set --data-parallel-size {ranks} --tensor-model-parallel-size 1 (got {} and {}), or start {} processes (--nproc-per-node or a launcher)",
-            settings.data_parallel_size,
-            settings.tensor_model_parallel_size,
-            settings.data_parallel_size
-        )));
-    }
-    if settings.stream_optimizer_state_to_disk && ranks > 1 {
-        return Err(refuse(format!(
-            "over {ranks} gpus each rank keeps its block of the optimizer state, which does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu"
-        )));
-    }
+fn check_gpu_settings(settings: &Settings) -> Result<(), BackendError> {
     if settings.fsdp_cpu_offload
         && !settings.offload_train
         && settings.stream_optimizer_state_to_disk
     {
-        return Err(refuse(
-            "--fsdp-cpu-offload keeps the optimizer state in host memory; drop it or --stream-optimizer-state-to-disk".into(),
-        ));
+        return Err(BackendError::Settings {
+            backend: NAME,
+            reason: "--fsdp-cpu-offload keeps the optimizer state in host memory; drop it or --stream-optimizer-state-to-disk".into(),
+        });
     }
     Ok(())
 }
@@ -83,42 +67,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn settings_one_gpu_cannot_run_are_refused_by_flag_before_the_gpu_is_touched() {
-        let parallel = Settings {
-            data_parallel_size: 2,
-            ..Settings::default()
-        };
-        let err = check_gpu_settings(&parallel, 1).unwrap_err().to_string();
-        assert!(err.contains("--data-parallel-size 1"), "{err}");
-        check_gpu_settings(&parallel, 2).unwrap();
+    fn native_cpu_offload_with_optimizer_streaming_is_refused_naming_both_flags() {
         let native = Settings {
             fsdp_cpu_offload: true,
             offload_train: false,
             ..Settings::default()
         };
-        check_gpu_settings(&native, 1).unwrap();
-        let native_pair = Settings {
-            data_parallel_size: 2,
-            ..native.clone()
-        };
-        check_gpu_settings(&native_pair, 2).unwrap();
-        let native_streamed = Settings {
+        check_gpu_settings(&native).unwrap();
+        let streamed = Settings {
             stream_optimizer_state_to_disk: true,
             ..native
         };
-        let err = check_gpu_settings(&native_streamed, 1)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
-        let split_streamed = Settings {
-            data_parallel_size: 2,
-            stream_optimizer_state_to_disk: true,
-            ..Settings::default()
-        };
-        let err = check_gpu_settings(&split_streamed, 2)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
-        check_gpu_settings(&Settings::default(), 1).unwrap();
+        let err = check_gpu_settings(&streamed).unwrap_err().to_string();
+        assert!(
+            err.contains("--fsdp-cpu-offload") && err.contains("--stream-optimizer-state-to-disk"),
+            "{err}"
+        );
+        check_gpu_settings(&Settings::default()).unwrap();
     }
 }

@@ -36,88 +36,16 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
 /// with `group`, this process's rank of a data-parallel job over one GPU a process, the
-/// optimizer state split over the ranks as Megatron's distributed optimizer splits it
-/// ([`GpuBackend::on_ranks`]).
+/// optimizer state split over the ranks as Megatron's distributed optimizer splits it.
 ///
 /// # Errors
-/// [`BackendError::Settings`] for tensor parallelism (on GPUs it runs in `bench train
-/// --tensor-parallel`), a data-parallel size other than the group's (1 alone), or optimizer
-/// streaming over several ranks; as [`GpuBackend::on_ranks`] (which streams the optimizer
-/// state through the disk with `--stream-optimizer-state-to-disk`).
+/// As [`GpuBackend::on_ranks`], which refuses tensor parallelism (on GPUs it runs in `bench
+/// train --tensor-parallel`) and streams the optimizer state through the disk with
+/// `--stream-optimizer-state-to-disk`.
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,
     group: Option<NcclComm>,
 ) -> Result<MegatronGpu, BackendError> {
-    check_gpu_settings(settings, group.as_ref().map_or(1, NcclComm::world_size))?;
     GpuBackend::on_ranks(gpu, settings, group)
-}
-
-/// The settings [`gpu_trainer`] refuses for a job of `ranks` processes, checked before
-/// anything touches the GPU.
-fn check_gpu_settings(settings: &Settings, ranks: usize) -> Result<(), BackendError> {
-    let refuse = |reason: String| BackendError::Settings {
-        backend: MegatronFiles::NAME,
-        reason,
-    };
-    if settings.tensor_model_parallel_size != 1 {
-        return Err(refuse(format!(
-            "on cuda miles train runs it data parallel, one gpu a process (tensor parallelism on gpus runs in bench train --tensor-parallel); set --tensor-model-parallel-size 1 (got {})",
-            settings.tensor_model_parallel_size
-        )));
-    }
-    if settings.data_parallel_size != ranks {
-        return Err(refuse(format!(
-            "on cuda it runs one data-parallel rank a process, here {ranks}; set --data-parallel-size {ranks} (got {}), or start {} processes (--nproc-per-node or a launcher)",
-            settings.data_parallel_size, settings.data_parallel_size
-        )));
-    }
-    if settings.stream_optimizer_state_to_disk && ranks > 1 {
-        return Err(refuse(format!(
-            "over {ranks} gpus the distributed optimizer keeps each rank's block of the optimizer state, which does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu"
-        )));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn settings_the_gpu_trainer_cannot_run_are_refused_by_flag_before_the_gpu_is_touched() {
-        let parallel = Settings {
-            tensor_model_parallel_size: 2,
-            ..Settings::default()
-        };
-        let err = check_gpu_settings(&parallel, 1).unwrap_err().to_string();
-        assert!(err.contains("--tensor-model-parallel-size 1"), "{err}");
-        let data_parallel = Settings {
-            data_parallel_size: 2,
-            ..Settings::default()
-        };
-        let err = check_gpu_settings(&data_parallel, 1)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--data-parallel-size 1"), "{err}");
-        check_gpu_settings(&data_parallel, 2).unwrap();
-        let err = check_gpu_settings(&Settings::default(), 2)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--data-parallel-size 2"), "{err}");
-        let streamed = Settings {
-            stream_optimizer_state_to_disk: true,
-            ..Settings::default()
-        };
-        check_gpu_settings(&streamed, 1).unwrap();
-        let split_streamed = Settings {
-            data_parallel_size: 2,
-            ..streamed
-        };
-        let err = check_gpu_settings(&split_streamed, 2)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--stream-optimizer-state-to-disk"), "{err}");
-        check_gpu_settings(&Settings::default(), 1).unwrap();
-    }
 }

@@ -176,14 +176,19 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     /// batches weigh alike. Backends check their own flags first.
     ///
     /// # Errors
-    /// As [`GpuBackend::from_settings`]; [`BackendError::Model`] for a communicator on another
-    /// GPU.
+    /// [`BackendError::Settings`] for tensor parallelism, a data-parallel size other than the
+    /// job's (1 alone), or optimizer streaming over several ranks, before anything is built; as
+    /// [`GpuBackend::from_settings`]; [`BackendError::Model`] for a communicator on another GPU.
     pub fn on_ranks(
         gpu: Arc<Gpu>,
         settings: &Settings,
         comm: Option<NcclComm>,
     ) -> Result<GpuBackend<F>, BackendError> {
         let ranks = comm.as_ref().map_or(1, NcclComm::world_size);
+        check_ranks(settings, ranks).map_err(|reason| BackendError::Settings {
+            backend: F::NAME,
+            reason,
+        })?;
         let shard = OptimizerShard {
             bf16_reduce: settings.grad_reduce_in_bf16,
             ..OptimizerShard::split(comm.as_ref().map_or(0, NcclComm::rank), ranks)
@@ -224,6 +229,29 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             seconds,
         }
     }
+}
+
+/// Why settings cannot run as one rank of `ranks` processes of [`GpuBackend::on_ranks`],
+/// naming the flag to change.
+fn check_ranks(settings: &Settings, ranks: usize) -> Result<(), String> {
+    if settings.tensor_model_parallel_size != 1 {
+        return Err(format!(
+            "on cuda miles train runs data parallel, one gpu a process (tensor parallelism on gpus runs in bench train --tensor-parallel); set --tensor-model-parallel-size 1 (got {})",
+            settings.tensor_model_parallel_size
+        ));
+    }
+    if settings.data_parallel_size != ranks {
+        return Err(format!(
+            "on cuda it runs one data-parallel rank a process, here {ranks}; set --data-parallel-size {ranks} (got {}), or start {} processes (--nproc-per-node or a launcher)",
+            settings.data_parallel_size, settings.data_parallel_size
+        ));
+    }
+    if settings.stream_optimizer_state_to_disk && ranks > 1 {
+        return Err(format!(
+            "over {ranks} gpus each rank keeps its block of the optimizer state, which does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu"
+        ));
+    }
+    Ok(())
 }
 
 impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
@@ -337,5 +365,31 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
             self.step = saved.step;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_a_rank_of_a_job_cannot_run_are_refused_naming_the_flag() {
+        let ranks_of = |tp: usize, dp: usize, streamed: bool| Settings {
+            tensor_model_parallel_size: tp,
+            data_parallel_size: dp,
+            stream_optimizer_state_to_disk: streamed,
+            ..Settings::default()
+        };
+        for (settings, ranks, flag) in [
+            (ranks_of(2, 1, false), 1, "--tensor-model-parallel-size 1"),
+            (ranks_of(1, 2, false), 1, "--data-parallel-size 1"),
+            (ranks_of(1, 1, false), 2, "--data-parallel-size 2"),
+            (ranks_of(1, 2, true), 2, "--stream-optimizer-state-to-disk"),
+        ] {
+            let err = check_ranks(&settings, ranks).unwrap_err();
+            assert!(err.contains(flag), "{flag}: {err}");
+        }
+        check_ranks(&ranks_of(1, 1, true), 1).unwrap();
+        check_ranks(&ranks_of(1, 2, false), 2).unwrap();
     }
 }
