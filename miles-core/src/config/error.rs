@@ -167,11 +167,9 @@ pub enum SettingsError {
     FsdpCpuOffloadWithMegatron,
     /// Rule 9: bf16 gradient reduction where nothing reduces gradients that way.
     #[error(
-        "--grad-reduce-in-bf16 reduces fsdp's data-parallel gradients on cuda (got --train-backend {backend} on the {device} device); drop it or use --train-backend fsdp --device cuda"
+        "--grad-reduce-in-bf16 reduces the data-parallel gradients of gpus (got the {device} device); drop it or add --device cuda"
     )]
     GradReduceInBf16 {
-        /// The backend named.
-        backend: String,
         /// The device the settings resolve to.
         device: String,
     },

@@ -110,9 +110,8 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
     // Rule 9.
     if s.grad_reduce_in_bf16 {
         let device = crate::device::resolve(s.device);
-        if s.train_backend != TrainBackendKind::Fsdp || device != crate::DeviceKind::Cuda {
+        if device != crate::DeviceKind::Cuda {
             errors.push(SettingsError::GradReduceInBf16 {
-                backend: s.train_backend.to_string(),
                 device: device.to_string(),
             });
         }
