@@ -28,7 +28,7 @@ fn label(error: &SettingsError) -> String {
             format!("rule5:{value}->{}", suggestion.unwrap_or("none"))
         }
         SettingsError::FsdpCpuOffloadWithMegatron => "rule7".into(),
-        SettingsError::GradReduceInBf16 { device } => format!("rule9:{device}"),
+        SettingsError::GradReduceInBf16 { device, ranks } => format!("rule9:{device}:{ranks}"),
         SettingsError::EmptyRolloutLevel => "rule5:empty".into(),
         SettingsError::OffloadDirIsAFile { .. } => "rule3:file".into(),
         SettingsError::OutOfRange { flag, .. } => format!("range:{flag}"),
@@ -274,14 +274,22 @@ const CASES: &[(&str, &str, Expect)] = &[
         Expect::Invalid(&["rule7"]),
     ),
     (
-        "bf16 gradient reduction with megatron on the cpu device",
-        "grad_reduce_in_bf16 = true\ndevice = \"cpu\"",
-        Expect::Invalid(&["rule9:cpu"]),
+        "bf16 gradient reduction on the cpu device",
+        "grad_reduce_in_bf16 = true\ndevice = \"cpu\"\ndata_parallel_size = 2",
+        Expect::Invalid(&["rule9:cpu:2"]),
     ),
     (
-        "bf16 gradient reduction with fsdp on the cpu device",
-        "grad_reduce_in_bf16 = true\ntrain_backend = \"fsdp\"\ndevice = \"cpu\"",
-        Expect::Invalid(&["rule9:cpu"]),
+        "bf16 gradient reduction on one gpu",
+        "grad_reduce_in_bf16 = true\ndevice = \"cuda\"",
+        Expect::Invalid(&["rule9:cuda:1"]),
+    ),
+    (
+        "bf16 gradient reduction over data-parallel gpus, with either backend",
+        "grad_reduce_in_bf16 = true\ndevice = \"cuda\"\ndata_parallel_size = 2",
+        Expect::Valid(|s| {
+            assert!(s.grad_reduce_in_bf16);
+            assert_eq!(s.train_backend, TrainBackendKind::Megatron);
+        }),
     ),
     (
         "every broken rule is reported at once",

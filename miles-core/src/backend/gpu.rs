@@ -322,7 +322,9 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
         sink: &mut WeightSink<'_>,
     ) -> Result<(), BackendError> {
         self.check_on_device("export weights")?;
-        let full = self.trainer.master_params()?;
+        // The bf16 weights, not the master weights: what the engine and the trainer compute
+        // with, and no gather, so a rank may export without the others.
+        let full = self.trainer.weights()?;
         export_full_weights(&self.layout, &full, bucket_bytes, sink)
     }
 

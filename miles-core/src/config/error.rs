@@ -167,11 +167,13 @@ pub enum SettingsError {
     FsdpCpuOffloadWithMegatron,
     /// Rule 9: bf16 gradient reduction where nothing reduces gradients that way.
     #[error(
-        "--grad-reduce-in-bf16 reduces the data-parallel gradients of gpus (got the {device} device); drop it or add --device cuda"
+        "--grad-reduce-in-bf16 reduces the gradients of data-parallel gpus (got the {device} device, --data-parallel-size {ranks}); drop it, or add --device cuda and --data-parallel-size N with N processes"
     )]
     GradReduceInBf16 {
         /// The device the settings resolve to.
         device: String,
+        /// The data-parallel size.
+        ranks: usize,
     },
     /// A number outside its range.
     #[error("--{flag} must be {expected} (got {value})")]

@@ -110,9 +110,10 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
     // Rule 9.
     if s.grad_reduce_in_bf16 {
         let device = crate::device::resolve(s.device);
-        if device != crate::DeviceKind::Cuda {
+        if device != crate::DeviceKind::Cuda || s.data_parallel_size == 1 {
             errors.push(SettingsError::GradReduceInBf16 {
                 device: device.to_string(),
+                ranks: s.data_parallel_size,
             });
         }
     }

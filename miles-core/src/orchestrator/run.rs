@@ -227,7 +227,8 @@ impl Orchestrator {
 
     /// Makes the ranks of a multi-process job decide together whether their devices hold both
     /// phases (at the start, after the warm-up and at each step's start): every rank moves its
-    /// trainer, or none does.
+    /// trainer, or none does. Give the job a [stop agreement](Self::with_stop_agreement) too:
+    /// a rank that stops alone leaves the others waiting in the next step's agreement.
     pub fn with_fit_agreement(mut self, agreement: FitAgreement) -> Self {
         self.fit_agreement = Some(agreement);
         self

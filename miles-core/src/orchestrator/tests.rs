@@ -90,6 +90,8 @@ struct FakeActor {
     nan_from_step: Option<u64>,
     /// The offload after this many optimizer steps fails, as a full disk would.
     fail_offload_at_step: Option<u64>,
+    /// Its saves fail writing their files (after a backend's gathers), as a full disk would.
+    fail_save: bool,
     /// After its first offload, another holder takes this many bytes of its device, and gives
     /// them back after the delay (never without one).
     hog_after_offload: Option<(usize, Option<std::time::Duration>)>,
@@ -118,6 +120,7 @@ impl FakeActor {
             stop_during_train: None,
             nan_from_step: None,
             fail_offload_at_step: None,
+            fail_save: false,
             hog_after_offload: None,
         }
     }
@@ -248,6 +251,13 @@ impl TrainBackend for FakeActor {
     }
     fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
         note(&self.log, "actor.save");
+        if self.fail_save {
+            return Err(BackendError::Io {
+                action: "write",
+                path: dir.to_path_buf(),
+                source: std::io::Error::from(std::io::ErrorKind::StorageFull),
+            });
+        }
         let text = serde_json::to_string(&(self.step, &self.tensors)).unwrap();
         std::fs::write(dir.join("fake.json"), text).unwrap();
         Ok(())

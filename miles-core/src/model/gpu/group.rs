@@ -1,7 +1,7 @@
 //! The seam between the single-GPU trainer and a parallel group it is one rank of: the trainer
 //! calls a [`TrainerGroup`] at the points where ranks must agree, and the backends that name a
-//! parallel layout implement it (Megatron's tensor-parallel group in `miles-megatron`, the
-//! data-parallel group in `miles-fsdp`). A data-parallel group may also split the optimizer
+//! parallel layout implement it (Megatron's tensor-parallel group in `miles-megatron`; the
+//! data-parallel group both backends use is core's, in `backend/data_parallel.rs`). A data-parallel group may also split the optimizer
 //! state over its ranks ([`OptimizerShard`]), as FSDP and ZeRO do: then the gradients are
 //! reduce-scattered, each rank updates its block, and the bf16 weights are all-gathered.
 

@@ -1,5 +1,5 @@
 //! GPU test support shared by core's GPU model tests and the backends' parallel-group tests
-//! (`miles-megatron`'s tensor-parallel pair, `miles-fsdp`'s data-parallel pair): seeded weights
+//! (`miles-megatron`'s tensor-parallel pair, core's data-parallel pair): seeded weights
 //! and batches, a memory manager over a GPU, trainer specs, two GPUs when the machine has them,
 //! and the comparison of a parallel pair's losses against one GPU's. Built for this crate's
 //! tests and behind the `testing` feature (a dev-dependency of the backend crates); it panics

@@ -1,7 +1,8 @@
 //! GPU model tests: the GPU transformer and trainer against the CPU model run on the same
 //! bf16-rounded parameters. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core
 //! model::gpu -- --test-threads=1`; elsewhere they skip. The two-GPU tests of the parallel groups
-//! live with the groups, in `miles-megatron` and `miles-fsdp`.
+//! live with the groups: `miles-megatron`'s tensor-parallel one, core's data-parallel one
+//! (`backend/data_parallel.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;

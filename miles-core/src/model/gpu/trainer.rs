@@ -82,15 +82,27 @@ struct HostOptimizer {
     rounded: Vec<bf16>,
 }
 
+/// Uploads the bf16 rounding of `values` (round to nearest even, as the device's cast) into
+/// `dst`, rounding in parallel into `scratch`, which is kept for the next call.
+fn upload_rounded(
+    gpu: &Gpu,
+    values: &[f32],
+    scratch: &mut Vec<bf16>,
+    dst: GpuSlice<bf16>,
+) -> Result<(), ModelError> {
+    scratch.resize(values.len(), bf16::ZERO);
+    scratch
+        .par_iter_mut()
+        .zip(values.par_iter())
+        .for_each(|(r, &x)| *r = bf16::from_f32(x));
+    Ok(gpu.upload(dst, scratch)?)
+}
+
 impl HostOptimizer {
     /// Uploads the master weights rounded to nearest even (as the device's cast) into
     /// `params`, their bf16 weights on the device.
     fn upload_rounded(&mut self, gpu: &Gpu, params: GpuSlice<bf16>) -> Result<(), ModelError> {
-        self.rounded
-            .par_iter_mut()
-            .zip(self.master.par_iter())
-            .for_each(|(r, &x)| *r = bf16::from_f32(x));
-        Ok(gpu.upload(params, &self.rounded)?)
+        upload_rounded(gpu, &self.master, &mut self.rounded, params)
     }
 
     /// AdamW step `step` on the host with the device's gradients `grads` (clipped by
@@ -373,7 +385,7 @@ impl GpuTrainer {
 
     /// Makes this trainer one rank of `group`: from now on the trainer calls it at the points
     /// [`TrainerGroup`] names. The backends that name a parallel layout build their groups
-    /// (Megatron's tensor-parallel group, the data-parallel group of fsdp); the trainer must
+    /// (Megatron's tensor-parallel group, the data-parallel group of either backend); the trainer must
     /// have been built for its place in the group (its shard of the model, the same weights as
     /// the other replicas).
     ///
@@ -547,6 +559,21 @@ impl GpuTrainer {
         Ok(Some((params, self.gpu.record_fence()?)))
     }
 
+    /// The bf16 weights widened to fp32, in [`ParamLayout`](crate::model::ParamLayout) order:
+    /// each the rounding of its master weight, the weights the model computes with. Never
+    /// collective: every rank of a split state holds them whole.
+    ///
+    /// # Errors
+    /// [`ModelError::Offloaded`]; [`ModelError::Gpu`] when the download fails.
+    pub fn weights(&self) -> Result<Vec<f32>, ModelError> {
+        self.ensure_active("read the weights")?;
+        let n = self.model.layout().len();
+        let mut rounded = vec![bf16::ZERO; n];
+        self.gpu
+            .download(&mut rounded, slice::<bf16>(&self.params)?.sub(0, n)?)?;
+        Ok(rounded.into_iter().map(f32::from).collect())
+    }
+
     /// Replaces the master weights with `params` and the bf16 weights with their rounding;
     /// the moments stay.
     ///
@@ -644,7 +671,8 @@ impl GpuTrainer {
 
     /// The gradients of the last [`compute_grads`](Self::compute_grads) (or train step), before
     /// clipping. With the optimizer state split over a group, only this rank's block holds
-    /// the group's sum; the rest are undefined.
+    /// the group's sum; the rest are undefined, and after a gather of the state (a save, or
+    /// [`master_params`](Self::master_params)) the buffer holds what was gathered.
     ///
     /// # Errors
     /// As [`master_params`](Self::master_params).
@@ -692,8 +720,10 @@ impl GpuTrainer {
 
     /// Brings the group's communicator buffers back ([`TrainerGroup::restore`], on every rank
     /// at once), resumes the regions (same order as [`offload`](Self::offload)), rounds the bf16
-    /// weights again from the master weights on the device, and zeroes the gradients. A
-    /// failed resume pauses the tags resumed before it again, so the trainer stays offloaded.
+    /// weights again from the master weights (on the device, or uploaded from the host where
+    /// the optimizer state lives there; a split state's bf16 weights come back from their
+    /// backup), and zeroes the gradients. A failed resume pauses the tags resumed before it
+    /// again, so the trainer stays offloaded.
     ///
     /// # Errors
     /// [`ModelError::NotOffloaded`]; [`ModelError::Memory`] from a resume (with
@@ -985,12 +1015,11 @@ impl GpuTrainer {
         self.upload_rounded(params)
     }
 
-    /// Uploads the bf16 rounding of `params` (round to nearest even, as the device's cast)
-    /// into the bf16 weights, for master weights that live on disk or in blocks over a group.
+    /// Uploads the bf16 rounding of `params` into the bf16 weights, for master weights that
+    /// live on disk or in blocks over a group.
     fn upload_rounded(&self, params: &[f32]) -> Result<(), ModelError> {
-        let rounded: Vec<bf16> = params.iter().map(|&x| bf16::from_f32(x)).collect();
-        let dst = slice::<bf16>(&self.params)?.sub(0, rounded.len())?;
-        self.gpu.upload(dst, &rounded)?;
+        let dst = slice::<bf16>(&self.params)?.sub(0, params.len())?;
+        upload_rounded(&self.gpu, params, &mut Vec::new(), dst)?;
         self.record_fences()
     }
 

@@ -59,20 +59,26 @@ impl Orchestrator {
             }
             return Err(error);
         }
-        self.actor
-            .get()?
-            .save(&partial.join("actor"))
-            .map_err(OrchestratorError::train("actor", "save"))?;
-        if let Some(options) = &self.config.save_options {
-            export_hf(&partial.join("actor"), options)
-                .map_err(BackendError::from)
-                .map_err(OrchestratorError::train("actor", "save"))?;
-        }
+        // A backend gathers its state before it writes: an actor whose files fail has sent
+        // its part, and the critic's part still goes to the ranks waiting in its gathers.
+        let actor = self.save_actor(&partial);
         if let Some(critic) = &mut self.critic {
-            std::fs::create_dir_all(partial.join("critic")).map_err(io("create", &partial))?;
-            critic
-                .save(&partial.join("critic"))
-                .map_err(OrchestratorError::train("critic", "save"))?;
+            let critic_dir = partial.join("critic");
+            match actor
+                .and_then(|()| std::fs::create_dir_all(&critic_dir).map_err(io("create", &partial)))
+            {
+                Ok(()) => critic
+                    .save(&critic_dir)
+                    .map_err(OrchestratorError::train("critic", "save"))?,
+                Err(error) => {
+                    if let Err(also) = critic.assist_save() {
+                        tracing::error!(%also, "cannot take part in the other ranks' save of the critic either");
+                    }
+                    return Err(error);
+                }
+            }
+        } else {
+            actor?;
         }
         self.state.write(&partial)?;
         if dir.exists() {
@@ -86,6 +92,22 @@ impl Orchestrator {
         mark_latest(&save, &dir)?;
         self.saved_step = Some(self.state.step);
         tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
+        Ok(())
+    }
+
+    /// The actor's part of a save into `partial`: its files, and the Hugging Face export where
+    /// asked.
+    fn save_actor(&mut self, partial: &Path) -> Result<(), OrchestratorError> {
+        let dir = partial.join("actor");
+        self.actor
+            .get()?
+            .save(&dir)
+            .map_err(OrchestratorError::train("actor", "save"))?;
+        if let Some(options) = &self.config.save_options {
+            export_hf(&dir, options)
+                .map_err(BackendError::from)
+                .map_err(OrchestratorError::train("actor", "save"))?;
+        }
         Ok(())
     }
 

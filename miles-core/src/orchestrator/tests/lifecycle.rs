@@ -403,3 +403,45 @@ fn a_writer_that_cannot_prepare_its_save_sends_its_part_to_the_other_ranks_then_
     );
     assert!(!calls.contains(&"actor.save".to_string()), "{calls:?}");
 }
+
+#[test]
+fn a_writer_whose_actor_files_fail_still_sends_the_critic_s_part_then_fails() {
+    let log = Log::default();
+    let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
+    let critic = FakeCritic {
+        log: Arc::clone(&log),
+        memory: Arc::clone(&memory),
+        _buffers: buffers,
+        value: 0.25,
+        offloaded: false,
+    };
+    let save = tempfile::tempdir().unwrap();
+    let config = LoopConfig {
+        advantage_estimator: AdvantageEstimator::Ppo,
+        save: Some(save.path().to_path_buf()),
+        save_interval: Some(1),
+        ..colocated(2)
+    };
+    let mut actor = FakeActor::new(&log);
+    actor.fail_save = true;
+    let mut o = Orchestrator::new(
+        config,
+        Box::new(actor),
+        Box::new(FakeEngine::new(&log)),
+        tokenizer(),
+    )
+    .with_critic(Box::new(critic));
+    let error = o.run(&mut |_| {}).unwrap_err();
+    assert!(error.to_string().contains("save"), "{error}");
+    let calls = calls(&log);
+    let at = |c: &str| calls.iter().position(|x| x == c);
+    assert!(
+        at("actor.save") < at("critic.assist_save") && at("critic.assist_save").is_some(),
+        "the other ranks would wait in the critic's gathers: {calls:?}"
+    );
+    assert!(!calls.contains(&"critic.save".to_string()), "{calls:?}");
+    assert!(
+        !calls.contains(&"actor.assist_save".to_string()),
+        "{calls:?}"
+    );
+}
