@@ -108,7 +108,8 @@ fn a_second_job_on_one_offload_directory_exits_2_naming_the_first_and_the_first_
     let scratch = tempfile::tempdir().unwrap();
     let base = scratch.path().join("disk");
     let lock = base.join("offload/rank-0/lock");
-    let mut first = train(scratch.path(), &base, 4)
+    // Steps enough that the first job is still running once the second has been refused.
+    let mut first = train(scratch.path(), &base, 40)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -281,12 +281,19 @@ fn a_connection_rank_0_drops_unanswered_is_tried_again() {
 
 #[test]
 fn a_stuck_peer_times_out() {
+    /// Set once rank 0's barrier has given up: rank 1 stays connected and silent until then.
+    static GAVE_UP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let results = on_ranks(2, |group| {
         group.set_timeout(Duration::from_millis(200))?;
         if group.rank() == 0 {
-            group.barrier()
+            let result = group.barrier();
+            GAVE_UP.store(true, std::sync::atomic::Ordering::SeqCst);
+            result
         } else {
-            std::thread::sleep(Duration::from_millis(800));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !GAVE_UP.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             Ok(())
         }
     });
