@@ -1,5 +1,5 @@
 use super::*;
-use crate::comm::testing::{SECRET, free_port, local};
+use crate::comm::testing::{LocalJob, SECRET, local};
 
 /// A raw connection to rank 0 on `port`, retrying while it does not listen yet.
 fn raw(port: u16) -> TcpStream {
@@ -29,15 +29,16 @@ fn hello(world: u32, rank: u32, secret: &[u8]) -> Vec<u8> {
 /// rank 1 joins and both pass a barrier. What the intruder returned (kept alive until the
 /// job formed) and how long the job took to form.
 fn pair_after<T>(intruder: impl FnOnce(u16) -> T) -> (T, Duration) {
-    let port = free_port();
+    let job = LocalJob::new();
     let started = Instant::now();
+    let (env_0, env_1) = (job.rank(0, 2), job.rank(1, 2));
     let zero = std::thread::spawn(move || {
-        let mut group = HostGroup::connect(&local(0, 2, port), Duration::from_secs(20))?;
+        let mut group = HostGroup::connect(&env_0, Duration::from_secs(20))?;
         group.barrier()
     });
-    let kept = intruder(port);
+    let kept = intruder(job.port());
     let one = std::thread::spawn(move || {
-        let mut group = HostGroup::connect(&local(1, 2, port), Duration::from_secs(20))?;
+        let mut group = HostGroup::connect(&env_1, Duration::from_secs(20))?;
         group.barrier()
     });
     one.join().unwrap().unwrap();
@@ -50,12 +51,12 @@ fn on_ranks<T: Send + 'static>(
     world: usize,
     body: fn(&mut HostGroup) -> Result<T, CommError>,
 ) -> Vec<Result<T, CommError>> {
-    let port = free_port();
+    let job = LocalJob::new();
     let handles: Vec<_> = (0..world)
         .map(|rank| {
+            let env = job.rank(rank, world);
             std::thread::spawn(move || {
-                let mut group =
-                    HostGroup::connect(&local(rank, world, port), Duration::from_secs(20))?;
+                let mut group = HostGroup::connect(&env, Duration::from_secs(20))?;
                 body(&mut group)
             })
         })
@@ -224,13 +225,14 @@ fn a_handshake_announcing_an_oversized_secret_is_dropped() {
 
 #[test]
 fn a_frame_above_what_its_kind_carries_is_refused_before_it_is_read() {
-    let port = free_port();
+    let job = LocalJob::new();
+    let env = job.rank(0, 2);
     let zero = std::thread::spawn(move || {
-        let mut group = HostGroup::connect(&local(0, 2, port), Duration::from_secs(20))?;
+        let mut group = HostGroup::connect(&env, Duration::from_secs(20))?;
         group.set_timeout(Duration::from_secs(10))?;
         group.gather(b"rank 0")
     });
-    let mut rank_1 = raw(port);
+    let mut rank_1 = raw(job.port());
     rank_1.write_all(&hello(2, 1, SECRET.as_bytes())).unwrap();
     let mut reply = [0u8; 5];
     rank_1.read_exact(&mut reply).unwrap();

@@ -341,7 +341,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::comm::testing::{SECRET, free_port, local};
+    use crate::comm::testing::{LocalJob, SECRET, free_port, local};
 
     fn read(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, CommError> {
         let map: HashMap<String, String> = vars
@@ -565,14 +565,15 @@ mod tests {
 
     #[test]
     fn every_rank_gets_the_id_of_rank_0() {
-        let port = free_port();
+        let job = LocalJob::new();
         let world = 4;
         let id = seeded_id(11);
         let handles: Vec<_> = (0..world)
             .map(|rank| {
+                let env = job.rank(rank, world);
                 std::thread::spawn(move || {
                     let mine = (rank == 0).then_some(id);
-                    exchange_id(&local(rank, world, port), mine, Duration::from_secs(20))
+                    exchange_id(&env, mine, Duration::from_secs(20))
                 })
             })
             .collect();
@@ -591,15 +592,12 @@ mod tests {
 
     #[test]
     fn a_handshake_with_another_world_size_fails_on_both_sides() {
-        let port = free_port();
+        let job = LocalJob::new();
+        let env = job.rank(0, 2);
         let server = std::thread::spawn(move || {
-            exchange_id(
-                &local(0, 2, port),
-                Some(seeded_id(5)),
-                Duration::from_secs(20),
-            )
+            exchange_id(&env, Some(seeded_id(5)), Duration::from_secs(20))
         });
-        let client = exchange_id(&local(1, 3, port), None, Duration::from_secs(20));
+        let client = exchange_id(&job.rank(1, 3), None, Duration::from_secs(20));
         let served = server.join().unwrap();
         for (side, result) in [
             ("rank 1", client),
@@ -617,21 +615,17 @@ mod tests {
 
     #[test]
     fn a_rank_that_connects_twice_is_refused() {
-        let port = free_port();
+        let job = LocalJob::new();
+        let env = job.rank(0, 3);
         let server = std::thread::spawn(move || {
-            exchange_id(
-                &local(0, 3, port),
-                Some(seeded_id(9)),
-                Duration::from_secs(20),
-            )
+            exchange_id(&env, Some(seeded_id(9)), Duration::from_secs(20))
         });
         // Two connections as rank 1: whichever rank 0 accepts second is refused, and rank 0
         // gives up, so the other fails too.
         let twins: Vec<_> = (0..2)
             .map(|_| {
-                std::thread::spawn(move || {
-                    exchange_id(&local(1, 3, port), None, Duration::from_secs(20))
-                })
+                let env = job.rank(1, 3);
+                std::thread::spawn(move || exchange_id(&env, None, Duration::from_secs(20)))
             })
             .collect();
         let results: Vec<_> = twins.into_iter().map(|t| t.join().unwrap()).collect();
@@ -662,9 +656,9 @@ mod tests {
 
     #[test]
     fn rank_0_without_its_peers_times_out_naming_them() {
-        let port = free_port();
+        let job = LocalJob::new();
         let result = exchange_id(
-            &local(0, 3, port),
+            &job.rank(0, 3),
             Some(seeded_id(1)),
             Duration::from_millis(300),
         );
