@@ -70,12 +70,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut loop_config = LoopConfig::from_settings(&settings);
     loop_config.seed += rank as u64;
     if rank > 0 {
-        // Rank 0 writes the checkpoints; the others take part where the state is split.
+        // Rank 0 writes the checkpoints; the others take part where the state is split, and
+        // keep `save` only to know when.
         loop_config.metrics = None;
         loop_config.memory_timeline = None;
     }
     loop_config
-        .check_outputs()
+        .check_outputs(rank == 0)
         .map_err(|error| BadSettings(error.to_string()))?;
     let signal = StopSignal::install()?;
     let model = crate::model_cmd::model_config(&settings)?;

@@ -281,7 +281,7 @@ impl Orchestrator {
                 "--advantage-estimator ppo needs a critic; build one or use grpo".into(),
             ));
         }
-        self.config.check_outputs()?;
+        self.config.check_outputs(!self.assists_saves)?;
         self.started = Instant::now();
         let header = RunHeader::new();
         let mut writer = self

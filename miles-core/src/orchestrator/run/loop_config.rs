@@ -120,15 +120,17 @@ impl LoopConfig {
         }
     }
 
-    /// Checks every output location before any work: `save` can be created and written,
-    /// `metrics` is a metrics file (or new) in a writable directory, `memory_timeline` is not
-    /// a directory and its directory takes new files. Creates the directories, nothing else.
+    /// Checks every output location before any work: `save` can be created and written
+    /// (where this process `writes_saves`: a rank that only assists another's saves writes
+    /// none), `metrics` is a metrics file (or new) in a writable directory, `memory_timeline`
+    /// is not a directory and its directory takes new files. Creates the directories, nothing
+    /// else.
     ///
     /// # Errors
     /// [`OrchestratorError::Outputs`] with one line per location at fault.
-    pub fn check_outputs(&self) -> Result<(), OrchestratorError> {
+    pub fn check_outputs(&self, writes_saves: bool) -> Result<(), OrchestratorError> {
         let mut problems = Vec::new();
-        if let Some(dir) = &self.save
+        if let Some(dir) = self.save.as_ref().filter(|_| writes_saves)
             && let Err(error) = check_writable_dir(dir)
         {
             problems.push(format!(

@@ -363,7 +363,8 @@ fn a_rank_that_assists_saves_takes_part_where_the_writer_saves_and_writes_nothin
     let save = tempfile::tempdir().unwrap();
     let config = LoopConfig {
         advantage_estimator: AdvantageEstimator::Ppo,
-        save: Some(save.path().to_path_buf()),
+        // The writer's directory, on its host: this rank neither writes nor creates it.
+        save: Some(save.path().join("on-rank-0")),
         save_interval: Some(1),
         ..colocated(2)
     };
