@@ -283,6 +283,20 @@ struct FakeCritic {
     offloaded: bool,
 }
 
+impl FakeCritic {
+    /// A critic of 2 MiB of parameters valuing every prompt at 0.25.
+    fn new(log: &Log) -> Self {
+        let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
+        FakeCritic {
+            log: Arc::clone(log),
+            memory,
+            _buffers: buffers,
+            value: 0.25,
+            offloaded: false,
+        }
+    }
+}
+
 impl Critic for FakeCritic {
     fn name(&self) -> &'static str {
         "fake-critic"

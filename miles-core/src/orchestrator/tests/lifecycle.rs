@@ -273,14 +273,7 @@ fn output_locations_that_cannot_be_written_are_refused_before_anything_runs() {
 #[test]
 fn ppo_trains_and_offloads_the_critic_with_the_actor() {
     let log = Log::default();
-    let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
-    let critic = FakeCritic {
-        log: Arc::clone(&log),
-        memory: Arc::clone(&memory),
-        _buffers: buffers,
-        value: 0.25,
-        offloaded: false,
-    };
+    let critic = FakeCritic::new(&log);
     let config = LoopConfig {
         advantage_estimator: AdvantageEstimator::Ppo,
         ..colocated(1)
@@ -352,14 +345,7 @@ fn warmup_trains_on_answers_before_the_trainer_first_sleeps() {
 #[test]
 fn a_rank_that_assists_saves_takes_part_where_the_writer_saves_and_writes_nothing() {
     let log = Log::default();
-    let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
-    let critic = FakeCritic {
-        log: Arc::clone(&log),
-        memory: Arc::clone(&memory),
-        _buffers: buffers,
-        value: 0.25,
-        offloaded: false,
-    };
+    let critic = FakeCritic::new(&log);
     let save = tempfile::tempdir().unwrap();
     let config = LoopConfig {
         advantage_estimator: AdvantageEstimator::Ppo,
@@ -408,14 +394,7 @@ fn a_writer_that_cannot_prepare_its_save_sends_its_part_to_the_other_ranks_then_
 #[test]
 fn a_writer_whose_actor_files_fail_still_sends_the_critic_s_part_then_fails() {
     let log = Log::default();
-    let (memory, buffers) = memory(&[(MemoryTag::Params, BackupPolicy::Host, 2 * MIB)]);
-    let critic = FakeCritic {
-        log: Arc::clone(&log),
-        memory: Arc::clone(&memory),
-        _buffers: buffers,
-        value: 0.25,
-        offloaded: false,
-    };
+    let critic = FakeCritic::new(&log);
     let save = tempfile::tempdir().unwrap();
     let config = LoopConfig {
         advantage_estimator: AdvantageEstimator::Ppo,
