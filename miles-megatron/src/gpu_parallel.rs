@@ -3,14 +3,14 @@
 //! [`tensor_parallel_gpu_trainer`], which shards the full weights and builds that rank.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use half::bf16;
 use miles_core::BackendError;
 use miles_core::device::{Gpu, GpuSlice, NcclComm};
 use miles_core::model::{
-    GpuTrainer, LlamaConfig, ModelError, OptimizerShard, ParamKind, ParamLayout, TrainerGroup,
-    standalone_gpu_trainer,
+    GpuTrainer, GroupComm, LlamaConfig, ModelError, OptimizerShard, ParamKind, ParamLayout,
+    TrainerGroup, standalone_gpu_trainer,
 };
 
 use crate::shard::{Split, scatter, shard_config, split_of};
@@ -24,8 +24,7 @@ use crate::shard::{Split, scatter, shard_config, split_of};
 /// summed over the group (fp32); the whole tensors' gradients are then rank 0's on every rank,
 /// so those tensors stay equal by construction, and the gradient norm counts them once.
 pub struct TensorParallelGroup {
-    gpu: Arc<Gpu>,
-    comm: Mutex<NcclComm>,
+    comm: GroupComm,
     /// The parameter ranges every rank holds whole.
     replicated: Vec<Range<usize>>,
     /// The q/k norm weights among them: each rank's gradient covers its own heads only.
@@ -57,15 +56,10 @@ impl TensorParallelGroup {
             .map(|spec| spec.range())
             .collect();
         TensorParallelGroup {
-            gpu: Arc::clone(comm.gpu()),
-            comm: Mutex::new(comm),
+            comm: GroupComm::new(comm),
             replicated,
             head_norms,
         }
-    }
-
-    fn comm(&self) -> MutexGuard<'_, NcclComm> {
-        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -75,19 +69,19 @@ impl TrainerGroup for TensorParallelGroup {
     }
 
     fn rank(&self) -> usize {
-        self.comm().rank()
+        self.comm.rank()
     }
 
     fn world_size(&self) -> usize {
-        self.comm().world_size()
+        self.comm.world_size()
     }
 
     fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
+        self.comm.gpu()
     }
 
     fn sum_row_parallel(&self, x: GpuSlice<bf16>) -> Result<(), ModelError> {
-        Ok(self.comm().all_reduce_sum_bf16(x)?)
+        Ok(self.comm.lock().all_reduce_sum_bf16(x)?)
     }
 
     fn after_backward(
@@ -97,7 +91,7 @@ impl TrainerGroup for TensorParallelGroup {
         _scalar: GpuSlice<f32>,
         nll: f64,
     ) -> Result<f64, ModelError> {
-        let comm = self.comm();
+        let comm = self.comm.lock();
         for range in &self.head_norms {
             comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
         }
@@ -132,7 +126,7 @@ impl TrainerGroup for TensorParallelGroup {
             }
             start = range.end;
         }
-        let comm = self.comm();
+        let comm = self.comm.lock();
         comm.all_reduce_sum(sums)?;
         let mut sum = [0.0f32; 2];
         gpu.download(&mut sum, sums)?;
@@ -140,11 +134,11 @@ impl TrainerGroup for TensorParallelGroup {
     }
 
     fn release(&self) -> Result<Option<u64>, ModelError> {
-        Ok(self.comm().suspend()?)
+        self.comm.release()
     }
 
     fn restore(&self) -> Result<(), ModelError> {
-        Ok(self.comm().resume()?)
+        self.comm.restore()
     }
 }
 

@@ -4,12 +4,13 @@
 //! fsdp's, and Megatron's distributed optimizer) and `miles bench train` use it, with the
 //! optimizer state split over the ranks.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use super::BackendError;
 use crate::device::{Gpu, GpuSlice, NcclComm};
 use crate::model::{
-    GpuTrainer, LlamaConfig, ModelError, OptimizerShard, TrainerGroup, standalone_gpu_trainer,
+    GpuTrainer, GroupComm, LlamaConfig, ModelError, OptimizerShard, TrainerGroup,
+    standalone_gpu_trainer,
 };
 use half::bf16;
 
@@ -20,28 +21,17 @@ use half::bf16;
 /// reduce-scattered and its bf16 weights all-gathered; a whole trainer (every rank a replica,
 /// as PyTorch's DDP) has its gradients and loss summed over the group after the backward pass.
 /// Either way every rank takes the same optimizer step (NCCL on the trainer's stream).
+#[derive(Debug)]
 pub struct DataParallelGroup {
-    gpu: Arc<Gpu>,
-    comm: Mutex<NcclComm>,
-}
-
-impl std::fmt::Debug for DataParallelGroup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DataParallelGroup").finish_non_exhaustive()
-    }
+    comm: GroupComm,
 }
 
 impl DataParallelGroup {
     /// The group of `comm`'s ranks.
     pub fn new(comm: NcclComm) -> DataParallelGroup {
         DataParallelGroup {
-            gpu: Arc::clone(comm.gpu()),
-            comm: Mutex::new(comm),
+            comm: GroupComm::new(comm),
         }
-    }
-
-    fn comm(&self) -> MutexGuard<'_, NcclComm> {
-        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -51,15 +41,15 @@ impl TrainerGroup for DataParallelGroup {
     }
 
     fn rank(&self) -> usize {
-        self.comm().rank()
+        self.comm.rank()
     }
 
     fn world_size(&self) -> usize {
-        self.comm().world_size()
+        self.comm.world_size()
     }
 
     fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
+        self.comm.gpu()
     }
 
     fn sum_row_parallel(&self, _x: GpuSlice<bf16>) -> Result<(), ModelError> {
@@ -74,7 +64,7 @@ impl TrainerGroup for DataParallelGroup {
         scalar: GpuSlice<f32>,
         nll: f64,
     ) -> Result<f64, ModelError> {
-        let comm = self.comm();
+        let comm = self.comm.lock();
         comm.all_reduce_sum(grads)?;
         gpu.upload(scalar, &[nll as f32])?;
         comm.all_reduce_sum(scalar)?;
@@ -99,34 +89,34 @@ impl TrainerGroup for DataParallelGroup {
     }
 
     fn reduce_scatter_f32(&self, all: GpuSlice<f32>) -> Result<(), ModelError> {
-        let comm = self.comm();
+        let comm = self.comm.lock();
         let block = all.len() / comm.world_size();
         let own = all.sub(comm.rank() * block, block)?;
         Ok(comm.reduce_scatter_sum(all, own)?)
     }
 
     fn reduce_scatter_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
-        Ok(self.comm().reduce_scatter_bf16_in_place(all)?)
+        Ok(self.comm.lock().reduce_scatter_bf16_in_place(all)?)
     }
 
     fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
-        Ok(self.comm().all_reduce_sum(x)?)
+        Ok(self.comm.lock().all_reduce_sum(x)?)
     }
 
     fn all_gather_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
-        Ok(self.comm().all_gather_bf16_in_place(all)?)
+        Ok(self.comm.lock().all_gather_bf16_in_place(all)?)
     }
 
     fn all_gather_f32(&self, block: GpuSlice<f32>, all: GpuSlice<f32>) -> Result<(), ModelError> {
-        Ok(self.comm().all_gather(block, all)?)
+        Ok(self.comm.lock().all_gather(block, all)?)
     }
 
     fn release(&self) -> Result<Option<u64>, ModelError> {
-        Ok(self.comm().suspend()?)
+        self.comm.release()
     }
 
     fn restore(&self) -> Result<(), ModelError> {
-        Ok(self.comm().resume()?)
+        self.comm.restore()
     }
 }
 

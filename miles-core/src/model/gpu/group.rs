@@ -6,12 +6,73 @@
 //! reduce-scattered, each rank updates its block, and the bf16 weights are all-gathered.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
-use crate::device::{Gpu, GpuSlice};
+use crate::device::{Gpu, GpuSlice, NcclComm};
 use crate::model::ModelError;
+
+/// A group's NCCL communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers
+/// through `&self`, an NCCL communicator is neither), with the GPU it runs on: what every
+/// group over NCCL holds, and the calls that do not depend on its layout.
+pub struct GroupComm {
+    gpu: Arc<Gpu>,
+    comm: Mutex<NcclComm>,
+}
+
+impl std::fmt::Debug for GroupComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupComm").finish_non_exhaustive()
+    }
+}
+
+impl GroupComm {
+    /// `comm`, on its GPU.
+    pub fn new(comm: NcclComm) -> GroupComm {
+        GroupComm {
+            gpu: Arc::clone(comm.gpu()),
+            comm: Mutex::new(comm),
+        }
+    }
+
+    /// The communicator, for a collective: hold it for no more than the calls at hand.
+    pub fn lock(&self) -> MutexGuard<'_, NcclComm> {
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The GPU the communicator runs on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// This rank's place in the group.
+    pub fn rank(&self) -> usize {
+        self.lock().rank()
+    }
+
+    /// The ranks of the group.
+    pub fn world_size(&self) -> usize {
+        self.lock().world_size()
+    }
+
+    /// [`TrainerGroup::release`]: the communicator's own device buffers released where NCCL
+    /// can (`ncclCommSuspend`), their bytes; `None` where they stay.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when NCCL fails.
+    pub fn release(&self) -> Result<Option<u64>, ModelError> {
+        Ok(self.lock().suspend()?)
+    }
+
+    /// [`TrainerGroup::restore`]: the buffers [`release`](Self::release) released, back.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when NCCL fails.
+    pub fn restore(&self) -> Result<(), ModelError> {
+        Ok(self.lock().resume()?)
+    }
+}
 
 /// One rank's view of a parallel group of [`GpuTrainer`](super::GpuTrainer)s, called on the
 /// trainer's compute stream at the points where the ranks must agree.

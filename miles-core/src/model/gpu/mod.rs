@@ -23,7 +23,7 @@ mod trainer;
 mod weights;
 
 pub use forward::{ForwardMode, GpuTransformer};
-pub use group::{OptimizerShard, TrainerGroup};
+pub use group::{GroupComm, OptimizerShard, TrainerGroup};
 pub use layout::{GpuActivationLayout, GpuActivations};
 pub use stream::MomentStream;
 pub use trainer::{GpuTrainer, GpuTrainerSpec, standalone_gpu_trainer};
