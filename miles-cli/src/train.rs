@@ -7,9 +7,9 @@
 //!
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
-//! data-parallel rank of the trainer (`--train-backend fsdp --data-parallel-size N`; under PPO
-//! its critic is another, with a communicator of its own) whose gradients NCCL reduce-scatters
-//! over the ranks, each rank updating its block of the optimizer state. Rank 0 reports, writes metrics and saves (the others send it their blocks). A
+//! data-parallel rank of the trainer (`--data-parallel-size N`, either backend; under PPO its
+//! critic is another, with a communicator of its own) whose gradients NCCL reduce-scatters over
+//! the ranks, each rank updating its block of the optimizer state. Rank 0 reports, writes metrics and saves (the others send it their blocks). A
 //! signal there stops every rank after the same step: at the end of each step the ranks agree
 //! over the job's host group whether any was asked to stop, and each exits with the status of the
 //! signal one of them received.

@@ -284,11 +284,19 @@ const CASES: &[(&str, &str, Expect)] = &[
         Expect::Invalid(&["rule9:cuda:1"]),
     ),
     (
-        "bf16 gradient reduction over data-parallel gpus, with either backend",
+        "bf16 gradient reduction over data-parallel gpus with megatron",
         "grad_reduce_in_bf16 = true\ndevice = \"cuda\"\ndata_parallel_size = 2",
         Expect::Valid(|s| {
             assert!(s.grad_reduce_in_bf16);
             assert_eq!(s.train_backend, TrainBackendKind::Megatron);
+        }),
+    ),
+    (
+        "bf16 gradient reduction over data-parallel gpus with fsdp",
+        "grad_reduce_in_bf16 = true\ndevice = \"cuda\"\ndata_parallel_size = 2\ntrain_backend = \"fsdp\"",
+        Expect::Valid(|s| {
+            assert!(s.grad_reduce_in_bf16);
+            assert_eq!(s.train_backend, TrainBackendKind::Fsdp);
         }),
     ),
     (

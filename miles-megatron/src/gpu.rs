@@ -40,8 +40,8 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 ///
 /// # Errors
 /// As [`GpuBackend::on_ranks`], which refuses tensor parallelism (on GPUs it runs in `bench
-/// train --tensor-parallel`) and streams the optimizer state through the disk with
-/// `--stream-optimizer-state-to-disk`.
+/// train --tensor-parallel`); alone it streams the optimizer state through the disk with
+/// `--stream-optimizer-state-to-disk`, over several ranks it refuses that flag.
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,

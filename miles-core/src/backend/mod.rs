@@ -9,7 +9,9 @@
 //! [`LlamaConfig`]), so the trait stays object safe: `Box<dyn TrainBackend>`.
 //!
 //! Every call here is collective over the backend's ranks: the backend runs them on all ranks
-//! (threads on the CPU device, processes on CUDA) and returns once all are done.
+//! (threads on the CPU device, processes on CUDA) and returns once all are done. One exception:
+//! a GPU backend's [`TrainBackend::export_weights`] reads the bf16 weights every rank holds
+//! whole, so a rank exports alone.
 
 mod critic;
 mod data_parallel;
@@ -328,7 +330,9 @@ pub trait TrainBackend: Send {
     fn onload(&mut self) -> Result<OffloadStats, BackendError>;
 
     /// Sends the full weights, gathered from the shards, by Hugging Face name to `sink` in
-    /// buckets of about `bucket_bytes` (a tensor larger than that gets a bucket of its own).
+    /// buckets of about `bucket_bytes` (a tensor larger than that gets a bucket of its own). A
+    /// GPU backend sends the weights it computes with, the bf16 rounding of its master weights
+    /// (widened to fp32); the CPU backends send their fp32 weights.
     ///
     /// # Errors
     /// [`BackendError::Offloaded`]; what the sink returns; what a rank hit.

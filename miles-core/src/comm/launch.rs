@@ -643,7 +643,13 @@ mod tests {
     #[test]
     fn a_rank_without_rank_0_times_out_with_a_clear_error() {
         let port = free_port();
-        let result = exchange_id(&local(2, 3, port), None, Duration::from_millis(300));
+        // A secret of its own: should another test's rank 0 take the port, this rank is not
+        // one of its job.
+        let env = LaunchEnv {
+            secret: JobSecret::new("a-secret-of-the-rank-without-its-rank-0"),
+            ..local(2, 3, port)
+        };
+        let result = exchange_id(&env, None, Duration::from_millis(300));
         match result {
             Err(error @ CommError::RendezvousTimeout { .. }) => {
                 let text = error.to_string();

@@ -60,7 +60,9 @@ impl Orchestrator {
             return Err(error);
         }
         // A backend gathers its state before it writes: an actor whose files fail has sent
-        // its part, and the critic's part still goes to the ranks waiting in its gathers.
+        // its part, and the critic's part still goes to the ranks waiting in its gathers. (A
+        // failure before the actor's gathers is one every rank meets alike: offloaded state,
+        // or a broken communicator.)
         let actor = self.save_actor(&partial);
         if let Some(critic) = &mut self.critic {
             let critic_dir = partial.join("critic");
