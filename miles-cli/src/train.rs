@@ -42,8 +42,8 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub settings: SettingsArgs,
     /// Start this many processes on this machine, one per GPU, each running the loop with one
-    /// data-parallel rank of the trainer (`--device cuda --train-backend fsdp
-    /// --data-parallel-size N`). Under torchrun, srun or mpirun leave it out.
+    /// data-parallel rank of the trainer (`--device cuda --data-parallel-size N`, either
+    /// backend). Under torchrun, srun or mpirun leave it out.
     #[arg(long, default_value_t = 1)]
     pub nproc_per_node: usize,
 }
@@ -257,13 +257,7 @@ fn check_ranks(settings: &Settings, env: &LaunchEnv) -> anyhow::Result<()> {
             env.world_size
         ));
     }
-    if settings.tensor_model_parallel_size != 1 {
-        return refuse(format!(
-            "over several processes miles train runs data parallel, one gpu a process; set --tensor-model-parallel-size 1 (got {}): megatron's tensor parallelism on gpus runs in bench train --tensor-parallel",
-            settings.tensor_model_parallel_size
-        ));
-    }
-    Ok(())
+    miles_core::backend::check_job_ranks(settings, env.world_size).or_else(refuse)
 }
 
 /// The actor: the `--train-backend` backend, built without `--load` (the loop resolves the

@@ -6,13 +6,14 @@
 
 use std::sync::Arc;
 
+use half::bf16;
+
 use super::BackendError;
 use crate::device::{Gpu, GpuSlice, NcclComm};
 use crate::model::{
     GpuTrainer, GroupComm, LlamaConfig, ModelError, OptimizerShard, TrainerGroup,
     standalone_gpu_trainer,
 };
-use half::bf16;
 
 /// One rank of a data-parallel group: every rank holds every bf16 weight and trains on its part
 /// of each batch ([`TrainBatch::shard`](crate::model::TrainBatch::shard)), all parts with

@@ -185,7 +185,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         comm: Option<NcclComm>,
     ) -> Result<GpuBackend<F>, BackendError> {
         let ranks = comm.as_ref().map_or(1, NcclComm::world_size);
-        check_ranks(settings, ranks).map_err(|reason| BackendError::Settings {
+        check_job_ranks(settings, ranks).map_err(|reason| BackendError::Settings {
             backend: F::NAME,
             reason,
         })?;
@@ -231,9 +231,13 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     }
 }
 
-/// Why settings cannot run as one rank of `ranks` processes of [`GpuBackend::on_ranks`],
-/// naming the flag to change.
-fn check_ranks(settings: &Settings, ranks: usize) -> Result<(), String> {
+/// Why settings cannot run as one rank of a job of `ranks` processes ([`GpuBackend::on_ranks`]),
+/// naming the flag to change; a launcher asks it before any work.
+///
+/// # Errors
+/// The reason, for tensor parallelism, a data-parallel size other than `ranks`, or optimizer
+/// streaming over several ranks.
+pub fn check_job_ranks(settings: &Settings, ranks: usize) -> Result<(), String> {
     if settings.tensor_model_parallel_size != 1 {
         return Err(format!(
             "on cuda miles train runs data parallel, one gpu a process (tensor parallelism on gpus runs in bench train --tensor-parallel); set --tensor-model-parallel-size 1 (got {})",
@@ -388,10 +392,10 @@ mod tests {
             (ranks_of(1, 1, false), 2, "--data-parallel-size 2"),
             (ranks_of(1, 2, true), 2, "--stream-optimizer-state-to-disk"),
         ] {
-            let err = check_ranks(&settings, ranks).unwrap_err();
+            let err = check_job_ranks(&settings, ranks).unwrap_err();
             assert!(err.contains(flag), "{flag}: {err}");
         }
-        check_ranks(&ranks_of(1, 1, true), 1).unwrap();
-        check_ranks(&ranks_of(1, 2, false), 2).unwrap();
+        check_job_ranks(&ranks_of(1, 1, true), 1).unwrap();
+        check_job_ranks(&ranks_of(1, 2, false), 2).unwrap();
     }
 }
