@@ -8,10 +8,13 @@
 //! that adds the biases, norms the q/k heads (in the families that have them), turns q and k
 //! by each token's position and writes the new keys and values into the cache through the
 //! block tables (`qkv_rotary_cache`), paged attention over each sequence's cached positions,
-//! the o product added into the residual stream (beta 1), RMSNorm, one product for gate and
-//! up, SwiGLU over its rows, and the down product added into the residual; then the final norm
-//! and the LM head (fp32 logits) for the rows that need logits only: the last token
-//! of each sequence. A decode step then draws each sequence's next token on the device (the
+//! the o product added into the residual stream, RMSNorm, one product for gate and up, SwiGLU
+//! over its rows, and the down product added into the residual, which the next layer's norm
+//! (the final norm after the last layer) follows; then the LM head (fp32 logits) for the rows
+//! that need logits only: the last token of each sequence. In a pass of at most `SPLIT_ROWS`
+//! tokens (a decode step) the o and down products run as slices of their inner dimension
+//! (`Gemm::split_k`) whose fp32 partials the norm's kernel adds into the residual stream
+//! (`residual_rmsnorm`); in a wider one they add into it themselves (beta 1). A decode step then draws each sequence's next token on the device (the
 //! `sample_rows` kernel), so only token ids and log-probs come back; a prefill brings its
 //! prompts' rows of logits back (once per prompt: its samples draw from them later). A fence
 //! on every buffer the pass used lets the memory manager pause the tags afterwards.
@@ -59,6 +62,27 @@ const QKV_BIASES: [ParamKind; 3] = [ParamKind::QBias, ParamKind::KBias, ParamKin
 
 /// The gate and up weights, one product.
 const GATE_UP: [ParamKind; 2] = [ParamKind::GateProj, ParamKind::UpProj];
+
+/// The most rows of a pass whose o and down products run split along their inner dimension:
+/// at decode batch sizes their few output columns (the hidden size) leave most
+/// multiprocessors idle in one product, and slices of it run side by side (bench/RESULTS.md,
+/// round 27).
+const SPLIT_ROWS: usize = 128;
+
+/// The most slices of a split product.
+const MAX_SPLIT: usize = 4;
+
+/// The least of the inner dimension a slice keeps.
+const SPLIT_MIN_INNER: usize = 1024;
+
+/// Slices of a split product of inner dimension `k`: the most, up to [`MAX_SPLIT`], that
+/// divide `k` with at least [`SPLIT_MIN_INNER`] each; 1 where none does.
+fn split_of(k: usize) -> usize {
+    (2..=MAX_SPLIT)
+        .rev()
+        .find(|&p| k.is_multiple_of(p) && k / p >= SPLIT_MIN_INNER)
+        .unwrap_or(1)
+}
 
 /// Bytes of one weight or cache element (bf16).
 pub(crate) const ELEMENT_BYTES: usize = 2;
@@ -402,6 +426,7 @@ impl GpuModel {
             s.ln.sub(0, n * h)?,
             s.att.sub(0, n * qd)?,
         );
+        let norm = |kind, l| self.weight(kind, l);
         let (qkv, q) = (s.qkv.sub(0, n * (qd + 2 * kvd))?, s.q.sub(0, n * qd)?);
         let (gate_up, act) = (s.gate_up.sub(0, n * 2 * f)?, s.act.sub(0, n * f)?);
         let places = TokenPlaces {
@@ -415,6 +440,7 @@ impl GpuModel {
         // y = x W^T for an HF weight W (out, in); the residual adds ride on the products.
         let linear = |rows, out, inp| Gemm::new(rows, out, inp, Transpose::No, Transpose::Yes);
         g.embedding_forward(x, ids, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
+        g.rmsnorm_forward(ln, None, x, norm(ParamKind::InputNorm, 0)?, eps)?;
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
             let heads = QkvHeads {
@@ -425,32 +451,24 @@ impl GpuModel {
                 k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
                 eps,
             };
-            g.rmsnorm_forward(ln, None, x, w(ParamKind::InputNorm)?, eps)?;
             g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
             g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
             g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
-            g.gemm(linear(n, h, qd).accumulate(), x, att, w(ParamKind::OProj)?)?; // x += o
-            g.rmsnorm_forward(ln, None, x, w(ParamKind::PostAttentionNorm)?, eps)?;
+            let post_attention = w(ParamKind::PostAttentionNorm)?;
+            self.add_then_norm(s, n, att, w(ParamKind::OProj)?, post_attention)?; // x += o
             g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
             g.swiglu_rows(act, gate_up, f)?;
-            g.gemm(
-                linear(n, h, f).accumulate(),
-                x,
-                act,
-                w(ParamKind::DownProj)?,
-            )?; // x += down
+            let next = if l + 1 < c.num_layers {
+                norm(ParamKind::InputNorm, l + 1)?
+            } else {
+                norm(ParamKind::FinalNorm, 0)?
+            };
+            self.add_then_norm(s, n, act, w(ParamKind::DownProj)?, next)?; // x += down
         }
-        // Only the rows that need logits go through the final norm and the head: gather them
-        // (an embedding lookup whose table is the residual stream).
-        let (rows, rows_ln) = (s.rows.sub(0, r * h)?, s.rows_ln.sub(0, r * h)?);
-        g.embedding_forward(rows, logit_rows, x, h)?; // (R, C)
-        g.rmsnorm_forward(
-            rows_ln,
-            None,
-            rows,
-            self.weight(ParamKind::FinalNorm, 0)?,
-            eps,
-        )?;
+        // `ln` holds every row through the final norm; only the rows that need logits go
+        // through the head: gather them (an embedding lookup whose table is `ln`).
+        let rows_ln = s.rows_ln.sub(0, r * h)?;
+        g.embedding_forward(rows_ln, logit_rows, ln, h)?; // (R, C)
         let logits = s.logits.sub(0, r * c.vocab_size)?; // (R, V) fp32
         g.gemm(
             linear(r, c.vocab_size, h),
@@ -458,6 +476,33 @@ impl GpuModel {
             rows_ln,
             self.weight(ParamKind::LmHead, 0)?,
         )
+    }
+
+    /// Queues `x += inp W^T` for the product `weight (C, K)` of the `n` rows of `inp (n, K)`,
+    /// then `ln = rmsnorm(x)` with `norm`. A pass of at most [`SPLIT_ROWS`] rows splits the
+    /// product along `K` ([`split_of`]) and adds its partials in the norm's kernel; a wider one
+    /// adds the product into `x` (beta 1) and norms after.
+    fn add_then_norm(
+        &self,
+        s: &Scratch,
+        n: usize,
+        inp: GpuSlice<bf16>,
+        weight: GpuSlice<bf16>,
+        norm: GpuSlice<bf16>,
+    ) -> Result<(), DeviceError> {
+        let (g, h, eps) = (&*self.gpu, self.config.hidden_size, self.config.rms_norm_eps);
+        let k = inp.len() / n;
+        let (x, ln) = (s.x.sub(0, n * h)?, s.ln.sub(0, n * h)?);
+        let product = Gemm::new(n, h, k, Transpose::No, Transpose::Yes);
+        if n <= SPLIT_ROWS {
+            let parts = split_of(k);
+            let partials = s.partials.sub(0, parts * n * h)?;
+            g.gemm(product.split_k(parts), partials, inp, weight)?;
+            g.residual_rmsnorm(ln, x, partials, norm, eps)
+        } else {
+            g.gemm(product.accumulate(), x, inp, weight)?;
+            g.rmsnorm_forward(ln, None, x, norm, eps)
+        }
     }
 
     /// Runs `pass` and its `draws` over `s` as queued kernels.

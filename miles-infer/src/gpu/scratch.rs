@@ -7,6 +7,7 @@ use miles_core::device::{AddressRange, DeviceError, GpuElement, GpuSlice};
 use miles_core::model::LlamaConfig;
 use miles_core::ops::gpu::{DRAW_WORDS, RULE_WORDS};
 
+use super::{MAX_SPLIT, SPLIT_ROWS};
 use crate::InferError;
 
 /// Alignment of the scratch tensors, in bytes.
@@ -71,8 +72,8 @@ pub(super) struct Scratch {
     pub(super) att: GpuSlice<bf16>,     // (N, H*D)
     pub(super) gate_up: GpuSlice<bf16>, // (N, 2F) the fused gate and up product
     pub(super) act: GpuSlice<bf16>,     // (N, F) silu(gate) * up
-    pub(super) rows: GpuSlice<bf16>,    // (R, C) the residual rows that need logits
-    pub(super) rows_ln: GpuSlice<bf16>, // (R, C)
+    pub(super) partials: GpuSlice<f32>, // (MAX_SPLIT, min(N, SPLIT_ROWS), C) a split product's
+    pub(super) rows_ln: GpuSlice<bf16>, // (R, C) the normed rows that need logits
     pub(super) logits: GpuSlice<f32>,   // (R, V)
     pub(super) cos: GpuSlice<f32>,      // (P_max, D/2)
     pub(super) sin: GpuSlice<f32>,      // (P_max, D/2)
@@ -99,7 +100,7 @@ impl Scratch {
             att: at.take(n * qd)?,
             gate_up: at.take(n * 2 * f)?,
             act: at.take(n * f)?,
-            rows: at.take(r * h)?,
+            partials: at.take(MAX_SPLIT * n.min(SPLIT_ROWS) * h)?,
             rows_ln: at.take(r * h)?,
             logits: at.take(r * c.vocab_size)?,
             cos: at.take(rope)?,

@@ -128,6 +128,59 @@ impl Gpu {
         )
     }
 
+    /// `x (N, C) += partials[0] + .. + partials[parts - 1]` (fp32, `(parts, N, C)`: a product
+    /// split along its inner dimension, [`crate::device::Gemm::split_k`]), summed in order and rounded to bf16
+    /// once, then [`Gpu::rmsnorm_forward`] of the new `x` with weight `w (C)` into `out`: the
+    /// residual add of a split product fused with the norm after it.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn residual_rmsnorm(
+        &self,
+        out: GpuSlice<bf16>,
+        x: GpuSlice<bf16>,
+        partials: GpuSlice<f32>,
+        w: GpuSlice<bf16>,
+        eps: f32,
+    ) -> Result<(), DeviceError> {
+        let c = w.len();
+        out.expect_len("residual rmsnorm output", x.len())?;
+        if c == 0 || !x.len().is_multiple_of(c) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "residual rmsnorm input",
+                expected: c,
+                actual: x.len(),
+            });
+        }
+        let rows = x.len() / c;
+        if rows == 0 {
+            return Ok(());
+        }
+        if partials.is_empty() || !partials.len().is_multiple_of(x.len()) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "residual rmsnorm partials (a whole number of inputs)",
+                expected: x.len(),
+                actual: partials.len(),
+            });
+        }
+        let parts = as_i32("residual rmsnorm partials", partials.len() / x.len())?;
+        let (rows64, c32) = (as_i64(rows), as_i32("rmsnorm width", c)?);
+        self.launch(
+            "residual_rmsnorm",
+            per_row(rows, ROW_THREADS),
+            &[
+                &out.address(),
+                &x.address(),
+                &partials.address(),
+                &parts,
+                &rows64,
+                &w.address(),
+                &c32,
+                &eps,
+            ],
+        )
+    }
+
     /// `x (N, C) += bias (C)` on every row (the q, k and v biases).
     ///
     /// # Errors

@@ -61,11 +61,12 @@ pub const PROGRAM: KernelProgram = KernelProgram {
 };
 
 /// The kernels of `kernels/forward.cu`.
-const FORWARD_KERNELS: [&str; 9] = [
+const FORWARD_KERNELS: [&str; 10] = [
     "cast_f32_to_bf16",
     "cast_bf16_to_f32",
     "embedding_forward",
     "rmsnorm_forward",
+    "residual_rmsnorm",
     "bias_add",
     "rope_forward",
     "swiglu_forward",

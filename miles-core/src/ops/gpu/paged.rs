@@ -294,13 +294,18 @@ impl Gpu {
             });
         }
         out.expect_len("paged attention output", q.len())?;
-        if !cache.address().is_multiple_of(16) {
-            // The tiles are copied 16 bytes at a time.
-            return Err(DeviceError::ShapeMismatch {
-                what: "paged attention cache (16-byte aligned)",
-                expected: 16,
-                actual: (cache.address() % 16) as usize,
-            });
+        // The tiles and the queries are copied 16 bytes at a time.
+        for (what, address) in [
+            ("paged attention cache (16-byte aligned)", cache.address()),
+            ("paged attention queries (16-byte aligned)", q.address()),
+        ] {
+            if !address.is_multiple_of(16) {
+                return Err(DeviceError::ShapeMismatch {
+                    what,
+                    expected: 16,
+                    actual: (address % 16) as usize,
+                });
+            }
         }
         tokens
             .seq_rows

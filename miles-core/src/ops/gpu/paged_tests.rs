@@ -384,8 +384,8 @@ fn paged_attention_refuses_a_head_dim_that_is_not_a_multiple_of_8() {
 }
 
 #[test]
-fn paged_attention_refuses_a_cache_that_is_not_16_byte_aligned() {
-    let what = "paged_attention_refuses_a_cache_that_is_not_16_byte_aligned";
+fn paged_attention_refuses_a_cache_or_queries_that_are_not_16_byte_aligned() {
+    let what = "paged_attention_refuses_a_cache_or_queries_that_are_not_16_byte_aligned";
     let Some(mut t) = TestGpu::open(what, 16 << 20) else {
         return;
     };
@@ -396,24 +396,29 @@ fn paged_attention_refuses_a_cache_that_is_not_16_byte_aligned() {
         kv_heads: 1,
         head_dim: 40,
     };
-    // One element (2 bytes) past an aligned start: the tiles are copied 16 bytes at a time.
-    let cache = t
-        .alloc::<bf16>(shape.elems() + 1)
-        .sub(1, shape.elems())
-        .unwrap();
-    let (q, out) = (
-        t.alloc::<bf16>(shape.head_dim),
-        t.alloc::<bf16>(shape.head_dim),
-    );
     let tokens = PagedTokens {
         positions: t.put(&[0u32]),
         seq_rows: t.put(&[0u32]),
         tables: t.put(&[0u32]),
         max_blocks: 1,
     };
-    let refused = t.gpu.paged_attention(out, q, cache, &shape, 0, &tokens);
-    assert!(
-        matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("16-byte aligned")),
-        "{refused:?}"
+    // One element (2 bytes) past an aligned start: the tiles and the queries are copied 16
+    // bytes at a time.
+    let d = shape.head_dim;
+    let (cache, cache_off) = (
+        t.alloc::<bf16>(shape.elems()),
+        t.alloc::<bf16>(shape.elems() + 1).sub(1, shape.elems()).unwrap(),
     );
+    let (q, q_off) = (
+        t.alloc::<bf16>(d),
+        t.alloc::<bf16>(d + 1).sub(1, d).unwrap(),
+    );
+    let out = t.alloc::<bf16>(d);
+    for (q, cache, named) in [(q, cache_off, "cache"), (q_off, cache, "queries")] {
+        let refused = t.gpu.paged_attention(out, q, cache, &shape, 0, &tokens);
+        assert!(
+            matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains(named) && what.contains("16-byte aligned")),
+            "{refused:?}"
+        );
+    }
 }

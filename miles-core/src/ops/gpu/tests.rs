@@ -40,6 +40,17 @@ const TRANSPOSES: [(Transpose, Transpose); 4] = [
 /// `alpha * op(a) op(b) + beta * c` of row-major host operands, as the single product `g` reads
 /// them.
 fn host_product(g: Gemm, a: &[f32], b: &[f32], c: &[f32]) -> Vec<f32> {
+    host_product_over(g, a, b, c, 0..g.k)
+}
+
+/// As [`host_product`], the inner dimension only over `inner`.
+fn host_product_over(
+    g: Gemm,
+    a: &[f32],
+    b: &[f32],
+    c: &[f32],
+    inner: std::ops::Range<usize>,
+) -> Vec<f32> {
     let (m, n, k) = (g.m, g.n, g.k);
     let at = |i: usize, p: usize| match g.a {
         Transpose::No => a[i * k + p],
@@ -51,7 +62,7 @@ fn host_product(g: Gemm, a: &[f32], b: &[f32], c: &[f32]) -> Vec<f32> {
     };
     (0..m * n)
         .map(|ij| {
-            let dot: f32 = (0..k).map(|p| at(ij / n, p) * bt(p, ij % n)).sum();
+            let dot: f32 = inner.clone().map(|p| at(ij / n, p) * bt(p, ij % n)).sum();
             g.alpha * dot + g.beta * c[ij]
         })
         .collect()
@@ -71,6 +82,41 @@ fn gpu_gemm_matches_the_cpu_in_every_transpose() {
         t.gpu.gemm(g, c, a, b).unwrap_or_else(|e| panic!("{e}"));
         let want = host_product(g, &a_host, &b_host, &vec![0.0; m * n]);
         assert_close(&format!("gemm {ta:?} {tb:?}"), &t.get(c), &want, 1e-4);
+    }
+}
+
+#[test]
+fn gpu_gemm_split_along_k_gives_each_slice_s_product_in_every_transpose() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_gemm_split_along_k_gives_each_slice_s_product_in_every_transpose",
+        64 << 20,
+    ) else {
+        return;
+    };
+    let (m, n, k, parts) = (67, 45, 128, 4);
+    for (ta, tb) in TRANSPOSES {
+        let (a, a_host) = t.put_bf16(&seeded(1, m * k));
+        let (b, b_host) = t.put_bf16(&seeded(2, k * n));
+        let c = t.alloc::<f32>(parts * m * n);
+        let g = Gemm::new(m, n, k, ta, tb).split_k(parts);
+        t.gpu.gemm(g, c, a, b).unwrap_or_else(|e| panic!("{e}"));
+        let got = t.get(c);
+        let slice = k / parts;
+        for (i, part) in got.chunks_exact(m * n).enumerate() {
+            let zeros = vec![0.0; m * n];
+            let want = host_product_over(g, &a_host, &b_host, &zeros, i * slice..(i + 1) * slice);
+            assert_close(&format!("split {i} {ta:?} {tb:?}"), part, &want, 1e-4);
+        }
+    }
+    // A split that does not divide k, or that would add into C, is refused by name.
+    let (a, b, c) = (t.alloc(m * k), t.alloc(k * n), t.alloc::<f32>(3 * m * n));
+    let plain = Gemm::new(m, n, k, Transpose::No, Transpose::Yes);
+    for g in [plain.split_k(3), plain.accumulate().split_k(2)] {
+        let refused = t.gpu.gemm(g, c, a, b);
+        assert!(
+            matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("split of k")),
+            "{refused:?}"
+        );
     }
 }
 
@@ -158,6 +204,45 @@ fn gpu_rmsnorm_forward_matches_the_cpu() {
         assert_close("rmsnorm out", &t.get_bf16(out), &want, BF16_TOLERANCE);
         assert_close("rmsnorm rstd", &t.get(rstd), &want_rstd, 1e-4);
     }
+}
+
+#[test]
+fn gpu_residual_rmsnorm_adds_the_partials_once_then_norms_as_the_cpu() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_residual_rmsnorm_adds_the_partials_once_then_norms_as_the_cpu",
+        64 << 20,
+    ) else {
+        return;
+    };
+    // As rmsnorm_forward: 320 and 2048 read 8 at a time, 100 one at a time.
+    for (rows, c, parts) in [(37, 320, 2), (5, 2048, 4), (7, 100, 3), (3, 64, 1)] {
+        let (x, x_host) = t.put_bf16(&seeded(6, rows * c));
+        let partials_host = seeded(8, parts * rows * c);
+        let partials = t.put(&partials_host);
+        let (w, w_host) = t.put_bf16(&seeded(7, c));
+        let out = t.alloc::<bf16>(rows * c);
+        t.gpu
+            .residual_rmsnorm(out, x, partials, w, 1e-5)
+            .unwrap_or_else(|e| panic!("{e}"));
+        // The partials summed in order, added to x, rounded once: bit for bit.
+        let summed: Vec<f32> = (0..rows * c)
+            .map(|i| {
+                let sum = (0..parts).fold(0.0f32, |acc, p| acc + partials_host[p * rows * c + i]);
+                bf16::from_f32(sum + x_host[i]).to_f32()
+            })
+            .collect();
+        assert_eq!(t.get_bf16(x), summed, "residual stream, {rows} x {c}, {parts} parts");
+        let (mut want, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
+        rmsnorm_forward(&mut want, &mut rstd, &summed, &w_host, 1e-5);
+        assert_close("residual rmsnorm out", &t.get_bf16(out), &want, BF16_TOLERANCE);
+    }
+    let (x, w, out) = (t.alloc::<bf16>(64), t.alloc::<bf16>(64), t.alloc::<bf16>(64));
+    let partials = t.alloc::<f32>(100);
+    let refused = t.gpu.residual_rmsnorm(out, x, partials, w, 1e-5);
+    assert!(
+        matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("partials")),
+        "{refused:?}"
+    );
 }
 
 #[test]

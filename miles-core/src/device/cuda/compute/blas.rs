@@ -25,7 +25,8 @@ pub enum Transpose {
 }
 
 /// One row-major product `C (m, n) = alpha * op(A) (m, k) * op(B) (k, n) + beta * C`, repeated
-/// `batch` times over operands `stride_*` elements apart.
+/// `batch` times over operands `stride_*` elements apart, or split along `k` into `split`
+/// partial products written one after another.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemm {
     /// Rows of `C`.
@@ -50,6 +51,8 @@ pub struct Gemm {
     pub stride_b: usize,
     /// As `stride_a`, for `C`.
     pub stride_c: usize,
+    /// Slices of `k` (1 for a whole product); see [`Gemm::split_k`].
+    pub split: usize,
 }
 
 impl Gemm {
@@ -67,6 +70,7 @@ impl Gemm {
             stride_a: 0,
             stride_b: 0,
             stride_c: 0,
+            split: 1,
         }
     }
 
@@ -87,6 +91,17 @@ impl Gemm {
             stride_a,
             stride_b,
             stride_c,
+            ..self
+        }
+    }
+
+    /// The same single product with `k` cut into `parts` equal slices: `C` holds `parts`
+    /// fp32 partial products `(m, n)` one after another, slice `i` of `k` giving partial `i`,
+    /// which the caller sums. Where `C` has few columns a product keeps few multiprocessors
+    /// busy; its slices run side by side.
+    pub fn split_k(self, parts: usize) -> Gemm {
+        Gemm {
+            split: parts,
             ..self
         }
     }
@@ -120,7 +135,7 @@ impl Gemm {
         for (what, len, needed) in [
             ("gemm A", a.len(), need(self.stride_a, self.m * self.k)),
             ("gemm B", b.len(), need(self.stride_b, self.k * self.n)),
-            ("gemm C", c.len(), need(self.stride_c, self.m * self.n)),
+            ("gemm C", c.len(), need(self.stride_c, self.m * self.n) * self.split.max(1)),
         ] {
             if len < needed {
                 return Err(DeviceError::ShapeMismatch {
@@ -140,7 +155,24 @@ impl Gemm {
                 actual: self.m.max(self.n).max(self.k).max(self.batch),
             });
         }
+        let single = self.batch == 1 && self.beta == 0.0;
+        if self.split == 0 || !self.k.is_multiple_of(self.split) || self.split > 1 && !single {
+            return Err(DeviceError::ShapeMismatch {
+                what: "gemm split of k (a divisor of k, in a single product that overwrites C)",
+                expected: self.k,
+                actual: self.split,
+            });
+        }
         Ok(())
+    }
+
+    /// The split product as the batch cuBLAS runs: each slice's inner dimension and the
+    /// elements between consecutive slices of `A`, of `B` and of `C`.
+    fn slices(&self) -> (usize, [usize; 3]) {
+        let k = self.k / self.split;
+        let stride_a = if self.a == Transpose::No { k } else { k * self.m };
+        let stride_b = if self.b == Transpose::Yes { k } else { k * self.n };
+        (k, [stride_a, stride_b, self.m * self.n])
     }
 }
 
@@ -244,7 +276,7 @@ impl Gpu {
         // reach; the pointers are device addresses; alpha and beta are host scalars that live
         // through the call (cuBLAS reads them before returning in host pointer mode).
         let status = unsafe {
-            if g.batch == 1 {
+            if g.batch == 1 && g.split == 1 {
                 result::gemm_ex(
                     self.blas.handle,
                     op(g.b),
@@ -267,28 +299,34 @@ impl Gpu {
                     algo,
                 )
             } else {
+                let (k, [stride_a, stride_b, stride_c], batch) = if g.split > 1 {
+                    let (k, strides) = g.slices();
+                    (k, strides, g.split)
+                } else {
+                    (g.k, [g.stride_a, g.stride_b, g.stride_c], g.batch)
+                };
                 result::gemm_strided_batched_ex(
                     self.blas.handle,
                     op(g.b),
                     op(g.a),
                     g.n as i32,
                     g.m as i32,
-                    g.k as i32,
+                    k as i32,
                     alpha_ptr,
                     b.address() as *const c_void,
                     bf,
                     ldb,
-                    g.stride_b as i64,
+                    stride_b as i64,
                     a.address() as *const c_void,
                     bf,
                     lda,
-                    g.stride_a as i64,
+                    stride_a as i64,
                     beta_ptr,
                     c.address() as *mut c_void,
                     C::TYPE,
                     ldc,
-                    g.stride_c as i64,
-                    g.batch as i32,
+                    stride_c as i64,
+                    batch as i32,
                     compute,
                     algo,
                 )

@@ -127,11 +127,11 @@ struct Plan {
 
 impl Plan {
     fn new(g: &Gemm, out: lt::cudaDataType) -> Result<Plan, DeviceError> {
-        if g.batch != 1 {
+        if g.batch != 1 || g.split != 1 {
             return Err(DeviceError::ShapeMismatch {
-                what: "cublasLt products are single (batch 1)",
+                what: "cublasLt products are single (batch 1, k whole)",
                 expected: 1,
-                actual: g.batch,
+                actual: g.batch.max(g.split),
             });
         }
         let mut plan = Plan {

@@ -66,6 +66,77 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     }
 }
 
+// x (rows, c) += the sum of `parts` fp32 partial products (parts, rows, c) (a product split
+// along its inner dimension), the partials added in order, then to x, rounded to bf16 once; then
+// out = x / rms(x) * w as rmsnorm_forward, over the stored (rounded) x. The residual add of a
+// split product fused with the norm after it; one block a row, 32 floats of shared.
+extern "C" __global__ void residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts,
+                                            long long rows, const bf16* w, int c, float eps) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    bf16* xr = x + row * c;
+    bf16* o = out + row * c;
+    const float* pr = partials + row * c;
+    const long long part_stride = rows * c;
+    const bool wide = (c & 7) == 0 && aligned16(xr) && aligned16(o) && aligned16(w) && aligned16(pr);
+    float ss = 0.0f, f[8];
+    // Each thread reads back only the values it wrote itself.
+    if (wide) {
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            const uint4 xv = ((const uint4*)xr)[v];
+            float sum[8] = {};
+            // Four partials' loads in flight at once, added in order.
+            for (int p0 = 0; p0 < parts; p0 += 4) {
+                float4 a[4], b[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (p0 + j < parts) {
+                        const float4* q = (const float4*)(pr + (p0 + j) * part_stride) + 2 * v;
+                        a[j] = q[0];
+                        b[j] = q[1];
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (p0 + j < parts) {
+                        sum[0] += a[j].x, sum[1] += a[j].y, sum[2] += a[j].z, sum[3] += a[j].w;
+                        sum[4] += b[j].x, sum[5] += b[j].y, sum[6] += b[j].z, sum[7] += b[j].w;
+                    }
+                }
+            }
+            unpack8(xv, f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                f[i] = bf2f(f2bf(sum[i] + f[i]));
+                ss += f[i] * f[i];
+            }
+            ((uint4*)xr)[v] = pack8(f);
+        }
+    } else {
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {
+            float sum = 0.0f;
+            for (int p = 0; p < parts; p++) sum += pr[p * part_stride + j];
+            const float v = bf2f(f2bf(sum + bf2f(xr[j])));
+            xr[j] = f2bf(v);
+            ss += v * v;
+        }
+    }
+    ss = block_sum(ss, scratch);
+    const float r = rsqrtf(ss / (float)c + eps);
+    if (wide) {
+        float g[8];
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            unpack8(((const uint4*)xr)[v], f);
+            unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] = f[i] * r * g[i];
+            ((uint4*)o)[v] = pack8(f);
+        }
+    } else {
+        for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+    }
+}
+
 // x (rows, c) += b (c) on every row, elementwise over the n = rows * c values (the q, k and v
 // biases).
 extern "C" __global__ void bias_add(bf16* x, const bf16* b, long long n, int c) {

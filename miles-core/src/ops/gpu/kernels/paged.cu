@@ -45,8 +45,8 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 // One block serves a token, a kv head and up to PAGED_HEADS of the query heads sharing it, so
 // each key and value row is read once for all of them. The block walks the positions in tiles
 // of PAGED_TILE: its threads start copying every 16-byte chunk of the tile's key and value rows
-// into shared memory at once (cp.async; rows past the sequence are zeros), so a tile costs one
-// trip to memory. The products run on the tensor cores (mma.sync m16n8k16, with the training
+// into shared memory at once (cp.async; rows past the sequence are zeros), the queries with the
+// first tile, so a tile costs one trip to memory. The products run on the tensor cores (mma.sync m16n8k16, with the training
 // attention's helpers): the block's query heads are the 16 rows of A (zeros past them), and
 // warp w takes positions 16 w .. 16 w + 15 of every tile with its own online softmax (fp32,
 // base 2) and its own output; at the end the warps' maxima, sums and outputs are merged
@@ -90,14 +90,15 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     const long long half_stride = (long long)block_size * kv_dim;  // keys to values
     const int pos = (int)positions[token];
     const unsigned int* table = tables + (long long)seq_rows[token] * max_blocks;
-    const int row_chunks = d / 8;  // 16-byte chunks of a key or value row
+    const int row_chunks = d / 8;  // 16-byte chunks of a key or value row holding data
 
-    // Starts copying the first d columns of tile u0's key and value rows.
+    // Starts copying tile u0's key and value rows, DP columns each: zeros past d (which the
+    // products must read as zeros, not stale bits) and past the sequence.
     auto load = [&](int u0) {
         const int rows = min(PAGED_TILE, pos - u0 + 1);
-        for (int i = threadIdx.x; i < PAGED_TILE * row_chunks; i += blockDim.x) {
-            const int r = i / row_chunks, c = i - r * row_chunks;
-            const bool inside = r < rows;
+        for (int i = threadIdx.x; i < PAGED_TILE * (DP / 8); i += blockDim.x) {
+            const int r = i / (DP / 8), c = i % (DP / 8);
+            const bool inside = r < rows && c < row_chunks;
             const long long at =
                 inside ? paged_offset(table[(u0 + r) / block_size], layer, layers, 0,
                                       (u0 + r) % block_size, block_size, kv_dim) +
@@ -108,18 +109,14 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         }
         commit_tiles();
     };
+    // The queries go with the first tile: zeros past the block's heads and past d.
+    for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
+        const int r = i / (DP / 8), c = i % (DP / 8);
+        const bool inside = r < hn && c < row_chunks;
+        paged_copy16(qs + r * SD + c * 8, q + (inside ? (token * heads + h0 + r) * d + c * 8 : 0),
+                     inside);
+    }
     load(0);
-    // The queries, zeros past the block's heads and past d; and the tiles' columns past d,
-    // which no copy writes (the products must read zeros there, not stale bits).
-    for (int i = threadIdx.x; i < 16 * SD; i += blockDim.x) {
-        const int r = i / SD, c = i - r * SD;
-        qs[i] = r < hn && c < d ? q[(token * heads + h0 + r) * d + c] : (bf16)0;
-    }
-    for (int i = threadIdx.x; i < PAGED_TILE * (SD - d); i += blockDim.x) {
-        const int r = i / (SD - d), c = d + i % (SD - d);
-        ks[r * SD + c] = 0;
-        vs[r * SD + c] = 0;
-    }
 
     float o[DP / 8][4] = {};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
