@@ -490,7 +490,11 @@ impl GpuModel {
         weight: GpuSlice<bf16>,
         norm: GpuSlice<bf16>,
     ) -> Result<(), DeviceError> {
-        let (g, h, eps) = (&*self.gpu, self.config.hidden_size, self.config.rms_norm_eps);
+        let (g, h, eps) = (
+            &*self.gpu,
+            self.config.hidden_size,
+            self.config.rms_norm_eps,
+        );
         let k = inp.len() / n;
         let (x, ln) = (s.x.sub(0, n * h)?, s.ln.sub(0, n * h)?);
         let product = Gemm::new(n, h, k, Transpose::No, Transpose::Yes);

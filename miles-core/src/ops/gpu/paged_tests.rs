@@ -407,7 +407,9 @@ fn paged_attention_refuses_a_cache_or_queries_that_are_not_16_byte_aligned() {
     let d = shape.head_dim;
     let (cache, cache_off) = (
         t.alloc::<bf16>(shape.elems()),
-        t.alloc::<bf16>(shape.elems() + 1).sub(1, shape.elems()).unwrap(),
+        t.alloc::<bf16>(shape.elems() + 1)
+            .sub(1, shape.elems())
+            .unwrap(),
     );
     let (q, q_off) = (
         t.alloc::<bf16>(d),

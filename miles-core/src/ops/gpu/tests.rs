@@ -231,12 +231,25 @@ fn gpu_residual_rmsnorm_adds_the_partials_once_then_norms_as_the_cpu() {
                 bf16::from_f32(sum + x_host[i]).to_f32()
             })
             .collect();
-        assert_eq!(t.get_bf16(x), summed, "residual stream, {rows} x {c}, {parts} parts");
+        assert_eq!(
+            t.get_bf16(x),
+            summed,
+            "residual stream, {rows} x {c}, {parts} parts"
+        );
         let (mut want, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
         rmsnorm_forward(&mut want, &mut rstd, &summed, &w_host, 1e-5);
-        assert_close("residual rmsnorm out", &t.get_bf16(out), &want, BF16_TOLERANCE);
+        assert_close(
+            "residual rmsnorm out",
+            &t.get_bf16(out),
+            &want,
+            BF16_TOLERANCE,
+        );
     }
-    let (x, w, out) = (t.alloc::<bf16>(64), t.alloc::<bf16>(64), t.alloc::<bf16>(64));
+    let (x, w, out) = (
+        t.alloc::<bf16>(64),
+        t.alloc::<bf16>(64),
+        t.alloc::<bf16>(64),
+    );
     let partials = t.alloc::<f32>(100);
     let refused = t.gpu.residual_rmsnorm(out, x, partials, w, 1e-5);
     assert!(

@@ -135,7 +135,11 @@ impl Gemm {
         for (what, len, needed) in [
             ("gemm A", a.len(), need(self.stride_a, self.m * self.k)),
             ("gemm B", b.len(), need(self.stride_b, self.k * self.n)),
-            ("gemm C", c.len(), need(self.stride_c, self.m * self.n) * self.split.max(1)),
+            (
+                "gemm C",
+                c.len(),
+                need(self.stride_c, self.m * self.n) * self.split.max(1),
+            ),
         ] {
             if len < needed {
                 return Err(DeviceError::ShapeMismatch {
@@ -170,8 +174,16 @@ impl Gemm {
     /// elements between consecutive slices of `A`, of `B` and of `C`.
     fn slices(&self) -> (usize, [usize; 3]) {
         let k = self.k / self.split;
-        let stride_a = if self.a == Transpose::No { k } else { k * self.m };
-        let stride_b = if self.b == Transpose::Yes { k } else { k * self.n };
+        let stride_a = if self.a == Transpose::No {
+            k
+        } else {
+            k * self.m
+        };
+        let stride_b = if self.b == Transpose::Yes {
+            k
+        } else {
+            k * self.n
+        };
         (k, [stride_a, stride_b, self.m * self.n])
     }
 }
