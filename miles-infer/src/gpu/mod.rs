@@ -12,10 +12,12 @@
 //! over its rows, and the down product added into the residual, which the next layer's norm
 //! (the final norm after the last layer) follows; then the LM head (fp32 logits) for the rows
 //! that need logits only: the last token of each sequence. In a pass of at most `SPLIT_ROWS`
-//! tokens (a decode step) the o and down products run as slices of their inner dimension
-//! (`Gemm::split_k`) whose fp32 partials the norm's kernel adds into the residual stream
-//! (`residual_rmsnorm`); in a wider one they add into it themselves (beta 1). A decode step then draws each sequence's next token on the device (the
-//! `sample_rows` kernel), so only token ids and log-probs come back; a prefill brings its
+//! tokens (a decode step of up to that many sequences, or a short prefill) the o and down
+//! products run as slices of their inner dimension (`Gemm::split_k`) whose fp32 partials the
+//! norm's kernel adds into the residual stream (`residual_rmsnorm`); in a wider one they add
+//! into it themselves (beta 1). A decode step then draws each sequence's next token on the
+//! device (the `sample_rows` kernel), so only token ids and log-probs come back; a prefill
+//! brings its
 //! prompts' rows of logits back (once per prompt: its samples draw from them later). A fence
 //! on every buffer the pass used lets the memory manager pause the tags afterwards.
 //!
@@ -72,15 +74,17 @@ const SPLIT_ROWS: usize = 128;
 /// The most slices of a split product.
 const MAX_SPLIT: usize = 4;
 
-/// The least of the inner dimension a slice keeps.
-const SPLIT_MIN_INNER: usize = 1024;
+/// The least of the inner dimension a slice keeps (small enough that the tiny preset's
+/// products split too, so the engine's tests on it cover the split).
+const SPLIT_MIN_INNER: usize = 32;
 
-/// Slices of a split product of inner dimension `k`: the most, up to [`MAX_SPLIT`], that
-/// divide `k` with at least [`SPLIT_MIN_INNER`] each; 1 where none does.
+/// Slices of a split product of inner dimension `k`: the most, up to [`MAX_SPLIT`], that cut
+/// `k` into whole 16-byte words (8 elements, so every slice starts aligned) of at least
+/// [`SPLIT_MIN_INNER`] each; 1 where none does.
 fn split_of(k: usize) -> usize {
     (2..=MAX_SPLIT)
         .rev()
-        .find(|&p| k.is_multiple_of(p) && k / p >= SPLIT_MIN_INNER)
+        .find(|&p| k.is_multiple_of(8 * p) && k / p >= SPLIT_MIN_INNER)
         .unwrap_or(1)
 }
 
@@ -426,7 +430,6 @@ impl GpuModel {
             s.ln.sub(0, n * h)?,
             s.att.sub(0, n * qd)?,
         );
-        let norm = |kind, l| self.weight(kind, l);
         let (qkv, q) = (s.qkv.sub(0, n * (qd + 2 * kvd))?, s.q.sub(0, n * qd)?);
         let (gate_up, act) = (s.gate_up.sub(0, n * 2 * f)?, s.act.sub(0, n * f)?);
         let places = TokenPlaces {
@@ -437,10 +440,10 @@ impl GpuModel {
         };
         let cache = self.cache_slice()?;
         let eps = c.rms_norm_eps;
-        // y = x W^T for an HF weight W (out, in); the residual adds ride on the products.
+        // y = x W^T for an HF weight W (out, in).
         let linear = |rows, out, inp| Gemm::new(rows, out, inp, Transpose::No, Transpose::Yes);
         g.embedding_forward(x, ids, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
-        g.rmsnorm_forward(ln, None, x, norm(ParamKind::InputNorm, 0)?, eps)?;
+        g.rmsnorm_forward(ln, None, x, self.weight(ParamKind::InputNorm, 0)?, eps)?;
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
             let heads = QkvHeads {
@@ -455,15 +458,15 @@ impl GpuModel {
             g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
             g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
             let post_attention = w(ParamKind::PostAttentionNorm)?;
-            self.add_then_norm(s, n, att, w(ParamKind::OProj)?, post_attention)?; // x += o
+            self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
             g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
             g.swiglu_rows(act, gate_up, f)?;
             let next = if l + 1 < c.num_layers {
-                norm(ParamKind::InputNorm, l + 1)?
+                self.weight(ParamKind::InputNorm, l + 1)?
             } else {
-                norm(ParamKind::FinalNorm, 0)?
+                self.weight(ParamKind::FinalNorm, 0)?
             };
-            self.add_then_norm(s, n, act, w(ParamKind::DownProj)?, next)?; // x += down
+            self.add_then_norm(s, (n, f), act, w(ParamKind::DownProj)?, next)?; // x += down
         }
         // `ln` holds every row through the final norm; only the rows that need logits go
         // through the head: gather them (an embedding lookup whose table is `ln`).
@@ -478,14 +481,14 @@ impl GpuModel {
         )
     }
 
-    /// Queues `x += inp W^T` for the product `weight (C, K)` of the `n` rows of `inp (n, K)`,
-    /// then `ln = rmsnorm(x)` with `norm`. A pass of at most [`SPLIT_ROWS`] rows splits the
-    /// product along `K` ([`split_of`]) and adds its partials in the norm's kernel; a wider one
-    /// adds the product into `x` (beta 1) and norms after.
+    /// Queues `x += inp W^T` for the product `weight (C, K)` of `inp (n, K)`, then `ln =
+    /// rmsnorm(x)` with `norm`. A pass of at most [`SPLIT_ROWS`] rows splits the product along
+    /// `K` ([`split_of`]) and adds its partials in the norm's kernel; a wider one adds the
+    /// product into `x` (beta 1) and norms after.
     fn add_then_norm(
         &self,
         s: &Scratch,
-        n: usize,
+        (n, k): (usize, usize),
         inp: GpuSlice<bf16>,
         weight: GpuSlice<bf16>,
         norm: GpuSlice<bf16>,
@@ -495,7 +498,6 @@ impl GpuModel {
             self.config.hidden_size,
             self.config.rms_norm_eps,
         );
-        let k = inp.len() / n;
         let (x, ln) = (s.x.sub(0, n * h)?, s.ln.sub(0, n * h)?);
         let product = Gemm::new(n, h, k, Transpose::No, Transpose::Yes);
         if n <= SPLIT_ROWS {

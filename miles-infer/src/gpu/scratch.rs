@@ -72,7 +72,7 @@ pub(super) struct Scratch {
     pub(super) att: GpuSlice<bf16>,     // (N, H*D)
     pub(super) gate_up: GpuSlice<bf16>, // (N, 2F) the fused gate and up product
     pub(super) act: GpuSlice<bf16>,     // (N, F) silu(gate) * up
-    pub(super) partials: GpuSlice<f32>, // (MAX_SPLIT, min(N, SPLIT_ROWS), C) a split product's
+    pub(super) partials: GpuSlice<f32>, // (MAX_SPLIT, min(N, SPLIT_ROWS), C) fp32 partials
     pub(super) rows_ln: GpuSlice<bf16>, // (R, C) the normed rows that need logits
     pub(super) logits: GpuSlice<f32>,   // (R, V)
     pub(super) cos: GpuSlice<f32>,      // (P_max, D/2)

@@ -647,3 +647,20 @@ fn gpu_greedy_generation_matches_the_cpu_engine_with_qwen2_biases_and_qwen3_qk_n
         );
     }
 }
+
+#[test]
+fn products_split_into_whole_words_of_at_least_the_least_slice() {
+    // The 1B preset's o (k 2048) and down (k 8192), the tiny preset's (64, 128), and inner
+    // dimensions no slice count divides into whole 16-byte words.
+    for (k, parts) in [
+        (2048, 4),
+        (8192, 4),
+        (64, 2),
+        (128, 4),
+        (40, 1),
+        (3090, 1),
+        (8, 1),
+    ] {
+        assert_eq!(super::split_of(k), parts, "k = {k}");
+    }
+}

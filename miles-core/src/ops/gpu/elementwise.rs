@@ -129,9 +129,10 @@ impl Gpu {
     }
 
     /// `x (N, C) += partials[0] + .. + partials[parts - 1]` (fp32, `(parts, N, C)`: a product
-    /// split along its inner dimension, [`crate::device::Gemm::split_k`]), summed in order and rounded to bf16
-    /// once, then [`Gpu::rmsnorm_forward`] of the new `x` with weight `w (C)` into `out`: the
-    /// residual add of a split product fused with the norm after it.
+    /// split along its inner dimension, [`crate::device::Gemm::split_k`]), summed in order and
+    /// rounded to bf16 once, then [`Gpu::rmsnorm_forward`] of the new `x` with weight `w (C)`
+    /// into `out`: the residual add of a split product fused with the norm after it. `parts`
+    /// is `partials`' length over `x`'s: pass exactly the partials to add.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.

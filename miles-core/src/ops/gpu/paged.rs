@@ -262,8 +262,9 @@ impl Gpu {
     /// builds them).
     ///
     /// # Errors
-    /// [`DeviceError::ShapeMismatch`] for mismatched shapes, `H` not a multiple of `K`, or a
-    /// head dim over [`PAGED_MAX_HEAD_DIM`] or not a multiple of 8; the launch's error.
+    /// [`DeviceError::ShapeMismatch`] for mismatched shapes, `H` not a multiple of `K`, a head
+    /// dim over [`PAGED_MAX_HEAD_DIM`] or not a multiple of 8, or a cache or queries not
+    /// 16-byte aligned; the launch's error.
     pub fn paged_attention(
         &self,
         out: GpuSlice<bf16>,

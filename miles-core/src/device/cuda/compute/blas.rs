@@ -149,7 +149,7 @@ impl Gemm {
                 });
             }
         }
-        let fits = [self.m, self.n, self.k, self.batch]
+        let fits = [self.m, self.n, self.k, self.batch, self.split]
             .iter()
             .all(|&d| i32::try_from(d).is_ok());
         if !fits || self.batch == 0 {
@@ -264,7 +264,9 @@ impl Gpu {
     /// in fp32, with cuBLAS's own pick of algorithm.
     ///
     /// # Errors
-    /// [`DeviceError::ShapeMismatch`] when an operand is too short for the shape; cuBLAS's error.
+    /// [`DeviceError::ShapeMismatch`] when an operand is too short for the shape or a split of
+    /// `k` is refused ([`Gemm::split_k`]: a divisor of `k`, in a single product that overwrites
+    /// `C`); cuBLAS's error.
     pub fn gemm<C: GemmOutput>(
         &self,
         g: Gemm,

@@ -78,7 +78,8 @@ extern "C" __global__ void residual_rmsnorm(bf16* out, bf16* x, const float* par
     bf16* o = out + row * c;
     const float* pr = partials + row * c;
     const long long part_stride = rows * c;
-    const bool wide = (c & 7) == 0 && aligned16(xr) && aligned16(o) && aligned16(w) && aligned16(pr);
+    const bool wide =
+        (c & 7) == 0 && aligned16(xr) && aligned16(o) && aligned16(w) && aligned16(pr);
     float ss = 0.0f, f[8];
     // Each thread reads back only the values it wrote itself.
     if (wide) {
