@@ -2,7 +2,7 @@
 
 use half::bf16;
 
-use super::{eight_wide, elementwise, elementwise_words, per_row};
+use super::{eight_wide, elementwise, elementwise_words, per_row, rows_of};
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
@@ -98,14 +98,7 @@ impl Gpu {
     ) -> Result<(), DeviceError> {
         let c = w.len();
         out.expect_len("rmsnorm output", x.len())?;
-        if c == 0 || !x.len().is_multiple_of(c) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "rmsnorm input",
-                expected: c,
-                actual: x.len(),
-            });
-        }
-        let rows = x.len() / c;
+        let rows = rows_of("rmsnorm input", x.len(), c)?;
         if let Some(r) = rstd {
             r.expect_len("rmsnorm rstd", rows)?;
         }
@@ -146,14 +139,7 @@ impl Gpu {
     ) -> Result<(), DeviceError> {
         let c = w.len();
         out.expect_len("residual rmsnorm output", x.len())?;
-        if c == 0 || !x.len().is_multiple_of(c) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "residual rmsnorm input",
-                expected: c,
-                actual: x.len(),
-            });
-        }
-        let rows = x.len() / c;
+        let rows = rows_of("residual rmsnorm input", x.len(), c)?;
         if rows == 0 {
             return Ok(());
         }
@@ -189,13 +175,7 @@ impl Gpu {
     /// launch's error.
     pub fn bias_add(&self, x: GpuSlice<bf16>, bias: GpuSlice<bf16>) -> Result<(), DeviceError> {
         let c = bias.len();
-        if c == 0 || !x.len().is_multiple_of(c) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "bias input",
-                expected: c,
-                actual: x.len(),
-            });
-        }
+        rows_of("bias input", x.len(), c)?;
         let (n, c32) = (as_i64(x.len()), as_i32("bias width", c)?);
         self.launch(
             "bias_add",

@@ -104,6 +104,19 @@ fn elementwise_words(n: usize, wide: bool) -> LaunchConfig {
     elementwise(if wide { n / 8 } else { n })
 }
 
+/// The rows of `width` that `len` elements make, or [`DeviceError::ShapeMismatch`] naming
+/// `what` where they are not whole (or `width` is 0).
+fn rows_of(what: &'static str, len: usize, width: usize) -> Result<usize, DeviceError> {
+    if width == 0 || !len.is_multiple_of(width) {
+        return Err(DeviceError::ShapeMismatch {
+            what,
+            expected: width,
+            actual: len,
+        });
+    }
+    Ok(len / width)
+}
+
 /// A launch of one block of `threads` per row over `rows` rows.
 fn per_row(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {

@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 
 use super::elementwise::as_i32;
-use super::{eight_wide, elementwise, elementwise_words, per_row};
+use super::{eight_wide, elementwise, elementwise_words, per_row, rows_of};
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 use crate::ops::{AdamWConfig, AdamWScalars};
@@ -122,17 +122,6 @@ impl GpuMoments {
         }
         Ok((kernel, m, v))
     }
-}
-
-fn rows_of(what: &'static str, len: usize, width: usize) -> Result<usize, DeviceError> {
-    if width == 0 || !len.is_multiple_of(width) {
-        return Err(DeviceError::ShapeMismatch {
-            what,
-            expected: width,
-            actual: len,
-        });
-    }
-    Ok(len / width)
 }
 
 /// The operands of a column sum: `a (rows, cols)`, optionally times `b (rows, cols)`

@@ -26,6 +26,24 @@ extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids,
     for (int j = threadIdx.x; j < c; j += blockDim.x) dst[j] = src[j];
 }
 
+// out = x * r * w over one row of c (a row's norm once its reciprocal RMS r is known), 8 values a
+// read where `wide`; each thread writes the values it alone reads.
+__device__ __forceinline__ void rmsnorm_scale_row(bf16* o, const bf16* xr, const bf16* w, float r,
+                                                  int c, bool wide) {
+    if (wide) {
+        float f[8], g[8];
+        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
+            unpack8(((const uint4*)xr)[v], f);
+            unpack8(((const uint4*)w)[v], g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] = f[i] * r * g[i];
+            ((uint4*)o)[v] = pack8(f);
+        }
+    } else {
+        for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
+    }
+}
+
 // out = x / rms(x) * w per row, rstd[row] = 1 / rms(x); one block a row, 32 floats of shared.
 // out may be x (each thread writes only the values it alone reads after the block's sum).
 extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w,
@@ -52,18 +70,7 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     ss = block_sum(ss, scratch);
     const float r = rsqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
-    if (wide) {
-        float g[8];
-        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
-            unpack8(((const uint4*)xr)[v], f);
-            unpack8(((const uint4*)w)[v], g);
-#pragma unroll
-            for (int i = 0; i < 8; i++) f[i] = f[i] * r * g[i];
-            ((uint4*)o)[v] = pack8(f);
-        }
-    } else {
-        for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
-    }
+    rmsnorm_scale_row(o, xr, w, r, c, wide);
 }
 
 // x (rows, c) += the sum of `parts` fp32 partial products (parts, rows, c) (a product split
@@ -124,18 +131,7 @@ extern "C" __global__ void residual_rmsnorm(bf16* out, bf16* x, const float* par
     }
     ss = block_sum(ss, scratch);
     const float r = rsqrtf(ss / (float)c + eps);
-    if (wide) {
-        float g[8];
-        for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
-            unpack8(((const uint4*)xr)[v], f);
-            unpack8(((const uint4*)w)[v], g);
-#pragma unroll
-            for (int i = 0; i < 8; i++) f[i] = f[i] * r * g[i];
-            ((uint4*)o)[v] = pack8(f);
-        }
-    } else {
-        for (int j = threadIdx.x; j < c; j += blockDim.x) o[j] = f2bf(bf2f(xr[j]) * r * bf2f(w[j]));
-    }
+    rmsnorm_scale_row(o, xr, w, r, c, wide);
 }
 
 // x (rows, c) += b (c) on every row, elementwise over the n = rows * c values (the q, k and v
