@@ -152,9 +152,12 @@ impl Gpu {
         }
         let parts = as_i32("residual rmsnorm partials", partials.len() / x.len())?;
         let (rows64, c32) = (as_i64(rows), as_i32("rmsnorm width", c)?);
+        // A thread for each 16-byte word of a row, up to a block's 1024 threads (the kernel
+        // loops over wider rows).
+        let threads = (c / 8).next_multiple_of(32).clamp(ROW_THREADS as usize, 1024) as u32;
         self.launch(
             "residual_rmsnorm",
-            per_row(rows, ROW_THREADS),
+            per_row(rows, threads),
             &[
                 &out.address(),
                 &x.address(),

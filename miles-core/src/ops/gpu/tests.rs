@@ -214,8 +214,16 @@ fn gpu_residual_rmsnorm_adds_the_partials_once_then_norms_as_the_cpu() {
     ) else {
         return;
     };
-    // As rmsnorm_forward: 320 and 2048 read 8 at a time, 100 one at a time.
-    for (rows, c, parts) in [(37, 320, 2), (5, 2048, 4), (7, 100, 3), (3, 64, 1)] {
+    // 320 to 4096: a word of the row a thread; 8208 (over 1024 words): the threads loop over
+    // the words; 100: one value at a time. 5 partials: more than one batch of loads.
+    for (rows, c, parts) in [
+        (37, 320, 2),
+        (5, 2048, 4),
+        (3, 4096, 5),
+        (2, 8208, 2),
+        (7, 100, 3),
+        (3, 64, 1),
+    ] {
         let (x, x_host) = t.put_bf16(&seeded(6, rows * c));
         let partials_host = seeded(8, parts * rows * c);
         let partials = t.put(&partials_host);

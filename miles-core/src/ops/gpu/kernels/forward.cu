@@ -73,10 +73,37 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     rmsnorm_scale_row(o, xr, w, r, c, wide);
 }
 
+// The sum, in order, of word v (8 values) of a row's `parts` fp32 partials, `part_stride` apart:
+// four partials' loads in flight at once.
+__device__ __forceinline__ void sum_partials8(float* sum, const float* pr, long long part_stride,
+                                              int parts, int v) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) sum[i] = 0.0f;
+    for (int p0 = 0; p0 < parts; p0 += 4) {
+        float4 a[4], b[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (p0 + j < parts) {
+                const float4* q = (const float4*)(pr + (p0 + j) * part_stride) + 2 * v;
+                a[j] = q[0];
+                b[j] = q[1];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (p0 + j < parts) {
+                sum[0] += a[j].x, sum[1] += a[j].y, sum[2] += a[j].z, sum[3] += a[j].w;
+                sum[4] += b[j].x, sum[5] += b[j].y, sum[6] += b[j].z, sum[7] += b[j].w;
+            }
+        }
+    }
+}
+
 // x (rows, c) += the sum of `parts` fp32 partial products (parts, rows, c) (a product split
 // along its inner dimension), the partials added in order, then to x, rounded to bf16 once; then
 // out = x / rms(x) * w as rmsnorm_forward, over the stored (rounded) x. The residual add of a
-// split product fused with the norm after it; one block a row, 32 floats of shared.
+// split product fused with the norm after it; one block a row (of at least c / 8 threads where
+// the row fits, so each holds one word), 32 floats of shared.
 extern "C" __global__ void residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts,
                                             long long rows, const bf16* w, int c, float eps) {
     __shared__ float scratch[32];
@@ -88,30 +115,40 @@ extern "C" __global__ void residual_rmsnorm(bf16* out, bf16* x, const float* par
     const bool wide =
         (c & 7) == 0 && aligned16(xr) && aligned16(o) && aligned16(w) && aligned16(pr);
     float ss = 0.0f, f[8];
+    if (wide && c / 8 <= (int)blockDim.x) {
+        // A word of the row a thread (the launch gives a row's width in threads): the word
+        // stays in registers from the sum to the scaling, and its weights are read with it.
+        const int v = threadIdx.x;
+        const bool mine = v < c / 8;
+        float g[8];
+        if (mine) {
+            const uint4 xv = ((const uint4*)xr)[v], wv = ((const uint4*)w)[v];
+            float sum[8];
+            sum_partials8(sum, pr, part_stride, parts, v);
+            unpack8(xv, f);
+            unpack8(wv, g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                f[i] = bf2f(f2bf(sum[i] + f[i]));
+                ss += f[i] * f[i];
+            }
+            ((uint4*)xr)[v] = pack8(f);
+        }
+        ss = block_sum(ss, scratch);
+        const float r = rsqrtf(ss / (float)c + eps);
+        if (mine) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) f[i] = f[i] * r * g[i];
+            ((uint4*)o)[v] = pack8(f);
+        }
+        return;
+    }
     // Each thread reads back only the values it wrote itself.
     if (wide) {
         for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
             const uint4 xv = ((const uint4*)xr)[v];
-            float sum[8] = {};
-            // Four partials' loads in flight at once, added in order.
-            for (int p0 = 0; p0 < parts; p0 += 4) {
-                float4 a[4], b[4];
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    if (p0 + j < parts) {
-                        const float4* q = (const float4*)(pr + (p0 + j) * part_stride) + 2 * v;
-                        a[j] = q[0];
-                        b[j] = q[1];
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    if (p0 + j < parts) {
-                        sum[0] += a[j].x, sum[1] += a[j].y, sum[2] += a[j].z, sum[3] += a[j].w;
-                        sum[4] += b[j].x, sum[5] += b[j].y, sum[6] += b[j].z, sum[7] += b[j].w;
-                    }
-                }
-            }
+            float sum[8];
+            sum_partials8(sum, pr, part_stride, parts, v);
             unpack8(xv, f);
 #pragma unroll
             for (int i = 0; i < 8; i++) {

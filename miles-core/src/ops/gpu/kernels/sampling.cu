@@ -8,7 +8,8 @@
 //     `draw_uniform`;
 //   - the log-prob is of the temperature-scaled distribution before the cuts.
 // The cuts are found by bisection over an order-preserving 32-bit key of the logits (32 block
-// reductions each), so nothing is sorted and nothing of the row is written.
+// reductions each), so nothing is sorted and nothing of the row is written. The draw's walk
+// goes by warps: each owns a run of ids, read 32 at a time.
 //
 // The rule is read from device memory, not passed by value, so that a captured CUDA graph
 // replays with the rule and seed of each call: rule = [temperature bits, top_p bits, top_k,
@@ -39,9 +40,14 @@ __device__ __forceinline__ unsigned int order_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+__device__ __forceinline__ double warp_sum_double(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 __device__ __forceinline__ double block_sum_double(double v, double* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum_double(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
@@ -94,7 +100,8 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     __shared__ unsigned int uscratch[32];
     __shared__ float best_value[32];
     __shared__ int best_index[32];
-    __shared__ double prefix[SAMPLE_THREADS];
+    __shared__ double run_mass[32];
+    __shared__ int run_last[32];
     __shared__ int chosen, fallback;
     const unsigned int* d = draws + 4 * (long long)blockIdx.x;
     const float* x = logits + (long long)d[0] * vocab;
@@ -143,38 +150,55 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
             }
             key = lo;
         }
-        // Each thread owns a run of ids; a scan of the runs' kept mass finds the run holding
-        // u * total, and its thread walks it.
-        const int run = (vocab + blockDim.x - 1) / blockDim.x;
-        const int begin = min(vocab, (int)threadIdx.x * run), end = min(vocab, begin + run);
+        // Each warp owns a run of ids, which its lanes read 32 at a time; a scan of the runs'
+        // kept mass finds the run holding u * total, and its warp walks it 32 ids at a time.
+        const int run = (vocab + warps * 32 - 1) / (warps * 32) * 32;
+        const int begin = min(vocab, warp * run), end = min(vocab, begin + run);
         double own = 0.0;
         int last = -1;
-        for (int i = begin; i < end; ++i) {
+        for (int i = begin + lane; i < end; i += 32) {
             const float v = x[i];
             if (order_key(v) >= key) { own += (double)expf((v - m) / t); last = i; }
         }
-        prefix[threadIdx.x] = own;
+        own = warp_sum_double(own);
+        for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+        if (lane == 0) { run_mass[warp] = own; run_last[warp] = last; }
         __syncthreads();
-        for (int o = 1; o < (int)blockDim.x; o <<= 1) {
-            const double add = (int)threadIdx.x >= o ? prefix[threadIdx.x - o] : 0.0;
-            __syncthreads();
-            prefix[threadIdx.x] += add;
-            __syncthreads();
+        // Every warp scans the runs' masses the same way, so all agree on the total.
+        double through = lane < warps ? run_mass[lane] : 0.0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const double add = __shfl_up_sync(0xffffffffu, through, o);
+            if (lane >= o) through += add;
         }
-        const double before = threadIdx.x > 0 ? prefix[threadIdx.x - 1] : 0.0;
-        const double through = prefix[threadIdx.x];
-        const double target = sample_uniform(seed, d) * prefix[blockDim.x - 1];
-        if (last >= 0) atomicMax(&fallback, last);
-        if (last >= 0 && before <= target && target < through) {
-            double acc = before;
+        const double total = __shfl_sync(0xffffffffu, through, 31);
+        const double after = __shfl_sync(0xffffffffu, through, warp);
+        const double ahead = __shfl_sync(0xffffffffu, through, max(warp - 1, 0));
+        const double before = warp > 0 ? ahead : 0.0;
+        const double target = sample_uniform(seed, d) * total;
+        if (threadIdx.x == 0) {
+            for (int w = 0; w < warps; ++w) fallback = max(fallback, run_last[w]);
+        }
+        if (last >= 0 && before <= target && target < after) {
+            // The run's last kept id where the walk's rounding ends short of the target.
             int found = last;
-            for (int i = begin; i < end; ++i) {
-                const float v = x[i];
-                if (order_key(v) < key) continue;
-                acc += (double)expf((v - m) / t);
-                if (target < acc) { found = i; break; }
+            double acc = before;
+            for (int i0 = begin; i0 < end; i0 += 32) {
+                const int i = i0 + lane;
+                const float v = i < end ? x[i] : NEG_INF;
+                const double p = i < end && order_key(v) >= key ? (double)expf((v - m) / t) : 0.0;
+                double upto = p;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const double add = __shfl_up_sync(0xffffffffu, upto, o);
+                    if (lane >= o) upto += add;
+                }
+                const unsigned hit = __ballot_sync(0xffffffffu, target < acc + upto);
+                if (hit) {
+                    found = i0 + __ffs(hit) - 1;
+                    break;
+                }
+                acc += __shfl_sync(0xffffffffu, upto, 31);
             }
-            atomicMin(&chosen, found);
+            if (lane == 0) chosen = found;
         }
         __syncthreads();
         pick = chosen != 0x7fffffff ? chosen : fallback;
