@@ -9,6 +9,9 @@ use crate::device::{Gpu, GpuSlice, LaunchConfig};
 /// Threads per block of the per-row kernels (norms).
 const ROW_THREADS: u32 = 256;
 
+/// Most threads of a `residual_rmsnorm` block (`RESIDUAL_NORM_THREADS` in the kernel).
+const RESIDUAL_NORM_THREADS: usize = 512;
+
 fn as_i64(n: usize) -> i64 {
     n as i64
 }
@@ -152,9 +155,11 @@ impl Gpu {
         }
         let parts = as_i32("residual rmsnorm partials", partials.len() / x.len())?;
         let (rows64, c32) = (as_i64(rows), as_i32("rmsnorm width", c)?);
-        // A thread for each 16-byte word of a row, up to a block's 1024 threads (the kernel
-        // loops over wider rows).
-        let threads = (c / 8).next_multiple_of(32).clamp(ROW_THREADS as usize, 1024) as u32;
+        // A thread for each 16-byte word of a row, up to the kernel's bound (it loops over
+        // wider rows).
+        let threads = (c / 8)
+            .next_multiple_of(32)
+            .clamp(ROW_THREADS as usize, RESIDUAL_NORM_THREADS) as u32;
         self.launch(
             "residual_rmsnorm",
             per_row(rows, threads),

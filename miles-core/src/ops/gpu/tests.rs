@@ -214,7 +214,7 @@ fn gpu_residual_rmsnorm_adds_the_partials_once_then_norms_as_the_cpu() {
     ) else {
         return;
     };
-    // 320 to 4096: a word of the row a thread; 8208 (over 1024 words): the threads loop over
+    // 320 to 4096: a word of the row a thread; 8208 (over 512 words): the threads loop over
     // the words; 100: one value at a time. 5 partials: more than one batch of loads.
     for (rows, c, parts) in [
         (37, 320, 2),

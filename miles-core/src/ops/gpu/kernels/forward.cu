@@ -103,8 +103,11 @@ __device__ __forceinline__ void sum_partials8(float* sum, const float* pr, long 
 // along its inner dimension), the partials added in order, then to x, rounded to bf16 once; then
 // out = x / rms(x) * w as rmsnorm_forward, over the stored (rounded) x. The residual add of a
 // split product fused with the norm after it; one block a row (of at least c / 8 threads where
-// the row fits, so each holds one word), 32 floats of shared.
-extern "C" __global__ void residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts,
+// the row fits RESIDUAL_NORM_THREADS words, so each holds one), 32 floats of shared.
+// Most threads of a residual_rmsnorm block (the launch bound keeps its registers within them).
+#define RESIDUAL_NORM_THREADS 512
+
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS) residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts,
                                             long long rows, const bf16* w, int c, float eps) {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;

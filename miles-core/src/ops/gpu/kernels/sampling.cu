@@ -67,13 +67,38 @@ __device__ __forceinline__ unsigned int block_sum_uint(unsigned int v, unsigned 
     return v;
 }
 
+// Calls f(i, x[i]) for the ids of [begin, end) that thread `at` of `threads` takes, in
+// increasing order: ids 4j to 4j + 3 for j = begin / 4 + at, + threads, ... (16-byte reads)
+// where the range allows, else ids begin + at, + threads, ...
+template <typename F>
+__device__ __forceinline__ void each_logit(const float* x, int begin, int end, int at, int threads,
+                                           F f) {
+    if (((begin | end) & 3) == 0 && aligned16(x)) {
+        for (int j = begin / 4 + at; j < end / 4; j += threads) {
+            const float4 v = ((const float4*)x)[j];
+            f(4 * j, v.x);
+            f(4 * j + 1, v.y);
+            f(4 * j + 2, v.z);
+            f(4 * j + 3, v.w);
+        }
+    } else {
+        for (int i = begin + at; i < end; i += threads) f(i, x[i]);
+    }
+}
+
+// each_logit over the whole row, by the block's threads.
+template <typename F>
+__device__ __forceinline__ void each_logit_of_row(const float* x, int vocab, F f) {
+    each_logit(x, 0, vocab, threadIdx.x, blockDim.x, f);
+}
+
 // The largest key with at least `want` tokens at or above it, searched in [lo, hi].
 __device__ unsigned int top_k_key(const float* x, int vocab, unsigned int lo, unsigned int hi,
                                   unsigned int want, unsigned int* scratch) {
     while (lo < hi) {
         const unsigned int mid = lo + (unsigned int)(((unsigned long long)hi - lo + 1) / 2);
         unsigned int count = 0;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) count += order_key(x[i]) >= mid;
+        each_logit_of_row(x, vocab, [&](int, float v) { count += order_key(v) >= mid; });
         if (block_sum_uint(count, scratch) >= want) lo = mid; else hi = mid - 1;
     }
     return lo;
@@ -83,10 +108,9 @@ __device__ unsigned int top_k_key(const float* x, int vocab, unsigned int lo, un
 __device__ double mass_from(const float* x, int vocab, float m, float t, unsigned int key,
                             double* scratch) {
     double mass = 0.0;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = x[i];
+    each_logit_of_row(x, vocab, [&](int, float v) {
         if (order_key(v) >= key) mass += (double)expf((v - m) / t);
-    }
+    });
     return block_sum_double(mass, scratch);
 }
 
@@ -111,10 +135,9 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     // The maximum and its lowest index.
     float best = NEG_INF;
     int index = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = x[i];
+    each_logit_of_row(x, vocab, [&](int i, float v) {
         if (v > best) { best = v; index = i; }
-    }
+    });
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, best, o);
         const int oi = __shfl_xor_sync(0xffffffffu, index, o);
@@ -133,7 +156,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     const float m = best;
 
     double sum = 0.0;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += (double)expf((x[i] - m) / t);
+    each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf((v - m) / t); });
     sum = block_sum_double(sum, dscratch);
 
     int pick = index;
@@ -150,16 +173,16 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
             }
             key = lo;
         }
-        // Each warp owns a run of ids, which its lanes read 32 at a time; a scan of the runs'
-        // kept mass finds the run holding u * total, and its warp walks it 32 ids at a time.
-        const int run = (vocab + warps * 32 - 1) / (warps * 32) * 32;
+        // Each warp owns a run of ids (a multiple of 128, so its lanes can read 16 bytes
+        // each); a scan of the runs' kept mass finds the run holding u * total, and its warp
+        // walks it 32 ids at a time.
+        const int run = (vocab + warps * 128 - 1) / (warps * 128) * 128;
         const int begin = min(vocab, warp * run), end = min(vocab, begin + run);
         double own = 0.0;
         int last = -1;
-        for (int i = begin + lane; i < end; i += 32) {
-            const float v = x[i];
+        each_logit(x, begin, end, lane, 32, [&](int i, float v) {
             if (order_key(v) >= key) { own += (double)expf((v - m) / t); last = i; }
-        }
+        });
         own = warp_sum_double(own);
         for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
         if (lane == 0) { run_mass[warp] = own; run_last[warp] = last; }
