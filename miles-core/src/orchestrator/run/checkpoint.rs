@@ -8,7 +8,7 @@ use crate::backend::BackendError;
 use crate::model::export_hf;
 use crate::orchestrator::OrchestratorError;
 use crate::orchestrator::state::{
-    LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir,
+    LoopState, STATE_FILE, io, mark_latest, resolve_checkpoint, step_dir, sync_parent, sync_tree,
 };
 
 impl Orchestrator {
@@ -23,9 +23,9 @@ impl Orchestrator {
 
     /// Writes `save/step-<N>/` (actor, critic, loop state last) and marks it latest (on a rank
     /// that [assists](Orchestrator::assist_saves), only the actor's part of the save). The
-    /// checkpoint is written into `save/.step-<N>.partial/` and renamed into place whole, so a
-    /// run killed mid-save leaves the previous checkpoint in use and only that hidden
-    /// directory, which the next save removes.
+    /// checkpoint is written into `save/.step-<N>.partial/`, synced to the disk, and renamed
+    /// into place whole, so a run killed mid-save (or a machine that loses power) leaves the
+    /// previous checkpoint in use and only that hidden directory, which the next save removes.
     pub(super) fn save(&mut self) -> Result<(), OrchestratorError> {
         let Some(save) = self.config.save.clone() else {
             return Ok(());
@@ -35,14 +35,6 @@ impl Orchestrator {
             self.saved_step = Some(self.state.step);
             return Ok(());
         }
-        let io = |action: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| OrchestratorError::Io {
-                action,
-                path,
-                source,
-            }
-        };
         let dir = step_dir(&save, self.state.step);
         let name = dir
             .file_name()
@@ -83,6 +75,8 @@ impl Orchestrator {
             actor?;
         }
         self.state.write(&partial)?;
+        // On the disk before it is renamed into place and named latest, in that order.
+        sync_tree(&partial)?;
         if dir.exists() {
             let old = save.join(format!(".{name}.old{PARTIAL}"));
             std::fs::rename(&dir, &old).map_err(io("move aside", &dir))?;
@@ -91,6 +85,7 @@ impl Orchestrator {
         } else {
             std::fs::rename(&partial, &dir).map_err(io("rename into place", &dir))?;
         }
+        sync_parent(&dir)?;
         mark_latest(&save, &dir)?;
         self.saved_step = Some(self.state.step);
         tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
