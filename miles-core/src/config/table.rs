@@ -365,7 +365,7 @@ settings_table! {
         Value lr: f64 = 1e-4, "LR", "Run", Range::AboveUpTo(0.0, 1.0);
         /// Seed of every random choice
         Value seed: u64 = 42, "N", "Run", Range::Any;
-        /// Checkpoint directory to save to
+        /// Checkpoint directory to save to (each checkpoint synced to the disk before `DIR/latest` names it)
         Optional save: PathBuf = None, "DIR", "Run", Range::Any;
         /// Save every N steps (and at the end)
         Optional save_interval: u64 = None, "N", "Run", Range::AtLeast(1.0);
