@@ -94,17 +94,17 @@ pub fn write_optimizer_rank(
     let parent = dir.join(OPTIMIZER_DIR);
     std::fs::create_dir_all(&parent).map_err(io("create", &parent))?;
     let path = optimizer_file(dir, rank);
-    let bytes = |x: &[f32]| -> Vec<u8> { x.iter().flat_map(|f| f.to_le_bytes()).collect() };
-    let (mb, vb) = (bytes(m), bytes(v));
+    // Little-endian memory, as safetensors stores it (`model::checkpoint` refuses other targets).
+    let (mb, vb): (&[u8], &[u8]) = (bytemuck::cast_slice(m), bytemuck::cast_slice(v));
     let st_err = |e: safetensors::SafeTensorError| bad(&path, e.to_string());
     let tensors = vec![
         (
             "exp_avg",
-            TensorView::new(Dtype::F32, vec![m.len()], &mb).map_err(st_err)?,
+            TensorView::new(Dtype::F32, vec![m.len()], mb).map_err(st_err)?,
         ),
         (
             "exp_avg_sq",
-            TensorView::new(Dtype::F32, vec![v.len()], &vb).map_err(st_err)?,
+            TensorView::new(Dtype::F32, vec![v.len()], vb).map_err(st_err)?,
         ),
     ];
     let metadata = HashMap::from([

@@ -65,13 +65,30 @@ impl SaveDtype {
         }
     }
 
-    fn encode(self, values: &[f32]) -> Vec<u8> {
+    fn encode(self, values: &[f32]) -> Encoded<'_> {
         match self {
-            Self::Bf16 => values
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect(),
-            Self::Fp32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Self::Bf16 => Encoded::Bf16(values.iter().map(|&x| half::bf16::from_f32(x)).collect()),
+            Self::Fp32 => Encoded::Fp32(values),
+        }
+    }
+}
+
+// safetensors files are little-endian, and the writers hand them values' memory as it is.
+#[cfg(not(target_endian = "little"))]
+compile_error!("miles writes safetensors files from memory, which must be little-endian");
+
+/// A tensor's values in the dtype a file stores: fp32 as they are (no copy), or rounded to bf16.
+enum Encoded<'a> {
+    Fp32(&'a [f32]),
+    Bf16(Vec<half::bf16>),
+}
+
+impl Encoded<'_> {
+    /// The bytes a safetensors file holds for them.
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Fp32(values) => bytemuck::cast_slice(values),
+            Self::Bf16(values) => bytemuck::cast_slice(values),
         }
     }
 }
@@ -236,7 +253,7 @@ fn write_specs(
     params: &[f32],
     dtype: SaveDtype,
 ) -> Result<(), ModelError> {
-    let bytes: Vec<Vec<u8>> = layout
+    let encoded: Vec<Encoded<'_>> = layout
         .specs()
         .iter()
         .map(|s| dtype.encode(&params[s.range()]))
@@ -245,11 +262,11 @@ fn write_specs(
         path: path.to_path_buf(),
         reason: e.to_string(),
     };
-    let mut views = Vec::with_capacity(bytes.len());
-    for (spec, data) in layout.specs().iter().zip(&bytes) {
+    let mut views = Vec::with_capacity(encoded.len());
+    for (spec, data) in layout.specs().iter().zip(&encoded) {
         views.push((
             spec.name.clone(),
-            TensorView::new(dtype.dtype(), spec.shape.clone(), data).map_err(st_err)?,
+            TensorView::new(dtype.dtype(), spec.shape.clone(), data.bytes()).map_err(st_err)?,
         ));
     }
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
