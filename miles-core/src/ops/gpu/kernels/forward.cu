@@ -99,16 +99,33 @@ __device__ __forceinline__ void sum_partials8(float* sum, const float* pr, long 
     }
 }
 
+// Word v of row xr (its bf16 values xv) plus the sum of its partials, rounded to bf16 once:
+// stored back into xr, left in f, its squares added to ss.
+__device__ __forceinline__ void add_partials8(float* f, float& ss, bf16* xr, uint4 xv,
+                                              const float* pr, long long part_stride, int parts,
+                                              int v) {
+    float sum[8];
+    sum_partials8(sum, pr, part_stride, parts, v);
+    unpack8(xv, f);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        f[i] = bf2f(f2bf(sum[i] + f[i]));
+        ss += f[i] * f[i];
+    }
+    ((uint4*)xr)[v] = pack8(f);
+}
+
+// Most threads of a residual_rmsnorm block (the launch bound keeps its registers within them).
+#define RESIDUAL_NORM_THREADS 512
+
 // x (rows, c) += the sum of `parts` fp32 partial products (parts, rows, c) (a product split
 // along its inner dimension), the partials added in order, then to x, rounded to bf16 once; then
 // out = x / rms(x) * w as rmsnorm_forward, over the stored (rounded) x. The residual add of a
 // split product fused with the norm after it; one block a row (of at least c / 8 threads where
 // the row fits RESIDUAL_NORM_THREADS words, so each holds one), 32 floats of shared.
-// Most threads of a residual_rmsnorm block (the launch bound keeps its registers within them).
-#define RESIDUAL_NORM_THREADS 512
-
-extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS) residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts,
-                                            long long rows, const bf16* w, int c, float eps) {
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS)
+    residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts, long long rows,
+                     const bf16* w, int c, float eps) {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     bf16* xr = x + row * c;
@@ -126,16 +143,8 @@ extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS) residual_rms
         float g[8];
         if (mine) {
             const uint4 xv = ((const uint4*)xr)[v], wv = ((const uint4*)w)[v];
-            float sum[8];
-            sum_partials8(sum, pr, part_stride, parts, v);
-            unpack8(xv, f);
             unpack8(wv, g);
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                f[i] = bf2f(f2bf(sum[i] + f[i]));
-                ss += f[i] * f[i];
-            }
-            ((uint4*)xr)[v] = pack8(f);
+            add_partials8(f, ss, xr, xv, pr, part_stride, parts, v);
         }
         ss = block_sum(ss, scratch);
         const float r = rsqrtf(ss / (float)c + eps);
@@ -149,16 +158,7 @@ extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS) residual_rms
     // Each thread reads back only the values it wrote itself.
     if (wide) {
         for (int v = threadIdx.x; v < c / 8; v += blockDim.x) {
-            const uint4 xv = ((const uint4*)xr)[v];
-            float sum[8];
-            sum_partials8(sum, pr, part_stride, parts, v);
-            unpack8(xv, f);
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                f[i] = bf2f(f2bf(sum[i] + f[i]));
-                ss += f[i] * f[i];
-            }
-            ((uint4*)xr)[v] = pack8(f);
+            add_partials8(f, ss, xr, ((const uint4*)xr)[v], pr, part_stride, parts, v);
         }
     } else {
         for (int j = threadIdx.x; j < c; j += blockDim.x) {
