@@ -142,7 +142,8 @@ pub fn save_checkpoint(
 
 /// Writes `params` as a Hugging Face directory `dir` (created if missing) under `options`:
 /// config.json with the dtype, the weights in one file or sharded with an index (stale weight
-/// files of the other form removed), and the tokenizer files of `options.tokenizer_from`.
+/// files of the other form removed), and the tokenizer files of `options.tokenizer_from`; then
+/// syncs `dir` to the disk ([`sync_tree`]).
 ///
 /// # Errors
 /// As [`save_checkpoint`].
@@ -202,7 +203,7 @@ pub fn write_hf(
     if let Some(from) = &options.tokenizer_from {
         copy_tokenizer_files(from, dir)?;
     }
-    Ok(())
+    sync_tree(dir, &|action, path, source| io(action, path)(source))
 }
 
 /// Rewrites the Hugging Face files of the trainer's checkpoint `dir` (made by
@@ -216,6 +217,36 @@ pub fn export_hf(dir: &Path, options: &SaveOptions) -> Result<(), ModelError> {
     let mut params = alloc_params(layout.len())?;
     load_params(dir, &layout, &mut params)?;
     write_hf(dir, &config, &layout, &params, options)
+}
+
+/// Flushes the file or directory `path` to the disk.
+///
+/// # Errors
+/// The system's error.
+pub fn sync_file(path: &Path) -> std::io::Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all())
+}
+
+/// Flushes every file and directory under `dir`, and `dir` itself, to the disk (safetensors
+/// and `std::fs::write` leave what they write in the page cache), reporting a failure as
+/// `error(action, path, cause)`.
+///
+/// # Errors
+/// `error`'s, for the entry that could not be listed, inspected or synced.
+pub fn sync_tree<E>(
+    dir: &Path,
+    error: &impl Fn(&'static str, &Path, std::io::Error) -> E,
+) -> Result<(), E> {
+    for entry in std::fs::read_dir(dir).map_err(|e| error("list", dir, e))? {
+        let path = entry.map_err(|e| error("list", dir, e))?.path();
+        let kind = std::fs::symlink_metadata(&path).map_err(|e| error("inspect", &path, e))?;
+        if kind.is_dir() {
+            sync_tree(&path, error)?;
+        } else if kind.is_file() {
+            sync_file(&path).map_err(|e| error("sync", &path, e))?;
+        }
+    }
+    sync_file(dir).map_err(|e| error("sync", dir, e))
 }
 
 /// Copies every tokenizer file of `from` that exists into `to`.
@@ -545,6 +576,23 @@ pub fn load_hf_checkpoint(dir: &Path) -> Result<(LlamaConfig, Vec<f32>), ModelEr
 mod tests {
     use super::*;
     use crate::model::init_params;
+
+    #[test]
+    fn sync_tree_flushes_a_nested_checkpoint_and_names_a_directory_it_cannot_list() {
+        let save = tempfile::tempdir().unwrap();
+        let actor = save.path().join("step-00000001").join("actor");
+        std::fs::create_dir_all(actor.join("optimizer")).unwrap();
+        std::fs::write(actor.join(WEIGHTS_FILE), b"weights").unwrap();
+        std::fs::write(
+            actor.join("optimizer").join("rank-0.safetensors"),
+            b"moments",
+        )
+        .unwrap();
+        let error = |action, path: &Path, _| (action, path.to_path_buf());
+        sync_tree(save.path(), &error).unwrap();
+        let gone = save.path().join("step-00000002");
+        assert_eq!(sync_tree(&gone, &error), Err(("list", gone.clone())));
+    }
 
     fn tiny_checkpoint(dir: &Path) -> (LlamaConfig, ParamLayout, Vec<f32>) {
         let c = LlamaConfig::preset("tiny").unwrap();

@@ -22,7 +22,7 @@ pub use checkpoint::{
     CONFIG_FILE, DEFAULT_SHARD_BYTES, INDEX_FILE, MASTER_FILE, SaveOptions, TOKENIZER_FILES,
     WEIGHTS_FILE, WeightsSummary, alloc_params, copy_tokenizer_files, export_hf,
     inspect_hf_weights, load_checkpoint, load_config, load_hf_checkpoint, load_hf_params,
-    load_params, save_checkpoint, write_hf,
+    load_params, save_checkpoint, sync_file, sync_tree, write_hf,
 };
 pub use config::{LlamaConfig, ModelFamily};
 pub use decode::{ContiguousKvCache, DecodeScratch, KvCache};

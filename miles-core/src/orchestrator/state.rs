@@ -3,7 +3,8 @@
 //! position of every generator.
 //!
 //! A save writes `DIR/step-<N>/` (`actor/`, `critic/`, `loop_state.json`, the last written
-//! atomically), flushes every file and directory of it to the disk ([`sync_tree`]), then
+//! atomically), flushes every file and directory of it to the disk
+//! ([`sync_tree`](crate::model::sync_tree)), then
 //! points `DIR/latest` at it; a crash mid-save, the machine's included, leaves the previous
 //! checkpoint in use.
 
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::OrchestratorError;
 use crate::config::Task;
+use crate::model::sync_file;
 
 /// The loop's state file inside a checkpoint directory.
 pub const STATE_FILE: &str = "loop_state.json";
@@ -144,9 +146,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), OrchestratorError> {
 /// # Errors
 /// [`OrchestratorError::Io`] naming `path`.
 fn sync_path(path: &Path) -> Result<(), OrchestratorError> {
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io("sync", path))
+    sync_file(path).map_err(io("sync", path))
 }
 
 /// Flushes the directory holding `path` (its entry for `path`) to the disk.
@@ -160,49 +160,9 @@ pub(crate) fn sync_parent(path: &Path) -> Result<(), OrchestratorError> {
     }
 }
 
-/// Flushes every file and directory under `dir`, and `dir` itself, to the disk: what a
-/// checkpoint writer left in the page cache (safetensors files are written unsynced) is on the
-/// disk before the checkpoint is renamed into place and named latest.
-///
-/// # Errors
-/// [`OrchestratorError::Io`] naming the entry that could not be listed or synced.
-pub(crate) fn sync_tree(dir: &Path) -> Result<(), OrchestratorError> {
-    for entry in std::fs::read_dir(dir).map_err(io("list", dir))? {
-        let path = entry.map_err(io("list", dir))?.path();
-        let kind = std::fs::symlink_metadata(&path).map_err(io("inspect", &path))?;
-        if kind.is_dir() {
-            sync_tree(&path)?;
-        } else if kind.is_file() {
-            sync_path(&path)?;
-        }
-    }
-    sync_path(dir)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sync_tree_flushes_a_nested_checkpoint_and_names_a_directory_it_cannot_list() {
-        let save = tempfile::tempdir().unwrap();
-        let actor = save.path().join("step-00000001").join("actor");
-        std::fs::create_dir_all(actor.join("optimizer")).unwrap();
-        std::fs::write(actor.join("model.safetensors"), b"weights").unwrap();
-        std::fs::write(
-            actor.join("optimizer").join("rank-0.safetensors"),
-            b"moments",
-        )
-        .unwrap();
-        sync_tree(save.path()).unwrap();
-        let gone = save.path().join("step-00000002");
-        match sync_tree(&gone) {
-            Err(OrchestratorError::Io { action, path, .. }) => {
-                assert_eq!((action, path.as_path()), ("list", gone.as_path()));
-            }
-            other => panic!("{other:?}"),
-        }
-    }
 
     #[test]
     fn a_latest_file_naming_a_path_outside_the_directory_is_refused() {

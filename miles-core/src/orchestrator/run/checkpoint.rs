@@ -5,10 +5,10 @@ use std::path::Path;
 
 use super::Orchestrator;
 use crate::backend::BackendError;
-use crate::model::export_hf;
+use crate::model::{export_hf, sync_tree};
 use crate::orchestrator::OrchestratorError;
 use crate::orchestrator::state::{
-    LoopState, STATE_FILE, io, mark_latest, resolve_checkpoint, step_dir, sync_parent, sync_tree,
+    LoopState, STATE_FILE, io, mark_latest, resolve_checkpoint, step_dir, sync_parent,
 };
 
 impl Orchestrator {
@@ -76,7 +76,7 @@ impl Orchestrator {
         }
         self.state.write(&partial)?;
         // On the disk before it is renamed into place and named latest, in that order.
-        sync_tree(&partial)?;
+        sync_tree(&partial, &|action, path, source| io(action, path)(source))?;
         if dir.exists() {
             let old = save.join(format!(".{name}.old{PARTIAL}"));
             std::fs::rename(&dir, &old).map_err(io("move aside", &dir))?;
