@@ -214,14 +214,16 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
                     const double add = __shfl_up_sync(0xffffffffu, upto, o);
                     if (lane >= o) upto += add;
                 }
-                const unsigned hit = __ballot_sync(0xffffffffu, target < acc + upto);
+                // A kept id (p > 0): the scan's rounding need not rise lane by lane.
+                const unsigned hit = __ballot_sync(0xffffffffu, p > 0.0 && target < acc + upto);
                 if (hit) {
                     found = i0 + __ffs(hit) - 1;
                     break;
                 }
                 acc += __shfl_sync(0xffffffffu, upto, 31);
             }
-            if (lane == 0) chosen = found;
+            // The runs' intervals may overlap by a rounding: the lowest id wins, every time.
+            if (lane == 0) atomicMin(&chosen, found);
         }
         __syncthreads();
         pick = chosen != 0x7fffffff ? chosen : fallback;
