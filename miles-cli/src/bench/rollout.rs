@@ -102,9 +102,14 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     let config = LlamaConfig::preset(&settings.preset)?;
     let model = Transformer::new(config.clone());
     let layout = model.layout().clone();
+    // Where the start-up goes: the seeded weights, the engine (device, kernels, cache), the
+    // weights written into it.
+    let started = Instant::now();
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, settings.seed, &mut params)?;
+    let seed_seconds = started.elapsed().as_secs_f64();
     let engine = build_engine(&settings, &config, EngineConfig::from_settings(&settings))?;
+    let engine_seconds = started.elapsed().as_secs_f64() - seed_seconds;
     let memory = Arc::clone(engine.memory());
     let kv_blocks = engine.kv_blocks();
     let mut controller = InferenceController::from_settings(engine, &settings);
@@ -114,6 +119,7 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         .map(|s| NamedTensor::f32(&s.name, &s.shape, &params[s.range()]))
         .collect();
     controller.update_weights(&tensors)?;
+    let weights_seconds = started.elapsed().as_secs_f64() - seed_seconds - engine_seconds;
 
     let bos = miles_core::model::ByteTokenizer::from_config(&config)?.bos;
     let mut rng = ChaCha8Rng::seed_from_u64(settings.seed);
@@ -253,6 +259,11 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         "decode_share_of_bound": bound.as_ref().map(|b| engine_tps / b.tokens_per_second),
         "torch_generate": torch,
         "identical_after_cycles": identical,
+        "startup_seconds": {
+            "seed_weights": seed_seconds,
+            "build_engine": engine_seconds,
+            "write_weights": weights_seconds,
+        },
         "steps": steps.iter().map(Step::to_json).collect::<Vec<_>>(),
     });
     let mut out = std::io::stdout().lock();
@@ -270,6 +281,10 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
         weight_bytes as f64 / (1u64 << 20) as f64,
         kv_blocks,
         kv_bytes as f64 / (1u64 << 20) as f64
+    )?;
+    writeln!(
+        out,
+        "start-up: weights seeded in {seed_seconds:.1} s, engine built in {engine_seconds:.1} s (device, kernels, cache), weights written in {weights_seconds:.1} s"
     )?;
     let baseline = match bare_tps {
         Some(bare) => format!(
