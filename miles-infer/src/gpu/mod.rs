@@ -17,9 +17,9 @@
 //! norm's kernel adds into the residual stream (`residual_rmsnorm`); in a wider one they add
 //! into it themselves (beta 1). A decode step then draws each sequence's next token on the
 //! device (the `sample_rows` kernel), so only token ids and log-probs come back; a prefill
-//! brings its
-//! prompts' rows of logits back (once per prompt: its samples draw from them later). A fence
-//! on every buffer the pass used lets the memory manager pause the tags afterwards.
+//! brings its prompts' rows of logits back (once per prompt: its samples draw from them
+//! later). A fence on every buffer the pass used lets the memory manager pause the tags
+//! afterwards.
 //!
 //! The decode step is captured as a CUDA graph per batch bucket (1, 2, 4, ... up to
 //! `max_batch` sequences), once in the engine's life: a step of `B` sequences runs the graph

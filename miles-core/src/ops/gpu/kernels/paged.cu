@@ -48,10 +48,9 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 // into shared memory at once (cp.async; rows past the sequence are zeros), the queries with the
 // first tile, so a tile costs one trip to memory. The products run on the tensor cores
 // (mma.sync m16n8k16, with the training attention's helpers): the block's query heads are the
-// 16 rows of A (zeros past them), and
-// warp w takes positions 16 w .. 16 w + 15 of every tile with its own online softmax (fp32,
-// base 2) and its own output; at the end the warps' maxima, sums and outputs are merged
-// through shared memory. The probabilities are rounded to bf16 for the second product, as in
+// 16 rows of A (zeros past them), and warp w takes positions 16 w .. 16 w + 15 of every tile
+// with its own online softmax (fp32, base 2) and its own output; at the end the warps' maxima,
+// sums and outputs are merged through shared memory. The probabilities are rounded to bf16 for the second product, as in
 // training.
 //
 // Dynamic shared memory (`attention_shared_bytes` in the wrapper): the queries (16 rows), a tile
