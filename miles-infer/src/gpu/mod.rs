@@ -7,7 +7,9 @@
 //! product for q, k and v (their weights lie side by side in the parameter table), one kernel
 //! that adds the biases, norms the q/k heads (in the families that have them), turns q and k
 //! by each token's position and writes the new keys and values into the cache through the
-//! block tables (`qkv_rotary_cache`), paged attention over each sequence's cached positions,
+//! block tables (`qkv_rotary_cache`), paged attention over each sequence's cached positions
+//! (in a pass of one token a sequence, a decode step, one kernel does both:
+//! `paged_decode_attention`),
 //! the o product added into the residual stream, RMSNorm, one product for gate and up, SwiGLU
 //! over its rows, and the down product added into the residual, which the next layer's norm
 //! (the final norm after the last layer) follows; then the LM head (fp32 logits) for the rows
@@ -455,8 +457,13 @@ impl GpuModel {
                 eps,
             };
             g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
-            g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
-            g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
+            if n == r {
+                // One token a sequence: the queries never leave the attention's kernel.
+                g.paged_decode_attention(att, cache, &self.shape, l, &heads, (&places, &tokens))?;
+            } else {
+                g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
+                g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
+            }
             let post_attention = w(ParamKind::PostAttentionNorm)?;
             self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
             g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;

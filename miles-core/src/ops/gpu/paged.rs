@@ -1,6 +1,7 @@
 //! Wrappers of the paged KV cache kernels (`kernels/paged.cu`): a layer's queries made ready and
 //! its new keys and values written through a block table (one kernel after the fused q/k/v
-//! product), and attention over a sequence's cached positions for prefill and decode alike.
+//! product), attention over a sequence's cached positions for prefill and decode alike, and
+//! both in one kernel for a pass of one token a sequence (a decode step).
 //!
 //! The cache is bf16, laid out `(blocks, L, 2, P, K*D)`: a block holds `P` positions of every
 //! layer's keys (half 0) and values (half 1), so a sequence's position `t` lives in block
@@ -13,13 +14,17 @@ use super::elementwise::as_i32;
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
-/// The kernels of `kernels/paged.cu`: the attention for each of [`PADDED`], then the q/k/v
-/// kernel.
-pub(super) const KERNELS: [&str; 5] = [
+/// The kernels of `kernels/paged.cu`: the attention for each of [`PADDED`], the decode
+/// attention for each, then the q/k/v kernel.
+pub(super) const KERNELS: [&str; 9] = [
     "paged_attention_16",
     "paged_attention_32",
     "paged_attention_64",
     "paged_attention_128",
+    "paged_decode_16",
+    "paged_decode_32",
+    "paged_decode_64",
+    "paged_decode_128",
     "qkv_rotary_cache",
 ];
 
@@ -40,9 +45,16 @@ const ATTENTION_HEADS: usize = 8;
 const ATTENTION_TILE: usize = 64;
 
 /// Dynamic shared memory of the attention kernel's instance for head dims up to `padded`: the
-/// queries (16 rows), a tile of keys and one of values, bf16 rows of `padded + 8`.
-fn attention_shared_bytes(padded: usize) -> u32 {
-    ((16 + 2 * ATTENTION_TILE) * (padded + 8) * 2) as u32
+/// queries (16 rows), a tile of keys and one of values, and for the decode instance the new key
+/// and value, bf16 rows of `padded + 8`; then the decode instance's rotary row (`padded` fp32).
+fn attention_shared_bytes(padded: usize, decode: bool) -> u32 {
+    let rows = 16 + 2 * ATTENTION_TILE;
+    let bytes = if decode {
+        (rows + 2) * (padded + 8) * 2 + padded * 4
+    } else {
+        rows * (padded + 8) * 2
+    };
+    bytes as u32
 }
 
 /// The shape of a paged KV cache: `(blocks, L, 2, P, K*D)` bf16 elements.
@@ -185,23 +197,8 @@ impl Gpu {
     ) -> Result<(), DeviceError> {
         shape.check(&cache, layer)?;
         let (n, d, kv) = (at.slots.len(), shape.head_dim, shape.kv_heads);
-        let width = (heads.heads + 2 * kv) * d;
-        heads.qkv.expect_len("fused q/k/v rows", n * width)?;
+        check_heads(heads, at, shape, n)?;
         q.expect_len("prepared queries", n * heads.heads * d)?;
-        at.positions.expect_len("token positions", n)?;
-        if let Some(bias) = heads.bias {
-            bias.expect_len("q/k/v biases", width)?;
-        }
-        for norm in [heads.q_norm, heads.k_norm].into_iter().flatten() {
-            norm.expect_len("q/k norm weights", d)?;
-        }
-        if d > PAGED_MAX_HEAD_DIM || !d.is_multiple_of(2) || at.cos.len() != at.sin.len() {
-            return Err(DeviceError::ShapeMismatch {
-                what: "q/k/v heads (an even head dim, at most the largest) and rotary tables",
-                expected: PAGED_MAX_HEAD_DIM,
-                actual: d,
-            });
-        }
         if n == 0 {
             return Ok(());
         }
@@ -211,7 +208,6 @@ impl Gpu {
             block_dim: (32 * WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let address = |slice: Option<GpuSlice<bf16>>| slice.map_or(0, |s| s.address());
         let args = (
             n as i64,
             as_i32("heads", heads.heads)?,
@@ -223,6 +219,7 @@ impl Gpu {
             as_i32("block size", shape.block_size)?,
             shape.num_blocks as i64,
         );
+        let (bias, q_norm, k_norm) = extras(heads);
         self.launch(
             "qkv_rotary_cache",
             config,
@@ -230,9 +227,9 @@ impl Gpu {
                 &q.address(),
                 &cache.address(),
                 &heads.qkv.address(),
-                &address(heads.bias),
-                &address(heads.q_norm),
-                &address(heads.k_norm),
+                &bias,
+                &q_norm,
+                &k_norm,
                 &at.positions.address(),
                 &at.cos.address(),
                 &at.sin.address(),
@@ -274,19 +271,12 @@ impl Gpu {
         layer: usize,
         tokens: &PagedTokens,
     ) -> Result<(), DeviceError> {
-        shape.check(&cache, layer)?;
-        let (n, d) = (tokens.positions.len(), shape.head_dim);
+        let n = tokens.positions.len();
+        let d = shape.head_dim;
         if n == 0 {
-            return Ok(());
+            return shape.check(&cache, layer);
         }
-        if d > PAGED_MAX_HEAD_DIM || !d.is_multiple_of(8) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "paged attention head dim (a multiple of 8, at most the largest)",
-                expected: PAGED_MAX_HEAD_DIM,
-                actual: d,
-            });
-        }
-        let heads = q.len() / (n * d);
+        let heads = q.len() / (n * d).max(1);
         if heads == 0 || heads * n * d != q.len() || !heads.is_multiple_of(shape.kv_heads) {
             return Err(DeviceError::ShapeMismatch {
                 what: "paged attention queries (N tokens of a multiple of the kv heads)",
@@ -294,53 +284,9 @@ impl Gpu {
                 actual: q.len(),
             });
         }
-        out.expect_len("paged attention output", q.len())?;
-        // The tiles and the queries are copied 16 bytes at a time.
-        for (what, address) in [
-            ("paged attention cache (16-byte aligned)", cache.address()),
-            ("paged attention queries (16-byte aligned)", q.address()),
-        ] {
-            if !address.is_multiple_of(16) {
-                return Err(DeviceError::ShapeMismatch {
-                    what,
-                    expected: 16,
-                    actual: (address % 16) as usize,
-                });
-            }
-        }
-        tokens
-            .seq_rows
-            .expect_len("paged attention sequence rows", n)?;
-        if tokens.max_blocks == 0 || !tokens.tables.len().is_multiple_of(tokens.max_blocks) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "paged attention block tables",
-                expected: tokens.max_blocks,
-                actual: tokens.tables.len(),
-            });
-        }
-        let blocks = n * shape.kv_heads * (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
-        // The smallest instance that holds `d` (d is at most the largest, checked above).
-        let instance = PADDED
-            .iter()
-            .position(|&p| d <= p)
-            .unwrap_or(PADDED.len() - 1);
-        let config = LaunchConfig {
-            grid_dim: (as_i32("attention blocks", blocks)? as u32, 1, 1),
-            block_dim: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: attention_shared_bytes(PADDED[instance]),
-        };
-        let args = (
-            n as i64,
-            as_i32("heads", heads)?,
-            as_i32("kv heads", shape.kv_heads)?,
-            as_i32("head dim", d)?,
-            as_i32("layer", layer)?,
-            as_i32("layers", shape.num_layers)?,
-            as_i32("block size", shape.block_size)?,
-            as_i32("max blocks", tokens.max_blocks)?,
-            // The kernel's softmax is in base 2.
-            std::f32::consts::LOG2_E / (d as f32).sqrt(),
-        );
+        aligned("paged attention queries (16-byte aligned)", q.address())?;
+        let (instance, config) = attention_launch(out, cache, shape, layer, tokens, heads, false)?;
+        let a = AttentionArgs::new(shape, layer, tokens, heads)?;
         self.launch(
             KERNELS[instance],
             config,
@@ -351,16 +297,240 @@ impl Gpu {
                 &tokens.tables.address(),
                 &tokens.seq_rows.address(),
                 &tokens.positions.address(),
-                &args.0,
-                &args.1,
-                &args.2,
-                &args.3,
-                &args.4,
-                &args.5,
-                &args.6,
-                &args.7,
-                &args.8,
+                &a.n,
+                &a.heads,
+                &a.kv_heads,
+                &a.d,
+                &a.layer,
+                &a.layers,
+                &a.block_size,
+                &a.max_blocks,
+                &a.scale_log2,
             ],
         )
+    }
+
+    /// [`Gpu::qkv_rotary_cache`] and [`Gpu::paged_attention`] in one kernel, for a pass of
+    /// one token a sequence (a decode step; padding rows may share a slot no sequence reads):
+    /// each block makes its token's queries, key and value ready from `heads.qkv` as
+    /// `qkv_rotary_cache` does, stores the key and value at the token's slot and attends over
+    /// the cached positions before it and the new one, without the queries' round trip through
+    /// memory or a second launch. The output and the cache are bit for bit those of the two
+    /// kernels. `(at, tokens)` are the arguments of the two; the positions are
+    /// `tokens.positions`, which `at.positions` must be.
+    ///
+    /// # Errors
+    /// As the two kernels, and [`DeviceError::ShapeMismatch`] when `at` and `tokens` hold
+    /// different positions.
+    pub fn paged_decode_attention(
+        &self,
+        out: GpuSlice<bf16>,
+        cache: GpuSlice<bf16>,
+        shape: &PagedCache,
+        layer: usize,
+        heads: &QkvHeads,
+        (at, tokens): (&TokenPlaces, &PagedTokens),
+    ) -> Result<(), DeviceError> {
+        let n = tokens.positions.len();
+        if at.positions.address() != tokens.positions.address() || at.positions.len() != n {
+            return Err(DeviceError::ShapeMismatch {
+                what: "decode attention positions (the same for the cache writes and the attention)",
+                expected: n,
+                actual: at.positions.len(),
+            });
+        }
+        check_heads(heads, at, shape, n)?;
+        if n == 0 {
+            return shape.check(&cache, layer);
+        }
+        // The rows and the rotary tables' rows are copied 16 bytes at a time.
+        for (what, address) in [
+            (
+                "decode attention q/k/v rows (16-byte aligned)",
+                heads.qkv.address(),
+            ),
+            (
+                "decode attention rotary tables (16-byte aligned)",
+                at.cos.address(),
+            ),
+            (
+                "decode attention rotary tables (16-byte aligned)",
+                at.sin.address(),
+            ),
+        ] {
+            aligned(what, address)?;
+        }
+        let (instance, config) =
+            attention_launch(out, cache, shape, layer, tokens, heads.heads, true)?;
+        let a = AttentionArgs::new(shape, layer, tokens, heads.heads)?;
+        let (bias, q_norm, k_norm) = extras(heads);
+        self.launch(
+            KERNELS[PADDED.len() + instance],
+            config,
+            &[
+                &out.address(),
+                &cache.address(),
+                &heads.qkv.address(),
+                &bias,
+                &q_norm,
+                &k_norm,
+                &at.cos.address(),
+                &at.sin.address(),
+                &at.slots.address(),
+                &tokens.tables.address(),
+                &tokens.seq_rows.address(),
+                &tokens.positions.address(),
+                &a.n,
+                &a.heads,
+                &a.kv_heads,
+                &a.d,
+                &heads.eps,
+                &a.layer,
+                &a.layers,
+                &a.block_size,
+                &a.max_blocks,
+                &(shape.num_blocks as i64),
+                &a.scale_log2,
+            ],
+        )
+    }
+}
+
+/// Checks the fused q/k/v rows of `n` tokens, their biases and norms, and the places they go.
+fn check_heads(
+    heads: &QkvHeads,
+    at: &TokenPlaces,
+    shape: &PagedCache,
+    n: usize,
+) -> Result<(), DeviceError> {
+    let (d, kv) = (shape.head_dim, shape.kv_heads);
+    let width = (heads.heads + 2 * kv) * d;
+    heads.qkv.expect_len("fused q/k/v rows", n * width)?;
+    at.positions.expect_len("token positions", n)?;
+    at.slots.expect_len("token slots", n)?;
+    if let Some(bias) = heads.bias {
+        bias.expect_len("q/k/v biases", width)?;
+    }
+    for norm in [heads.q_norm, heads.k_norm].into_iter().flatten() {
+        norm.expect_len("q/k norm weights", d)?;
+    }
+    if d > PAGED_MAX_HEAD_DIM || !d.is_multiple_of(2) || at.cos.len() != at.sin.len() {
+        return Err(DeviceError::ShapeMismatch {
+            what: "q/k/v heads (an even head dim, at most the largest) and rotary tables",
+            expected: PAGED_MAX_HEAD_DIM,
+            actual: d,
+        });
+    }
+    Ok(())
+}
+
+/// [`DeviceError::ShapeMismatch`] naming `what` unless `address` is 16-byte aligned.
+fn aligned(what: &'static str, address: u64) -> Result<(), DeviceError> {
+    if address.is_multiple_of(16) {
+        return Ok(());
+    }
+    Err(DeviceError::ShapeMismatch {
+        what,
+        expected: 16,
+        actual: (address % 16) as usize,
+    })
+}
+
+/// The device addresses of the biases and the q and k norms, 0 where the family has none.
+fn extras(heads: &QkvHeads) -> (u64, u64, u64) {
+    let address = |slice: Option<GpuSlice<bf16>>| slice.map_or(0, |s| s.address());
+    (
+        address(heads.bias),
+        address(heads.q_norm),
+        address(heads.k_norm),
+    )
+}
+
+/// Checks an attention launch over `tokens` (at least one) with `heads` query heads and picks
+/// its instance: the smallest padded head dim holding the model's, and its launch shape.
+fn attention_launch(
+    out: GpuSlice<bf16>,
+    cache: GpuSlice<bf16>,
+    shape: &PagedCache,
+    layer: usize,
+    tokens: &PagedTokens,
+    heads: usize,
+    decode: bool,
+) -> Result<(usize, LaunchConfig), DeviceError> {
+    shape.check(&cache, layer)?;
+    let (n, d) = (tokens.positions.len(), shape.head_dim);
+    if d > PAGED_MAX_HEAD_DIM || !d.is_multiple_of(8) {
+        return Err(DeviceError::ShapeMismatch {
+            what: "paged attention head dim (a multiple of 8, at most the largest)",
+            expected: PAGED_MAX_HEAD_DIM,
+            actual: d,
+        });
+    }
+    if heads == 0 || !heads.is_multiple_of(shape.kv_heads) {
+        return Err(DeviceError::ShapeMismatch {
+            what: "paged attention query heads (a multiple of the kv heads)",
+            expected: shape.kv_heads,
+            actual: heads,
+        });
+    }
+    out.expect_len("paged attention output", n * heads * d)?;
+    // The tiles are copied 16 bytes at a time.
+    aligned("paged attention cache (16-byte aligned)", cache.address())?;
+    tokens
+        .seq_rows
+        .expect_len("paged attention sequence rows", n)?;
+    if tokens.max_blocks == 0 || !tokens.tables.len().is_multiple_of(tokens.max_blocks) {
+        return Err(DeviceError::ShapeMismatch {
+            what: "paged attention block tables",
+            expected: tokens.max_blocks,
+            actual: tokens.tables.len(),
+        });
+    }
+    let blocks = n * shape.kv_heads * (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
+    // The smallest instance that holds `d` (d is at most the largest, checked above).
+    let instance = PADDED
+        .iter()
+        .position(|&p| d <= p)
+        .unwrap_or(PADDED.len() - 1);
+    let config = LaunchConfig {
+        grid_dim: (as_i32("attention blocks", blocks)? as u32, 1, 1),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: attention_shared_bytes(PADDED[instance], decode),
+    };
+    Ok((instance, config))
+}
+
+/// The attention kernels' scalar arguments, in the kernels' names.
+struct AttentionArgs {
+    n: i64,
+    heads: i32,
+    kv_heads: i32,
+    d: i32,
+    layer: i32,
+    layers: i32,
+    block_size: i32,
+    max_blocks: i32,
+    scale_log2: f32,
+}
+
+impl AttentionArgs {
+    fn new(
+        shape: &PagedCache,
+        layer: usize,
+        tokens: &PagedTokens,
+        heads: usize,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self {
+            n: tokens.positions.len() as i64,
+            heads: as_i32("heads", heads)?,
+            kv_heads: as_i32("kv heads", shape.kv_heads)?,
+            d: as_i32("head dim", shape.head_dim)?,
+            layer: as_i32("layer", layer)?,
+            layers: as_i32("layers", shape.num_layers)?,
+            block_size: as_i32("block size", shape.block_size)?,
+            max_blocks: as_i32("max blocks", tokens.max_blocks)?,
+            // The kernels' softmax is in base 2.
+            scale_log2: std::f32::consts::LOG2_E / (shape.head_dim as f32).sqrt(),
+        })
     }
 }

@@ -424,3 +424,107 @@ fn paged_attention_refuses_a_cache_or_queries_that_are_not_16_byte_aligned() {
         );
     }
 }
+
+/// Runs the decode kernel and, on a copy of the cache, `qkv_rotary_cache` then
+/// `paged_attention`, for the last position of each sequence of [`LENGTHS`] (its earlier
+/// positions cached, the new one not yet), and checks the outputs and the caches are the same
+/// bits.
+fn check_decode(what: &str, shape: PagedCache, heads: usize, with_extras: bool, seed: u64) {
+    let Some(mut t) = TestGpu::open(what, 32 << 20) else {
+        return;
+    };
+    let (d, kv, layer) = (shape.head_dim, shape.kv_heads, shape.num_layers - 1);
+    let f = fill(&mut t, &shape, layer, seed);
+    let (n, width) = (LENGTHS.len(), (heads + 2 * kv) * d);
+    let slots: Vec<u32> = f
+        .tables
+        .iter()
+        .zip(&LENGTHS)
+        .map(|(table, &len)| shape.slot(table[(len - 1) / shape.block_size], len - 1))
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let positions: Vec<u32> = LENGTHS.iter().map(|&len| len as u32 - 1).collect();
+    let rows: Vec<u32> = (0..n as u32).collect();
+    let max_blocks = LENGTHS
+        .iter()
+        .max()
+        .map_or(1, |l| l.div_ceil(shape.block_size));
+    let rope = RopeTable::new(d, 10000.0, 256);
+    let (qkv, _) = t.put_bf16(&seeded(seed + 5, n * width));
+    let (bias, _) = t.put_bf16(&seeded(seed + 6, width));
+    let (q_norm, _) = t.put_bf16(&seeded(seed + 7, d));
+    let (k_norm, _) = t.put_bf16(&seeded(seed + 8, d));
+    let extras = |slice| with_extras.then_some(slice);
+    let fused = QkvHeads {
+        qkv,
+        heads,
+        bias: extras(bias),
+        q_norm: extras(q_norm),
+        k_norm: extras(k_norm),
+        eps: 1e-6,
+    };
+    let positions = t.put(&positions);
+    let places = TokenPlaces {
+        positions,
+        slots: t.put(&slots),
+        cos: t.put(rope.cos()),
+        sin: t.put(rope.sin()),
+    };
+    let tokens = PagedTokens {
+        positions,
+        seq_rows: t.put(&rows),
+        tables: t.put(&table_rows(&f.tables, max_blocks)),
+        max_blocks,
+    };
+    let before = t.get_bf16(f.cache);
+    let (cache_apart, _) = t.put_bf16(&before);
+    let (q, out_apart, out) = (
+        t.alloc::<bf16>(n * heads * d),
+        t.alloc::<bf16>(n * heads * d),
+        t.alloc::<bf16>(n * heads * d),
+    );
+    let run =
+        |result: Result<(), crate::device::DeviceError>| result.unwrap_or_else(|e| panic!("{e}"));
+    run(t
+        .gpu
+        .qkv_rotary_cache(q, cache_apart, &shape, layer, &fused, &places));
+    run(t
+        .gpu
+        .paged_attention(out_apart, q, cache_apart, &shape, layer, &tokens));
+    run(t
+        .gpu
+        .paged_decode_attention(out, f.cache, &shape, layer, &fused, (&places, &tokens)));
+    let bits = |values: Vec<f32>| values.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (got, want) = (t.get_bf16(out), t.get_bf16(out_apart));
+    assert!(
+        got.iter().any(|&x| x != 0.0),
+        "{what}: the output is all zeros"
+    );
+    assert_eq!(bits(got), bits(want), "{what}: outputs");
+    let cache = t.get_bf16(f.cache);
+    assert_ne!(
+        bits(cache.clone()),
+        bits(before),
+        "{what}: no key or value was stored"
+    );
+    assert_eq!(bits(cache), bits(t.get_bf16(cache_apart)), "{what}: caches");
+}
+
+#[test]
+fn paged_decode_attention_gives_the_bits_of_the_two_kernels_it_fuses() {
+    let shape = |kv_heads, head_dim| PagedCache {
+        num_blocks: 32,
+        num_layers: 2,
+        block_size: 8,
+        kv_heads,
+        head_dim,
+    };
+    let what = "paged_decode_attention_gives_the_bits_of_the_two_kernels_it_fuses";
+    // Each padded instance; 150 positions cross three tiles, the new one in the third; 12 query
+    // heads on one kv head take two blocks, both of which need the new key and value; qwen's
+    // biases and q/k norms.
+    check_decode(what, shape(2, 64), 8, false, 90);
+    check_decode(what, shape(2, 24), 6, true, 91);
+    check_decode(what, shape(1, 128), 12, true, 92);
+    check_decode(what, shape(2, 16), 4, false, 93);
+}

@@ -23,6 +23,14 @@
 //                    int max_blocks, float scale_log2)      for DP 16, 32, 64, 128 (d <= DP)
 //                 one block of 4 warps per (token, kv head, up to 8 of its query heads),
 //                 dynamic shared memory of (16 + 2 * 64) * (DP + 8) * 2 bytes
+// paged_decode_DP(bf16* out, bf16* cache, const bf16* qkv, const bf16* bias,
+//                 const bf16* q_norm, const bf16* k_norm, const float* cos_t, const float* sin_t,
+//                 const unsigned* slots, const unsigned* tables, const unsigned* seq_rows,
+//                 const unsigned* positions, long long n, int heads, int kv_heads, int d,
+//                 float eps, int layer, int layers, int block_size, int max_blocks,
+//                 long long num_blocks, float scale_log2)              the two above in one, for
+//                 a pass of one token a sequence; as paged_attention_DP, with 2 more rows and
+//                 DP floats of shared memory
 
 // Largest head dim the kernels take (qkv_rotary_cache keeps a row of it per warp).
 #define PAGED_MAX_D 128
@@ -60,23 +68,71 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 
 // Starts copying 16 bytes from global `src` to shared `dst` (cp.async), or zeros where not
 // `inside` (then nothing is read, though `src` must still be a valid address).
-__device__ __forceinline__ void paged_copy16(void* dst, const bf16* src, bool inside) {
+__device__ __forceinline__ void paged_copy16(void* dst, const void* src, bool inside) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
                  "l"(src), "r"(inside ? 16 : 0));
 }
 
 
-template <int DP>
+// One head of a fused q/k/v row made ready by one warp in `dst` (d bf16, shared memory): `src`
+// (which may be `dst`) plus `bias` (or null) rounded to bf16, normalised by its RMS times `norm` (or null) and
+// rounded, then turned by the token's rotary row (cos_p, sin_p: d/2 each, rotate-half as
+// rope_forward; null for a value head) and rounded. Every value between the steps is a bf16,
+// so `dst` holds them exactly.
+__device__ void ready_head(bf16* dst, const bf16* src, const bf16* bias, const bf16* norm,
+                           const float* cos_p, const float* sin_p, int d, float eps) {
+    const int lane = threadIdx.x & 31;
+    float ss = 0.0f;
+    for (int c = lane; c < d; c += 32) {
+        float x = bf2f(src[c]);
+        if (bias) x = bf2f(f2bf(x + bf2f(bias[c])));
+        dst[c] = f2bf(x);
+        ss += x * x;
+    }
+    if (norm) {
+        const float r = rsqrtf(warp_sum(ss) / (float)d + eps);
+        for (int c = lane; c < d; c += 32) dst[c] = f2bf(bf2f(dst[c]) * r * bf2f(norm[c]));
+    }
+    if (!cos_p) return;
+    __syncwarp();  // a lane turns pairs of columns other lanes wrote
+    const int half = d / 2;
+    for (int p = lane; p < half; p += 32) {
+        const float cs = cos_p[p], sn = sin_p[p];
+        const float a = bf2f(dst[p]), b = bf2f(dst[p + half]);
+        dst[p] = f2bf(a * cs - b * sn);
+        dst[p + half] = f2bf(b * cs + a * sn);
+    }
+}
+
+// What the decode instance reads and writes besides the attention's own arguments: the fused
+// q/k/v product and what turns it into the token's queries, key and value (as qkv_rotary_cache),
+// and where the key and value go.
+struct PagedNew {
+    bf16* cache;
+    const bf16* qkv;
+    const bf16* bias;
+    const bf16* q_norm;
+    const bf16* k_norm;
+    const float* cos_t;
+    const float* sin_t;
+    const unsigned int* slots;
+    float eps;
+    long long num_blocks;
+};
+
+template <int DP, bool DECODE>
 __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache,
                                      const unsigned int* tables, const unsigned int* seq_rows,
                                      const unsigned int* positions, int heads, int kv_heads, int d,
                                      int layer, int layers, int block_size, int max_blocks,
-                                     float scale_log2) {
+                                     float scale_log2, PagedNew fresh) {
     constexpr int SD = DP + 8, KD = DP / 16, MD = DP + 2;
     extern __shared__ uint4 shared4[];
     bf16* qs = (bf16*)shared4;                      // [16][SD]
     bf16* ks = qs + 16 * SD;                        // [PAGED_TILE][SD]
     bf16* vs = ks + PAGED_TILE * SD;                // [PAGED_TILE][SD]
+    bf16* kv_new = vs + PAGED_TILE * SD;            // [2][SD], DECODE only: the new key, value
+    float* rotary = (float*)(kv_new + 2 * SD);      // [2][DP / 2], DECODE only: cos, sin
     float* merge = (float*)ks;  // [PAGED_WARPS][16][MD], over the tiles once they are done
     const int warp = threadIdx.x >> 5;
     const int group = heads / kv_heads;
@@ -93,11 +149,13 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     const int row_chunks = d / 8;  // 16-byte chunks of a key or value row holding data
 
     // Starts copying tile u0's key and value rows, DP columns each: zeros past d (which the
-    // products must read as zeros, not stale bits) and past the sequence.
+    // products must read as zeros, not stale bits) and past the sequence. In DECODE the token's
+    // own position is left alone: its row comes from the prologue (`put_new`).
     auto load = [&](int u0) {
         const int rows = min(PAGED_TILE, pos - u0 + 1);
         for (int i = threadIdx.x; i < PAGED_TILE * (DP / 8); i += blockDim.x) {
             const int r = i / (DP / 8), c = i % (DP / 8);
+            if (DECODE && u0 + r == pos) continue;
             const bool inside = r < rows && c < row_chunks;
             const long long at =
                 inside ? paged_offset(table[(u0 + r) / block_size], layer, layers, 0,
@@ -109,14 +167,60 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         }
         commit_tiles();
     };
-    // The queries go with the first tile: zeros past the block's heads and past d.
-    for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
-        const int r = i / (DP / 8), c = i % (DP / 8);
-        const bool inside = r < hn && c < row_chunks;
-        paged_copy16(qs + r * SD + c * 8, q + (inside ? (token * heads + h0 + r) * d + c * 8 : 0),
-                     inside);
+    if constexpr (DECODE) {
+        // The prologue: the block's query heads (zero rows past them), the kv head's key and
+        // value and the position's rotary row start travelling at once, ahead of the first
+        // tile, each row zero past d; once here they are made ready in place (as
+        // qkv_rotary_cache makes them), and chunk 0 stores the key and value.
+        const bf16* row = fresh.qkv + token * (long long)(heads + 2 * kv_heads) * d;
+        for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
+            const int r = i / (DP / 8), c = i % (DP / 8);
+            const bool inside = r < hn && c < row_chunks;
+            paged_copy16(qs + r * SD + c * 8, row + (inside ? (h0 + r) * d + c * 8 : 0), inside);
+        }
+        for (int i = threadIdx.x; i < 2 * (DP / 8); i += blockDim.x) {
+            const int r = i / (DP / 8), c = i % (DP / 8);  // r: 0 the key, 1 the value
+            const bool inside = c < row_chunks;
+            paged_copy16(kv_new + r * SD + c * 8,
+                         row + (inside ? (heads + r * kv_heads + kvh) * d + c * 8 : 0), inside);
+        }
+        for (int i = threadIdx.x; i < 2 * (d / 8); i += blockDim.x) {  // 4 floats a copy
+            const int table = i / (d / 8), c = i % (d / 8);
+            paged_copy16(rotary + table * (DP / 2) + c * 4,
+                         (table ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) + c * 4,
+                         true);
+        }
+        commit_tiles();
+        load(0);
+        wait_tiles(1);  // all but the first tile
+        __syncthreads();
+        for (int r = warp; r < hn + 2; r += PAGED_WARPS) {
+            const bool query = r < hn, value = r == hn + 1;
+            bf16* dst = query ? qs + r * SD : kv_new + (r - hn) * SD;
+            const int first = query ? (h0 + r) * d : (heads + (value ? kv_heads : 0) + kvh) * d;
+            ready_head(dst, dst, fresh.bias ? fresh.bias + first : nullptr,
+                       value ? nullptr : (query ? fresh.q_norm : fresh.k_norm),
+                       value ? nullptr : rotary, rotary + DP / 2, d, fresh.eps);
+        }
+        __syncthreads();
+        const long long slot = fresh.slots[token], block = slot / block_size;
+        if (chunk == 0 && block < fresh.num_blocks) {  // a slot past the cache is skipped
+            const long long at =
+                paged_offset(block, layer, layers, 0, (int)(slot % block_size), block_size, kv_dim) +
+                (long long)kvh * d;
+            for (int i = threadIdx.x; i < 2 * d; i += blockDim.x)
+                fresh.cache[at + (i / d) * half_stride + i % d] = kv_new[(i / d) * SD + i % d];
+        }
+    } else {
+        // The queries go with the first tile: zeros past the block's heads and past d.
+        for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
+            const int r = i / (DP / 8), c = i % (DP / 8);
+            const bool inside = r < hn && c < row_chunks;
+            paged_copy16(qs + r * SD + c * 8,
+                         q + (inside ? (token * heads + h0 + r) * d + c * 8 : 0), inside);
+        }
+        load(0);
     }
-    load(0);
 
     float o[DP / 8][4] = {};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
@@ -124,6 +228,12 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         if (u0 > 0) {
             __syncthreads();  // every warp is done with the last tile
             load(u0);
+        }
+        if (DECODE && pos - u0 < PAGED_TILE) {  // put_new: the token's key and value
+            for (int c = threadIdx.x; c < DP; c += blockDim.x) {
+                ks[(pos - u0) * SD + c] = kv_new[c];
+                vs[(pos - u0) * SD + c] = kv_new[SD + c];
+            }
         }
         wait_tiles(0);
         __syncthreads();
@@ -218,13 +328,37 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
                              const unsigned int* positions, long long n, int heads, int kv_heads, \
                              int d, int layer, int layers, int block_size, int max_blocks,        \
                              float scale_log2) {                                                  \
-        paged_attention_tile<DP>(out, q, cache, tables, seq_rows, positions, heads, kv_heads, d,  \
-                                 layer, layers, block_size, max_blocks, scale_log2);              \
+        paged_attention_tile<DP, false>(out, q, cache, tables, seq_rows, positions, heads,        \
+                                        kv_heads, d, layer, layers, block_size, max_blocks,       \
+                                        scale_log2, PagedNew{});                                  \
     }
 PAGED_ATTENTION(16)
 PAGED_ATTENTION(32)
 PAGED_ATTENTION(64)
 PAGED_ATTENTION(128)
+
+// The decode instances: qkv_rotary_cache and paged_attention_DP in one kernel, for a pass of one
+// token a sequence (only then is the one position a block did not read from the cache its own
+// token's, which no other block of the pass reads). The bits are those of the two kernels.
+#define PAGED_DECODE(DP)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS, PAGED_BLOCKS_PER_SM(DP))       \
+        paged_decode_##DP(bf16* out, bf16* cache, const bf16* qkv, const bf16* bias,              \
+                          const bf16* q_norm, const bf16* k_norm, const float* cos_t,             \
+                          const float* sin_t, const unsigned int* slots,                          \
+                          const unsigned int* tables, const unsigned int* seq_rows,               \
+                          const unsigned int* positions, long long n, int heads, int kv_heads,    \
+                          int d, float eps, int layer, int layers, int block_size,                \
+                          int max_blocks, long long num_blocks, float scale_log2) {               \
+        const PagedNew fresh{cache, qkv, bias, q_norm, k_norm, cos_t, sin_t, slots, eps,          \
+                             num_blocks};                                                         \
+        paged_attention_tile<DP, true>(out, nullptr, cache, tables, seq_rows, positions, heads,   \
+                                       kv_heads, d, layer, layers, block_size, max_blocks,        \
+                                       scale_log2, fresh);                                        \
+    }
+PAGED_DECODE(16)
+PAGED_DECODE(32)
+PAGED_DECODE(64)
+PAGED_DECODE(128)
 
 // The q, k and v heads of `layer` from the fused product qkv (n, (heads + 2 kv_heads) d), a row
 // holding the q heads, then the k heads, then the v heads: adds the biases (bias, of one row's
@@ -241,52 +375,36 @@ extern "C" __global__ void qkv_rotary_cache(bf16* q_out, bf16* cache, const bf16
                                             const unsigned int* slots, long long n, int heads,
                                             int kv_heads, int d, float eps, int layer, int layers,
                                             int block_size, long long num_blocks) {
-    __shared__ float row[PAGED_WARPS][PAGED_MAX_D];
+    __shared__ bf16 rows[PAGED_WARPS][PAGED_MAX_D];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long item = (long long)blockIdx.x * PAGED_WARPS + warp;
     if (item >= n * (heads + kv_heads)) return;  // the whole warp leaves together
     const long long token = item / (heads + kv_heads);
     const int h = (int)(item % (heads + kv_heads));
     const bool is_q = h < heads;
-    const int kvh = h - heads, kv_dim = kv_heads * d, half = d / 2;
+    const int kvh = h - heads, kv_dim = kv_heads * d;
     const long long width = (long long)(heads + 2 * kv_heads) * d;
     const int first = is_q ? h * d : heads * d + kvh * d;  // the head's column in a row
-    const bf16* src = qkv + token * width + first;
-    const bf16* norm = is_q ? q_norm : k_norm;
-    float ss = 0.0f;
-    for (int c = lane; c < d; c += 32) {
-        float x = bf2f(src[c]);
-        if (bias) x = bf2f(f2bf(x + bf2f(bias[first + c])));
-        row[warp][c] = x;
-        ss += x * x;
-    }
-    if (norm) {
-        const float r = rsqrtf(warp_sum(ss) / (float)d + eps);
-        for (int c = lane; c < d; c += 32) row[warp][c] = bf2f(f2bf(row[warp][c] * r * bf2f(norm[c])));
-    }
-    __syncwarp();
     const long long pos = positions[token];
     const long long slot = slots[token];
     const long long block = slot / block_size;
     const int within = (int)(slot % block_size);
+    if (!is_q && block >= num_blocks) return;
+    bf16* row = rows[warp];
+    const bf16* src = qkv + token * width;
+    ready_head(row, src + first, bias ? bias + first : nullptr, is_q ? q_norm : k_norm,
+               cos_t + pos * (d / 2), sin_t + pos * (d / 2), d, eps);
+    __syncwarp();
     bf16* dst = is_q ? q_out + (token * heads + h) * d
                      : cache + paged_offset(block, layer, layers, 0, within, block_size, kv_dim) +
                            (long long)kvh * d;
-    if (!is_q && block >= num_blocks) return;
-    for (int p = lane; p < half; p += 32) {
-        const float cs = cos_t[pos * half + p], sn = sin_t[pos * half + p];
-        const float a = row[warp][p], b = row[warp][p + half];
-        dst[p] = f2bf(a * cs - b * sn);
-        dst[p + half] = f2bf(b * cs + a * sn);
-    }
+    for (int c = lane; c < d; c += 32) dst[c] = row[c];
     if (is_q) return;
     const int vfirst = heads * d + kv_dim + kvh * d;
-    const bf16* vsrc = qkv + token * width + vfirst;
+    ready_head(row, src + vfirst, bias ? bias + vfirst : nullptr, nullptr, nullptr, nullptr, d,
+               eps);
+    __syncwarp();
     bf16* vdst = cache + paged_offset(block, layer, layers, 1, within, block_size, kv_dim) +
                  (long long)kvh * d;
-    for (int c = lane; c < d; c += 32) {
-        float x = bf2f(vsrc[c]);
-        if (bias) x = bf2f(f2bf(x + bf2f(bias[vfirst + c])));
-        vdst[c] = f2bf(x);
-    }
+    for (int c = lane; c < d; c += 32) vdst[c] = row[c];
 }
