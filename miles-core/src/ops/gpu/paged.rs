@@ -44,17 +44,10 @@ const ATTENTION_HEADS: usize = 8;
 /// Positions of one attention tile (`PAGED_TILE` in the kernel).
 const ATTENTION_TILE: usize = 64;
 
-/// Dynamic shared memory of the attention kernel's instance for head dims up to `padded`: the
-/// queries (16 rows), a tile of keys and one of values, and for the decode instance the new key
-/// and value, bf16 rows of `padded + 8`; then the decode instance's rotary row (`padded` fp32).
-fn attention_shared_bytes(padded: usize, decode: bool) -> u32 {
-    let rows = 16 + 2 * ATTENTION_TILE;
-    let bytes = if decode {
-        (rows + 2) * (padded + 8) * 2 + padded * 4
-    } else {
-        rows * (padded + 8) * 2
-    };
-    bytes as u32
+/// Dynamic shared memory of the attention kernels' instance for head dims up to `padded`: the
+/// queries (16 rows), a tile of keys and one of values, bf16 rows of `padded + 8`.
+fn attention_shared_bytes(padded: usize) -> u32 {
+    ((16 + 2 * ATTENTION_TILE) * (padded + 8) * 2) as u32
 }
 
 /// The shape of a paged KV cache: `(blocks, L, 2, P, K*D)` bf16 elements.
@@ -285,7 +278,7 @@ impl Gpu {
             });
         }
         aligned("paged attention queries (16-byte aligned)", q.address())?;
-        let (instance, config) = attention_launch(out, cache, shape, layer, tokens, heads, false)?;
+        let (instance, config) = attention_launch(out, cache, shape, layer, tokens, heads)?;
         let a = AttentionArgs::new(shape, layer, tokens, heads)?;
         self.launch(
             KERNELS[instance],
@@ -360,8 +353,7 @@ impl Gpu {
         ] {
             aligned(what, address)?;
         }
-        let (instance, config) =
-            attention_launch(out, cache, shape, layer, tokens, heads.heads, true)?;
+        let (instance, config) = attention_launch(out, cache, shape, layer, tokens, heads.heads)?;
         let a = AttentionArgs::new(shape, layer, tokens, heads.heads)?;
         let (bias, q_norm, k_norm) = extras(heads);
         self.launch(
@@ -455,7 +447,6 @@ fn attention_launch(
     layer: usize,
     tokens: &PagedTokens,
     heads: usize,
-    decode: bool,
 ) -> Result<(usize, LaunchConfig), DeviceError> {
     shape.check(&cache, layer)?;
     let (n, d) = (tokens.positions.len(), shape.head_dim);
@@ -495,7 +486,7 @@ fn attention_launch(
     let config = LaunchConfig {
         grid_dim: (as_i32("attention blocks", blocks)? as u32, 1, 1),
         block_dim: (32 * WARPS as u32, 1, 1),
-        shared_mem_bytes: attention_shared_bytes(PADDED[instance], decode),
+        shared_mem_bytes: attention_shared_bytes(PADDED[instance]),
     };
     Ok((instance, config))
 }

@@ -29,8 +29,7 @@
 //                 const unsigned* positions, long long n, int heads, int kv_heads, int d,
 //                 float eps, int layer, int layers, int block_size, int max_blocks,
 //                 long long num_blocks, float scale_log2)              the two above in one, for
-//                 a pass of one token a sequence; as paged_attention_DP, with 2 more rows and
-//                 DP floats of shared memory
+//                 a pass of one token a sequence; as paged_attention_DP
 
 // Largest head dim the kernels take (qkv_rotary_cache keeps a row of it per warp).
 #define PAGED_MAX_D 128
@@ -58,8 +57,8 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 // (mma.sync m16n8k16, with the training attention's helpers): the block's query heads are the
 // 16 rows of A (zeros past them), and warp w takes positions 16 w .. 16 w + 15 of every tile
 // with its own online softmax (fp32, base 2) and its own output; at the end the warps' maxima,
-// sums and outputs are merged through shared memory. The probabilities are rounded to bf16 for the second product, as in
-// training.
+// sums and outputs are merged through shared memory. The probabilities are rounded to bf16 for
+// the second product, as in training.
 //
 // Dynamic shared memory (`attention_shared_bytes` in the wrapper): the queries (16 rows), a tile
 // of keys and one of values (PAGED_TILE rows each), bf16 rows of DP + 8; once the tiles are
@@ -75,10 +74,10 @@ __device__ __forceinline__ void paged_copy16(void* dst, const void* src, bool in
 
 
 // One head of a fused q/k/v row made ready by one warp in `dst` (d bf16, shared memory): `src`
-// (which may be `dst`) plus `bias` (or null) rounded to bf16, normalised by its RMS times `norm` (or null) and
-// rounded, then turned by the token's rotary row (cos_p, sin_p: d/2 each, rotate-half as
-// rope_forward; null for a value head) and rounded. Every value between the steps is a bf16,
-// so `dst` holds them exactly.
+// (which may be `dst`) plus `bias` (or null) rounded to bf16, normalised by its RMS times `norm`
+// (or null) and rounded, then turned by the token's rotary row (cos_p, sin_p: d/2 each,
+// rotate-half as rope_forward; null for a value head) and rounded. Every value between the
+// steps is a bf16, so `dst` holds them exactly.
 __device__ void ready_head(bf16* dst, const bf16* src, const bf16* bias, const bf16* norm,
                            const float* cos_p, const float* sin_p, int d, float eps) {
     const int lane = threadIdx.x & 31;
@@ -131,8 +130,12 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     bf16* qs = (bf16*)shared4;                      // [16][SD]
     bf16* ks = qs + 16 * SD;                        // [PAGED_TILE][SD]
     bf16* vs = ks + PAGED_TILE * SD;                // [PAGED_TILE][SD]
-    bf16* kv_new = vs + PAGED_TILE * SD;            // [2][SD], DECODE only: the new key, value
-    float* rotary = (float*)(kv_new + 2 * SD);      // [2][DP / 2], DECODE only: cos, sin
+    // DECODE only, in query rows no head of the block fills (their outputs are never read,
+    // and the products and the softmax keep rows apart): the new key and value, and the
+    // position's rotary row (cos, then sin).
+    static_assert(PAGED_HEADS <= 12, "rows 12 to 15 of the queries hold the new key and value");
+    bf16* kv_new = qs + 14 * SD;            // [2][SD]
+    float* rotary = (float*)(qs + 12 * SD);  // [2][DP / 2], within 2 rows of SD bf16
     float* merge = (float*)ks;  // [PAGED_WARPS][16][MD], over the tiles once they are done
     const int warp = threadIdx.x >> 5;
     const int group = heads / kv_heads;
@@ -168,12 +171,12 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         commit_tiles();
     };
     if constexpr (DECODE) {
-        // The prologue: the block's query heads (zero rows past them), the kv head's key and
-        // value and the position's rotary row start travelling at once, ahead of the first
-        // tile, each row zero past d; once here they are made ready in place (as
-        // qkv_rotary_cache makes them), and chunk 0 stores the key and value.
+        // The prologue: the block's query heads (zero rows past them up to kv_new), the kv
+        // head's key and value and the position's rotary row start travelling at once, ahead
+        // of the first tile, each row zero past d; once here they are made ready in place (as
+        // qkv_rotary_cache makes them).
         const bf16* row = fresh.qkv + token * (long long)(heads + 2 * kv_heads) * d;
-        for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
+        for (int i = threadIdx.x; i < 12 * (DP / 8); i += blockDim.x) {
             const int r = i / (DP / 8), c = i % (DP / 8);
             const bool inside = r < hn && c < row_chunks;
             paged_copy16(qs + r * SD + c * 8, row + (inside ? (h0 + r) * d + c * 8 : 0), inside);
@@ -203,14 +206,6 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
                        value ? nullptr : rotary, rotary + DP / 2, d, fresh.eps);
         }
         __syncthreads();
-        const long long slot = fresh.slots[token], block = slot / block_size;
-        if (chunk == 0 && block < fresh.num_blocks) {  // a slot past the cache is skipped
-            const long long at =
-                paged_offset(block, layer, layers, 0, (int)(slot % block_size), block_size, kv_dim) +
-                (long long)kvh * d;
-            for (int i = threadIdx.x; i < 2 * d; i += blockDim.x)
-                fresh.cache[at + (i / d) * half_stride + i % d] = kv_new[(i / d) * SD + i % d];
-        }
     } else {
         // The queries go with the first tile: zeros past the block's heads and past d.
         for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
@@ -313,6 +308,18 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
             acc += row[c] * f;
         }
         out[(token * heads + h0 + r) * d + c] = f2bf(acc / sum);
+    }
+    if constexpr (DECODE) {
+        // Chunk 0 stores the new key and value (kv_new is untouched by the merge) off the
+        // attention's path; no block of the pass reads them. A slot past the cache is skipped.
+        const long long slot = fresh.slots[token], block = slot / block_size;
+        if (chunk == 0 && block < fresh.num_blocks) {
+            const long long at =
+                paged_offset(block, layer, layers, 0, (int)(slot % block_size), block_size, kv_dim) +
+                (long long)kvh * d;
+            for (int i = threadIdx.x; i < 2 * d; i += blockDim.x)
+                fresh.cache[at + (i / d) * half_stride + i % d] = kv_new[(i / d) * SD + i % d];
+        }
     }
 }
 
