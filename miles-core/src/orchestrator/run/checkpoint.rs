@@ -2,6 +2,7 @@
 //! state written whole into a hidden directory and renamed into place, and read back.
 
 use std::path::Path;
+use std::time::Instant;
 
 use super::Orchestrator;
 use crate::backend::BackendError;
@@ -51,6 +52,7 @@ impl Orchestrator {
             }
             return Err(error);
         }
+        let start = Instant::now();
         // A backend gathers its state before it writes: an actor whose files fail has sent
         // its part, and the critic's part still goes to the ranks waiting in its gathers. (A
         // failure before the actor's gathers is one every rank meets alike: offloaded state,
@@ -75,8 +77,10 @@ impl Orchestrator {
             actor?;
         }
         self.state.write(&partial)?;
+        let written = start.elapsed();
         // On the disk before it is renamed into place and named latest, in that order.
         sync_tree(&partial, &|action, path, source| io(action, path)(source))?;
+        let synced = start.elapsed();
         if dir.exists() {
             let old = save.join(format!(".{name}.old{PARTIAL}"));
             std::fs::rename(&dir, &old).map_err(io("move aside", &dir))?;
@@ -88,7 +92,15 @@ impl Orchestrator {
         sync_parent(&dir)?;
         mark_latest(&save, &dir)?;
         self.saved_step = Some(self.state.step);
-        tracing::info!(dir = %dir.display(), step = self.state.step, "saved a checkpoint");
+        // Where a save's time goes: gathering and writing the files (into the page cache, as
+        // the disk takes them), then waiting for the disk to hold them.
+        tracing::info!(
+            dir = %dir.display(),
+            step = self.state.step,
+            write_seconds = written.as_secs_f64(),
+            sync_seconds = (synced - written).as_secs_f64(),
+            "saved a checkpoint"
+        );
         Ok(())
     }
 
