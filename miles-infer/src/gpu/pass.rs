@@ -104,11 +104,37 @@ impl GpuModel {
                 self.limits.rows
             )));
         }
+        // The decode attention stores each token's key and value while other blocks read the
+        // cache: one token a sequence, or a block could read a position not yet stored.
+        if let Some(seq) = repeated(seqs) {
+            return Err(InferError::Internal(format!(
+                "decode of sequence {seq} twice in one step"
+            )));
+        }
         let mut pass = Pass::default();
         for (b, &seq) in seqs.iter().enumerate() {
             let first = tables.advance(seq, 1)?;
             self.push(&mut pass, tables, seq, first, &tokens[b..=b])?;
         }
         Ok(pass)
+    }
+}
+
+/// A sequence `seqs` names more than once, if any.
+fn repeated(seqs: &[usize]) -> Option<usize> {
+    let mut sorted = seqs.to_vec();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::repeated;
+
+    #[test]
+    fn a_sequence_named_twice_in_a_decode_step_is_found() {
+        assert_eq!(repeated(&[3, 1, 2]), None);
+        assert_eq!(repeated(&[]), None);
+        assert_eq!(repeated(&[4, 9, 2, 9]), Some(9));
     }
 }

@@ -304,12 +304,14 @@ impl Gpu {
     }
 
     /// [`Gpu::qkv_rotary_cache`] and [`Gpu::paged_attention`] in one kernel, for a pass of
-    /// one token a sequence (a decode step; padding rows may share a slot no sequence reads):
+    /// one token each of distinct sequences (a decode step; padding rows may share a slot no
+    /// sequence reads), each token's slot the place its block table gives its position:
     /// each block makes its token's queries, key and value ready from `heads.qkv` as
     /// `qkv_rotary_cache` does, stores the key and value at the token's slot and attends over
     /// the cached positions before it and the new one, without the queries' round trip through
     /// memory or a second launch. The output and the cache are bit for bit those of the two
-    /// kernels. `(at, tokens)` are the arguments of the two; the positions are
+    /// kernels (for a slot past the cache, which is skipped, the token attends over the key and
+    /// value it would have stored). `(at, tokens)` are the arguments of the two; the positions are
     /// `tokens.positions`, which `at.positions` must be.
     ///
     /// # Errors

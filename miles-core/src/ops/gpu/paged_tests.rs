@@ -18,9 +18,9 @@ use crate::ops::{
 const BF16_TOLERANCE: f32 = 1e-2;
 
 /// Sequence lengths of the tests: none a multiple of the block size 8, one a single position,
-/// one of more tiles than the attention block has warps (150 positions: 5 tiles of 32 for 4
-/// warps).
-const LENGTHS: [usize; 4] = [5, 17, 1, 150];
+/// one whose last position opens the second 64-position tile (65), one of three tiles (150).
+/// They take 30 of the tests' 32 blocks of 8.
+const LENGTHS: [usize; 4] = [5, 65, 1, 150];
 
 /// Each sequence's blocks, handed out in a scattered order (7 is coprime to the block count,
 /// 32 in every test, and the lengths take 24 blocks).
@@ -520,11 +520,13 @@ fn paged_decode_attention_gives_the_bits_of_the_two_kernels_it_fuses() {
         head_dim,
     };
     let what = "paged_decode_attention_gives_the_bits_of_the_two_kernels_it_fuses";
-    // Each padded instance; 150 positions cross three tiles, the new one in the third; 12 query
-    // heads on one kv head take two blocks, both of which need the new key and value; qwen's
+    // Each padded instance and the smallest head dim; 150 positions cross three tiles, the new
+    // one in the third, and 65 put it first in the second; 12 query heads on one kv head take
+    // two blocks, both of which need the new key and value; one query head a kv head; qwen's
     // biases and q/k norms.
     check_decode(what, shape(2, 64), 8, false, 90);
     check_decode(what, shape(2, 24), 6, true, 91);
     check_decode(what, shape(1, 128), 12, true, 92);
     check_decode(what, shape(2, 16), 4, false, 93);
+    check_decode(what, shape(2, 8), 2, true, 94);
 }

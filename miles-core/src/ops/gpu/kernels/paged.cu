@@ -188,9 +188,9 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
                          row + (inside ? (heads + r * kv_heads + kvh) * d + c * 8 : 0), inside);
         }
         for (int i = threadIdx.x; i < 2 * (d / 8); i += blockDim.x) {  // 4 floats a copy
-            const int table = i / (d / 8), c = i % (d / 8);
-            paged_copy16(rotary + table * (DP / 2) + c * 4,
-                         (table ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) + c * 4,
+            const int which = i / (d / 8), c = i % (d / 8);  // 0 cos, 1 sin
+            paged_copy16(rotary + which * (DP / 2) + c * 4,
+                         (which ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) + c * 4,
                          true);
         }
         commit_tiles();
@@ -345,8 +345,9 @@ PAGED_ATTENTION(64)
 PAGED_ATTENTION(128)
 
 // The decode instances: qkv_rotary_cache and paged_attention_DP in one kernel, for a pass of one
-// token a sequence (only then is the one position a block did not read from the cache its own
-// token's, which no other block of the pass reads). The bits are those of the two kernels.
+// token each of distinct sequences (only then is the one position a block did not read from the
+// cache its own token's, which no other block of the pass reads). The bits are those of the two
+// kernels where each token's slot is its table's place for its position, inside the cache.
 #define PAGED_DECODE(DP)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS, PAGED_BLOCKS_PER_SM(DP))       \
         paged_decode_##DP(bf16* out, bf16* cache, const bf16* qkv, const bf16* bias,              \
