@@ -14,6 +14,7 @@
 //! ([`read_optimizer_shards`]), which the Megatron backend re-joins into the full moments.
 //! Adam's moments are per element, so re-slicing them changes no value.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -128,18 +129,25 @@ pub fn write_optimizer(
 ) -> Result<(), BackendError> {
     let ranks = ranks.max(1);
     let slice = saved.m.len().div_ceil(ranks);
-    let block = |full: &[f32], rank: usize| -> Vec<f32> {
-        let start = (rank * slice).min(full.len());
-        let end = (start + slice).min(full.len());
-        let mut out = full[start..end].to_vec();
-        out.resize(slice, 0.0);
-        out
-    };
     for rank in 0..ranks {
-        let (m, v) = (block(&saved.m, rank), block(&saved.v, rank));
+        let (m, v) = (block(&saved.m, rank, slice), block(&saved.v, rank, slice));
         write_optimizer_rank(dir, rank, 1, ranks, saved.step, &m, &v)?;
     }
     Ok(())
+}
+
+/// Block `rank` of `slice` elements of `full`, padded with zeros past its end. A whole block
+/// is `full`'s own memory; only a short last one is copied to be padded (the moments of a large
+/// model are gigabytes).
+fn block(full: &[f32], rank: usize, slice: usize) -> Cow<'_, [f32]> {
+    let start = (rank * slice).min(full.len());
+    let end = (start + slice).min(full.len());
+    if end - start == slice {
+        return Cow::Borrowed(&full[start..end]);
+    }
+    let mut out = full[start..end].to_vec();
+    out.resize(slice, 0.0);
+    Cow::Owned(out)
 }
 
 /// One rank's file: its layout's metadata and its slices.
