@@ -22,6 +22,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use super::BackendError;
+use crate::device::MappedFile;
 
 /// The folder of the optimizer files inside a checkpoint.
 pub const OPTIMIZER_DIR: &str = "megatron";
@@ -167,11 +168,12 @@ struct Expected {
     slice: usize,
 }
 
-/// The bytes of rank `rank`'s file, and its path.
-fn read_bytes(dir: &Path, rank: usize) -> Result<(Vec<u8>, PathBuf), BackendError> {
+/// Rank `rank`'s file mapped (its moments are converted from the page cache, never read into a
+/// buffer of their own first), and its path.
+fn read_bytes(dir: &Path, rank: usize) -> Result<(MappedFile, PathBuf), BackendError> {
     let path = optimizer_file(dir, rank);
-    let bytes = std::fs::read(&path).map_err(io("read", &path))?;
-    Ok((bytes, path))
+    let map = MappedFile::open(&path).map_err(io("read", &path))?;
+    Ok((map, path))
 }
 
 /// Parses a rank file's `bytes` (read from `path`): its metadata alone without `expect`; with
@@ -256,7 +258,7 @@ pub fn read_optimizer_shards(
         return Ok(None);
     }
     let (first_bytes, first_path) = read_bytes(dir, 0)?;
-    let first = parse_rank(&first_path, &first_bytes, None)?;
+    let first = parse_rank(&first_path, first_bytes.bytes(), None)?;
     let (Ok(tp), Ok(dp)) = (usize::try_from(first.tp), usize::try_from(first.dp)) else {
         return Err(bad(&first_path, "parallel sizes do not fit this machine"));
     };
@@ -281,7 +283,7 @@ pub fn read_optimizer_shards(
             Some(bytes) => (bytes, optimizer_file(dir, 0)),
             None => read_bytes(dir, rank)?,
         };
-        let saved = parse_rank(&path, &bytes, Some(&expect))?;
+        let saved = parse_rank(&path, bytes.bytes(), Some(&expect))?;
         m[rank % tp].extend_from_slice(&saved.m);
         v[rank % tp].extend_from_slice(&saved.v);
     }
