@@ -120,7 +120,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(bad_model(&dir))?;
     let (memory, gpu) = engine_memory(&settings)?;
-    let config = EngineConfig::from_settings(&settings);
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let config = EngineConfig {
+        max_positions: Some(longest + args.max_new_tokens),
+        ..EngineConfig::from_settings(&settings)
+    };
     let mut engine = match gpu {
         Some(gpu) => Engine::from_checkpoint_on_gpu(memory, gpu, &dir, config),
         None => Engine::from_checkpoint(memory, &dir, config),

@@ -25,7 +25,9 @@ use miles_core::backend::{Critic, RolloutEngine};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::device::NcclComm;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Tokenizer};
-use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator};
+use miles_core::orchestrator::{
+    DATA_RESPONSE_LEN, LmCritic, LoopConfig, Orchestrator, PromptDataset,
+};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, backend::TrainBackend};
 
 use crate::settings_args::{BadSettings, SettingsArgs};
@@ -100,7 +102,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         tokenizer.clone(),
         &[prompt_data.as_ref(), eval_data.as_ref()],
     )?;
-    let engine = build_engine(&settings, &model)?;
+    let positions = longest_sequence(&settings, prompt_data.as_ref(), eval_data.as_ref());
+    let engine = build_engine(&settings, &model, positions)?;
     let job = match &env {
         Some(env) => {
             let Some(gpu) = crate::gpu::training_gpu_for(settings.device)? else {
@@ -228,18 +231,43 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     stopped().map_or(Ok(()), |stopped| Err(stopped.into()))
 }
 
-/// The rollout engine of `model` on the device `settings` name, behind its controller.
+/// The positions a rollout of the run fills at most, where the prompts are a dataset: its
+/// longest prompt (of the evaluation rows too) and the response length; `None` for the task's
+/// prompts (the engine then takes the model's positions).
+fn longest_sequence(
+    settings: &Settings,
+    prompt_data: Option<&PromptDataset>,
+    eval_data: Option<&PromptDataset>,
+) -> Option<usize> {
+    let prompt_data = prompt_data?;
+    let longest = [Some(prompt_data), eval_data]
+        .into_iter()
+        .flatten()
+        .flat_map(|dataset| dataset.rows.iter().map(|row| row.tokens))
+        .max()?;
+    Some(
+        longest
+            + settings
+                .rollout_max_response_len
+                .unwrap_or(DATA_RESPONSE_LEN),
+    )
+}
+
+/// The rollout engine of `model` on the device `settings` name, for sequences of at most
+/// `positions` positions (`None`: the model's), behind its controller.
 ///
 /// # Errors
 /// The GPU cannot be opened, or what the engine hit allocating.
 fn build_engine(
     settings: &Settings,
     model: &LlamaConfig,
+    positions: Option<usize>,
 ) -> anyhow::Result<Box<dyn RolloutEngine>> {
     // Every onload of the weights is followed by a full weight sync: backing them up on offload
     // would only carry stale bytes across the host link.
     let config = miles_infer::EngineConfig {
         weights_policy: miles_core::BackupPolicy::None,
+        max_positions: positions,
         ..miles_infer::EngineConfig::from_settings(settings)
     };
     let engine = crate::generate::build_engine(settings, model, config)?;
@@ -394,5 +422,44 @@ mod tests {
             );
             assert!(error.to_string().contains(flag), "{flag}: {error}");
         }
+    }
+
+    #[test]
+    fn an_engine_is_sized_for_the_longest_prompt_of_the_data_and_the_response() {
+        let dataset = |lengths: &[usize]| PromptDataset {
+            path: "prompts.jsonl".into(),
+            rows: lengths
+                .iter()
+                .enumerate()
+                .map(|(i, &tokens)| miles_core::orchestrator::PromptRow {
+                    line: i + 1,
+                    problem: miles_core::orchestrator::Problem {
+                        text: "x".repeat(tokens),
+                        answer: String::new(),
+                        metadata: serde_json::Value::Null,
+                    },
+                    tokens,
+                })
+                .collect(),
+            bad: Vec::new(),
+            too_long: 0,
+        };
+        let (train, eval) = (dataset(&[5, 9]), dataset(&[12]));
+        let responses = Settings {
+            rollout_max_response_len: Some(20),
+            ..Settings::default()
+        };
+        assert_eq!(longest_sequence(&responses, Some(&train), None), Some(29));
+        assert_eq!(
+            longest_sequence(&responses, Some(&train), Some(&eval)),
+            Some(32)
+        );
+        let default = Settings::default();
+        assert_eq!(
+            longest_sequence(&default, Some(&train), None),
+            Some(9 + DATA_RESPONSE_LEN)
+        );
+        // The task's prompts are not known here: the engine takes the model's positions.
+        assert_eq!(longest_sequence(&responses, None, Some(&eval)), None);
     }
 }

@@ -48,12 +48,20 @@ pub struct EngineConfig {
     /// On the GPU: decode steps run as CUDA graphs captured once per batch bucket (off: as
     /// queued kernels, `--rollout-disable-cuda-graph`).
     pub cuda_graphs: bool,
+    /// Positions one sequence fills at most, its prompt and what it generates; `None` for the
+    /// model's `max_position_embeddings` (a larger value is lowered to it). What is sized per
+    /// sequence follows it: on the GPU the prefill's scratch (a prompt is prefilled whole), the
+    /// block table of each sequence a decode step uploads and the rotary tables; the cache
+    /// blocks worth holding. A prompt that leaves no room for a new token within it is
+    /// refused.
+    pub max_positions: Option<usize>,
 }
 
 impl EngineConfig {
     /// The engine settings of a run: KV cache at `--rollout-mem-fraction`, host backup of the
     /// weights, blocks of 16 positions, up to 256 sequences per step, shared prompt blocks,
-    /// CUDA graphs unless `--rollout-disable-cuda-graph`.
+    /// CUDA graphs unless `--rollout-disable-cuda-graph`, sequences as long as the model
+    /// takes (a caller that knows its prompts and response length sets `max_positions`).
     pub fn from_settings(settings: &Settings) -> Self {
         Self {
             block_size: 16,
@@ -62,6 +70,7 @@ impl EngineConfig {
             weights_policy: BackupPolicy::Host,
             share_prompt_blocks: true,
             cuda_graphs: !settings.rollout_disable_cuda_graph,
+            max_positions: None,
         }
     }
 }
@@ -71,7 +80,7 @@ impl EngineConfig {
 fn kv_blocks(
     memory: &MemoryManager,
     config: &EngineConfig,
-    c: &LlamaConfig,
+    positions: usize,
     block_bytes: usize,
     reserved: usize,
 ) -> Result<usize, InferError> {
@@ -89,8 +98,7 @@ fn kv_blocks(
                 .memory_info()
                 .map_err(InferError::device("read the device's free memory"))?
                 .free;
-            let useful =
-                2 * config.max_batch * c.max_position_embeddings.div_ceil(config.block_size);
+            let useful = 2 * config.max_batch * positions.div_ceil(config.block_size);
             (((free as f64 * fraction) as usize).saturating_sub(reserved) / block_bytes).min(useful)
         }
     };
@@ -128,6 +136,8 @@ pub struct Engine {
     memory: Arc<MemoryManager>,
     model: Transformer,
     config: EngineConfig,
+    /// Positions one sequence fills at most ([`EngineConfig::max_positions`] resolved).
+    positions: usize,
     backend: Backend,
     tables: BlockTables,
     loaded: Vec<bool>,
@@ -204,6 +214,16 @@ impl Engine {
         }
         let model = Transformer::new(model_config);
         let c = model.config();
+        let positions = match config.max_positions {
+            Some(p @ (0 | 1)) => {
+                return Err(bad(
+                    "engine max positions",
+                    format!("{p} leaves no room for a prompt token and a new one; give at least 2"),
+                ));
+            }
+            Some(p) => p.min(c.max_position_embeddings),
+            None => c.max_position_embeddings,
+        };
         // fp32 on the CPU, bf16 on the GPU.
         let element = if gpu.is_some() { gpu::ELEMENT_BYTES } else { 4 };
         let weight_bytes = model.layout().len() * element;
@@ -213,7 +233,7 @@ impl Engine {
         let weights = memory
             .alloc(&MemoryTag::Weights, weight_bytes)
             .map_err(InferError::memory("allocate the weights"))?;
-        let limits = Limits::new(c, config.max_batch, config.block_size);
+        let limits = Limits::new(positions, config.max_batch, config.block_size);
         let [prefill_bytes, step_bytes] = match gpu {
             Some(_) => gpu::scratch_bytes(c, limits)?,
             None => [0, 0],
@@ -222,7 +242,7 @@ impl Engine {
         // On the GPU the cache holds one spare block (the graphs' padding rows write there).
         let spare = usize::from(gpu.is_some());
         let reserved = prefill_bytes + step_bytes + spare * block_bytes;
-        let num_blocks = kv_blocks(&memory, &config, c, block_bytes, reserved)?;
+        let num_blocks = kv_blocks(&memory, &config, positions, block_bytes, reserved)?;
         // Buffers of a region start at multiples of 256 bytes.
         let cache_bytes = (num_blocks + spare) * block_bytes;
         memory
@@ -239,11 +259,7 @@ impl Engine {
             None => Backend::Host {
                 weights,
                 kv,
-                scratch: Box::new(DecodeScratch::new(
-                    c,
-                    config.max_batch,
-                    c.max_position_embeddings,
-                )),
+                scratch: Box::new(DecodeScratch::new(c, config.max_batch, positions)),
             },
             Some(gpu) => {
                 let prefill = memory
@@ -275,6 +291,7 @@ impl Engine {
         tracing::info!(
             blocks = num_blocks,
             block_size = config.block_size,
+            positions,
             kv_bytes = cache_bytes,
             prefill_bytes,
             step_bytes,
@@ -288,6 +305,7 @@ impl Engine {
             memory,
             model,
             config,
+            positions,
             backend,
         })
     }
@@ -506,10 +524,11 @@ impl Engine {
         for (index, prompt) in prompts.iter().enumerate() {
             let reason = if prompt.is_empty() {
                 Some("is empty; give at least one token (the BOS id)".to_string())
-            } else if prompt.len() >= c.max_position_embeddings {
+            } else if prompt.len() >= self.positions {
                 Some(format!(
-                    "has {} tokens, the model takes {} positions and needs room for one new token",
+                    "has {} tokens, the engine serves sequences of {} positions (the model's {} at most) and needs room for one new token",
                     prompt.len(),
+                    self.positions,
                     c.max_position_embeddings
                 ))
             } else {
@@ -521,8 +540,7 @@ impl Engine {
             if let Some(reason) = reason {
                 return Err(InferError::BadPrompt { index, reason });
             }
-            longest = longest
-                .max((prompt.len() + params.max_new_tokens).min(c.max_position_embeddings) - 1);
+            longest = longest.max((prompt.len() + params.max_new_tokens).min(self.positions) - 1);
         }
         // A sequence's own blocks, plus the prompt's partial block its group keeps.
         let need = self.tables.blocks_for(longest) + 1;
@@ -536,7 +554,7 @@ impl Engine {
         }
         let (max_batch, share_prompt_blocks) =
             (self.config.max_batch, self.config.share_prompt_blocks);
-        let max_positions = c.max_position_embeddings;
+        let max_positions = self.positions;
         let captured_before = self.graph_captures();
         let outcome = self.with_step(|step, tables| {
             schedule::run(

@@ -28,7 +28,8 @@ pub enum FinishReason {
     Stop,
     /// It reached `max_new_tokens`.
     Length,
-    /// Prompt and output fill the model's positions (`max_position_embeddings`).
+    /// Prompt and output fill the engine's positions (`EngineConfig::max_positions`, at most
+    /// the model's `max_position_embeddings`).
     ContextLimit,
 }
 

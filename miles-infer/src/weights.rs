@@ -232,6 +232,7 @@ mod tests {
             weights_policy: BackupPolicy::Host,
             share_prompt_blocks: true,
             cuda_graphs: true,
+            max_positions: None,
         };
         Engine::new(memory, LlamaConfig::preset("tiny").unwrap(), config).unwrap()
     }

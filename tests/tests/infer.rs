@@ -54,6 +54,7 @@ fn engine_config(policy: BackupPolicy, kv: KvCapacity) -> EngineConfig {
         weights_policy: policy,
         share_prompt_blocks: true,
         cuda_graphs: true,
+        max_positions: None,
     }
 }
 
@@ -482,6 +483,69 @@ fn a_sample_that_fills_the_context_ends_with_context_limit() {
         assert_eq!(c.finish, miles_infer::FinishReason::ContextLimit, "{c:?}");
         assert_eq!(c.tokens.len(), 3, "prompt {} + 3 fill {max}", max - 3);
     }
+}
+
+#[test]
+fn an_engine_for_shorter_sequences_refuses_longer_prompts_and_cuts_at_its_positions() {
+    let cfg = |positions| EngineConfig {
+        max_positions: Some(positions),
+        ..engine_config(BackupPolicy::Host, KvCapacity::Blocks(256))
+    };
+    let mut s = setup_with(cfg(12), &[], 64 * MIB);
+    let err = s
+        .controller
+        .generate(&[vec![256; 12]], &sampling())
+        .unwrap_err();
+    assert!(
+        matches!(&err, InferError::BadPrompt { index: 0, reason } if reason.contains("sequences of 12 positions")),
+        "{err}"
+    );
+    let params = SamplingParams {
+        stop_tokens: Vec::new(),
+        ..sampling()
+    };
+    let out = s.controller.generate(&[vec![256; 8]], &params).unwrap();
+    for c in &out.completions {
+        assert_eq!(c.finish, miles_infer::FinishReason::ContextLimit, "{c:?}");
+        assert_eq!(c.tokens.len(), 4, "prompt 8 + 4 fill the engine's 12");
+    }
+    // Within the positions an engine sized for them generates what the model's own does.
+    let (mut short, mut whole) = (
+        setup_with(cfg(40), &[], 64 * MIB),
+        setup(BackupPolicy::Host, &[]),
+    );
+    assert_eq!(
+        generate(&mut short.controller),
+        generate(&mut whole.controller)
+    );
+    // A larger value is the model's own; fewer than 2 cannot hold a prompt and a new token.
+    let max = config().max_position_embeddings;
+    let mut roomy = setup_with(cfg(10 * max), &[], 64 * MIB);
+    assert_eq!(
+        generate(&mut roomy.controller),
+        generate(&mut whole.controller)
+    );
+    let memory = Arc::new(
+        MemoryManager::new(
+            Arc::new(CpuDevice::new(256 * MIB)),
+            ManagerSettings {
+                margin_bytes: 0,
+                disk: None,
+            },
+        )
+        .unwrap(),
+    );
+    let err = Engine::new(memory, config(), cfg(1)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            InferError::BadParameter {
+                what: "engine max positions",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

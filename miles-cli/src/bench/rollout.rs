@@ -108,7 +108,12 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     let mut params = vec![0.0; layout.len()];
     init_params(&layout, &config, settings.seed, &mut params)?;
     let seed_seconds = started.elapsed().as_secs_f64();
-    let engine = build_engine(&settings, &config, EngineConfig::from_settings(&settings))?;
+    // The engine is sized for the bench's sequences, as `miles train` sizes it for its data.
+    let engine_config = EngineConfig {
+        max_positions: Some(args.prompt_len.max(1) + args.max_new_tokens),
+        ..EngineConfig::from_settings(&settings)
+    };
+    let engine = build_engine(&settings, &config, engine_config)?;
     let engine_seconds = started.elapsed().as_secs_f64() - seed_seconds;
     let memory = Arc::clone(engine.memory());
     let kv_blocks = engine.kv_blocks();

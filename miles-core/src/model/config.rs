@@ -277,12 +277,13 @@ impl LlamaConfig {
 
     /// The rotary tables of this model, for every position it accepts.
     pub fn rope_table(&self) -> RopeTable {
-        RopeTable::scaled(
-            self.head_dim,
-            self.rope_theta,
-            self.max_position_embeddings,
-            self.rope_scaling,
-        )
+        self.rope_table_for(self.max_position_embeddings)
+    }
+
+    /// The rotary tables of this model for its first `positions` positions (the rows of
+    /// [`rope_table`](Self::rope_table), which do not depend on how many there are).
+    pub fn rope_table_for(&self, positions: usize) -> RopeTable {
+        RopeTable::scaled(self.head_dim, self.rope_theta, positions, self.rope_scaling)
     }
 
     /// The config keys whose values differ between `self` and `other`, each as

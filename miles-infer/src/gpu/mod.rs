@@ -31,8 +31,9 @@
 //! replay. Offloading `cuda_graph` releases that scratch; it comes back at the same addresses
 //! and the graphs replay without recapture.
 //!
-//! A prefill pass holds at most `max(max_position_embeddings, max_batch)` tokens (so any
-//! prompt fits whole) and `max_batch` sequences; a prefill of more is split into several passes.
+//! A prefill pass holds at most `max(positions, max_batch, 4096)` tokens, `positions` being the
+//! longest sequence the engine serves (so any prompt fits whole), and `max_batch` sequences; a
+//! prefill of more is split into several passes.
 
 mod pass;
 mod scratch;
@@ -217,7 +218,7 @@ impl GpuModel {
             0
         };
         Ok(GpuModel {
-            rope: config.rope_table(),
+            rope: config.rope_table_for(limits.positions),
             gpu,
             config: config.clone(),
             layout: layout.clone(),

@@ -30,12 +30,11 @@ impl GpuModel {
         let blocks = tables.blocks(seq)?;
         let (c, p) = (&self.config, self.shape.block_size);
         let end = first + tokens.len();
-        if tokens.is_empty() || end > c.max_position_embeddings || blocks.len() > self.limits.blocks
-        {
+        if tokens.is_empty() || end > self.limits.positions || blocks.len() > self.limits.blocks {
             return Err(InferError::Internal(format!(
-                "sequence {seq} with {} blocks cannot take positions {first}..{end} (model positions {})",
+                "sequence {seq} with {} blocks cannot take positions {first}..{end} (the engine's positions {})",
                 blocks.len(),
-                c.max_position_embeddings
+                self.limits.positions
             )));
         }
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {

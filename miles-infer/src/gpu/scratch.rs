@@ -20,18 +20,26 @@ pub(crate) struct Limits {
     pub(super) tokens: usize,
     /// `R`: sequences, each with one row of logits.
     pub(super) rows: usize,
-    /// Blocks of the longest sequence (`max_position_embeddings / P`, rounded up).
+    /// Blocks of the longest sequence (`positions / P`, rounded up).
     pub(super) blocks: usize,
+    /// Positions of the longest sequence (the engine's, at most the model's).
+    pub(super) positions: usize,
 }
 
+/// Tokens a prefill pass holds at least, however short the sequences: a pass reads every weight
+/// once, so short prompts are batched up to this many (the 1B preset's positions).
+const PREFILL_TOKENS: usize = 4096;
+
 impl Limits {
-    /// A prefill pass takes any prompt whole (`max_position_embeddings` tokens), a decode step
-    /// of `max_batch` sequences, and at most `max_batch` sequences in all.
-    pub(crate) fn new(config: &LlamaConfig, max_batch: usize, block_size: usize) -> Limits {
+    /// For sequences of at most `positions` positions: a prefill pass takes any prompt whole
+    /// (`positions` tokens, and at least [`PREFILL_TOKENS`]), a decode step `max_batch`
+    /// sequences, and at most `max_batch` sequences in all.
+    pub(crate) fn new(positions: usize, max_batch: usize, block_size: usize) -> Limits {
         Limits {
-            tokens: config.max_position_embeddings.max(max_batch),
+            tokens: positions.max(max_batch).max(PREFILL_TOKENS),
             rows: max_batch,
-            blocks: config.max_position_embeddings.div_ceil(block_size),
+            blocks: positions.div_ceil(block_size),
+            positions,
         }
     }
 
@@ -75,8 +83,8 @@ pub(super) struct Scratch {
     pub(super) partials: GpuSlice<f32>, // (MAX_SPLIT, min(N, SPLIT_ROWS), C) fp32 partials
     pub(super) rows_ln: GpuSlice<bf16>, // (R, C) the normed rows that need logits
     pub(super) logits: GpuSlice<f32>,   // (R, V)
-    pub(super) cos: GpuSlice<f32>,      // (P_max, D/2)
-    pub(super) sin: GpuSlice<f32>,      // (P_max, D/2)
+    pub(super) cos: GpuSlice<f32>,      // (positions, D/2)
+    pub(super) sin: GpuSlice<f32>,      // (positions, D/2)
     pub(super) index: GpuSlice<u32>,    // the pass's index arrays, draws and rule ([`Index`])
     pub(super) picked: GpuSlice<u32>,   // (2R) drawn tokens, then their log-probs' bits
 }
@@ -90,7 +98,7 @@ impl Scratch {
     ) -> Result<(Scratch, usize), DeviceError> {
         let (n, r) = (l.tokens, l.rows);
         let (h, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let rope = c.max_position_embeddings * (c.head_dim / 2);
+        let rope = l.positions * (c.head_dim / 2);
         let mut at = Carver { start, used: 0 };
         let scratch = Scratch {
             x: at.take(n * h)?,
@@ -157,4 +165,33 @@ pub(crate) fn scratch_bytes(
             .map_err(InferError::device("size the gpu scratch"))
     };
     Ok([bytes(limits)?, bytes(limits.step())?])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scratch_follows_the_engines_positions_not_the_models() {
+        // Llama 3.2 1B's shapes take 131,072 positions; a run of 1,024-token prompts and 1,024
+        // new tokens fills 2,048 (prefill scratch 9.48 GB against 0.33 GB).
+        let mut c = LlamaConfig::preset("1b").unwrap_or_else(|e| panic!("{e}"));
+        c.max_position_embeddings = 131_072;
+        let bytes = |limits| {
+            Scratch::carve(0, &c, limits)
+                .map(|(_, bytes)| bytes)
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (model, run) = (Limits::new(131_072, 256, 16), Limits::new(2048, 256, 16));
+        assert_eq!((run.tokens, run.blocks, run.positions), (4096, 128, 2048));
+        let (whole, sized) = (bytes(model), bytes(run));
+        assert!(sized * 20 < whole, "{sized} bytes against {whole}");
+        // A decode step uploads one block table row per sequence.
+        let table_words = |l: Limits| {
+            Index::new(128, 128, 128, l.blocks).draws - Index::new(128, 128, 128, 0).draws
+        };
+        assert_eq!(table_words(model), 128 * 8192);
+        assert_eq!(table_words(run), 128 * 128);
+        assert!(bytes(model.step()) > bytes(run.step()));
+    }
 }

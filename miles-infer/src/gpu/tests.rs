@@ -50,6 +50,7 @@ fn engine_config(blocks: usize, weights_policy: BackupPolicy) -> EngineConfig {
         weights_policy,
         share_prompt_blocks: true,
         cuda_graphs: true,
+        max_positions: None,
     }
 }
 
