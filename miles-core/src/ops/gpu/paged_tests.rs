@@ -9,6 +9,7 @@ use half::bf16;
 
 use super::testing::{TestGpu, assert_close};
 use super::{PagedCache, PagedTokens, QkvHeads, TokenPlaces};
+use crate::device::GpuSlice;
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{
     AttentionShape, RopeTable, attention_forward_naive, bias_forward, rmsnorm_forward, rope_forward,
@@ -120,6 +121,24 @@ fn columns(rows: &[f32], row: usize, first: usize, width: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The fused rows `qkv` of `heads` query heads, with qwen's biases and q/k norms (`extras`) or
+/// without them.
+fn qkv_heads(
+    qkv: GpuSlice<bf16>,
+    heads: usize,
+    extras: Option<[GpuSlice<bf16>; 3]>,
+    eps: f32,
+) -> QkvHeads {
+    QkvHeads {
+        qkv,
+        heads,
+        bias: extras.map(|[bias, _, _]| bias),
+        q_norm: extras.map(|[_, q_norm, _]| q_norm),
+        k_norm: extras.map(|[_, _, k_norm]| k_norm),
+        eps,
+    }
+}
+
 /// Checks `qkv_rotary_cache` against the CPU ops, with the biases and q/k norms of qwen or
 /// without them.
 fn check_qkv_rotary_cache(what: &str, with_extras: bool, seed: u64) {
@@ -156,15 +175,12 @@ fn check_qkv_rotary_cache(what: &str, with_extras: bool, seed: u64) {
         sin: t.put(table.sin()),
     };
     let q = t.alloc::<bf16>(n * qd);
-    let extras = |slice| with_extras.then_some(slice);
-    let fused = QkvHeads {
+    let fused = qkv_heads(
         qkv,
         heads,
-        bias: extras(bias),
-        q_norm: extras(q_norm),
-        k_norm: extras(k_norm),
+        with_extras.then_some([bias, q_norm, k_norm]),
         eps,
-    };
+    );
     t.gpu
         .qkv_rotary_cache(q, cache, &shape, layer, &fused, &places)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -454,15 +470,12 @@ fn check_decode(what: &str, shape: PagedCache, heads: usize, with_extras: bool, 
     let (bias, _) = t.put_bf16(&seeded(seed + 6, width));
     let (q_norm, _) = t.put_bf16(&seeded(seed + 7, d));
     let (k_norm, _) = t.put_bf16(&seeded(seed + 8, d));
-    let extras = |slice| with_extras.then_some(slice);
-    let fused = QkvHeads {
+    let fused = qkv_heads(
         qkv,
         heads,
-        bias: extras(bias),
-        q_norm: extras(q_norm),
-        k_norm: extras(k_norm),
-        eps: 1e-6,
-    };
+        with_extras.then_some([bias, q_norm, k_norm]),
+        1e-6,
+    );
     let positions = t.put(&positions);
     let places = TokenPlaces {
         positions,
