@@ -25,9 +25,7 @@ use miles_core::backend::{Critic, RolloutEngine};
 use miles_core::config::{AdvantageEstimator, Settings};
 use miles_core::device::NcclComm;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Tokenizer};
-use miles_core::orchestrator::{
-    DATA_RESPONSE_LEN, LmCritic, LoopConfig, Orchestrator, PromptDataset,
-};
+use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator, PromptDataset};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, backend::TrainBackend};
 
 use crate::settings_args::{BadSettings, SettingsArgs};
@@ -102,7 +100,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         tokenizer.clone(),
         &[prompt_data.as_ref(), eval_data.as_ref()],
     )?;
-    let positions = longest_sequence(&settings, prompt_data.as_ref(), eval_data.as_ref());
+    let positions = longest_sequence(
+        loop_config.rl.data_response_len(),
+        prompt_data.as_ref(),
+        eval_data.as_ref(),
+    );
     let engine = build_engine(&settings, &model, positions)?;
     let job = match &env {
         Some(env) => {
@@ -232,10 +234,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// The positions a rollout of the run fills at most, where the prompts are a dataset: its
-/// longest prompt (of the evaluation rows too) and the response length; `None` for the task's
+/// longest prompt (of the evaluation rows too) and `response_len`; `None` for the task's
 /// prompts (the engine then takes the model's positions).
 fn longest_sequence(
-    settings: &Settings,
+    response_len: usize,
     prompt_data: Option<&PromptDataset>,
     eval_data: Option<&PromptDataset>,
 ) -> Option<usize> {
@@ -245,12 +247,7 @@ fn longest_sequence(
         .flatten()
         .flat_map(|dataset| dataset.rows.iter().map(|row| row.tokens))
         .max()?;
-    Some(
-        longest
-            + settings
-                .rollout_max_response_len
-                .unwrap_or(DATA_RESPONSE_LEN),
-    )
+    Some(longest + response_len)
 }
 
 /// The rollout engine of `model` on the device `settings` name, for sequences of at most
@@ -445,21 +442,25 @@ mod tests {
             too_long: 0,
         };
         let (train, eval) = (dataset(&[5, 9]), dataset(&[12]));
-        let responses = Settings {
+        let responses = LoopConfig::from_settings(&Settings {
             rollout_max_response_len: Some(20),
             ..Settings::default()
-        };
-        assert_eq!(longest_sequence(&responses, Some(&train), None), Some(29));
+        })
+        .rl
+        .data_response_len();
+        assert_eq!(longest_sequence(responses, Some(&train), None), Some(29));
         assert_eq!(
-            longest_sequence(&responses, Some(&train), Some(&eval)),
+            longest_sequence(responses, Some(&train), Some(&eval)),
             Some(32)
         );
-        let default = Settings::default();
+        let default = LoopConfig::from_settings(&Settings::default())
+            .rl
+            .data_response_len();
         assert_eq!(
-            longest_sequence(&default, Some(&train), None),
-            Some(9 + DATA_RESPONSE_LEN)
+            longest_sequence(default, Some(&train), None),
+            Some(9 + miles_core::orchestrator::DATA_RESPONSE_LEN)
         );
         // The task's prompts are not known here: the engine takes the model's positions.
-        assert_eq!(longest_sequence(&responses, None, Some(&eval)), None);
+        assert_eq!(longest_sequence(responses, None, Some(&eval)), None);
     }
 }

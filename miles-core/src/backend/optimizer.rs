@@ -170,7 +170,7 @@ struct Expected {
 
 /// Rank `rank`'s file mapped (its moments are converted from the page cache, never read into a
 /// buffer of their own first), and its path.
-fn read_bytes(dir: &Path, rank: usize) -> Result<(MappedFile, PathBuf), BackendError> {
+fn map_rank_file(dir: &Path, rank: usize) -> Result<(MappedFile, PathBuf), BackendError> {
     let path = optimizer_file(dir, rank);
     let map = MappedFile::open(&path).map_err(io("read", &path))?;
     Ok((map, path))
@@ -257,8 +257,8 @@ pub fn read_optimizer_shards(
     if !dir.join(OPTIMIZER_DIR).is_dir() {
         return Ok(None);
     }
-    let (first_bytes, first_path) = read_bytes(dir, 0)?;
-    let first = parse_rank(&first_path, first_bytes.bytes(), None)?;
+    let (first_map, first_path) = map_rank_file(dir, 0)?;
+    let first = parse_rank(&first_path, first_map.bytes(), None)?;
     let (Ok(tp), Ok(dp)) = (usize::try_from(first.tp), usize::try_from(first.dp)) else {
         return Err(bad(&first_path, "parallel sizes do not fit this machine"));
     };
@@ -274,18 +274,26 @@ pub fn read_optimizer_shards(
         step,
         slice,
     };
-    let mut m = vec![Vec::with_capacity(slice * dp); tp];
-    let mut v = vec![Vec::with_capacity(slice * dp); tp];
-    let mut first_bytes = Some(first_bytes);
+    let (mut m, mut v) = (vec![Vec::new(); tp], vec![Vec::new(); tp]);
+    let mut first_map = Some(first_map);
     for rank in 0..tp * dp {
-        // Rank 0's file is read once: it can hold the whole model's moments.
-        let (bytes, path) = match first_bytes.take() {
-            Some(bytes) => (bytes, optimizer_file(dir, 0)),
-            None => read_bytes(dir, rank)?,
+        // Rank 0's file is mapped once: it can hold the whole model's moments.
+        let (map, path) = match first_map.take() {
+            Some(map) => (map, optimizer_file(dir, 0)),
+            None => map_rank_file(dir, rank)?,
         };
-        let saved = parse_rank(&path, bytes.bytes(), Some(&expect))?;
-        m[rank % tp].extend_from_slice(&saved.m);
-        v[rank % tp].extend_from_slice(&saved.v);
+        let saved = parse_rank(&path, map.bytes(), Some(&expect))?;
+        for (shards, part) in [(&mut m, saved.m), (&mut v, saved.v)] {
+            // A shard's first block is moved in (at data parallel 1 the whole shard), the
+            // others appended.
+            let shard = &mut shards[rank % tp];
+            if shard.is_empty() {
+                *shard = part;
+                shard.reserve_exact(slice * (dp - 1));
+            } else {
+                shard.extend_from_slice(&part);
+            }
+        }
     }
     for shard in m.iter_mut().chain(v.iter_mut()) {
         shard.truncate(len);

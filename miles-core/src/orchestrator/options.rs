@@ -39,6 +39,12 @@ pub struct RlOptions {
 }
 
 impl RlOptions {
+    /// Generated tokens per sample at most on a dataset: `max_response_len`, else
+    /// [`DATA_RESPONSE_LEN`].
+    pub fn data_response_len(&self) -> usize {
+        self.max_response_len.unwrap_or(DATA_RESPONSE_LEN)
+    }
+
     /// The options of a run.
     pub fn from_settings(s: &Settings) -> Self {
         Self {

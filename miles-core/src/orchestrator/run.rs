@@ -16,7 +16,6 @@ use super::OrchestratorError;
 use super::advantage::{grpo_advantages, mean_std, ppo_advantages, reinforce_plus_plus_advantages};
 use super::batch::{Sequence, build_batch};
 use super::data::{PromptDataset, PromptSource};
-use super::options::DATA_RESPONSE_LEN;
 use super::reference::ReferenceModel;
 use super::reward::{BuiltinReward, Reward, RewardError, RewardRequest};
 use super::state::LoopState;
@@ -679,10 +678,11 @@ impl Orchestrator {
 
     /// Generated tokens per sample at most.
     fn max_response_len(&self) -> usize {
-        match (&self.problems, self.config.rl.max_response_len) {
-            (_, Some(len)) => len,
-            (PromptSource::Task(task), None) => task.max_answer_tokens(),
-            (PromptSource::Data { .. }, None) => DATA_RESPONSE_LEN,
+        match &self.problems {
+            PromptSource::Task(task) => {
+                (self.config.rl.max_response_len).unwrap_or_else(|| task.max_answer_tokens())
+            }
+            PromptSource::Data { .. } => self.config.rl.data_response_len(),
         }
     }
 
