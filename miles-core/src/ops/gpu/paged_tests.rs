@@ -543,3 +543,77 @@ fn paged_decode_attention_gives_the_bits_of_the_two_kernels_it_fuses() {
     check_decode(what, shape(2, 16), 4, false, 93);
     check_decode(what, shape(2, 8), 2, true, 94);
 }
+
+#[test]
+fn paged_decode_attention_refuses_unaligned_rows_or_tables_and_positions_of_another_pass() {
+    let what =
+        "paged_decode_attention_refuses_unaligned_rows_or_tables_and_positions_of_another_pass";
+    let Some(mut t) = TestGpu::open(what, 16 << 20) else {
+        return;
+    };
+    let shape = PagedCache {
+        num_blocks: 4,
+        num_layers: 1,
+        block_size: 8,
+        kv_heads: 1,
+        head_dim: 16,
+    };
+    let (d, width) = (shape.head_dim, 3 * shape.head_dim);
+    let cache = t.alloc::<bf16>(shape.elems());
+    let out = t.alloc::<bf16>(d);
+    // One element past an aligned start: the rows and the rotary rows are copied 16 bytes at
+    // a time.
+    let qkv = t.alloc::<bf16>(width);
+    let qkv_off = t.alloc::<bf16>(width + 1).sub(1, width).unwrap();
+    let rope = RopeTable::new(d, 10000.0, 8);
+    let cos = t.put(rope.cos());
+    let mut shifted = vec![0.0f32];
+    shifted.extend_from_slice(rope.cos());
+    let cos_off = t.put(&shifted).sub(1, rope.cos().len()).unwrap();
+    let sin = t.put(rope.sin());
+    let tokens = PagedTokens {
+        positions: t.put(&[0u32]),
+        seq_rows: t.put(&[0u32]),
+        tables: t.put(&[0u32]),
+        max_blocks: 1,
+    };
+    let slots = t.put(&[0u32]);
+    let places = |cos, positions| TokenPlaces {
+        positions,
+        slots,
+        cos,
+        sin,
+    };
+    for (rows, cos, named) in [
+        (qkv_off, cos, "q/k/v rows"),
+        (qkv, cos_off, "rotary tables"),
+    ] {
+        let at = places(cos, tokens.positions);
+        let refused = t.gpu.paged_decode_attention(
+            out,
+            cache,
+            &shape,
+            0,
+            &qkv_heads(rows, 1, None, 1e-6),
+            (&at, &tokens),
+        );
+        assert!(
+            matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains(named) && what.contains("16-byte aligned")),
+            "{refused:?}"
+        );
+    }
+    let other_positions = t.put(&[0u32]);
+    let other = places(cos, other_positions);
+    let refused = t.gpu.paged_decode_attention(
+        out,
+        cache,
+        &shape,
+        0,
+        &qkv_heads(qkv, 1, None, 1e-6),
+        (&other, &tokens),
+    );
+    assert!(
+        matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("decode attention positions")),
+        "{refused:?}"
+    );
+}
