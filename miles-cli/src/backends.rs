@@ -8,20 +8,31 @@ use miles_core::device::{Gpu, NcclComm};
 
 use crate::settings_args::BadSettings;
 
-/// The backend `--train-backend` names, built from the settings; with `group`, this process's
-/// rank of a data-parallel job over one GPU a process.
+/// One process's communicators in a job over GPUs.
+pub struct RankComms {
+    /// Its rank in the job.
+    pub rank: usize,
+    /// Its tensor-parallel group (`--tensor-model-parallel-size` above 1).
+    pub tensor: Option<NcclComm>,
+    /// The ranks it is data parallel with: the whole job's, or with a tensor-parallel group the
+    /// replicas of its shard (`None` where there are none).
+    pub data: Option<NcclComm>,
+}
+
+/// The backend `--train-backend` names, built from the settings; with `comms`, this process's
+/// rank of a job over one GPU a process.
 ///
 /// # Errors
 /// `BadSettings` for settings the backend refuses, `BackendNotBuilt` for a backend this
 /// binary was built without, or the backend's failure to start.
 pub fn build_backend(
     settings: &Settings,
-    group: Option<NcclComm>,
+    comms: Option<RankComms>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     let gpu = crate::gpu::training_gpu_for(settings.device)?;
     match settings.train_backend {
-        miles_core::TrainBackendKind::Megatron => megatron(settings, gpu, group),
-        miles_core::TrainBackendKind::Fsdp => fsdp(settings, gpu, group),
+        miles_core::TrainBackendKind::Megatron => megatron(settings, gpu, comms),
+        miles_core::TrainBackendKind::Fsdp => fsdp(settings, gpu, comms),
     }
 }
 
@@ -38,10 +49,17 @@ fn refused(error: miles_core::BackendError) -> anyhow::Error {
 fn megatron(
     settings: &Settings,
     gpu: Option<Arc<Gpu>>,
-    group: Option<NcclComm>,
+    comms: Option<RankComms>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
-        Some(gpu) => Box::new(miles_megatron::gpu_trainer(gpu, settings, group).map_err(refused)?),
+        Some(gpu) => {
+            let RankComms { rank, tensor, data } = comms.unwrap_or(RankComms {
+                rank: 0,
+                tensor: None,
+                data: None,
+            });
+            miles_megatron::gpu_trainer(gpu, settings, rank, tensor, data).map_err(refused)?
+        }
         None => {
             Box::new(miles_megatron::MegatronTrainer::from_settings(settings).map_err(refused)?)
         }
@@ -52,7 +70,7 @@ fn megatron(
 fn megatron(
     _: &Settings,
     _: Option<Arc<Gpu>>,
-    _: Option<NcclComm>,
+    _: Option<RankComms>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Megatron).into())
 }
@@ -61,10 +79,13 @@ fn megatron(
 fn fsdp(
     settings: &Settings,
     gpu: Option<Arc<Gpu>>,
-    group: Option<NcclComm>,
+    comms: Option<RankComms>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
-        Some(gpu) => Box::new(miles_fsdp::gpu_trainer(gpu, settings, group).map_err(refused)?),
+        Some(gpu) => {
+            let data = comms.and_then(|comms| comms.data);
+            Box::new(miles_fsdp::gpu_trainer(gpu, settings, data).map_err(refused)?)
+        }
         None => Box::new(miles_fsdp::FsdpBackend::from_settings(settings).map_err(refused)?),
     })
 }
@@ -73,7 +94,7 @@ fn fsdp(
 fn fsdp(
     _: &Settings,
     _: Option<Arc<Gpu>>,
-    _: Option<NcclComm>,
+    _: Option<RankComms>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Err(crate::settings_args::BackendNotBuilt(miles_core::TrainBackendKind::Fsdp).into())
 }

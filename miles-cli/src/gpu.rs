@@ -26,9 +26,78 @@ const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
 /// # Errors
 /// The group cannot form (a rank missing, a port taken), or NCCL fails.
 pub fn join_job(env: &LaunchEnv, gpu: &Arc<Gpu>) -> anyhow::Result<(HostGroup, NcclComm)> {
-    let mut group = HostGroup::connect(env, JOIN_TIMEOUT)?;
+    let mut group = connect(env)?;
     let comm = open_comm(&mut group, gpu)?;
     Ok((group, comm))
+}
+
+/// This process's place in `env`'s job: the job's [`HostGroup`].
+///
+/// # Errors
+/// The group cannot form (a rank missing, a port taken).
+pub fn connect(env: &LaunchEnv) -> anyhow::Result<HostGroup> {
+    Ok(HostGroup::connect(env, JOIN_TIMEOUT)?)
+}
+
+/// The communicators a trainer of `group`'s job of `tp`-rank tensor-parallel groups uses on
+/// this rank's GPU `gpu`: with `tp` 1 one over the whole job; else one over this rank's
+/// tensor-parallel group (`tp` consecutive ranks) and, where there are several such groups,
+/// one over the ranks holding the same shard (one a group). Every rank calls it at the same
+/// point.
+///
+/// # Errors
+/// The group fails, or NCCL does.
+pub fn rank_comms(
+    group: &mut HostGroup,
+    gpu: &Arc<Gpu>,
+    tp: usize,
+) -> anyhow::Result<crate::backends::RankComms> {
+    let (rank, world) = (group.rank(), group.world_size());
+    if tp <= 1 {
+        return Ok(crate::backends::RankComms {
+            rank,
+            tensor: None,
+            data: Some(open_comm(group, gpu)?),
+        });
+    }
+    let tensor = open_sub_comm(group, gpu, rank / tp)?;
+    let data = match world > tp {
+        true => Some(open_sub_comm(group, gpu, rank % tp)?),
+        false => None,
+    };
+    Ok(crate::backends::RankComms {
+        rank,
+        tensor: Some(tensor),
+        data,
+    })
+}
+
+/// An NCCL communicator over the ranks of `group` that give the same `color`, ranked in the
+/// job's order; every rank calls it at the same point. The first of them makes the id, which
+/// goes to the others over the group.
+///
+/// # Errors
+/// The group fails, or NCCL does.
+fn open_sub_comm(group: &mut HostGroup, gpu: &Arc<Gpu>, color: usize) -> anyhow::Result<NcclComm> {
+    let colors = group.all_gather(&(color as u64).to_le_bytes())?;
+    let mine = colors[group.rank()].clone();
+    let members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == mine).collect();
+    let index = members
+        .iter()
+        .position(|&r| r == group.rank())
+        .context("this rank is missing from its own group")?;
+    let made = match index {
+        0 => NcclComm::unique_id()?.to_vec(),
+        _ => Vec::new(),
+    };
+    let ids = group.all_gather(&made)?;
+    let id: [u8; ID_BYTES] = ids[members[0]].clone().try_into().map_err(|_| {
+        anyhow::anyhow!(
+            "rank {} sent a communicator id of the wrong length",
+            members[0]
+        )
+    })?;
+    Ok(NcclComm::new(Arc::clone(gpu), id, index, members.len())?)
 }
 
 /// One more NCCL communicator over every rank of `group` (this rank's GPU `gpu`), its id handed

@@ -9,10 +9,15 @@
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
 //! data-parallel rank of the trainer (`--data-parallel-size N`, either backend; under PPO its
 //! critic is another, with a communicator of its own) whose gradients NCCL reduce-scatters over
-//! the ranks, each rank updating its block of the optimizer state. Rank 0 reports, writes metrics and saves (the others send it their blocks). A
-//! signal there stops every rank after the same step: at the end of each step the ranks agree
-//! over the job's host group whether any was asked to stop, and each exits with the status of the
-//! signal one of them received.
+//! the ranks, each rank updating its block of the optimizer state. With Megatron's
+//! `--tensor-model-parallel-size T` the job is T x N processes: each run of T consecutive ranks
+//! is a tensor-parallel group training one shard of the model each, on the rollout of the
+//! group's first rank (shared over the host group; the group's ranks share a seed), and the
+//! ranks holding the same shard are data-parallel replicas; the engines get the full weights,
+//! gathered over the group. Rank 0 reports, writes metrics and saves (the others send it their
+//! blocks). A signal there stops every rank after the same step: at the end of each step the
+//! ranks agree over the job's host group whether any was asked to stop, and each exits with the
+//! status of the signal one of them received.
 
 use std::cell::{Cell, RefCell};
 use std::io::{IsTerminal, Write};
@@ -23,11 +28,11 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use miles_core::backend::{Critic, RolloutEngine};
 use miles_core::config::{AdvantageEstimator, Settings};
-use miles_core::device::NcclComm;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Tokenizer};
 use miles_core::orchestrator::{LmCritic, LoopConfig, Orchestrator, PromptDataset};
 use miles_core::{DeviceKind, LaunchEnv, StepMetrics, backend::TrainBackend};
 
+use crate::backends::RankComms;
 use crate::settings_args::{BadSettings, SettingsArgs};
 use crate::signals::{Interrupted, StopSignal};
 
@@ -42,8 +47,9 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub settings: SettingsArgs,
     /// Start this many processes on this machine, one per GPU, each running the loop with one
-    /// data-parallel rank of the trainer (`--device cuda --data-parallel-size N`, either
-    /// backend). Under torchrun, srun or mpirun leave it out.
+    /// rank of the trainer (`--device cuda`, tensor parallel x data parallel ranks: either
+    /// backend's `--data-parallel-size N`, Megatron's `--tensor-model-parallel-size` too). Under
+    /// torchrun, srun or mpirun leave it out.
     #[arg(long, default_value_t = 1)]
     pub nproc_per_node: usize,
 }
@@ -67,8 +73,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         check_ranks(&settings, env)?;
     }
     let rank = env.as_ref().map_or(0, |env| env.rank);
+    // The ranks of a tensor-parallel group are one data-parallel rank: one seed, one rollout.
+    let tp = settings.tensor_model_parallel_size.max(1);
     let mut loop_config = LoopConfig::from_settings(&settings);
-    loop_config.seed += rank as u64;
+    loop_config.seed += (rank / tp) as u64;
     if rank > 0 {
         // Rank 0 writes the checkpoints; the others take part where the state is split, and
         // keep `save` only to know when.
@@ -114,24 +122,32 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 )
                 .into());
             };
-            Some(crate::gpu::join_job(env, &gpu)?)
+            let mut group = crate::gpu::connect(env)?;
+            let comms = crate::gpu::rank_comms(&mut group, &gpu, tp)?;
+            Some((group, comms))
         }
         None => None,
     };
-    let (group, comm) = job.map_or((None, None), |(group, comm)| {
-        (Some(Rc::new(RefCell::new(group))), Some(comm))
+    let (group, comms) = job.map_or((None, None), |(group, comms)| {
+        (Some(Rc::new(RefCell::new(group))), Some(comms))
     });
-    let actor = build_actor(&settings, comm)?;
-    // PPO's critic is one more data-parallel trainer, with a communicator of its own.
-    let critic_comm = match (&group, settings.advantage_estimator) {
+    let actor = build_actor(&settings, comms)?;
+    // PPO's critic is one more data-parallel trainer over every rank (tensor parallel or not),
+    // with a communicator of its own.
+    let critic_comms = match (&group, settings.advantage_estimator) {
         (Some(group), AdvantageEstimator::Ppo) => {
             let gpu = crate::gpu::training_gpu_for(settings.device)?
                 .context("several processes train on gpus")?;
-            Some(crate::gpu::open_comm(&mut group.borrow_mut(), &gpu)?)
+            let mut group = group.borrow_mut();
+            Some(crate::backends::RankComms {
+                rank,
+                tensor: None,
+                data: Some(crate::gpu::open_comm(&mut group, &gpu)?),
+            })
         }
         _ => None,
     };
-    let critic = build_critic(&settings, tokenizer.pad(), critic_comm)?;
+    let critic = build_critic(&settings, tokenizer.pad(), critic_comms)?;
     if let Some(gpu) = crate::gpu::gpu_for(settings.device)? {
         // What this process may hold on its gpu: what is free and what its trainer and engine
         // hold already (another process's memory does not count).
@@ -178,6 +194,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             let all = group.borrow_mut().max(mine)?;
             agreed.set(all);
             Ok(all != 0)
+        }));
+    }
+    if let Some(group) = &group
+        && tp > 1
+    {
+        // Every rank of a tensor-parallel group trains on its first rank's rollout.
+        let (group, first) = (Rc::clone(group), rank - rank % tp);
+        orchestrator = orchestrator.with_rollout_share(Box::new(move |own| {
+            let part = if rank == first { own } else { Vec::new() };
+            let mut all = group.borrow_mut().all_gather(&part)?;
+            Ok(std::mem::take(&mut all[first]))
         }));
     }
     if let Some(group) = &group {
@@ -292,29 +319,41 @@ fn check_ranks(settings: &Settings, env: &LaunchEnv) -> anyhow::Result<()> {
 /// As [`build_backend`](crate::backends::build_backend).
 fn build_actor(
     settings: &Settings,
-    group: Option<NcclComm>,
+    comms: Option<RankComms>,
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     let fresh = Settings {
         load: None,
         ..settings.clone()
     };
-    crate::backends::build_backend(&fresh, group)
+    crate::backends::build_backend(&fresh, comms)
 }
 
 /// The PPO critic (none under GRPO): a second backend of the same kind, its language model
-/// read as the value head; with `group`, one rank of a job, as the actor.
+/// read as the value head; with `comms`, one data-parallel rank of a job over all its ranks
+/// (where the actor is tensor parallel, the critic is not: its replicas in one
+/// tensor-parallel group train on the same rollout).
 ///
 /// # Errors
 /// As [`build_actor`].
 fn build_critic(
     settings: &Settings,
     pad: u32,
-    group: Option<NcclComm>,
+    comms: Option<RankComms>,
 ) -> anyhow::Result<Option<Box<dyn Critic>>> {
     match settings.advantage_estimator {
         AdvantageEstimator::Grpo | AdvantageEstimator::ReinforcePlusPlus => Ok(None),
         AdvantageEstimator::Ppo => {
-            let backend = build_actor(settings, group).context("cannot build the critic")?;
+            let settings = match &comms {
+                Some(RankComms {
+                    data: Some(data), ..
+                }) => Settings {
+                    tensor_model_parallel_size: 1,
+                    data_parallel_size: data.world_size(),
+                    ..settings.clone()
+                },
+                _ => settings.clone(),
+            };
+            let backend = build_actor(&settings, comms).context("cannot build the critic")?;
             Ok(Some(Box::new(LmCritic::new(backend, pad))))
         }
     }
@@ -393,12 +432,20 @@ mod tests {
             ),
             (
                 Settings {
-                    train_backend: TrainBackendKind::Megatron,
                     tensor_model_parallel_size: 2,
                     data_parallel_size: 1,
                     ..cuda.clone()
                 },
-                "--tensor-model-parallel-size 1",
+                "--train-backend megatron",
+            ),
+            (
+                Settings {
+                    train_backend: TrainBackendKind::Megatron,
+                    tensor_model_parallel_size: 2,
+                    data_parallel_size: 2,
+                    ..cuda.clone()
+                },
+                "--data-parallel-size 1",
             ),
         ];
         let megatron = Settings {
@@ -406,6 +453,12 @@ mod tests {
             ..cuda.clone()
         };
         check_ranks(&megatron, &rank(2)).unwrap();
+        let tensor_parallel = Settings {
+            tensor_model_parallel_size: 2,
+            data_parallel_size: 1,
+            ..megatron.clone()
+        };
+        check_ranks(&tensor_parallel, &rank(2)).unwrap();
         let ppo = Settings {
             advantage_estimator: AdvantageEstimator::Ppo,
             ..cuda.clone()

@@ -1,18 +1,19 @@
-//! Megatron on GPUs in `miles train`: tensor parallel size 1, one GPU a process, computed by
-//! core's GPU trainer; over several processes data parallel with the distributed optimizer
-//! (each rank keeps its block of the fp32 master weights and moments). Saved in core's
-//! optimizer files, gathered to rank 0 (so a GPU checkpoint loads on the CPU at any parallel
-//! size, and back).
+//! Megatron on GPUs in `miles train`, one GPU a process, computed by core's GPU trainer: alone,
+//! over several processes data parallel with the distributed optimizer (each rank keeps its
+//! block of the fp32 master weights and moments), or with tensor parallelism
+//! ([`TensorParallelGpu`]). Saved in core's optimizer files, gathered to rank 0 (so a GPU
+//! checkpoint loads on the CPU at any parallel size, and back).
 
 use std::path::Path;
 use std::sync::Arc;
 
-use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer};
+use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer, TrainBackend};
 use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{LlamaConfig, ParamLayout};
 use miles_core::{BackendError, Settings};
 
 use crate::checkpoint::read_full_optimizer;
+use crate::gpu_tensor::TensorParallelGpu;
 
 /// This backend's reading of the shared optimizer files (re-joining tensor-parallel shards),
 /// for [`GpuBackend`].
@@ -34,18 +35,28 @@ impl OptimizerFiles for MegatronFiles {
 /// The Megatron trainer on one GPU (one data-parallel rank of several).
 pub type MegatronGpu = GpuBackend<MegatronFiles>;
 
-/// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
-/// with `group`, this process's rank of a data-parallel job over one GPU a process, the
-/// optimizer state split over the ranks as Megatron's distributed optimizer splits it.
+/// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given.
+/// With `tensor`, rank `rank` of a job of tensor parallel times data parallel processes
+/// ([`TensorParallelGpu`]: `tensor` its tensor-parallel group, `data` the replicas of its
+/// shard); without, alone or (with `data`) this process's rank of a data-parallel job over one
+/// GPU a process, the optimizer state split over the ranks as Megatron's distributed optimizer
+/// splits it.
 ///
 /// # Errors
-/// As [`GpuBackend::on_ranks`], which refuses tensor parallelism (on GPUs it runs in `bench
-/// train --tensor-parallel`); alone it streams the optimizer state through the disk with
-/// `--stream-optimizer-state-to-disk`, over several ranks it refuses that flag.
+/// As [`TensorParallelGpu::from_settings`] and [`GpuBackend::on_ranks`]; alone it streams the
+/// optimizer state through the disk with `--stream-optimizer-state-to-disk`, over several ranks
+/// it refuses that flag.
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,
-    group: Option<NcclComm>,
-) -> Result<MegatronGpu, BackendError> {
-    GpuBackend::on_ranks(gpu, settings, group)
+    rank: usize,
+    tensor: Option<NcclComm>,
+    data: Option<NcclComm>,
+) -> Result<Box<dyn TrainBackend>, BackendError> {
+    Ok(match tensor {
+        Some(tensor) => Box::new(TensorParallelGpu::from_settings(
+            gpu, settings, rank, tensor, data,
+        )?),
+        None => Box::new(MegatronGpu::on_ranks(gpu, settings, data)?),
+    })
 }

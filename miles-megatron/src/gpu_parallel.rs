@@ -23,8 +23,14 @@ use crate::shard::{Split, scatter, shard_config, split_of};
 /// (qwen3), whole on every rank but applied to each rank's own heads, have their gradients
 /// summed over the group (fp32); the whole tensors' gradients are then rank 0's on every rank,
 /// so those tensors stay equal by construction, and the gradient norm counts them once.
+///
+/// In a job of tensor parallel times data parallel ranks, the ranks holding the same shard are
+/// data-parallel replicas ([`TensorParallelGroup::across`]): each trains its own batch, and they
+/// sum their gradients before the tensor-parallel ranks share theirs.
 pub struct TensorParallelGroup {
-    comm: GroupComm,
+    comm: Arc<GroupComm>,
+    /// The replicas of this rank's shard, when there are any.
+    data: Option<GroupComm>,
     /// The parameter ranges every rank holds whole.
     replicated: Vec<Range<usize>>,
     /// The q/k norm weights among them: each rank's gradient covers its own heads only.
@@ -35,6 +41,7 @@ impl std::fmt::Debug for TensorParallelGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorParallelGroup")
             .field("replicated", &self.replicated.len())
+            .field("replicas", &self.data.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -43,6 +50,17 @@ impl TensorParallelGroup {
     /// The group of `comm`'s ranks, for a trainer whose shard is laid out by `layout` (the
     /// [`ParamLayout`] of [`shard_config`]'s config).
     pub fn new(comm: NcclComm, layout: &ParamLayout) -> TensorParallelGroup {
+        TensorParallelGroup::across(Arc::new(GroupComm::new(comm)), None, layout)
+    }
+
+    /// The group of `comm`'s ranks (shared with whoever gathers the shards), and with `data`
+    /// the data-parallel replicas of this rank's shard, one in each other tensor-parallel
+    /// group; `layout` as in [`new`](Self::new).
+    pub fn across(
+        comm: Arc<GroupComm>,
+        data: Option<NcclComm>,
+        layout: &ParamLayout,
+    ) -> TensorParallelGroup {
         let replicated = layout
             .specs()
             .iter()
@@ -56,7 +74,8 @@ impl TensorParallelGroup {
             .map(|spec| spec.range())
             .collect();
         TensorParallelGroup {
-            comm: GroupComm::new(comm),
+            comm,
+            data: data.map(GroupComm::new),
             replicated,
             head_norms,
         }
@@ -88,9 +107,15 @@ impl TrainerGroup for TensorParallelGroup {
         &self,
         _gpu: &Gpu,
         grads: GpuSlice<f32>,
-        _scalar: GpuSlice<f32>,
+        scalar: GpuSlice<f32>,
         nll: f64,
     ) -> Result<f64, ModelError> {
+        // The replicas first, so that what the tensor-parallel ranks then share is the same on
+        // every replica.
+        let nll = match &self.data {
+            Some(data) => data.sum_replicas(grads, scalar, nll)?,
+            None => nll,
+        };
         let comm = self.comm.lock();
         for range in &self.head_norms {
             comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
@@ -98,7 +123,7 @@ impl TrainerGroup for TensorParallelGroup {
         for range in &self.replicated {
             comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
         }
-        // Every rank saw the whole batch: `nll` is the same on every rank.
+        // Every rank of the group saw the same batches: `nll` is the same on every rank.
         Ok(nll)
     }
 
@@ -134,11 +159,23 @@ impl TrainerGroup for TensorParallelGroup {
     }
 
     fn release(&self) -> Result<Option<u64>, ModelError> {
-        self.comm.release()
+        let tensor = self.comm.release()?;
+        let data = match &self.data {
+            Some(data) => data.release()?,
+            None => None,
+        };
+        Ok(match (tensor, data) {
+            (None, None) => None,
+            (tensor, data) => Some(tensor.unwrap_or(0) + data.unwrap_or(0)),
+        })
     }
 
     fn restore(&self) -> Result<(), ModelError> {
-        self.comm.restore()
+        self.comm.restore()?;
+        match &self.data {
+            Some(data) => data.restore(),
+            None => Ok(()),
+        }
     }
 }
 

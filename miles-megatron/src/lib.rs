@@ -36,6 +36,7 @@ mod checkpoint;
 mod error;
 mod gpu;
 mod gpu_parallel;
+mod gpu_tensor;
 mod rank;
 mod shard;
 mod stream;
@@ -43,6 +44,7 @@ mod trainer;
 
 pub use gpu::{MegatronFiles, MegatronGpu, gpu_trainer};
 pub use gpu_parallel::{TensorParallelGroup, shard_weights, tensor_parallel_gpu_trainer};
+pub use gpu_tensor::TensorParallelGpu;
 pub use miles_core::backend::{OPTIMIZER_DIR, TrainBackend};
 pub use miles_core::config::{MomentDtype, OffloadTarget, OptimizerStream, Settings, TrainOffload};
 pub use miles_core::model::LlamaConfig;

@@ -60,18 +60,12 @@ impl TrainerGroup for DataParallelGroup {
 
     fn after_backward(
         &self,
-        gpu: &Gpu,
+        _gpu: &Gpu,
         grads: GpuSlice<f32>,
         scalar: GpuSlice<f32>,
         nll: f64,
     ) -> Result<f64, ModelError> {
-        let comm = self.comm.lock();
-        comm.all_reduce_sum(grads)?;
-        gpu.upload(scalar, &[nll as f32])?;
-        comm.all_reduce_sum(scalar)?;
-        let mut sum = [0.0f32];
-        gpu.download(&mut sum, scalar)?;
-        Ok(f64::from(sum[0]))
+        self.comm.sum_replicas(grads, scalar, nll)
     }
 
     fn grad_norm_sq(

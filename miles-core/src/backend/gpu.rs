@@ -19,12 +19,13 @@ use super::{
     BackendError, Batch, DeviceWeights, OffloadStats, RankOffload, StepStats, TrainBackend,
     WeightSink, export_full_weights, load_checkpoint_of,
 };
+use crate::TrainBackendKind;
 use crate::config::{OffloadTarget, OptimizerStream, Settings, TrainOffload};
 use crate::device::{Device, Gpu, NcclComm};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
     GpuTrainer, GpuTrainerSpec, LlamaConfig, MomentStream, OptimizerShard, ParamLayout,
-    init_params, save_checkpoint,
+    TrainerGroup, init_params, save_checkpoint,
 };
 use crate::ops::AdamWConfig;
 
@@ -90,7 +91,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         let layout = ParamLayout::new(&config);
         let mut params = vec![0.0; layout.len()];
         init_params(&layout, &config, settings.seed, &mut params)?;
-        let mut trainer = GpuBackend::new(gpu, config, settings, &params, shard)?;
+        let mut trainer = GpuBackend::new(gpu, config, settings, &params, shard, shard.rank)?;
         if let Some(dir) = &settings.load {
             trainer.load(dir)?;
         }
@@ -99,7 +100,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
 
     /// A trainer of `config` on `gpu` starting from the full weights `params`, keeping `shard`
     /// of the optimizer state, offloading to `--offload-train-target` (with its disk settings;
-    /// each rank of a job writes its own files there), its AdamW moments streamed through the disk with
+    /// each rank of a job writes its own files there, named by `rank`, its rank in the job), its AdamW moments streamed through the disk with
     /// `--stream-optimizer-state-to-disk`, keeping `--train-memory-margin-bytes` free on resume, with the learning
     /// rate of `settings`.
     ///
@@ -112,8 +113,8 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         settings: &Settings,
         params: &[f32],
         shard: OptimizerShard,
+        rank: usize,
     ) -> Result<GpuBackend<F>, BackendError> {
-        let rank = shard.rank;
         let refused = |error: crate::config::SettingsError| BackendError::Settings {
             backend: F::NAME,
             reason: error.to_string(),
@@ -195,10 +196,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         };
         let mut backend = GpuBackend::from_settings(gpu, settings, shard)?;
         if let Some(comm) = comm {
-            backend
-                .trainer
-                .join(Box::new(DataParallelGroup::new(comm)))?;
-            backend.ranks = ranks;
+            backend.join(Box::new(DataParallelGroup::new(comm)), ranks)?;
             let held = backend.device_memory();
             let bytes =
                 |tag: MemoryTag| held.iter().find(|(t, _)| *t == tag).map_or(0, |(_, b)| *b);
@@ -214,7 +212,42 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         Ok(backend)
     }
 
-    fn check_on_device(&self, op: &'static str) -> Result<(), BackendError> {
+    /// Makes this trainer one rank of `group`, whose batches are normalised over
+    /// `data_ranks` data-parallel ranks (each rank's batch is its own part of the step's).
+    ///
+    /// # Errors
+    /// [`BackendError::Model`] when the trainer is in a group already or `group` is on another
+    /// GPU.
+    pub fn join(
+        &mut self,
+        group: Box<dyn TrainerGroup>,
+        data_ranks: usize,
+    ) -> Result<(), BackendError> {
+        self.trainer.join(group)?;
+        self.ranks = data_ranks;
+        Ok(())
+    }
+
+    /// The GPU trainer.
+    pub fn trainer(&self) -> &GpuTrainer {
+        &self.trainer
+    }
+
+    /// The GPU trainer, to change its state (a backend's own load).
+    pub fn trainer_mut(&mut self) -> &mut GpuTrainer {
+        &mut self.trainer
+    }
+
+    /// Sets the optimizer step a loaded state had reached.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Fails with [`BackendError::Offloaded`] naming `op` while the trainer is offloaded.
+    ///
+    /// # Errors
+    /// As said.
+    pub fn check_on_device(&self, op: &'static str) -> Result<(), BackendError> {
         if self.trainer.is_offloaded() {
             Err(BackendError::Offloaded { op })
         } else {
@@ -231,24 +264,39 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     }
 }
 
-/// Why settings cannot run as one rank of a job of `ranks` processes ([`GpuBackend::on_ranks`]),
-/// naming the flag to change; a launcher asks it before any work.
+/// Why settings cannot run as one rank of a job of `ranks` processes, naming the flag to
+/// change; a launcher asks it before any work. A job is `--tensor-model-parallel-size` times
+/// `--data-parallel-size` processes, one GPU each, its tensor-parallel groups contiguous ranks
+/// (Megatron's order); tensor parallelism is Megatron's.
 ///
 /// # Errors
-/// The reason, for tensor parallelism, a data-parallel size other than `ranks`, or optimizer
-/// streaming over several ranks.
+/// The reason, for sizes whose product is not `ranks`, tensor parallelism off Megatron or with
+/// `--grad-reduce-in-bf16`, or optimizer streaming over several ranks.
 pub fn check_job_ranks(settings: &Settings, ranks: usize) -> Result<(), String> {
-    if settings.tensor_model_parallel_size != 1 {
+    let (tp, dp) = (
+        settings.tensor_model_parallel_size,
+        settings.data_parallel_size,
+    );
+    if tp > 1 && settings.train_backend != TrainBackendKind::Megatron {
         return Err(format!(
-            "on cuda miles train runs data parallel, one gpu a process (tensor parallelism on gpus runs in bench train --tensor-parallel); set --tensor-model-parallel-size 1 (got {})",
-            settings.tensor_model_parallel_size
+            "tensor parallelism is Megatron's; add --train-backend megatron, or set --tensor-model-parallel-size 1 (got {tp})"
         ));
     }
-    if settings.data_parallel_size != ranks {
+    if tp * dp != ranks {
+        let fitting = if ranks.is_multiple_of(tp) {
+            format!("set --data-parallel-size {} (got {dp})", ranks / tp)
+        } else {
+            format!("set --tensor-model-parallel-size to a divisor of {ranks} (got {tp})")
+        };
         return Err(format!(
-            "on cuda it runs one data-parallel rank a process, here {ranks}; set --data-parallel-size {ranks} (got {}), or start {} processes (--nproc-per-node or a launcher)",
-            settings.data_parallel_size, settings.data_parallel_size
+            "on cuda a job is tensor parallel x data parallel processes, one gpu each: here {ranks}; {fitting}, or start {} processes (--nproc-per-node or a launcher)",
+            tp * dp
         ));
+    }
+    if tp > 1 && settings.grad_reduce_in_bf16 {
+        return Err(
+            "with tensor parallelism the data-parallel replicas sum their gradients in fp32; drop --grad-reduce-in-bf16".into(),
+        );
     }
     if settings.stream_optimizer_state_to_disk && ranks > 1 {
         return Err(format!(
@@ -386,16 +434,30 @@ mod tests {
             stream_optimizer_state_to_disk: streamed,
             ..Settings::default()
         };
+        let fsdp = Settings {
+            train_backend: TrainBackendKind::Fsdp,
+            ..ranks_of(2, 1, false)
+        };
+        let bf16 = Settings {
+            grad_reduce_in_bf16: true,
+            ..ranks_of(2, 2, false)
+        };
         for (settings, ranks, flag) in [
-            (ranks_of(2, 1, false), 1, "--tensor-model-parallel-size 1"),
+            (ranks_of(2, 1, false), 1, "a divisor of 1"),
+            (ranks_of(2, 2, false), 3, "a divisor of 3"),
             (ranks_of(1, 2, false), 1, "--data-parallel-size 1"),
             (ranks_of(1, 1, false), 2, "--data-parallel-size 2"),
+            (ranks_of(2, 1, false), 4, "--data-parallel-size 2"),
             (ranks_of(1, 2, true), 2, "--stream-optimizer-state-to-disk"),
+            (fsdp, 2, "--train-backend megatron"),
+            (bf16, 4, "--grad-reduce-in-bf16"),
         ] {
             let err = check_job_ranks(&settings, ranks).unwrap_err();
             assert!(err.contains(flag), "{flag}: {err}");
         }
         check_job_ranks(&ranks_of(1, 1, true), 1).unwrap();
         check_job_ranks(&ranks_of(1, 2, false), 2).unwrap();
+        check_job_ranks(&ranks_of(2, 1, false), 2).unwrap();
+        check_job_ranks(&ranks_of(2, 2, false), 4).unwrap();
     }
 }

@@ -44,6 +44,10 @@ pub const MAX_PART: usize = 1 << 20;
 /// The largest broadcast, in bytes (a communicator id is 128).
 pub const MAX_BROADCAST: usize = 4 << 10;
 
+/// The largest frame of an all-gather, in bytes: a rank's part, or every part as rank 0 sends
+/// them back (the rollouts a tensor-parallel group shares).
+pub const MAX_SHARED: usize = 256 << 20;
+
 /// How long a rank waits between attempts to reach rank 0.
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -61,6 +65,8 @@ enum Kind {
     Part = 3,
     /// Rank 0's bytes of a broadcast.
     Broadcast = 4,
+    /// A rank's part of an all-gather, or every part as rank 0 sends them back.
+    Shared = 5,
 }
 
 impl Kind {
@@ -69,6 +75,7 @@ impl Kind {
             Kind::Arrived | Kind::Go => "barrier",
             Kind::Part => "gather",
             Kind::Broadcast => "broadcast",
+            Kind::Shared => "all-gather",
         }
     }
 
@@ -78,6 +85,7 @@ impl Kind {
             Kind::Arrived | Kind::Go => 0,
             Kind::Part => MAX_PART,
             Kind::Broadcast => MAX_BROADCAST,
+            Kind::Shared => MAX_SHARED,
         }
     }
 }
@@ -206,6 +214,36 @@ impl HostGroup {
         Ok(())
     }
 
+    /// Every rank's `part`, in rank order, on every rank: a gather to rank 0, which sends
+    /// every part back to each rank in one frame.
+    ///
+    /// # Errors
+    /// As [`barrier`](Self::barrier); [`CommError::BadLength`] when the parts together (four
+    /// bytes of length each, and four more) exceed [`MAX_SHARED`] bytes, or a frame received
+    /// does not parse.
+    pub fn all_gather(&mut self, part: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        if self.rank != 0 {
+            self.send(0, Kind::Shared, part)?;
+            let packed = self.receive(0, Kind::Shared)?;
+            return unpack(&packed, self.rank, self.world);
+        }
+        let mut parts = Vec::with_capacity(self.world);
+        parts.push(part.to_vec());
+        for peer in 1..self.world {
+            parts.push(self.receive(peer, Kind::Shared)?);
+        }
+        let mut packed = Vec::new();
+        for part in &parts {
+            let len = u32::try_from(part.len()).unwrap_or(u32::MAX);
+            packed.extend_from_slice(&len.to_le_bytes());
+            packed.extend_from_slice(part);
+        }
+        for peer in 1..self.world {
+            self.send(peer, Kind::Shared, &packed)?;
+        }
+        Ok(parts)
+    }
+
     /// The largest of every rank's `value`, on every rank (a gather to rank 0, then its
     /// broadcast).
     ///
@@ -268,10 +306,16 @@ impl HostGroup {
         read.map_err(|error| self.failure(want, peer, &error))?;
         let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
         if head[0] != want as u8 {
-            let other_op = [Kind::Arrived, Kind::Go, Kind::Part, Kind::Broadcast]
-                .into_iter()
-                .find(|kind| *kind as u8 == head[0])
-                .map_or("an unknown frame", Kind::name);
+            let other_op = [
+                Kind::Arrived,
+                Kind::Go,
+                Kind::Part,
+                Kind::Broadcast,
+                Kind::Shared,
+            ]
+            .into_iter()
+            .find(|kind| *kind as u8 == head[0])
+            .map_or("an unknown frame", Kind::name);
             return Err(CommError::Mismatch {
                 rank: self.rank,
                 op: want.name(),
@@ -737,3 +781,39 @@ fn to_u32(value: usize) -> Result<u32, CommError> {
 #[allow(clippy::panic)]
 #[path = "group_tests.rs"]
 mod tests;
+
+/// The `world` parts rank 0 packed for [`HostGroup::all_gather`] (each a little-endian u32
+/// length, then its bytes), on `rank`.
+fn unpack(mut packed: &[u8], rank: usize, world: usize) -> Result<Vec<Vec<u8>>, CommError> {
+    let bad = |what: String| CommError::BadLength {
+        op: Kind::Shared.name(),
+        rank,
+        what,
+    };
+    let mut parts = Vec::with_capacity(world);
+    while parts.len() < world {
+        let Some((head, rest)) = packed.split_first_chunk::<4>() else {
+            return Err(bad(format!(
+                "rank 0 sent {} parts of the {world}; run the same miles on every rank",
+                parts.len()
+            )));
+        };
+        let len = u32::from_le_bytes(*head) as usize;
+        if rest.len() < len {
+            return Err(bad(format!(
+                "part {} of rank 0's frame says {len} bytes, {} are left",
+                parts.len(),
+                rest.len()
+            )));
+        }
+        parts.push(rest[..len].to_vec());
+        packed = &rest[len..];
+    }
+    if !packed.is_empty() {
+        return Err(bad(format!(
+            "rank 0's frame holds {} bytes beyond the {world} parts",
+            packed.len()
+        )));
+    }
+    Ok(parts)
+}

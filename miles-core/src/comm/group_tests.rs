@@ -99,6 +99,32 @@ fn broadcast_gives_every_rank_the_bytes_of_rank_0() {
 }
 
 #[test]
+fn all_gather_gives_every_rank_every_part_in_rank_order() {
+    let results = on_ranks(3, |group| {
+        let part = vec![group.rank() as u8 + 1; [2, 0, 5][group.rank()]];
+        let first = group.all_gather(&part)?;
+        let second = group.all_gather(b"again")?;
+        Ok((first, second))
+    });
+    let want: Vec<Vec<u8>> = vec![vec![1; 2], Vec::new(), vec![3; 5]];
+    for result in results {
+        let (first, second) = result.unwrap();
+        assert_eq!(first, want);
+        assert_eq!(second, vec![b"again".to_vec(); 3]);
+    }
+}
+
+#[test]
+fn an_all_gather_part_above_the_frame_limit_is_refused_before_it_is_sent() {
+    let results = on_ranks(2, |group| {
+        let part = vec![0u8; if group.rank() == 1 { MAX_SHARED + 1 } else { 1 }];
+        group.all_gather(&part)
+    });
+    let error = results[1].as_ref().unwrap_err().to_string();
+    assert!(error.contains("all-gather"), "{error}");
+}
+
+#[test]
 fn max_gives_every_rank_the_largest_value() {
     let results = on_ranks(3, |group| {
         let first = group.max([0, 130, 2][group.rank()])?;

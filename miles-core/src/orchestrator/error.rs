@@ -69,6 +69,11 @@ pub enum OrchestratorError {
     /// The loop's settings cannot run.
     #[error("cannot run the rl loop: {0}")]
     Settings(String),
+    /// The rollout a tensor-parallel group shares could not be encoded or decoded.
+    #[error(
+        "cannot share the rollout in this rank's tensor-parallel group: {0}; run the same miles on every rank"
+    )]
+    SharedRollout(String),
     /// The rollout returned something the loop cannot use.
     #[error("rollout returned {got} for {expected}; the engine must return n samples per prompt")]
     Rollout {

@@ -50,7 +50,9 @@ pub use loss::{PolicyLoss, TokenLoss, kl_estimate};
 pub use options::{DATA_RESPONSE_LEN, RlOptions};
 pub use reference::{ReferenceModel, ref_tag};
 pub use reward::{BuiltinReward, CommandReward, Reward, RewardError, RewardRequest, final_answer};
-pub use run::{FitAgreement, LoopConfig, Orchestrator, Patience, RunSummary, StopAgreement};
+pub use run::{
+    FitAgreement, LoopConfig, Orchestrator, Patience, RolloutShare, RunSummary, StopAgreement,
+};
 pub use schedule::LrSchedule;
 pub use state::{LATEST_FILE, LoopState, STATE_FILE, mark_latest, resolve_checkpoint, step_dir};
 pub use task::{Problem, ProblemSource, Stream, stream_seed};

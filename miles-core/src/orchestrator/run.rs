@@ -30,6 +30,8 @@ pub use loop_config::LoopConfig;
 mod mover;
 pub use mover::Patience;
 mod policy;
+mod share;
+pub use share::RolloutShare;
 mod sync;
 
 /// How a run ended.
@@ -110,6 +112,8 @@ pub struct Orchestrator {
     assists_saves: bool,
     /// With several ranks, how they agree whether both phases fit ([`with_fit_agreement`](Self::with_fit_agreement)).
     fit_agreement: Option<FitAgreement>,
+    /// In a tensor-parallel group, how its ranks share one rollout ([`with_rollout_share`](Self::with_rollout_share)).
+    share: Option<RolloutShare>,
     /// Whether the device holds both phases with the margin, as last decided
     /// ([`decide_fit`](Self::decide_fit)).
     fits: bool,
@@ -170,6 +174,7 @@ impl Orchestrator {
             agreement: None,
             assists_saves: false,
             fit_agreement: None,
+            share: None,
             fits: false,
             state,
             timeline: MemoryTimeline::default(),
@@ -230,6 +235,16 @@ impl Orchestrator {
     /// a rank that stops alone leaves the others waiting in the next step's agreement.
     pub fn with_fit_agreement(mut self, agreement: FitAgreement) -> Self {
         self.fit_agreement = Some(agreement);
+        self
+    }
+
+    /// Makes this rank train on the rollout `share` returns for its own at every step (before
+    /// its rewards count in the metrics): in a job with tensor parallelism, the ranks of a
+    /// tensor-parallel group must train on the same batches, so each takes its group's first
+    /// rank's. Give such ranks the same loop seed, so that their supervised warm-up draws the
+    /// same problems too.
+    pub fn with_rollout_share(mut self, share: RolloutShare) -> Self {
+        self.share = Some(share);
         self
     }
 
@@ -462,6 +477,7 @@ impl Orchestrator {
                 metrics.rl.eval_reward_mean = self.evaluate_if_due(metrics.step)?;
                 self.onload_train_behind();
                 let generated = self.generate(metrics.step)?;
+                let generated = self.shared(generated)?;
                 if let Some(dump) = &mut self.dump {
                     dump.write(metrics.step, &generated)?;
                 }

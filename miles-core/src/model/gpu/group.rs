@@ -56,6 +56,27 @@ impl GroupComm {
         self.lock().world_size()
     }
 
+    /// Sums `grads` and the negative log-probs `nll` over the ranks (replicas that each trained
+    /// on their own part of a batch); returns the sum of `nll`. `scalar` is one fp32 element of
+    /// scratch on the device. Every rank's sum is the same, bit for bit.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when a copy or the collective fails.
+    pub fn sum_replicas(
+        &self,
+        grads: GpuSlice<f32>,
+        scalar: GpuSlice<f32>,
+        nll: f64,
+    ) -> Result<f64, ModelError> {
+        let comm = self.lock();
+        comm.all_reduce_sum(grads)?;
+        self.gpu.upload(scalar, &[nll as f32])?;
+        comm.all_reduce_sum(scalar)?;
+        let mut sum = [0.0f32];
+        self.gpu.download(&mut sum, scalar)?;
+        Ok(f64::from(sum[0]))
+    }
+
     /// [`TrainerGroup::release`]: the communicator's own device buffers released where NCCL
     /// can (`ncclCommSuspend`), their bytes; `None` where they stay.
     ///

@@ -425,3 +425,46 @@ fn a_writer_whose_actor_files_fail_still_sends_the_critic_s_part_then_fails() {
         "{calls:?}"
     );
 }
+
+#[test]
+fn a_rank_that_shares_its_groups_rollout_trains_as_the_first_rank_does() {
+    // Rank 0's rollouts as they leave it, one a step.
+    let sent = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
+    let log = Log::default();
+    let first = Arc::clone(&sent);
+    let mut rank_0 = orchestrator(colocated(3), &log).with_rollout_share(Box::new(move |own| {
+        first.lock().unwrap().push(own.clone());
+        Ok(own)
+    }));
+    let (_, at_0) = run(&mut rank_0);
+    let other_seed = LoopConfig {
+        seed: 18,
+        ..colocated(3)
+    };
+    let (_, alone) = run(&mut orchestrator(other_seed.clone(), &Log::default()));
+    let taken = Arc::clone(&sent);
+    let mut rank_1 = orchestrator(other_seed, &Log::default())
+        .with_rollout_share(Box::new(move |_| Ok(taken.lock().unwrap().remove(0))));
+    let (_, at_1) = run(&mut rank_1);
+    let seen = |steps: &[StepMetrics]| {
+        steps
+            .iter()
+            .map(|m| (m.reward_mean, m.reward_std, m.loss))
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(
+        seen(&alone),
+        seen(&at_0),
+        "the seeds gave the same rollouts"
+    );
+    assert_eq!(seen(&at_1), seen(&at_0));
+    assert!(sent.lock().unwrap().is_empty());
+    // A share that does not parse ends the run naming it.
+    let mut garbled = orchestrator(colocated(1), &Log::default())
+        .with_rollout_share(Box::new(|_| Ok(b"{".to_vec())));
+    let error = garbled.run(&mut |_| {}).unwrap_err();
+    assert!(
+        matches!(error, OrchestratorError::SharedRollout(_)),
+        "{error}"
+    );
+}

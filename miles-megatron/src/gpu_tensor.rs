@@ -1,0 +1,415 @@
+//! Megatron's tensor parallelism in `miles train` on GPUs: [`TensorParallelGpu`], one process's
+//! rank of a job of `--tensor-model-parallel-size` times `--data-parallel-size` processes, one
+//! GPU each. Its trainer holds the rank's shard of the model and of its optimizer state (the
+//! GPU trainer over [`shard_config`]'s model, in a [`TensorParallelGroup`]); the ranks holding
+//! the same shard in the other tensor-parallel groups are its data-parallel replicas.
+//!
+//! What leaves the trainer is the full model: the weights the engine receives and the
+//! checkpoint rank 0 writes are the shards gathered over the tensor-parallel group (NCCL, a few
+//! MiB at a time through the device) and joined on the host. The checkpoint is the one format
+//! every backend reads: full weights, and Megatron's optimizer files, one a tensor-parallel
+//! rank, so it loads at any parallel size (and on the CPU device).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use miles_core::backend::optimizer::write_optimizer_rank;
+use miles_core::backend::{
+    DeviceWeights, GpuBackend, WeightSink, export_full_weights, load_checkpoint_of,
+};
+use miles_core::device::{Gpu, GpuSlice, NcclComm};
+use miles_core::memory::MemoryTag;
+use miles_core::model::{
+    GroupComm, LlamaConfig, ModelError, OptimizerShard, ParamLayout, save_checkpoint,
+};
+use miles_core::{BackendError, Batch, OffloadStats, Settings, StepStats, TrainBackend};
+
+use crate::checkpoint::{own_slice, read_full_optimizer};
+use crate::gpu::MegatronGpu;
+use crate::gpu_parallel::{TensorParallelGroup, shard_weights};
+use crate::shard::gather_tensor;
+use crate::trainer::init_weights;
+
+/// Elements of a shard one rank sends in each all-gather of [`TensorParallelGpu`]'s gathers.
+const GATHER_CHUNK: usize = 4 << 20;
+
+/// One rank of a Megatron job over GPUs with tensor parallelism: see the module's doc.
+pub struct TensorParallelGpu {
+    /// The trainer of this rank's shard.
+    shard: MegatronGpu,
+    /// The full model and its layout.
+    config: LlamaConfig,
+    layout: ParamLayout,
+    /// The tensor-parallel group (the trainer's group shares it), for the gathers.
+    comm: Arc<GroupComm>,
+    /// Whether this rank's tensor-parallel group holds rank 0, which writes the checkpoints.
+    with_writer: bool,
+}
+
+impl std::fmt::Debug for TensorParallelGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallelGpu")
+            .field("shard", &self.shard)
+            .field("with_writer", &self.with_writer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TensorParallelGpu {
+    /// Rank `rank` of the job `settings` describe, on `gpu`: its shard of the preset's seeded
+    /// weights (`tensor`'s rank of its size), a trainer of that shard joined to the
+    /// tensor-parallel group `tensor` and, with `data`, to the shard's data-parallel replicas;
+    /// then `--load` when given.
+    ///
+    /// # Errors
+    /// [`BackendError::Settings`] for a tensor-parallel size that does not divide the model;
+    /// as [`GpuBackend::new`] and [`TrainBackend::load`].
+    pub fn from_settings(
+        gpu: Arc<Gpu>,
+        settings: &Settings,
+        rank: usize,
+        tensor: NcclComm,
+        data: Option<NcclComm>,
+    ) -> Result<TensorParallelGpu, BackendError> {
+        let config = LlamaConfig::from_settings(settings)?;
+        let (local_config, local) = shard_weights(
+            &config,
+            &init_weights(&config, settings.seed)?,
+            tensor.rank(),
+            tensor.world_size(),
+        )?;
+        let mut shard = GpuBackend::new(
+            gpu,
+            local_config,
+            settings,
+            &local,
+            OptimizerShard::WHOLE,
+            rank,
+        )?;
+        let tp = tensor.world_size();
+        let comm = Arc::new(GroupComm::new(tensor));
+        let replicas = data.as_ref().map_or(1, NcclComm::world_size);
+        let group = TensorParallelGroup::across(Arc::clone(&comm), data, shard.trainer().layout());
+        shard.join(Box::new(group), replicas)?;
+        tracing::info!(
+            rank,
+            tensor_parallel = tp,
+            replicas,
+            shard_params = shard.trainer().layout().len(),
+            "this rank trains its tensor-parallel shard of the model and of its optimizer state"
+        );
+        let mut backend = TensorParallelGpu {
+            shard,
+            layout: ParamLayout::new(&config),
+            config,
+            comm,
+            with_writer: rank < tp,
+        };
+        if let Some(dir) = &settings.load {
+            backend.load(dir)?;
+        }
+        Ok(backend)
+    }
+
+    /// Every tensor-parallel rank's `local` (its shard of a parameter vector, laid out as this
+    /// rank's), in rank order; `None` without `keep`, for a rank that only sends. Collective
+    /// over the group.
+    fn gather_shards(
+        &self,
+        local: &[f32],
+        keep: bool,
+    ) -> Result<Option<Vec<Vec<f32>>>, ModelError> {
+        let comm = self.comm.lock();
+        let (gpu, tp) = (self.comm.gpu(), comm.world_size());
+        let chunk = GATHER_CHUNK.min(local.len()).max(1);
+        let scratch = self
+            .shard
+            .trainer()
+            .memory()
+            .alloc(&MemoryTag::Activations, (tp + 1) * chunk * size_of::<f32>())?;
+        let all = GpuSlice::<f32>::of(scratch.range())?;
+        let (send, recv) = (all.sub(0, chunk)?, all.sub(chunk, tp * chunk)?);
+        let mut shards = keep.then(|| vec![vec![0.0f32; local.len()]; tp]);
+        let mut gathered = vec![0.0f32; if keep { tp * chunk } else { 0 }];
+        for start in (0..local.len()).step_by(chunk) {
+            let len = chunk.min(local.len() - start);
+            let (send, recv) = (send.sub(0, len)?, recv.sub(0, tp * len)?);
+            gpu.upload(send, &local[start..start + len])?;
+            comm.all_gather(send, recv)?;
+            if let Some(shards) = &mut shards {
+                gpu.download(&mut gathered[..tp * len], recv)?;
+                for (shard, part) in shards.iter_mut().zip(gathered.chunks_exact(len)) {
+                    shard[start..start + len].copy_from_slice(part);
+                }
+            }
+        }
+        // The scratch goes back to the memory manager once the queued collectives are done.
+        gpu.synchronize()?;
+        Ok(shards)
+    }
+
+    /// The full parameter vector of every rank's shard `shards`.
+    fn join(&self, shards: &[Vec<f32>]) -> Vec<f32> {
+        let mut full = vec![0.0; self.layout.len()];
+        for (f, l) in self
+            .layout
+            .specs()
+            .iter()
+            .zip(self.shard.trainer().layout().specs())
+        {
+            gather_tensor(f, l, shards, &mut full[f.range()]);
+        }
+        full
+    }
+
+    /// The gathers of a checkpoint (master weights, then m, then v, every rank's shard): rank
+    /// 0 writes them to `dir`, the other ranks of its group only send (`dir` is `None`).
+    fn gather_state(&self, dir: Option<&Path>) -> Result<(), BackendError> {
+        self.shard.check_on_device("save")?;
+        let trainer = self.shard.trainer();
+        let keep = dir.is_some();
+        let master = self.gather_shards(&trainer.master_params()?, keep)?;
+        if let (Some(dir), Some(master)) = (dir, master) {
+            save_checkpoint(dir, &self.config, &self.layout, &self.join(&master))?;
+        }
+        let (m, v) = trainer.moments()?;
+        let (m, v) = (self.gather_shards(&m, keep)?, self.gather_shards(&v, keep)?);
+        if let (Some(dir), Some(m), Some(v)) = (dir, m, v) {
+            let tp = m.len();
+            for (rank, (m, v)) in m.iter().zip(&v).enumerate() {
+                write_optimizer_rank(dir, rank, tp, 1, self.shard.step(), m, v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TrainBackend for TensorParallelGpu {
+    fn name(&self) -> &'static str {
+        self.shard.name()
+    }
+
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn step(&self) -> u64 {
+        self.shard.step()
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.shard.is_offloaded()
+    }
+
+    fn device_memory(&self) -> Vec<(MemoryTag, u64)> {
+        self.shard.device_memory()
+    }
+
+    fn train_step(&mut self, batch: &Batch) -> Result<StepStats, BackendError> {
+        self.shard.train_step(batch)
+    }
+
+    fn logprobs(&mut self, batch: &Batch) -> Result<(Vec<f32>, f32), BackendError> {
+        self.shard.logprobs(batch)
+    }
+
+    fn offload(&mut self) -> Result<OffloadStats, BackendError> {
+        self.shard.offload()
+    }
+
+    fn onload(&mut self) -> Result<OffloadStats, BackendError> {
+        self.shard.onload()
+    }
+
+    /// The full bf16 weights, gathered over the tensor-parallel group: collective, every rank
+    /// of the group exports at once.
+    fn export_weights(
+        &mut self,
+        bucket_bytes: usize,
+        sink: &mut WeightSink<'_>,
+    ) -> Result<(), BackendError> {
+        self.shard.check_on_device("export weights")?;
+        let local = self.shard.trainer().weights()?;
+        let shards = self.gather_shards(&local, true)?.unwrap_or_default();
+        export_full_weights(&self.layout, &self.join(&shards), bucket_bytes, sink)
+    }
+
+    /// `None`: no device holds the full weights, which go through the host.
+    fn device_weights(&self) -> Result<Option<DeviceWeights>, BackendError> {
+        Ok(None)
+    }
+
+    fn save(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.gather_state(Some(dir))
+    }
+
+    fn assist_save(&mut self) -> Result<(), BackendError> {
+        if self.with_writer {
+            self.gather_state(None)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn load(&mut self, dir: &Path) -> Result<(), BackendError> {
+        self.shard.check_on_device("load")?;
+        let (config, params) = load_checkpoint_of(dir, &self.layout)?;
+        let (rank, tp) = (self.comm.rank(), self.comm.world_size());
+        let (local_config, local) = shard_weights(&config, &params, rank, tp)?;
+        drop(params);
+        self.shard.trainer_mut().set_params(&local)?;
+        if let Some(saved) = read_full_optimizer(dir, &config, &self.layout)? {
+            let local_layout = ParamLayout::new(&local_config);
+            let own = |full: &[f32]| {
+                own_slice(
+                    &self.layout,
+                    &local_layout,
+                    full,
+                    rank,
+                    0,
+                    local_layout.len(),
+                )
+            };
+            let (m, v) = (own(&saved.m), own(&saved.v));
+            self.shard.trainer_mut().set_moments(&m, &v)?;
+            self.shard.set_step(saved.step);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
+mod tests {
+    //! The two-GPU test of `miles train`'s tensor-parallel backend. On a GPU machine:
+    //! `MILES_TEST_DEVICE=cuda cargo test -p miles-megatron gpu_ -- --test-threads=1`; elsewhere
+    //! (or with one GPU) it skips.
+
+    use miles_core::device::NcclComm;
+    use miles_core::model::gpu_testing::{self, two_gpus};
+
+    use super::*;
+
+    /// The tiny preset on cuda at a learning rate that moves it.
+    fn settings() -> Settings {
+        Settings {
+            preset: "tiny".into(),
+            seed: 23,
+            lr: 1e-3,
+            device: miles_core::DeviceChoice::Cuda,
+            ..Settings::default()
+        }
+    }
+
+    /// A batch of 2 x 16 tokens drawn from `seed`, normalised by its token count.
+    fn batch(seed: u64, vocab: usize) -> Batch {
+        let data = gpu_testing::Batch::random_of(seed, vocab, 2, 16);
+        Batch {
+            batch: 2,
+            seq: 16,
+            inputs: data.inputs,
+            targets: data.targets,
+            weights: data.weights,
+            normaliser: 32.0,
+            entropy_mask: None,
+            entropy_coef: 0.0,
+        }
+    }
+
+    /// The full weights a backend exports.
+    fn exported(backend: &mut dyn TrainBackend) -> Vec<f32> {
+        let mut full = Vec::new();
+        backend
+            .export_weights(1 << 20, &mut |bucket| {
+                for tensor in bucket.tensors {
+                    full.extend(tensor.data);
+                }
+                Ok(())
+            })
+            .unwrap();
+        full
+    }
+
+    #[test]
+    fn gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu() {
+        let Some(gpus) =
+            two_gpus("gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu")
+        else {
+            return;
+        };
+        let settings = settings();
+        let config = LlamaConfig::from_settings(&settings).unwrap();
+        let data = batch(29, config.vocab_size);
+        let dir = tempfile::tempdir().unwrap();
+        let mut alone = MegatronGpu::on_ranks(Arc::clone(&gpus[0]), &settings, None).unwrap();
+        let alone_start = exported(&mut alone);
+        let alone_losses: Vec<f32> = (0..3)
+            .map(|_| alone.train_step(&data).unwrap().loss)
+            .collect();
+        drop(alone);
+        let id = NcclComm::unique_id().unwrap();
+        let ranks: Vec<_> = gpus
+            .iter()
+            .enumerate()
+            .map(|(rank, gpu)| {
+                let (gpu, settings, data) = (Arc::clone(gpu), settings.clone(), data.clone());
+                let dir = dir.path().to_path_buf();
+                std::thread::spawn(move || {
+                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                    let mut backend =
+                        TensorParallelGpu::from_settings(gpu, &settings, rank, comm, None).unwrap();
+                    let start = exported(&mut backend);
+                    let losses: Vec<f32> = (0..3)
+                        .map(|_| backend.train_step(&data).unwrap().loss)
+                        .collect();
+                    let trained = exported(&mut backend);
+                    match rank {
+                        0 => backend.save(&dir).unwrap(),
+                        _ => backend.assist_save().unwrap(),
+                    }
+                    let next = backend.train_step(&data).unwrap().loss;
+                    (start, losses, trained, next)
+                })
+            })
+            .collect();
+        let ranks: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+        assert!(
+            ranks[0].0 == ranks[1].0 && ranks[0].0 == alone_start,
+            "the ranks export other weights than one gpu's at the start"
+        );
+        assert!(
+            ranks[0].2 == ranks[1].2,
+            "the ranks export different weights"
+        );
+        gpu_testing::assert_pair_follows(
+            "tensor-parallel backend",
+            &[ranks[0].1.clone(), ranks[1].1.clone()],
+            &alone_losses,
+        );
+        // The checkpoint loads on one gpu: the same weights, step and next loss.
+        let mut loaded = MegatronGpu::on_ranks(
+            Arc::clone(&gpus[0]),
+            &Settings {
+                load: Some(dir.path().to_path_buf()),
+                ..settings
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(loaded.step(), 3);
+        let weights = exported(&mut loaded);
+        let far = weights
+            .iter()
+            .zip(&ranks[0].2)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(far == 0.0, "loaded weights differ by up to {far}");
+        let next = loaded.train_step(&data).unwrap().loss;
+        let rel = (next - ranks[0].3).abs() / ranks[0].3.abs();
+        assert!(
+            rel < 1e-2,
+            "next loss {next} after loading vs {}",
+            ranks[0].3
+        );
+    }
+}
