@@ -10,8 +10,8 @@
 //!
 //! Every call here is collective over the backend's ranks: the backend runs them on all ranks
 //! (threads on the CPU device, processes on CUDA) and returns once all are done. One exception:
-//! a GPU backend's [`TrainBackend::export_weights`] reads the bf16 weights every rank holds
-//! whole, so a rank exports alone.
+//! a GPU backend without tensor parallelism reads in [`TrainBackend::export_weights`] the bf16
+//! weights every rank holds whole, so a rank exports alone.
 
 mod critic;
 mod data_parallel;
