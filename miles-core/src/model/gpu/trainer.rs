@@ -247,10 +247,10 @@ impl GpuTrainer {
             Some(_) => 1,
         };
         // The bf16 weights are the master weights rounded (the AdamW kernel writes both), so
-        // with the master weights on the device they need not move: 2 bytes a parameter less
-        // each way. A rank of a split state holds only its block of master weights, and
-        // rounding the others again would take the group's collective: its weights move.
-        let params_backup = if master_streams || shard.is_split() {
+        // with the master weights on the device or the host they need not move: 2 bytes a
+        // parameter less each way. A rank of a split state rounds its own block again and
+        // gathers the others' from the group, so only its shard of the state moves.
+        let params_backup = if master_streams {
             spec.backup
         } else {
             BackupPolicy::None
@@ -721,9 +721,10 @@ impl GpuTrainer {
     /// Brings the group's communicator buffers back ([`TrainerGroup::restore`], on every rank
     /// at once), resumes the regions (same order as [`offload`](Self::offload)), rounds the bf16
     /// weights again from the master weights (on the device, or uploaded from the host where
-    /// the optimizer state lives there; a split state's bf16 weights come back from their
-    /// backup), and zeroes the gradients. A failed resume pauses the tags resumed before it
-    /// again, so the trainer stays offloaded.
+    /// the optimizer state lives there; a rank of a split state rounds its block and gathers
+    /// the others' from the group, on every rank at once; streamed master weights' bf16
+    /// weights come back from their backup), and zeroes the gradients. A failed resume pauses
+    /// the tags resumed before it again, so the trainer stays offloaded.
     ///
     /// # Errors
     /// [`ModelError::NotOffloaded`]; [`ModelError::Memory`] from a resume (with
@@ -738,16 +739,20 @@ impl GpuTrainer {
         let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
-        // A rank of a split state brought its bf16 weights back with the rest.
-        if let Some(master) = self.master.as_ref().filter(|_| !self.shard.is_split()) {
-            self.gpu
-                .cast_to_bf16(slice(&self.params)?, slice(master)?)?;
+        let n = self.model.layout().len();
+        let params = slice::<bf16>(&self.params)?;
+        let own = params.sub(self.shard.start(n), self.shard.block(n))?;
+        match (&self.master, &mut self.moments) {
+            (Some(master), _) => self.gpu.cast_to_bf16(own, slice(master)?)?,
+            (None, Moments::Host(host)) => host.upload_rounded(&self.gpu, own)?,
+            // Streamed master weights: the bf16 weights came back from their backup.
+            (None, _) => {}
         }
-        if let Moments::Host(host) = &mut self.moments
-            && !self.shard.is_split()
-        {
-            let params = slice::<bf16>(&self.params)?.sub(0, host.master.len())?;
-            host.upload_rounded(&self.gpu, params)?;
+        if self.shard.is_split() {
+            self.group
+                .as_deref()
+                .ok_or_else(unjoined)?
+                .all_gather_bf16(params)?;
         }
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
         self.record_fences()?;
