@@ -263,7 +263,8 @@ mod tests {
                     for step in 1..=PARALLEL_STEPS {
                         losses.push(trainer.train_step(&part, step).unwrap().loss);
                         if step == 2 {
-                            // The bf16 weights of a split state move with it.
+                            // A split state's bf16 weights are dropped, then rounded from
+                            // each block and gathered again.
                             trainer.offload().unwrap();
                             trainer.onload().unwrap();
                         }
