@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use miles_core::backend::RolloutEngine as LoopEngine;
-use miles_core::backend::{BackendError, Batch, DeviceWeights, TrainBackend};
+use miles_core::backend::{BackendError, Batch, DeviceWeights};
 use miles_core::device::{GpuSlice, OpenedDevice, open_test_device};
 use miles_core::model::{LlamaConfig, ParamLayout, init_params};
 use miles_core::{
@@ -609,7 +609,8 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
         train_memory_margin_bytes: 0,
         ..Settings::default()
     };
-    let mut trainer = miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings, None).unwrap();
+    let mut trainer =
+        miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings, 0, None, None).unwrap();
     trainer.train_step(&train_batch(4, 32, 5)).unwrap();
     let model = trainer.config().clone();
     let engine = || {
