@@ -203,8 +203,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let (group, first) = (Rc::clone(group), rank - rank % tp);
         orchestrator = orchestrator.with_rollout_share(Box::new(move |own| {
             let part = if rank == first { own } else { Vec::new() };
-            let mut all = group.borrow_mut().all_gather(&part)?;
-            Ok(std::mem::take(&mut all[first]))
+            group.borrow_mut().route(&part, |r| r - r % tp)
         }));
     }
     if let Some(group) = &group {

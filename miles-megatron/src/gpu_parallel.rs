@@ -26,7 +26,9 @@ use crate::shard::{Split, scatter, shard_config, split_of};
 ///
 /// In a job of tensor parallel times data parallel ranks, the ranks holding the same shard are
 /// data-parallel replicas ([`TensorParallelGroup::across`]): each trains its own batch, and they
-/// sum their gradients before the tensor-parallel ranks share theirs.
+/// sum their gradients before the tensor-parallel ranks share theirs; what each group then sums
+/// over its own communicator (the q/k norms' gradients, the gradient norm) they take from the
+/// first group, so the replicas stay equal bit for bit whatever order a group sums in.
 pub struct TensorParallelGroup {
     comm: Arc<GroupComm>,
     /// The replicas of this rank's shard, when there are any.
@@ -82,6 +84,24 @@ impl TensorParallelGroup {
     }
 }
 
+impl TensorParallelGroup {
+    /// Gives every data-parallel replica the first replica's `ranges` of `x` (nothing without
+    /// replicas).
+    fn take_first_replicas(
+        &self,
+        ranges: impl Iterator<Item = Range<usize>>,
+        x: GpuSlice<f32>,
+    ) -> Result<(), ModelError> {
+        if let Some(data) = &self.data {
+            let comm = data.lock();
+            for range in ranges {
+                comm.broadcast(x.sub(range.start, range.len())?, 0)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl TrainerGroup for TensorParallelGroup {
     fn name(&self) -> &'static str {
         "tensor"
@@ -116,13 +136,19 @@ impl TrainerGroup for TensorParallelGroup {
             Some(data) => data.sum_replicas(grads, scalar, nll)?,
             None => nll,
         };
-        let comm = self.comm.lock();
-        for range in &self.head_norms {
-            comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
+        {
+            let comm = self.comm.lock();
+            for range in &self.head_norms {
+                comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
+            }
+            for range in &self.replicated {
+                comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
+            }
         }
-        for range in &self.replicated {
-            comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
-        }
+        // Each tensor-parallel group summed the q/k norms' gradients over its own
+        // communicator; over more than two ranks the order of that sum may differ from group
+        // to group, so the replicas take the first group's.
+        self.take_first_replicas(self.head_norms.iter().cloned(), grads)?;
         // Every rank of the group saw the same batches: `nll` is the same on every rank.
         Ok(nll)
     }
@@ -151,11 +177,16 @@ impl TrainerGroup for TensorParallelGroup {
             }
             start = range.end;
         }
-        let comm = self.comm.lock();
-        comm.all_reduce_sum(sums)?;
+        let world = {
+            let comm = self.comm.lock();
+            comm.all_reduce_sum(sums)?;
+            comm.world_size()
+        };
+        // The replicas clip alike: they take the first group's sums (as the q/k norms').
+        self.take_first_replicas(std::iter::once(0..sums.len()), sums)?;
         let mut sum = [0.0f32; 2];
         gpu.download(&mut sum, sums)?;
-        Ok(sum[0] + sum[1] / comm.world_size() as f32)
+        Ok(sum[0] + sum[1] / world as f32)
     }
 
     fn release(&self) -> Result<Option<u64>, ModelError> {

@@ -1,14 +1,14 @@
 //! Megatron's tensor parallelism in `miles train` on GPUs: [`TensorParallelGpu`], one process's
 //! rank of a job of `--tensor-model-parallel-size` times `--data-parallel-size` processes, one
 //! GPU each. Its trainer holds the rank's shard of the model and of its optimizer state (the
-//! GPU trainer over [`shard_config`]'s model, in a [`TensorParallelGroup`]); the ranks holding
+//! GPU trainer over [`shard_config`](crate::shard_config)'s model, in a [`TensorParallelGroup`]); the ranks holding
 //! the same shard in the other tensor-parallel groups are its data-parallel replicas.
 //!
 //! What leaves the trainer is the full model: the weights the engine receives and the
 //! checkpoint rank 0 writes are the shards gathered over the tensor-parallel group (NCCL, a few
-//! MiB at a time through the device) and joined on the host. The checkpoint is the one format
-//! every backend reads: full weights, and Megatron's optimizer files, one a tensor-parallel
-//! rank, so it loads at any parallel size (and on the CPU device).
+//! MiB at a time through the device) and joined on the host. The checkpoint holds the full
+//! weights (which every backend loads) and Megatron's optimizer files, one a tensor-parallel
+//! rank, which Megatron's trainers read at any parallel size (and on the CPU device).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -131,20 +131,27 @@ impl TensorParallelGpu {
         let (send, recv) = (all.sub(0, chunk)?, all.sub(chunk, tp * chunk)?);
         let mut shards = keep.then(|| vec![vec![0.0f32; local.len()]; tp]);
         let mut gathered = vec![0.0f32; if keep { tp * chunk } else { 0 }];
-        for start in (0..local.len()).step_by(chunk) {
-            let len = chunk.min(local.len() - start);
-            let (send, recv) = (send.sub(0, len)?, recv.sub(0, tp * len)?);
-            gpu.upload(send, &local[start..start + len])?;
-            comm.all_gather(send, recv)?;
-            if let Some(shards) = &mut shards {
-                gpu.download(&mut gathered[..tp * len], recv)?;
-                for (shard, part) in shards.iter_mut().zip(gathered.chunks_exact(len)) {
-                    shard[start..start + len].copy_from_slice(part);
+        let mut gather = || -> Result<(), ModelError> {
+            for start in (0..local.len()).step_by(chunk) {
+                let len = chunk.min(local.len() - start);
+                let (send, recv) = (send.sub(0, len)?, recv.sub(0, tp * len)?);
+                gpu.upload(send, &local[start..start + len])?;
+                comm.all_gather(send, recv)?;
+                if let Some(shards) = &mut shards {
+                    gpu.download(&mut gathered[..tp * len], recv)?;
+                    for (shard, part) in shards.iter_mut().zip(gathered.chunks_exact(len)) {
+                        shard[start..start + len].copy_from_slice(part);
+                    }
                 }
             }
-        }
-        // The scratch goes back to the memory manager once the queued collectives are done.
-        gpu.synchronize()?;
+            Ok(())
+        };
+        let gathered = gather();
+        // The scratch goes back to the memory manager once the queued collectives are done,
+        // whatever happened to them.
+        let synced = gpu.synchronize();
+        gathered?;
+        synced?;
         Ok(shards)
     }
 
@@ -163,17 +170,22 @@ impl TensorParallelGpu {
     }
 
     /// The gathers of a checkpoint (master weights, then m, then v, every rank's shard): rank
-    /// 0 writes them to `dir`, the other ranks of its group only send (`dir` is `None`).
+    /// 0 writes them to `dir`, the other ranks of its group only send (`dir` is `None`). The
+    /// writer takes part in every gather even when a write failed, since the others wait in
+    /// them, and then returns the first failure.
     fn gather_state(&self, dir: Option<&Path>) -> Result<(), BackendError> {
         self.shard.check_on_device("save")?;
         let trainer = self.shard.trainer();
-        let keep = dir.is_some();
-        let master = self.gather_shards(&trainer.master_params()?, keep)?;
+        let master = self.gather_shards(&trainer.master_params()?, dir.is_some())?;
+        let mut written = Ok(());
         if let (Some(dir), Some(master)) = (dir, master) {
-            save_checkpoint(dir, &self.config, &self.layout, &self.join(&master))?;
+            written = save_checkpoint(dir, &self.config, &self.layout, &self.join(&master))
+                .map_err(BackendError::from);
         }
         let (m, v) = trainer.moments()?;
+        let keep = dir.is_some() && written.is_ok();
         let (m, v) = (self.gather_shards(&m, keep)?, self.gather_shards(&v, keep)?);
+        written?;
         if let (Some(dir), Some(m), Some(v)) = (dir, m, v) {
             let tp = m.len();
             for (rank, (m, v)) in m.iter().zip(&v).enumerate() {

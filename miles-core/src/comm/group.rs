@@ -75,7 +75,7 @@ impl Kind {
             Kind::Arrived | Kind::Go => "barrier",
             Kind::Part => "gather",
             Kind::Broadcast => "broadcast",
-            Kind::Shared => "all-gather",
+            Kind::Shared => "all-gather or route",
         }
     }
 
@@ -242,6 +242,45 @@ impl HostGroup {
             self.send(peer, Kind::Shared, &packed)?;
         }
         Ok(parts)
+    }
+
+    /// Every rank's `part` to rank 0, which sends each rank `r` the part of rank `from(r)`
+    /// (`from` the same on every rank): what a rank takes from another of its group, such as
+    /// the rollout of its tensor-parallel group's first rank. Only each rank's own part comes
+    /// back to it, in a frame of at most [`MAX_SHARED`] bytes.
+    ///
+    /// # Errors
+    /// As [`barrier`](Self::barrier); [`CommError::BadRoot`] where `from` names a rank outside
+    /// the group; [`CommError::BadLength`] for a part over [`MAX_SHARED`] bytes.
+    pub fn route(
+        &mut self,
+        part: &[u8],
+        from: impl Fn(usize) -> usize,
+    ) -> Result<Vec<u8>, CommError> {
+        let world = self.world;
+        let source = |rank: usize| match from(rank) {
+            root if root < world => Ok(root),
+            root => Err(CommError::BadRoot {
+                op: Kind::Shared.name(),
+                root,
+                world,
+            }),
+        };
+        source(self.rank)?;
+        if self.rank != 0 {
+            self.send(0, Kind::Shared, part)?;
+            return self.receive(0, Kind::Shared);
+        }
+        let mut parts = Vec::with_capacity(world);
+        parts.push(part.to_vec());
+        for peer in 1..world {
+            parts.push(self.receive(peer, Kind::Shared)?);
+        }
+        for peer in 1..world {
+            let part = &parts[source(peer)?];
+            self.send(peer, Kind::Shared, part)?;
+        }
+        Ok(std::mem::take(&mut parts[source(0)?]))
     }
 
     /// The largest of every rank's `value`, on every rank (a gather to rank 0, then its

@@ -125,6 +125,33 @@ fn an_all_gather_part_above_the_frame_limit_is_refused_before_it_is_sent() {
 }
 
 #[test]
+fn route_gives_each_rank_the_part_of_the_rank_it_names() {
+    let results = on_ranks(4, |group| {
+        let part = vec![group.rank() as u8; 3];
+        // Two groups of two, each rank taking its group's first rank's part.
+        let first = group.route(&part, |rank| rank - rank % 2)?;
+        let backwards = group.route(&part, |rank| 3 - rank)?;
+        Ok((first, backwards))
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let (first, backwards) = result.unwrap();
+        assert_eq!(first, vec![(rank - rank % 2) as u8; 3], "rank {rank}");
+        assert_eq!(backwards, vec![(3 - rank) as u8; 3], "rank {rank}");
+    }
+    let results = on_ranks(2, |group| group.route(b"x", |rank| rank + 1));
+    for result in results {
+        let error = result.unwrap_err();
+        assert!(
+            matches!(
+                error,
+                CommError::BadRoot { .. } | CommError::PeerGone { .. }
+            ),
+            "{error}"
+        );
+    }
+}
+
+#[test]
 fn max_gives_every_rank_the_largest_value() {
     let results = on_ranks(3, |group| {
         let first = group.max([0, 130, 2][group.rank()])?;
