@@ -628,6 +628,15 @@ fn bf16_gradient_reduction_in_bench_train_needs_data_parallel_gpus_exiting_2() {
 }
 
 #[test]
+fn bench_train_phases_on_the_cpu_exit_2_naming_the_device() {
+    let (_, err) = expect(&["bench", "train", "--preset", "tiny", "--phases"], 2);
+    assert!(
+        err.contains("--phases") && err.contains("--device cuda"),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_readme_settings_table_is_the_one_the_settings_table_prints() {
     let (table, _) = expect(&["check-config", "--table"], 0);
     let readme =

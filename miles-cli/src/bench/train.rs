@@ -77,6 +77,10 @@ pub struct BenchTrainArgs {
     /// With several processes, data parallel: reduce-scatter the gradients in bf16.
     #[arg(long)]
     pub grad_reduce_in_bf16: bool,
+    /// On cuda: also say where each timed step's time went (the passes, the group's gradient
+    /// reduction, the optimizer step), each phase waited for on the host.
+    #[arg(long)]
+    pub phases: bool,
 }
 
 /// A PyTorch baseline of `bench train --device cuda` (`bench/torch_train.py`).
@@ -128,6 +132,12 @@ pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
     if args.device != BenchDevice::Cuda && (args.nproc_per_node > 1 || args.tensor_parallel) {
         return Err(BadSettings(
             "--nproc-per-node and --tensor-parallel train over gpus; add --device cuda".into(),
+        )
+        .into());
+    }
+    if args.phases && args.device != BenchDevice::Cuda {
+        return Err(BadSettings(
+            "--phases times the gpu trainer's step; add --device cuda (on the cpu the report already gives the matrix products' share)".into(),
         )
         .into());
     }

@@ -13,8 +13,8 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{
-    ByteTokenizer, GpuTrainer, LlamaConfig, ModelError, OptimizerShard, ParamLayout, StepReport,
-    TrainBatch, init_params, standalone_gpu_trainer,
+    ByteTokenizer, GpuTrainer, LlamaConfig, OptimizerShard, ParamLayout, StepTimes, TrainBatch,
+    init_params, standalone_gpu_trainer,
 };
 use miles_core::{Batch, DeviceChoice, LaunchEnv, MemoryTag};
 use serde_json::Value;
@@ -48,22 +48,47 @@ impl Workload {
     }
 }
 
-/// The warmup then the timed steps of `args`, each a call of `train_step` with the step's
-/// number: every step's loss, and the timed steps' seconds.
+/// The warmup then the timed steps of `args` of `trainer` on `batch`: every step's loss, the
+/// timed steps' seconds and, with `--phases`, their phases' mean.
 fn train_steps(
-    mut train_step: impl FnMut(u64) -> Result<StepReport, ModelError>,
+    trainer: &mut GpuTrainer,
+    batch: &TrainBatch<'_>,
     args: &BenchTrainArgs,
-) -> anyhow::Result<(Vec<f32>, f64)> {
+) -> anyhow::Result<(Vec<f32>, f64, Option<StepTimes>)> {
     let mut losses = Vec::with_capacity(args.warmup + args.steps);
     for step in 1..=args.warmup as u64 {
-        losses.push(train_step(step).context("warmup step")?.loss);
+        losses.push(trainer.train_step(batch, step).context("warmup step")?.loss);
     }
+    if args.phases {
+        trainer.time_steps();
+    }
+    let mut phases = StepTimes::default();
     let start = Instant::now();
     for step in 1..=args.steps as u64 {
         let step = args.warmup as u64 + step;
-        losses.push(train_step(step)?.loss);
+        losses.push(trainer.train_step(batch, step)?.loss);
+        phases += trainer.step_times().unwrap_or_default();
     }
-    Ok((losses, start.elapsed().as_secs_f64()))
+    let seconds = start.elapsed().as_secs_f64();
+    let mean = args.phases.then(|| {
+        let n = args.steps.max(1) as f64;
+        StepTimes {
+            passes: phases.passes / n,
+            reduction: phases.reduction / n,
+            optimizer: phases.optimizer / n,
+        }
+    });
+    Ok((losses, seconds, mean))
+}
+
+/// A step's phases in milliseconds, for a line of the report.
+fn phases_line(times: &StepTimes) -> String {
+    format!(
+        "passes {:.1} ms, gradient reduction {:.1} ms, optimizer step {:.1} ms",
+        times.passes * 1e3,
+        times.reduction * 1e3,
+        times.optimizer * 1e3
+    )
 }
 
 /// Runs the GPU benchmark and its baselines and prints the figures and ratios.
@@ -85,7 +110,7 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     let mut trainer =
         standalone_gpu_trainer(gpu, config.clone(), &params, b * t, OptimizerShard::WHOLE)?;
     drop(params);
-    let (losses, seconds) = train_steps(|step| trainer.train_step(&batch, step), args)?;
+    let (losses, seconds, phases) = train_steps(&mut trainer, &batch, args)?;
     let loss = losses.last().copied().unwrap_or(f32::NAN);
     let ours = (args.steps * b * t) as f64 / seconds;
     let held: u64 = trainer
@@ -109,6 +134,13 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
         model_rate(ours, per_token),
         held as f64 / GIB
     )?;
+    if let Some(phases) = &phases {
+        writeln!(
+            out,
+            "  phases a step (each waited for): {}",
+            phases_line(phases)
+        )?;
+    }
     drop(trainer);
     if args.no_baseline {
         return Ok(());
@@ -226,13 +258,14 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         0 => {
             let mut trainer =
                 standalone_gpu_trainer(gpu, config, &params, b * t, OptimizerShard::WHOLE)?;
-            let (losses, seconds) = train_steps(|step| trainer.train_step(&batch, step), args)?;
-            Some((losses, seconds, state_bytes(&trainer)))
+            let (losses, seconds, phases) = train_steps(&mut trainer, &batch, args)?;
+            Some((losses, seconds, state_bytes(&trainer), phases))
         }
         _ => None,
     };
     group.barrier()?;
-    let (Some(gathered), Some((alone_losses, alone_seconds, alone_bytes))) = (gathered, alone)
+    let (Some(gathered), Some((alone_losses, alone_seconds, alone_bytes, alone_phases))) =
+        (gathered, alone)
     else {
         return Ok(());
     };
@@ -241,7 +274,7 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         .map(|part| serde_json::from_slice(part))
         .collect::<Result<_, _>>()
         .context("a rank sent figures this rank cannot read; run the same miles on every rank")?;
-    let slowest = ranks.iter().map(|(_, s, _)| *s).fold(0.0, f64::max);
+    let slowest = ranks.iter().map(|(_, s, _, _)| *s).fold(0.0, f64::max);
     let tokens = (args.steps * b * t) as f64;
     let (together, single) = (tokens / slowest, tokens / alone_seconds);
     let worst = ranks[0]
@@ -279,7 +312,7 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
             ranks.len()
         )?;
     }
-    let same = ranks.iter().all(|(losses, _, _)| *losses == ranks[0].0);
+    let same = ranks.iter().all(|(losses, _, _, _)| *losses == ranks[0].0);
     writeln!(
         out,
         "  largest relative loss difference against one gpu: {worst:.2e}; every rank reports the same losses: {same}"
@@ -287,9 +320,13 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
     let per_rank: Vec<String> = ranks
         .iter()
-        .map(|(_, _, bytes)| format!("{:.2}", gib(*bytes)))
+        .map(|(_, _, bytes, _)| format!("{:.2}", gib(*bytes)))
         .collect();
-    let largest = ranks.iter().map(|(_, _, bytes)| *bytes).max().unwrap_or(0);
+    let largest = ranks
+        .iter()
+        .map(|(_, _, bytes, _)| *bytes)
+        .max()
+        .unwrap_or(0);
     writeln!(
         out,
         "  parameters + optimizer state on the device, per rank: {} GiB; one gpu: {:.2} GiB ({:.2}x)",
@@ -297,12 +334,24 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         gib(alone_bytes),
         largest as f64 / alone_bytes.max(1) as f64
     )?;
+    for (rank, (_, _, _, phases)) in ranks.iter().enumerate() {
+        if let Some(phases) = phases {
+            writeln!(
+                out,
+                "  rank {rank}'s phases a step: {}",
+                phases_line(phases)
+            )?;
+        }
+    }
+    if let Some(phases) = &alone_phases {
+        writeln!(out, "  one gpu's phases a step: {}", phases_line(phases))?;
+    }
     Ok(())
 }
 
-/// One rank's run: its losses, its timed seconds, and the device bytes of its parameters and
-/// optimizer state.
-type RankRun = (Vec<f32>, f64, u64);
+/// One rank's run: its losses, its timed seconds, the device bytes of its parameters and
+/// optimizer state, and with `--phases` its steps' phases.
+type RankRun = (Vec<f32>, f64, u64, Option<StepTimes>);
 
 /// Device bytes of `trainer`'s bf16 weights and optimizer state (tags `params` and
 /// `optimizer`).
@@ -341,8 +390,8 @@ fn tensor_parallel_rank(
         ),
         error => error.into(),
     })?;
-    let (losses, seconds) = train_steps(|step| trainer.train_step(batch, step), args)?;
-    Ok((losses, seconds, state_bytes(&trainer)))
+    let (losses, seconds, phases) = train_steps(&mut trainer, batch, args)?;
+    Ok((losses, seconds, state_bytes(&trainer), phases))
 }
 
 #[cfg(not(feature = "megatron"))]
@@ -381,8 +430,8 @@ fn data_parallel_rank(
         tokens,
         args.grad_reduce_in_bf16,
     )?;
-    let (losses, seconds) = train_steps(|step| trainer.train_step(&part, step), args)?;
-    Ok((losses, seconds, state_bytes(&trainer)))
+    let (losses, seconds, phases) = train_steps(&mut trainer, &part, args)?;
+    Ok((losses, seconds, state_bytes(&trainer), phases))
 }
 
 /// Runs the PyTorch script on the same shapes and returns its JSON figures.

@@ -26,4 +26,4 @@ pub use forward::{ForwardMode, GpuTransformer};
 pub use group::{GroupComm, OptimizerShard, TrainerGroup};
 pub use layout::{GpuActivationLayout, GpuActivations};
 pub use stream::MomentStream;
-pub use trainer::{GpuTrainer, GpuTrainerSpec, standalone_gpu_trainer};
+pub use trainer::{GpuTrainer, GpuTrainerSpec, StepTimes, standalone_gpu_trainer};

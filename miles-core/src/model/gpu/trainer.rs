@@ -2,6 +2,7 @@
 //! activations, each in its memory-manager region, so that an offload is four pauses.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use half::bf16;
 use rayon::prelude::*;
@@ -173,6 +174,28 @@ pub struct GpuTrainer {
     offloaded: bool,
     /// The parallel group this trainer is one rank of, if any.
     group: Option<Box<dyn TrainerGroup>>,
+    /// The last step's phases, when timed ([`time_steps`](GpuTrainer::time_steps)).
+    times: Option<StepTimes>,
+}
+
+/// Where a training step's time went, in seconds: each phase waited for on the host, so the
+/// phases add up to the step ([`GpuTrainer::time_steps`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepTimes {
+    /// The forward and backward passes over every micro-batch.
+    pub passes: f64,
+    /// The group's sums of the gradients and the loss (0 alone).
+    pub reduction: f64,
+    /// The gradient norm, AdamW, and a split state's gather of the bf16 weights.
+    pub optimizer: f64,
+}
+
+impl std::ops::AddAssign for StepTimes {
+    fn add_assign(&mut self, other: StepTimes) {
+        self.passes += other.passes;
+        self.reduction += other.reduction;
+        self.optimizer += other.optimizer;
+    }
 }
 
 impl std::fmt::Debug for GpuTrainer {
@@ -313,6 +336,7 @@ impl GpuTrainer {
             acts: None,
             offloaded: false,
             group: None,
+            times: None,
         };
         if let Moments::Resident { m, v } = &trainer.moments {
             trainer.gpu.zero(slice::<f32>(m)?)?;
@@ -383,6 +407,18 @@ impl GpuTrainer {
         })
     }
 
+    /// Times every step's phases from now on ([`step_times`](Self::step_times)): the trainer
+    /// then also waits for the optimizer step's work before a step returns (a benchmark's
+    /// breakdown; it costs the overlap of that work with the next step's start).
+    pub fn time_steps(&mut self) {
+        self.times = Some(StepTimes::default());
+    }
+
+    /// The last step's phases, once [`time_steps`](Self::time_steps) was called.
+    pub fn step_times(&self) -> Option<StepTimes> {
+        self.times
+    }
+
     /// Makes this trainer one rank of `group`: from now on the trainer calls it at the points
     /// [`TrainerGroup`] names. The backends that name a parallel layout build their groups
     /// (Megatron's tensor-parallel group, the data-parallel group of either backend); the trainer must
@@ -439,9 +475,15 @@ impl GpuTrainer {
             // The disk reads the optimizer step's buckets while the passes run.
             streamed.prefetch()?;
         }
-        let result = self
-            .accumulate_grads(batch)
-            .and_then(|nll| self.sum_over_group(nll));
+        // Both parts end in a download, which waits for their work.
+        let started = Instant::now();
+        let passes = self.accumulate_grads(batch);
+        let passed = started.elapsed().as_secs_f64();
+        let result = passes.and_then(|nll| self.sum_over_group(nll));
+        if let Some(times) = &mut self.times {
+            times.passes = passed;
+            times.reduction = started.elapsed().as_secs_f64() - passed;
+        }
         let fenced = self.record_fences();
         let nll = result?;
         fenced?;
@@ -503,7 +545,16 @@ impl GpuTrainer {
             return Err(ModelError::InvalidStep { step });
         }
         self.ensure_active("take an optimizer step")?;
-        let result = self.adamw_step(step);
+        let started = Instant::now();
+        let mut result = self.adamw_step(step);
+        if let Some(times) = &mut self.times {
+            if result.is_ok()
+                && let Err(error) = self.gpu.synchronize()
+            {
+                result = Err(error.into());
+            }
+            times.optimizer = started.elapsed().as_secs_f64();
+        }
         let fenced = self.record_fences();
         let stats = result?;
         fenced?;
