@@ -13,7 +13,8 @@
 //! `--tensor-model-parallel-size T` the job is T x N processes: each run of T consecutive ranks
 //! is a tensor-parallel group training one shard of the model each, on the rollout of the
 //! group's first rank (shared over the host group; the group's ranks share a seed), and the
-//! ranks holding the same shard are data-parallel replicas; the engines get the full weights,
+//! ranks holding the same shard are its data-parallel ranks (the shard's optimizer state split
+//! over them, Megatron's distributed optimizer); the engines get the full weights,
 //! gathered over the group. Rank 0 reports, writes metrics and saves (the others send it their
 //! blocks). A signal there stops every rank after the same step: at the end of each step the
 //! ranks agree over the job's host group whether any was asked to stop, and each exits with the

@@ -37,7 +37,7 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given.
 /// With `tensor`, rank `rank` of a job of tensor parallel times data parallel processes
-/// ([`TensorParallelGpu`]: `tensor` its tensor-parallel group, `data` the replicas of its
+/// ([`TensorParallelGpu`]: `tensor` its tensor-parallel group, `data` the data-parallel ranks of its
 /// shard); without, alone or (with `data`) this process's rank of a data-parallel job over one
 /// GPU a process, the optimizer state split over the ranks as Megatron's distributed optimizer
 /// splits it.

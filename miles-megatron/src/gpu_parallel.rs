@@ -24,14 +24,16 @@ use crate::shard::{Split, scatter, shard_config, split_of};
 /// summed over the group (fp32); the whole tensors' gradients are then rank 0's on every rank,
 /// so those tensors stay equal by construction, and the gradient norm counts them once.
 ///
-/// In a job of tensor parallel times data parallel ranks, the ranks holding the same shard are
-/// data-parallel replicas ([`TensorParallelGroup::across`]): each trains its own batch, and they
-/// sum their gradients before the tensor-parallel ranks share theirs; what each group then sums
-/// over its own communicator (the q/k norms' gradients, the gradient norm) they take from the
-/// first group, so the replicas stay equal bit for bit whatever order a group sums in.
+/// In a job of tensor parallel times data parallel ranks ([`TensorParallelGroup::across`]),
+/// the ranks holding the same shard in the other tensor-parallel groups are its data-parallel
+/// ranks, and the trainer splits its shard's optimizer state over them (Megatron's distributed
+/// optimizer, [`OptimizerShard`](miles_core::model::OptimizerShard)): each trains its own
+/// batch, the gradients are reduce-scattered over them, the tensor-parallel ranks then share
+/// what they share within each block, each rank updates its block, and the bf16 weights are
+/// all-gathered over them.
 pub struct TensorParallelGroup {
     comm: Arc<GroupComm>,
-    /// The replicas of this rank's shard, when there are any.
+    /// The data-parallel ranks of this rank's shard, when there are any.
     data: Option<GroupComm>,
     /// The parameter ranges every rank holds whole.
     replicated: Vec<Range<usize>>,
@@ -43,7 +45,7 @@ impl std::fmt::Debug for TensorParallelGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TensorParallelGroup")
             .field("replicated", &self.replicated.len())
-            .field("replicas", &self.data.is_some())
+            .field("data_parallel", &self.data.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -56,8 +58,8 @@ impl TensorParallelGroup {
     }
 
     /// The group of `comm`'s ranks (shared with whoever gathers the shards), and with `data`
-    /// the data-parallel replicas of this rank's shard, one in each other tensor-parallel
-    /// group; `layout` as in [`new`](Self::new).
+    /// the data-parallel ranks of this rank's shard (one in each other tensor-parallel group),
+    /// over which the trainer splits its optimizer state; `layout` as in [`new`](Self::new).
     pub fn across(
         comm: Arc<GroupComm>,
         data: Option<NcclComm>,
@@ -82,24 +84,75 @@ impl TensorParallelGroup {
             head_norms,
         }
     }
-}
 
-impl TensorParallelGroup {
-    /// Gives every data-parallel replica the first replica's `ranges` of `x` (nothing without
-    /// replicas).
-    fn take_first_replicas(
-        &self,
-        ranges: impl Iterator<Item = Range<usize>>,
-        x: GpuSlice<f32>,
-    ) -> Result<(), ModelError> {
-        if let Some(data) = &self.data {
-            let comm = data.lock();
-            for range in ranges {
-                comm.broadcast(x.sub(range.start, range.len())?, 0)?;
-            }
+    /// The data-parallel ranks, for a split state's collectives.
+    fn data(&self) -> Result<&GroupComm, ModelError> {
+        self.data.as_ref().ok_or_else(|| {
+            ModelError::Config(
+                "a tensor-parallel group without data-parallel ranks does not split the optimizer state; build the trainer whole".into(),
+            )
+        })
+    }
+
+    /// Within `grads` (parameters `offset..` of the shard's layout): sums the q/k norms'
+    /// gradients over the group and gives every rank rank 0's gradients of the whole tensors.
+    fn share_gradients(&self, grads: GpuSlice<f32>, offset: usize) -> Result<(), ModelError> {
+        let comm = self.comm.lock();
+        for range in within(&self.head_norms, offset, grads.len()) {
+            comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
+        }
+        for range in within(&self.replicated, offset, grads.len()) {
+            comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
         }
         Ok(())
     }
+
+    /// The sums of squares of `grads` (parameters `offset..` of the shard's layout) into
+    /// `sums`: the shards' in the first, the whole tensors' (the same on every rank) in the
+    /// second.
+    fn squares(
+        &self,
+        gpu: &Gpu,
+        grads: GpuSlice<f32>,
+        offset: usize,
+        sums: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
+    ) -> Result<(), ModelError> {
+        let (first, second) = (sums.sub(0, 1)?, sums.sub(1, 1)?);
+        let mut start = 0;
+        let end = grads.len()..grads.len();
+        for range in within(&self.replicated, offset, grads.len()).chain([end]) {
+            if range.start > start {
+                gpu.sum_of_squares(first, grads.sub(start, range.start - start)?, partials)?;
+            }
+            if !range.is_empty() {
+                gpu.sum_of_squares(second, grads.sub(range.start, range.len())?, partials)?;
+            }
+            start = range.end;
+        }
+        Ok(())
+    }
+
+    /// The squared norm from `sums` ([`squares`](Self::squares)) once summed over the group:
+    /// the whole tensors counted once.
+    fn norm_sq(&self, gpu: &Gpu, sums: GpuSlice<f32>) -> Result<f32, ModelError> {
+        let mut sum = [0.0f32; 2];
+        gpu.download(&mut sum, sums)?;
+        Ok(sum[0] + sum[1] / self.comm.world_size() as f32)
+    }
+}
+
+/// The parts of `ranges` (sorted, apart) inside parameters `offset..offset + len`, shifted to
+/// start from `offset`.
+pub(crate) fn within(
+    ranges: &[Range<usize>],
+    offset: usize,
+    len: usize,
+) -> impl Iterator<Item = Range<usize>> {
+    ranges.iter().filter_map(move |range| {
+        let (start, end) = (range.start.max(offset), range.end.min(offset + len));
+        (start < end).then(|| start - offset..end - offset)
+    })
 }
 
 impl TrainerGroup for TensorParallelGroup {
@@ -115,6 +168,13 @@ impl TrainerGroup for TensorParallelGroup {
         self.comm.world_size()
     }
 
+    fn split_place(&self) -> (usize, usize) {
+        match &self.data {
+            Some(data) => (data.rank(), data.world_size()),
+            None => (0, 1),
+        }
+    }
+
     fn gpu(&self) -> &Arc<Gpu> {
         self.comm.gpu()
     }
@@ -127,29 +187,16 @@ impl TrainerGroup for TensorParallelGroup {
         &self,
         _gpu: &Gpu,
         grads: GpuSlice<f32>,
-        scalar: GpuSlice<f32>,
+        _scalar: GpuSlice<f32>,
         nll: f64,
     ) -> Result<f64, ModelError> {
-        // The replicas first, so that what the tensor-parallel ranks then share is the same on
-        // every replica.
-        let nll = match &self.data {
-            Some(data) => data.sum_replicas(grads, scalar, nll)?,
-            None => nll,
-        };
-        {
-            let comm = self.comm.lock();
-            for range in &self.head_norms {
-                comm.all_reduce_sum(grads.sub(range.start, range.len())?)?;
-            }
-            for range in &self.replicated {
-                comm.broadcast(grads.sub(range.start, range.len())?, 0)?;
-            }
+        if self.data.is_some() {
+            return Err(ModelError::Config(
+                "a tensor-parallel group with data-parallel ranks splits the optimizer state over them; build the trainer with OptimizerShard::split".into(),
+            ));
         }
-        // Each tensor-parallel group summed the q/k norms' gradients over its own
-        // communicator; over more than two ranks the order of that sum may differ from group
-        // to group, so the replicas take the first group's.
-        self.take_first_replicas(self.head_norms.iter().cloned(), grads)?;
-        // Every rank of the group saw the same batches: `nll` is the same on every rank.
+        self.share_gradients(grads, 0)?;
+        // Every rank saw the whole batch: `nll` is the same on every rank.
         Ok(nll)
     }
 
@@ -160,33 +207,54 @@ impl TrainerGroup for TensorParallelGroup {
         sums: GpuSlice<f32>,
         partials: GpuSlice<f32>,
     ) -> Result<f32, ModelError> {
-        // Shards in the first sum, whole tensors (the same on every rank) in the second:
-        // summed over the group, the second counts them `world` times.
-        let (first, second) = (sums.sub(0, 1)?, sums.sub(1, 1)?);
-        let mut start = 0;
-        for range in self
-            .replicated
-            .iter()
-            .chain(std::iter::once(&(grads.len()..grads.len())))
-        {
-            if range.start > start {
-                gpu.sum_of_squares(first, grads.sub(start, range.start - start)?, partials)?;
-            }
-            if !range.is_empty() {
-                gpu.sum_of_squares(second, grads.sub(range.start, range.len())?, partials)?;
-            }
-            start = range.end;
-        }
-        let world = {
-            let comm = self.comm.lock();
-            comm.all_reduce_sum(sums)?;
-            comm.world_size()
+        self.squares(gpu, grads, 0, sums, partials)?;
+        self.comm.lock().all_reduce_sum(sums)?;
+        self.norm_sq(gpu, sums)
+    }
+
+    fn block_norm_sq(
+        &self,
+        gpu: &Gpu,
+        block: GpuSlice<f32>,
+        start: usize,
+        sums: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
+    ) -> Result<f32, ModelError> {
+        self.squares(gpu, block, start, sums, partials)?;
+        let data = self.data()?;
+        data.lock().all_reduce_sum(sums)?;
+        self.comm.lock().all_reduce_sum(sums)?;
+        // Every tensor-parallel group summed over its own communicator, in an order that may
+        // differ from another's over more than two ranks: all clip by the first group's sum.
+        data.lock().broadcast(sums, 0)?;
+        self.norm_sq(gpu, sums)
+    }
+
+    fn reduce_scatter_f32(&self, all: GpuSlice<f32>) -> Result<(), ModelError> {
+        let data = self.data()?;
+        let (start, block) = {
+            let comm = data.lock();
+            let block = all.len() / comm.world_size();
+            let start = comm.rank() * block;
+            comm.reduce_scatter_sum(all, all.sub(start, block)?)?;
+            (start, block)
         };
-        // The replicas clip alike: they take the first group's sums (as the q/k norms').
-        self.take_first_replicas(std::iter::once(0..sums.len()), sums)?;
-        let mut sum = [0.0f32; 2];
-        gpu.download(&mut sum, sums)?;
-        Ok(sum[0] + sum[1] / world as f32)
+        // The tensor-parallel ranks of this group hold the same block of their shards.
+        self.share_gradients(all.sub(start, block)?, start)
+    }
+
+    fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
+        // The loss: every tensor-parallel rank saw the same batch, the data-parallel ranks
+        // their own.
+        Ok(self.data()?.lock().all_reduce_sum(x)?)
+    }
+
+    fn all_gather_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
+        Ok(self.data()?.lock().all_gather_bf16_in_place(all)?)
+    }
+
+    fn all_gather_f32(&self, block: GpuSlice<f32>, all: GpuSlice<f32>) -> Result<(), ModelError> {
+        Ok(self.data()?.lock().all_gather(block, all)?)
     }
 
     fn release(&self) -> Result<Option<u64>, ModelError> {

@@ -1,8 +1,9 @@
 //! Megatron's tensor parallelism in `miles train` on GPUs: [`TensorParallelGpu`], one process's
 //! rank of a job of `--tensor-model-parallel-size` times `--data-parallel-size` processes, one
-//! GPU each. Its trainer holds the rank's shard of the model and of its optimizer state (the
-//! GPU trainer over [`shard_config`](crate::shard_config)'s model, in a [`TensorParallelGroup`]); the ranks holding
-//! the same shard in the other tensor-parallel groups are its data-parallel replicas.
+//! GPU each. Its trainer holds the rank's shard of the model (the GPU trainer over
+//! [`shard_config`](crate::shard_config)'s model, in a [`TensorParallelGroup`]); the ranks
+//! holding the same shard in the other tensor-parallel groups are its data-parallel ranks, over
+//! which the shard's optimizer state is split (Megatron's distributed optimizer).
 //!
 //! What leaves the trainer is the full model: the weights the engine receives and the
 //! checkpoint rank 0 writes are the shards gathered over the tensor-parallel group (NCCL, a few
@@ -58,8 +59,9 @@ impl std::fmt::Debug for TensorParallelGpu {
 impl TensorParallelGpu {
     /// Rank `rank` of the job `settings` describe, on `gpu`: its shard of the preset's seeded
     /// weights (`tensor`'s rank of its size), a trainer of that shard joined to the
-    /// tensor-parallel group `tensor` and, with `data`, to the shard's data-parallel replicas;
-    /// then `--load` when given.
+    /// tensor-parallel group `tensor` and, with `data`, keeping its block of the shard's
+    /// optimizer state split over the shard's data-parallel ranks `data`; then `--load` when
+    /// given.
     ///
     /// # Errors
     /// [`BackendError::Settings`] for a tensor-parallel size that does not divide the model;
@@ -78,25 +80,21 @@ impl TensorParallelGpu {
             tensor.rank(),
             tensor.world_size(),
         )?;
-        let mut shard = GpuBackend::new(
-            gpu,
-            local_config,
-            settings,
-            &local,
-            OptimizerShard::WHOLE,
-            rank,
-        )?;
+        // Megatron's distributed optimizer: the shard's state split over its data-parallel ranks.
+        let split = data.as_ref().map_or(OptimizerShard::WHOLE, |data| {
+            OptimizerShard::split(data.rank(), data.world_size())
+        });
+        let mut shard = GpuBackend::new(gpu, local_config, settings, &local, split, rank)?;
         let tp = tensor.world_size();
         let comm = Arc::new(GroupComm::new(tensor));
-        let replicas = data.as_ref().map_or(1, NcclComm::world_size);
         let group = TensorParallelGroup::across(Arc::clone(&comm), data, shard.trainer().layout());
-        shard.join(Box::new(group), replicas)?;
+        shard.join(Box::new(group), split.ranks)?;
         tracing::info!(
             rank,
             tensor_parallel = tp,
-            replicas,
+            data_parallel = split.ranks,
             shard_params = shard.trainer().layout().len(),
-            "this rank trains its tensor-parallel shard of the model and of its optimizer state"
+            "this rank trains its tensor-parallel shard of the model, and keeps its block of the shard's optimizer state"
         );
         let mut backend = TensorParallelGpu {
             shard,
@@ -255,11 +253,13 @@ impl TrainBackend for TensorParallelGpu {
         self.gather_state(Some(dir))
     }
 
+    /// In the writer's tensor-parallel group, its part of the gathers; elsewhere its blocks of
+    /// the shard's state, which its data-parallel rank in the writer's group gathers.
     fn assist_save(&mut self) -> Result<(), BackendError> {
         if self.with_writer {
             self.gather_state(None)
         } else {
-            Ok(())
+            self.shard.assist_save()
         }
     }
 
@@ -293,12 +293,13 @@ impl TrainBackend for TensorParallelGpu {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
 mod tests {
-    //! The two-GPU test of `miles train`'s tensor-parallel backend. On a GPU machine:
-    //! `MILES_TEST_DEVICE=cuda cargo test -p miles-megatron gpu_ -- --test-threads=1`; elsewhere
-    //! (or with one GPU) it skips.
+    //! The GPU tests of `miles train`'s tensor-parallel backend, over two GPUs (tensor parallel
+    //! 2) and four (2 x 2, the optimizer state split over the data-parallel ranks). On a GPU
+    //! machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-megatron gpu_ -- --test-threads=1`;
+    //! elsewhere (or with fewer GPUs) they skip.
 
     use miles_core::device::NcclComm;
-    use miles_core::model::gpu_testing::{self, two_gpus};
+    use miles_core::model::gpu_testing::{self, gpus};
 
     use super::*;
 
@@ -313,16 +314,18 @@ mod tests {
         }
     }
 
-    /// A batch of 2 x 16 tokens drawn from `seed`, normalised by its token count.
-    fn batch(seed: u64, vocab: usize) -> Batch {
-        let data = gpu_testing::Batch::random_of(seed, vocab, 2, 16);
+    /// Sequences `rows` of a batch of 4 x 16 tokens drawn from `seed`, normalised by the
+    /// share of the whole batch's tokens one of `parts` equal parts holds.
+    fn batch(seed: u64, vocab: usize, rows: std::ops::Range<usize>, parts: usize) -> Batch {
+        let data = gpu_testing::Batch::random_of(seed, vocab, 4, 16);
+        let cut = |x: &[u32]| x[rows.start * 16..rows.end * 16].to_vec();
         Batch {
-            batch: 2,
+            batch: rows.len(),
             seq: 16,
-            inputs: data.inputs,
-            targets: data.targets,
-            weights: data.weights,
-            normaliser: 32.0,
+            inputs: cut(&data.inputs),
+            targets: cut(&data.targets),
+            weights: data.weights[rows.start * 16..rows.end * 16].to_vec(),
+            normaliser: 64.0 / parts as f32,
             entropy_mask: None,
             entropy_coef: 0.0,
         }
@@ -344,61 +347,93 @@ mod tests {
 
     #[test]
     fn gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu() {
-        let Some(gpus) =
-            two_gpus("gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu")
-        else {
+        tensor_by_data_follows_one_gpu(
+            "gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu",
+            2,
+            1,
+        );
+    }
+
+    #[test]
+    fn gpu_tensor_by_data_parallel_backend_splits_its_optimizer_and_trains_as_one_gpu() {
+        tensor_by_data_follows_one_gpu(
+            "gpu_tensor_by_data_parallel_backend_splits_its_optimizer_and_trains_as_one_gpu",
+            2,
+            2,
+        );
+    }
+
+    /// A job of `tp` x `dp` ranks (tensor-parallel groups of consecutive ranks, each data rank
+    /// on its share of the batch) against one GPU on the whole batch: the weights every rank
+    /// exports at the start and after 3 steps (the same on every rank), the losses, then a
+    /// checkpoint written by rank 0 with the others assisting, loaded on one GPU: the same
+    /// weights and step, and the next loss.
+    fn tensor_by_data_follows_one_gpu(test: &str, tp: usize, dp: usize) {
+        let Some(gpus) = gpus(test, tp * dp) else {
             return;
         };
         let settings = settings();
         let config = LlamaConfig::from_settings(&settings).unwrap();
-        let data = batch(29, config.vocab_size);
+        let whole = batch(29, config.vocab_size, 0..4, 1);
         let dir = tempfile::tempdir().unwrap();
         let mut alone = MegatronGpu::on_ranks(Arc::clone(&gpus[0]), &settings, None).unwrap();
         let alone_start = exported(&mut alone);
         let alone_losses: Vec<f32> = (0..3)
-            .map(|_| alone.train_step(&data).unwrap().loss)
+            .map(|_| alone.train_step(&whole).unwrap().loss)
             .collect();
         drop(alone);
-        let id = NcclComm::unique_id().unwrap();
+        let tensor_ids: Vec<_> = (0..dp).map(|_| NcclComm::unique_id().unwrap()).collect();
+        let data_ids: Vec<_> = (0..tp).map(|_| NcclComm::unique_id().unwrap()).collect();
         let ranks: Vec<_> = gpus
             .iter()
             .enumerate()
             .map(|(rank, gpu)| {
-                let (gpu, settings, data) = (Arc::clone(gpu), settings.clone(), data.clone());
+                let (gpu, settings) = (Arc::clone(gpu), settings.clone());
+                let (t, d) = (rank % tp, rank / tp);
+                let (tensor_id, data_id) = (tensor_ids[d], data_ids[t]);
+                let part = batch(29, config.vocab_size, d * 4 / dp..(d + 1) * 4 / dp, dp);
                 let dir = dir.path().to_path_buf();
                 std::thread::spawn(move || {
-                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
+                    let tensor = NcclComm::new(Arc::clone(&gpu), tensor_id, t, tp).unwrap();
+                    let data =
+                        (dp > 1).then(|| NcclComm::new(Arc::clone(&gpu), data_id, d, dp).unwrap());
                     let mut backend =
-                        TensorParallelGpu::from_settings(gpu, &settings, rank, comm, None).unwrap();
+                        TensorParallelGpu::from_settings(gpu, &settings, rank, tensor, data)
+                            .unwrap();
                     let start = exported(&mut backend);
                     let losses: Vec<f32> = (0..3)
-                        .map(|_| backend.train_step(&data).unwrap().loss)
+                        .map(|_| backend.train_step(&part).unwrap().loss)
                         .collect();
                     let trained = exported(&mut backend);
                     match rank {
                         0 => backend.save(&dir).unwrap(),
                         _ => backend.assist_save().unwrap(),
                     }
-                    let next = backend.train_step(&data).unwrap().loss;
+                    let next = backend.train_step(&part).unwrap().loss;
                     (start, losses, trained, next)
                 })
             })
             .collect();
         let ranks: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
-        assert!(
-            ranks[0].0 == ranks[1].0 && ranks[0].0 == alone_start,
-            "the ranks export other weights than one gpu's at the start"
-        );
-        assert!(
-            ranks[0].2 == ranks[1].2,
-            "the ranks export different weights"
-        );
-        gpu_testing::assert_pair_follows(
-            "tensor-parallel backend",
-            &[ranks[0].1.clone(), ranks[1].1.clone()],
-            &alone_losses,
-        );
-        // The checkpoint loads on one gpu: the same weights, step and next loss.
+        for (rank, (start, _, trained, _)) in ranks.iter().enumerate() {
+            assert!(
+                *start == alone_start,
+                "rank {rank} exports other weights than one gpu's at the start"
+            );
+            assert!(
+                *trained == ranks[0].2,
+                "rank {rank} exports other weights than rank 0 after training"
+            );
+        }
+        // A step's loss is the data-parallel ranks' mean: each rank reports it alike.
+        let losses: Vec<Vec<f32>> = ranks.iter().map(|r| r.1.clone()).collect();
+        for (rank, rank_losses) in losses.iter().enumerate() {
+            gpu_testing::assert_pair_follows(
+                &format!("tensor {tp} x data {dp} (rank {rank})"),
+                &[rank_losses.clone(), losses[0].clone()],
+                &alone_losses,
+            );
+        }
         let mut loaded = MegatronGpu::on_ranks(
             Arc::clone(&gpus[0]),
             &Settings {
@@ -409,19 +444,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(loaded.step(), 3);
-        let weights = exported(&mut loaded);
-        let far = weights
-            .iter()
-            .zip(&ranks[0].2)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(far == 0.0, "loaded weights differ by up to {far}");
-        let next = loaded.train_step(&data).unwrap().loss;
+        assert!(
+            exported(&mut loaded) == ranks[0].2,
+            "the checkpoint loads other weights than the job trained"
+        );
+        let next = loaded.train_step(&whole).unwrap().loss;
         let rel = (next - ranks[0].3).abs() / ranks[0].3.abs();
         assert!(
             rel < 1e-2,
             "next loss {next} after loading vs {}",
             ranks[0].3
         );
+    }
+
+    #[test]
+    fn ranges_within_a_block_are_cut_to_it_and_shifted_to_its_start() {
+        let ranges = [2..5, 8..10, 12..20];
+        let cut: Vec<_> = crate::gpu_parallel::within(&ranges, 4, 10).collect();
+        assert_eq!(cut, [0..1, 4..6, 8..10]);
+        assert_eq!(crate::gpu_parallel::within(&ranges, 0, 2).count(), 0);
     }
 }

@@ -295,7 +295,7 @@ pub fn check_job_ranks(settings: &Settings, ranks: usize) -> Result<(), String> 
     }
     if tp > 1 && settings.grad_reduce_in_bf16 {
         return Err(
-            "with tensor parallelism the data-parallel replicas sum their gradients in fp32; drop --grad-reduce-in-bf16".into(),
+            "with tensor parallelism the data-parallel ranks reduce-scatter their gradients in fp32; drop --grad-reduce-in-bf16".into(),
         );
     }
     if settings.stream_optimizer_state_to_disk && ranks > 1 {

@@ -110,6 +110,13 @@ pub trait TrainerGroup: Send + Sync {
     /// Ranks in the group.
     fn world_size(&self) -> usize;
 
+    /// This rank's place `(rank, ranks)` among the ranks a split optimizer state
+    /// ([`OptimizerShard`]) is split over: the whole group, unless the group also holds
+    /// tensor-parallel ranks, which keep the same blocks of their own shards.
+    fn split_place(&self) -> (usize, usize) {
+        (self.rank(), self.world_size())
+    }
+
     /// The GPU whose stream the group's collectives run on: the trainer's own.
     fn gpu(&self) -> &Arc<Gpu>;
 
@@ -180,6 +187,29 @@ pub trait TrainerGroup: Send + Sync {
     /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
     fn reduce_scatter_bf16(&self, _all: GpuSlice<bf16>) -> Result<(), ModelError> {
         Err(not_sharded(self.name()))
+    }
+
+    /// For a split state: the squared global norm of the gradients, `block` being this rank's
+    /// block of them from parameter `start` on, the same on every rank. `sums` is two zeroed
+    /// fp32 elements of scratch on the device, `partials` the scratch of
+    /// [`Gpu::sum_of_squares`]. By default the block's sum of squares summed over the ranks
+    /// ([`sum_f32`](Self::sum_f32)).
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
+    fn block_norm_sq(
+        &self,
+        gpu: &Gpu,
+        block: GpuSlice<f32>,
+        _start: usize,
+        sums: GpuSlice<f32>,
+        partials: GpuSlice<f32>,
+    ) -> Result<f32, ModelError> {
+        gpu.sum_of_squares(sums.sub(0, 1)?, block, partials)?;
+        self.sum_f32(sums.sub(0, 1)?)?;
+        let mut sum = [0.0f32; 2];
+        gpu.download(&mut sum, sums)?;
+        Ok(sum[0])
     }
 
     /// Sums `x` over the ranks in place (a split optimizer's loss and squared gradient norm).

@@ -165,17 +165,28 @@ pub fn one_gpu(test: &str) -> Option<Arc<Gpu>> {
 
 /// GPUs 0 (with the test's lock) and 1, or `None` with a skip note on a machine with fewer.
 pub fn two_gpus(test: &str) -> Option<[Arc<Gpu>; 2]> {
+    gpus(test, 2).and_then(|gpus| gpus.try_into().ok())
+}
+
+/// GPUs 0 (with the test's lock) to `n - 1`, or `None` with a skip note on a machine with
+/// fewer.
+pub fn gpus(test: &str, n: usize) -> Option<Vec<Arc<Gpu>>> {
     let t = TestGpu::open(test, 1)?;
-    match CudaDevice::open(1) {
-        Ok(second) => Some([
-            Arc::new(t.gpu),
-            Arc::new(crate::ops::gpu::open_gpu(Arc::new(second)).unwrap()),
-        ]),
-        Err(error) => {
-            eprintln!("skipping {test}: it needs two gpus ({error})");
-            None
+    let mut gpus = vec![Arc::new(t.gpu)];
+    for ordinal in 1..n {
+        match CudaDevice::open(i32::try_from(ordinal).unwrap()) {
+            Ok(device) => {
+                gpus.push(Arc::new(
+                    crate::ops::gpu::open_gpu(Arc::new(device)).unwrap(),
+                ));
+            }
+            Err(error) => {
+                eprintln!("skipping {test}: it needs {n} gpus ({error})");
+                return None;
+            }
         }
     }
+    Some(gpus)
 }
 
 /// AdamW at lr 1e-3, no backup, activations for 64 tokens.

@@ -438,15 +438,11 @@ impl GpuTrainer {
                 "the gpu trainer is one rank of a parallel group already; it joins one group, data or tensor parallel".into(),
             ));
         }
-        if self.shard.is_split()
-            && (group.rank(), group.world_size()) != (self.shard.rank, self.shard.ranks)
-        {
+        let (rank, ranks) = group.split_place();
+        if self.shard.is_split() && (rank, ranks) != (self.shard.rank, self.shard.ranks) {
             return Err(ModelError::Config(format!(
-                "the trainer keeps block {} of {} of the optimizer state, and the group makes it rank {} of {}; build it for its place in the group",
-                self.shard.rank,
-                self.shard.ranks,
-                group.rank(),
-                group.world_size()
+                "the trainer keeps block {} of {} of the optimizer state, and the group splits it as rank {rank} of {ranks}; build it for its place in the group",
+                self.shard.rank, self.shard.ranks,
             )));
         }
         tracing::info!(
@@ -959,8 +955,8 @@ impl GpuTrainer {
             (Some(group), false) => return group.grad_norm_sq(&self.gpu, grads, sums, partials),
             (None, true) => return Err(unjoined()),
             (Some(group), true) => {
-                self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
-                group.sum_f32(sums.sub(0, 1)?)?;
+                let start = self.shard.start(self.model.layout().len());
+                return group.block_norm_sq(&self.gpu, grads, start, sums, partials);
             }
             (None, false) => self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?,
         }
