@@ -12,7 +12,8 @@
 //! the ranks, each rank updating its block of the optimizer state. With Megatron's
 //! `--tensor-model-parallel-size T` the job is T x N processes: each run of T consecutive ranks
 //! is a tensor-parallel group training one shard of the model each, on the rollout of the
-//! group's first rank (shared over the host group; the group's ranks share a seed), and the
+//! group's first rank, which alone generates and scores it (shared over the host group; the
+//! group's ranks share a seed), and the
 //! ranks holding the same shard are its data-parallel ranks (the shard's optimizer state split
 //! over them, Megatron's distributed optimizer); the engines get the full weights,
 //! gathered over the group. Rank 0 reports, writes metrics and saves (the others send it their
@@ -202,10 +203,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     {
         // Every rank of a tensor-parallel group trains on its first rank's rollout.
         let (group, first) = (Rc::clone(group), rank - rank % tp);
-        orchestrator = orchestrator.with_rollout_share(Box::new(move |own| {
-            let part = if rank == first { own } else { Vec::new() };
-            group.borrow_mut().route(&part, |r| r - r % tp)
-        }));
+        orchestrator = orchestrator.with_rollout_share(
+            Box::new(move |own| group.borrow_mut().route(&own, |r| r - r % tp)),
+            rank == first,
+        );
     }
     if let Some(group) = &group {
         let group = Rc::clone(group);

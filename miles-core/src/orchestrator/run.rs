@@ -113,7 +113,7 @@ pub struct Orchestrator {
     /// With several ranks, how they agree whether both phases fit ([`with_fit_agreement`](Self::with_fit_agreement)).
     fit_agreement: Option<FitAgreement>,
     /// In a tensor-parallel group, how its ranks share one rollout ([`with_rollout_share`](Self::with_rollout_share)).
-    share: Option<RolloutShare>,
+    sharing: Option<share::Sharing>,
     /// Whether the device holds both phases with the margin, as last decided
     /// ([`decide_fit`](Self::decide_fit)).
     fits: bool,
@@ -174,7 +174,7 @@ impl Orchestrator {
             agreement: None,
             assists_saves: false,
             fit_agreement: None,
-            share: None,
+            sharing: None,
             fits: false,
             state,
             timeline: MemoryTimeline::default(),
@@ -238,13 +238,14 @@ impl Orchestrator {
         self
     }
 
-    /// Makes this rank train on the rollout `share` returns for its own at every step (before
-    /// its rewards count in the metrics): in a job with tensor parallelism, the ranks of a
-    /// tensor-parallel group must train on the same batches, so each takes its group's first
-    /// rank's. Give such ranks the same loop seed, so that their supervised warm-up draws the
-    /// same problems too.
-    pub fn with_rollout_share(mut self, share: RolloutShare) -> Self {
-        self.share = Some(share);
+    /// Makes this rank train on the rollout `share` returns at every step (before its rewards
+    /// count in the metrics): in a job with tensor parallelism, the ranks of a tensor-parallel
+    /// group must train on the same batches, so each takes its group's first rank's. The rank
+    /// that `generates` generates and scores it and passes it to `share`; the others pass
+    /// nothing, and neither generate nor call the reward. Give such ranks the same loop seed,
+    /// so that their supervised warm-up draws the same problems too.
+    pub fn with_rollout_share(mut self, share: RolloutShare, generates: bool) -> Self {
+        self.sharing = Some(share::Sharing { share, generates });
         self
     }
 
@@ -476,8 +477,7 @@ impl Orchestrator {
             Phase::Generate => {
                 metrics.rl.eval_reward_mean = self.evaluate_if_due(metrics.step)?;
                 self.onload_train_behind();
-                let generated = self.generate(metrics.step)?;
-                let generated = self.shared(generated)?;
+                let generated = self.rollout(metrics.step)?;
                 if let Some(dump) = &mut self.dump {
                     dump.write(metrics.step, &generated)?;
                 }

@@ -124,17 +124,31 @@ impl Rollout {
     }
 }
 
+/// A rank's part in its group's rollout ([`Orchestrator::with_rollout_share`]).
+pub(super) struct Sharing {
+    pub(super) share: RolloutShare,
+    /// Whether this rank generates the rollout (its group's first rank) or takes it.
+    pub(super) generates: bool,
+}
+
 impl Orchestrator {
-    /// The rollout this rank trains on: `rollout` itself, or with a share its group's.
+    /// Step `step`'s rollout: generated and scored here, or with a share, its group's (this
+    /// rank's own when it is the one that generates).
     ///
     /// # Errors
-    /// [`OrchestratorError::Agreement`] when the ranks cannot share;
-    /// [`OrchestratorError::SharedRollout`] for a rollout that does not encode or parse.
-    pub(super) fn shared(&mut self, rollout: Rollout) -> Result<Rollout, OrchestratorError> {
-        let Some(share) = &mut self.share else {
-            return Ok(rollout);
+    /// As [`generate`](Self::generate); [`OrchestratorError::Agreement`] when the ranks cannot
+    /// share; [`OrchestratorError::SharedRollout`] for a rollout that does not encode or parse.
+    pub(super) fn rollout(&mut self, step: u64) -> Result<Rollout, OrchestratorError> {
+        let own = match self.sharing.as_ref().map(|sharing| sharing.generates) {
+            None => return self.generate(step),
+            Some(true) => self.generate(step)?.encode()?,
+            Some(false) => Vec::new(),
         };
-        let bytes = share(rollout.encode()?).map_err(|source| OrchestratorError::Agreement {
+        let shared = match &mut self.sharing {
+            Some(sharing) => (sharing.share)(own),
+            None => Ok(own),
+        };
+        let bytes = shared.map_err(|source| OrchestratorError::Agreement {
             about: "on the rollout to train on",
             source,
         })?;

@@ -432,10 +432,13 @@ fn a_rank_that_shares_its_groups_rollout_trains_as_the_first_rank_does() {
     let sent = Arc::new(std::sync::Mutex::new(Vec::<Vec<u8>>::new()));
     let log = Log::default();
     let first = Arc::clone(&sent);
-    let mut rank_0 = orchestrator(colocated(3), &log).with_rollout_share(Box::new(move |own| {
-        first.lock().unwrap().push(own.clone());
-        Ok(own)
-    }));
+    let mut rank_0 = orchestrator(colocated(3), &log).with_rollout_share(
+        Box::new(move |own| {
+            first.lock().unwrap().push(own.clone());
+            Ok(own)
+        }),
+        true,
+    );
     let (_, at_0) = run(&mut rank_0);
     let other_seed = LoopConfig {
         seed: 18,
@@ -443,9 +446,19 @@ fn a_rank_that_shares_its_groups_rollout_trains_as_the_first_rank_does() {
     };
     let (_, alone) = run(&mut orchestrator(other_seed.clone(), &Log::default()));
     let taken = Arc::clone(&sent);
-    let mut rank_1 = orchestrator(other_seed, &Log::default())
-        .with_rollout_share(Box::new(move |_| Ok(taken.lock().unwrap().remove(0))));
+    let log_1 = Log::default();
+    let mut rank_1 = orchestrator(other_seed, &log_1).with_rollout_share(
+        Box::new(move |own| {
+            assert!(own.is_empty(), "a rank that takes the rollout sent one");
+            Ok(taken.lock().unwrap().remove(0))
+        }),
+        false,
+    );
     let (_, at_1) = run(&mut rank_1);
+    assert!(
+        !calls(&log_1).contains(&"engine.generate".to_string()),
+        "a rank that takes its group's rollout generated one"
+    );
     let seen = |steps: &[StepMetrics]| {
         steps
             .iter()
@@ -461,7 +474,7 @@ fn a_rank_that_shares_its_groups_rollout_trains_as_the_first_rank_does() {
     assert!(sent.lock().unwrap().is_empty());
     // A share that does not parse ends the run naming it.
     let mut garbled = orchestrator(colocated(1), &Log::default())
-        .with_rollout_share(Box::new(|_| Ok(b"{".to_vec())));
+        .with_rollout_share(Box::new(|_| Ok(b"{".to_vec())), false);
     let error = garbled.run(&mut |_| {}).unwrap_err();
     assert!(
         matches!(error, OrchestratorError::SharedRollout(_)),
