@@ -6,7 +6,8 @@
 //! (143 for SIGTERM); a second one stops it at once.
 //!
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
-//! loop on its GPU: its own rollout engine and prompts (the loop's seed plus the rank), and one
+//! loop on its GPU: its own rollout engine and prompts (the loop's seed plus its data-parallel
+//! index), and one
 //! data-parallel rank of the trainer (`--data-parallel-size N`, either backend; under PPO its
 //! critic is another, with a communicator of its own) whose gradients NCCL reduce-scatters over the
 //! ranks, each rank updating its block of the optimizer state. With Megatron's
