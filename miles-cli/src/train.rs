@@ -7,19 +7,18 @@
 //!
 //! Over several GPUs (`--nproc-per-node N`, or a launcher's ranks) every process runs the whole
 //! loop on its GPU: its own rollout engine and prompts (the loop's seed plus its data-parallel
-//! index), and one
-//! data-parallel rank of the trainer (`--data-parallel-size N`, either backend; under PPO its
-//! critic is another, with a communicator of its own) whose gradients NCCL reduce-scatters over the
-//! ranks, each rank updating its block of the optimizer state. With Megatron's
-//! `--tensor-model-parallel-size T` the job is T x N processes: each run of T consecutive ranks is
-//! a tensor-parallel group training one shard of the model each, on the rollout of the group's
-//! first rank, which alone generates and scores it (shared over the host group; the group's ranks
-//! share a seed), and the ranks holding the same shard are its data-parallel ranks (the shard's
-//! optimizer state split over them, Megatron's distributed optimizer); the engines get the full
-//! weights, gathered over the group. Rank 0 reports, writes metrics and saves (the others send it
-//! their blocks). A signal there stops every rank after the same step: at the end of each step the
-//! ranks agree over the job's host group whether any was asked to stop, and each exits with the
-//! status of the signal one of them received.
+//! index), and one data-parallel rank of the trainer (`--data-parallel-size N`, either backend;
+//! under PPO its critic is another, with a communicator of its own) whose gradients NCCL
+//! reduce-scatters over the ranks, each rank updating its block of the optimizer state. With
+//! Megatron's `--tensor-model-parallel-size T` the job is T x N processes: each run of T
+//! consecutive ranks is a tensor-parallel group training one shard of the model each, on the
+//! rollout of the group's first rank, which alone generates and scores it (shared over the host
+//! group; the group's ranks share a seed), and the ranks holding the same shard are its
+//! data-parallel ranks (the shard's optimizer state split over them, Megatron's distributed
+//! optimizer); the engines get the full weights, gathered over the group. Rank 0 reports, writes
+//! metrics and saves (the others send it their blocks). A signal there stops every rank after the
+//! same step: at the end of each step the ranks agree over the job's host group whether any was
+//! asked to stop, and each exits with the status of the signal one of them received.
 
 use std::cell::{Cell, RefCell};
 use std::io::{IsTerminal, Write};
