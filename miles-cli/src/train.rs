@@ -167,7 +167,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         orchestrator = orchestrator.with_critic(critic);
     }
     if rank > 0 {
-        orchestrator = orchestrator.assist_saves();
+        orchestrator = orchestrator.assist_saves().without_evaluation();
     }
     orchestrator = orchestrator.with_reward(reward);
     if let Some(dataset) = prompt_data {

@@ -365,7 +365,8 @@ mod tests {
 
     /// A job of `tp` x `dp` ranks (tensor-parallel groups of consecutive ranks, each data rank
     /// on its share of the batch) against one GPU on the whole batch: the weights every rank
-    /// exports at the start and after 3 steps (the same on every rank), the losses, then a
+    /// exports at the start and after 3 steps with an offload cycle after the second (the same
+    /// on every rank), the losses, then a
     /// checkpoint written by rank 0 with the others assisting, loaded on one GPU: the same
     /// weights and step, and the next loss.
     fn tensor_by_data_follows_one_gpu(test: &str, tp: usize, dp: usize) {
@@ -401,9 +402,16 @@ mod tests {
                         TensorParallelGpu::from_settings(gpu, &settings, rank, tensor, data)
                             .unwrap();
                     let start = exported(&mut backend);
-                    let losses: Vec<f32> = (0..3)
-                        .map(|_| backend.train_step(&part).unwrap().loss)
-                        .collect();
+                    let mut losses = Vec::new();
+                    for step in 1..=3 {
+                        losses.push(backend.train_step(&part).unwrap().loss);
+                        if step == 2 {
+                            // The shard's state leaves the device and comes back (its bf16
+                            // weights gathered again where the optimizer state is split).
+                            backend.offload().unwrap();
+                            backend.onload().unwrap();
+                        }
+                    }
                     let trained = exported(&mut backend);
                     match rank {
                         0 => backend.save(&dir).unwrap(),

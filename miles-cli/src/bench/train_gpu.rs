@@ -60,7 +60,7 @@ fn train_steps(
         losses.push(trainer.train_step(batch, step).context("warmup step")?.loss);
     }
     if args.phases {
-        trainer.time_steps();
+        trainer.time_steps()?;
     }
     let mut phases = StepTimes::default();
     let start = Instant::now();

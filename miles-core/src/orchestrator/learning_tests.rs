@@ -448,7 +448,7 @@ fn evaluation_changes_no_weight_and_logs_its_mean_reward() {
         let t = tokenizer();
         PromptDataset::load(&path, &options, &PlainPrompt, &|s| t.encode(s, true)).unwrap()
     };
-    let run = |eval: bool| {
+    let run = |eval: bool, skips: bool| {
         let mut config = repeat_task(4, AdvantageEstimator::Grpo);
         config.rl.eval_interval = Some(2);
         config.rl.eval_temperature = 1.0;
@@ -461,14 +461,21 @@ fn evaluation_changes_no_weight_and_logs_its_mean_reward() {
         if eval {
             o = o.with_eval_data(data.clone());
         }
+        if skips {
+            o = o.without_evaluation();
+        }
         let mut evals = Vec::new();
         let summary = o.run(&mut |m| evals.push(m.rl.eval_reward_mean)).unwrap();
         (summary.reward_means, evals)
     };
-    let (plain, none) = run(false);
-    let (evaluated, evals) = run(true);
+    let (plain, none) = run(false, false);
+    let (evaluated, evals) = run(true, false);
     assert_eq!(plain, evaluated, "evaluation must not change training");
     assert!(none.iter().all(Option::is_none));
+    // A rank whose job reports the evaluation elsewhere runs none.
+    let (skipped, nothing) = run(true, true);
+    assert_eq!(plain, skipped);
+    assert!(nothing.iter().all(Option::is_none));
     assert!(
         evals[0].is_some() && evals[1].is_none() && evals[2].is_some() && evals[3].is_none(),
         "{evals:?}"

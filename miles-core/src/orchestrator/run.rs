@@ -110,6 +110,8 @@ pub struct Orchestrator {
     agreement: Option<StopAgreement>,
     /// Another rank writes the checkpoints; this one takes part ([`assist_saves`](Self::assist_saves)).
     assists_saves: bool,
+    /// Another rank reports the evaluation; this one does not run it ([`without_evaluation`](Self::without_evaluation)).
+    skips_evaluation: bool,
     /// With several ranks, how they agree whether both phases fit ([`with_fit_agreement`](Self::with_fit_agreement)).
     fit_agreement: Option<FitAgreement>,
     /// In a tensor-parallel group, how its ranks share one rollout ([`with_rollout_share`](Self::with_rollout_share)).
@@ -173,6 +175,7 @@ impl Orchestrator {
             stop: Arc::new(AtomicBool::new(false)),
             agreement: None,
             assists_saves: false,
+            skips_evaluation: false,
             fit_agreement: None,
             sharing: None,
             fits: false,
@@ -255,6 +258,13 @@ impl Orchestrator {
     /// the ranks is gathered to the writer) and writes nothing.
     pub fn assist_saves(mut self) -> Self {
         self.assists_saves = true;
+        self
+    }
+
+    /// Makes this rank of a multi-process job one that does not evaluate (`--eval-interval`):
+    /// the rank that reports runs the evaluation, and nothing here waits for it.
+    pub fn without_evaluation(mut self) -> Self {
+        self.skips_evaluation = true;
         self
     }
 

@@ -407,11 +407,17 @@ impl GpuTrainer {
         })
     }
 
-    /// Times every step's phases from now on ([`step_times`](Self::step_times)): the trainer
-    /// then also waits for the optimizer step's work before a step returns (a benchmark's
-    /// breakdown; it costs the overlap of that work with the next step's start).
-    pub fn time_steps(&mut self) {
+    /// Times every step's phases from now on ([`step_times`](Self::step_times)), once the work
+    /// queued so far is done: the trainer then also waits for the group's reduction and the
+    /// optimizer step's work before they return (a benchmark's breakdown; it costs the
+    /// overlap of that work with what follows).
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`] when the wait fails.
+    pub fn time_steps(&mut self) -> Result<(), ModelError> {
+        self.gpu.synchronize()?;
         self.times = Some(StepTimes::default());
+        Ok(())
     }
 
     /// The last step's phases, once [`time_steps`](Self::time_steps) was called.
@@ -471,11 +477,21 @@ impl GpuTrainer {
             // The disk reads the optimizer step's buckets while the passes run.
             streamed.prefetch()?;
         }
-        // Both parts end in a download, which waits for their work.
+        // The passes end in a download of the log-probs, which waits for them; a tensor-parallel
+        // group's reduction queues collectives and returns, so a timed step waits for it.
         let started = Instant::now();
         let passes = self.accumulate_grads(batch);
         let passed = started.elapsed().as_secs_f64();
-        let result = passes.and_then(|nll| self.sum_over_group(nll));
+        let mut result = passes.and_then(|nll| self.sum_over_group(nll));
+        if self.times.is_some()
+            && let Ok(&nll) = result.as_ref()
+        {
+            result = self
+                .gpu
+                .synchronize()
+                .map(|()| nll)
+                .map_err(ModelError::from);
+        }
         if let Some(times) = &mut self.times {
             times.passes = passed;
             times.reduction = started.elapsed().as_secs_f64() - passed;

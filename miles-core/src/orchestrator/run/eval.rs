@@ -26,7 +26,11 @@ impl Orchestrator {
     /// The mean reward of one sample per evaluation row, when an evaluation is due before
     /// `step` (steps 1, N + 1, 2N + 1, ...).
     pub(super) fn evaluate_if_due(&mut self, step: u64) -> Result<Option<f32>, OrchestratorError> {
-        let (Some(dataset), Some(every)) = (&self.eval, self.config.rl.eval_interval) else {
+        let (Some(dataset), Some(every), false) = (
+            &self.eval,
+            self.config.rl.eval_interval,
+            self.skips_evaluation,
+        ) else {
             return Ok(None);
         };
         if !(step - 1).is_multiple_of(every) {
