@@ -60,9 +60,10 @@ pub fn rank_comms(
             data: Some(open_comm(group, gpu)?),
         });
     }
-    let tensor = open_sub_comm(group, gpu, rank / tp)?;
-    let data = match world > tp {
-        true => Some(open_sub_comm(group, gpu, rank % tp)?),
+    let (tensor_ranks, data_ranks) = groups_of(rank, world, tp);
+    let tensor = open_sub_comm(group, gpu, &tensor_ranks)?;
+    let data = match data_ranks.len() > 1 {
+        true => Some(open_sub_comm(group, gpu, &data_ranks)?),
         false => None,
     };
     Ok(crate::backends::RankComms {
@@ -72,16 +73,28 @@ pub fn rank_comms(
     })
 }
 
-/// An NCCL communicator over the ranks of `group` that give the same `color`, ranked in the
-/// job's order; every rank calls it at the same point. The first of them makes the id, which
-/// goes to the others over the group.
+/// The ranks of `rank`'s tensor-parallel group (`tp` consecutive ranks, Megatron's order) and
+/// of its data-parallel ranks (those holding the same shard, one in each tensor-parallel
+/// group), in a job of `world` ranks, each in the job's order.
+fn groups_of(rank: usize, world: usize, tp: usize) -> (Vec<usize>, Vec<usize>) {
+    let first = rank - rank % tp;
+    (
+        (first..first + tp).collect(),
+        (rank % tp..world).step_by(tp).collect(),
+    )
+}
+
+/// An NCCL communicator over `members` (ranks of `group`, this one among them), ranked in
+/// their order; every rank of `group` calls it at the same point, with its own members. The
+/// first member makes the id, which goes to the others over the group.
 ///
 /// # Errors
-/// The group fails, or NCCL does.
-fn open_sub_comm(group: &mut HostGroup, gpu: &Arc<Gpu>, color: usize) -> anyhow::Result<NcclComm> {
-    let colors = group.all_gather(&(color as u64).to_le_bytes())?;
-    let mine = colors[group.rank()].clone();
-    let members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == mine).collect();
+/// This rank is not among `members`; the group fails, or NCCL does.
+fn open_sub_comm(
+    group: &mut HostGroup,
+    gpu: &Arc<Gpu>,
+    members: &[usize],
+) -> anyhow::Result<NcclComm> {
     let index = members
         .iter()
         .position(|&r| r == group.rank())
@@ -179,4 +192,26 @@ pub fn training_gpu_for(choice: DeviceChoice) -> anyhow::Result<Option<Arc<Gpu>>
     );
     *training = Some(Arc::clone(&gpu));
     Ok(Some(gpu))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_parallel_groups_are_consecutive_ranks_and_data_groups_stride_over_them() {
+        assert_eq!(groups_of(0, 2, 2), (vec![0, 1], vec![0]));
+        assert_eq!(groups_of(5, 8, 2), (vec![4, 5], vec![1, 3, 5, 7]));
+        assert_eq!(groups_of(6, 8, 4), (vec![4, 5, 6, 7], vec![2, 6]));
+        // Every rank is in one group of each kind, at the same place as its peers see it.
+        for rank in 0..8 {
+            let (tensor, data) = groups_of(rank, 8, 4);
+            for &peer in &tensor {
+                assert_eq!(groups_of(peer, 8, 4).0, tensor);
+            }
+            for &peer in &data {
+                assert_eq!(groups_of(peer, 8, 4).1, data);
+            }
+        }
+    }
 }
