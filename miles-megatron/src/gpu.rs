@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use miles_core::backend::{GpuBackend, OptimizerFiles, SavedOptimizer, TrainBackend};
 use miles_core::device::{Gpu, NcclComm};
-use miles_core::model::{LlamaConfig, ParamLayout};
+use miles_core::model::{GroupComm, LlamaConfig, ParamLayout};
 use miles_core::{BackendError, Settings};
 
 use crate::checkpoint::read_full_optimizer;
@@ -55,7 +55,11 @@ pub fn gpu_trainer(
 ) -> Result<Box<dyn TrainBackend>, BackendError> {
     Ok(match tensor {
         Some(tensor) => Box::new(TensorParallelGpu::from_settings(
-            gpu, settings, rank, tensor, data,
+            gpu,
+            settings,
+            rank,
+            GroupComm::new(tensor),
+            data.map(GroupComm::new),
         )?),
         None => Box::new(MegatronGpu::on_ranks(gpu, settings, data)?),
     })

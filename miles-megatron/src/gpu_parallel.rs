@@ -62,7 +62,7 @@ impl TensorParallelGroup {
     /// over which the trainer splits its optimizer state; `layout` as in [`new`](Self::new).
     pub fn across(
         comm: Arc<GroupComm>,
-        data: Option<NcclComm>,
+        data: Option<GroupComm>,
         layout: &ParamLayout,
     ) -> TensorParallelGroup {
         let replicated = layout
@@ -79,7 +79,7 @@ impl TensorParallelGroup {
             .collect();
         TensorParallelGroup {
             comm,
-            data: data.map(GroupComm::new),
+            data,
             replicated,
             head_norms,
         }
@@ -335,28 +335,29 @@ pub fn tensor_parallel_gpu_trainer(
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
 mod tests {
-    //! The two-GPU test of the tensor-parallel group. On a GPU machine:
+    //! The tests of the tensor-parallel group, over two GPUs and NCCL, and on one GPU with its
+    //! collectives through the host. On a GPU machine:
     //! `MILES_TEST_DEVICE=cuda cargo test -p miles-megatron gpu_ -- --test-threads=1`; elsewhere
-    //! (or with one GPU) it skips.
+    //! (or with fewer GPUs) they skip.
 
     use std::sync::Arc;
 
     use miles_core::device::NcclComm;
     use miles_core::model::gpu_testing::{
-        Batch, assert_pair_follows, family_params, gentle, losses, losses_alone, manager, tiny,
-        tiny_family, two_gpus,
+        Batch, HostCollectives, HostExchange, assert_pair_follows, family_params, gentle, losses,
+        losses_alone, manager, one_gpu, tiny, tiny_family, two_gpus,
     };
 
     use super::*;
 
     #[test]
     fn gpu_tensor_parallel_pair_follows_one_gpu_and_keeps_its_whole_tensors_equal() {
-        pair_follows_one_gpu("gpu_tensor_parallel_pair_follows_one_gpu", tiny());
+        over_nccl("gpu_tensor_parallel_pair_follows_one_gpu", tiny());
     }
 
     #[test]
     fn gpu_tensor_parallel_pair_follows_one_gpu_with_qwen2_biases() {
-        pair_follows_one_gpu(
+        over_nccl(
             "gpu_tensor_parallel_pair_follows_one_gpu_with_qwen2_biases",
             tiny_family("qwen2"),
         );
@@ -364,27 +365,56 @@ mod tests {
 
     #[test]
     fn gpu_tensor_parallel_pair_follows_one_gpu_with_qwen3_qk_norms_summed_over_heads() {
-        pair_follows_one_gpu(
+        over_nccl(
             "gpu_tensor_parallel_pair_follows_one_gpu_with_qwen3_qk_norms",
             tiny_family("qwen3"),
         );
     }
 
-    /// Two tensor-parallel ranks of `config` (random biases and q/k norm weights where it has
-    /// them) against one GPU, step by step, their whole tensors equal throughout.
-    fn pair_follows_one_gpu(test: &str, config: LlamaConfig) {
+    #[test]
+    fn gpu_tensor_parallel_pair_on_one_gpu_through_the_host_follows_one_gpu_in_every_family() {
+        let test = "gpu_tensor_parallel_pair_on_one_gpu_through_the_host_follows_one_gpu";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        for config in [tiny(), tiny_family("qwen2"), tiny_family("qwen3")] {
+            let gpus = [Arc::clone(&gpu), Arc::new(gpu.with_own_stream().unwrap())];
+            let exchange = HostExchange::new(2);
+            pair_follows_one_gpu(gpus, config, move |rank, gpu| {
+                let host = HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchange));
+                GroupComm::new(host)
+            });
+        }
+    }
+
+    /// [`pair_follows_one_gpu`] over two GPUs and NCCL.
+    fn over_nccl(test: &str, config: LlamaConfig) {
         let Some(gpus) = two_gpus(test) else {
             return;
         };
+        let id = NcclComm::unique_id().unwrap();
+        pair_follows_one_gpu(gpus, config, move |rank, gpu| {
+            GroupComm::new(NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap())
+        });
+    }
+
+    /// Two tensor-parallel ranks of `config` on `gpus` (random biases and q/k norm weights
+    /// where it has them, their communicators from `comm`) against one GPU, step by step,
+    /// their whole tensors equal throughout.
+    fn pair_follows_one_gpu(
+        gpus: [Arc<Gpu>; 2],
+        config: LlamaConfig,
+        comm: impl Fn(usize, &Arc<Gpu>) -> GroupComm + Send + Sync + 'static,
+    ) {
         let params = Arc::new(family_params(&config, 61));
         let data = Arc::new(Batch::random(62, config.vocab_size));
         let alone = losses_alone(&gpus[0], &config, &params, &data);
-        let id = NcclComm::unique_id().unwrap();
+        let comm = Arc::new(comm);
         let ranks: Vec<_> = gpus
             .iter()
             .enumerate()
             .map(|(rank, gpu)| {
-                let (gpu, config) = (Arc::clone(gpu), config.clone());
+                let (gpu, config, comm) = (Arc::clone(gpu), config.clone(), Arc::clone(&comm));
                 let (params, data) = (Arc::clone(&params), Arc::clone(&data));
                 std::thread::spawn(move || {
                     let (local_config, local) = shard_weights(&config, &params, rank, 2).unwrap();
@@ -396,10 +426,9 @@ mod tests {
                         &local,
                     )
                     .unwrap();
-                    let comm = NcclComm::new(Arc::clone(&gpu), id, rank, 2).unwrap();
-                    trainer
-                        .join(Box::new(TensorParallelGroup::new(comm, &layout)))
-                        .unwrap();
+                    let group =
+                        TensorParallelGroup::across(Arc::new(comm(rank, &gpu)), None, &layout);
+                    trainer.join(Box::new(group)).unwrap();
                     let steps = losses(&mut trainer, &data.view());
                     let master = trainer.master_params().unwrap();
                     let whole: Vec<f32> = layout

@@ -18,7 +18,7 @@ use miles_core::backend::optimizer::write_optimizer_rank;
 use miles_core::backend::{
     DeviceWeights, GpuBackend, WeightSink, export_full_weights, load_checkpoint_of,
 };
-use miles_core::device::{Gpu, GpuSlice, NcclComm};
+use miles_core::device::{Gpu, GpuSlice};
 use miles_core::memory::MemoryTag;
 use miles_core::model::{
     GroupComm, LlamaConfig, ModelError, OptimizerShard, ParamLayout, save_checkpoint,
@@ -70,8 +70,8 @@ impl TensorParallelGpu {
         gpu: Arc<Gpu>,
         settings: &Settings,
         rank: usize,
-        tensor: NcclComm,
-        data: Option<NcclComm>,
+        tensor: GroupComm,
+        data: Option<GroupComm>,
     ) -> Result<TensorParallelGpu, BackendError> {
         let config = LlamaConfig::from_settings(settings)?;
         let (local_config, local) = shard_weights(
@@ -86,7 +86,7 @@ impl TensorParallelGpu {
         });
         let mut shard = GpuBackend::new(gpu, local_config, settings, &local, split, rank)?;
         let tp = tensor.world_size();
-        let comm = Arc::new(GroupComm::new(tensor));
+        let comm = Arc::new(tensor);
         let group = TensorParallelGroup::across(Arc::clone(&comm), data, shard.trainer().layout());
         shard.join(Box::new(group), split.ranks)?;
         tracing::info!(
@@ -299,7 +299,7 @@ mod tests {
     //! elsewhere (or with fewer GPUs) they skip.
 
     use miles_core::device::NcclComm;
-    use miles_core::model::gpu_testing::{self, gpus};
+    use miles_core::model::gpu_testing::{self, HostCollectives, HostExchange, gpus, one_gpu};
 
     use super::*;
 
@@ -347,57 +347,100 @@ mod tests {
 
     #[test]
     fn gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu() {
-        tensor_by_data_follows_one_gpu(
-            "gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu",
-            2,
-            1,
-        );
+        let test = "gpu_tensor_parallel_backend_exports_saves_and_trains_as_one_gpu";
+        over_nccl(test, 2, 1);
     }
 
     #[test]
     fn gpu_tensor_by_data_parallel_backend_splits_its_optimizer_and_trains_as_one_gpu() {
-        tensor_by_data_follows_one_gpu(
-            "gpu_tensor_by_data_parallel_backend_splits_its_optimizer_and_trains_as_one_gpu",
-            2,
-            2,
-        );
+        let test = "gpu_tensor_by_data_parallel_backend_splits_its_optimizer_and_trains_as_one_gpu";
+        over_nccl(test, 2, 2);
     }
 
-    /// A job of `tp` x `dp` ranks (tensor-parallel groups of consecutive ranks, each data rank
-    /// on its share of the batch) against one GPU on the whole batch: the weights every rank
-    /// exports at the start and after 3 steps with an offload cycle after the second (the same
-    /// on every rank), the losses, then a
-    /// checkpoint written by rank 0 with the others assisting, loaded on one GPU: the same
-    /// weights and step, and the next loss.
-    fn tensor_by_data_follows_one_gpu(test: &str, tp: usize, dp: usize) {
+    #[test]
+    fn gpu_tensor_parallel_backend_on_one_gpu_through_the_host_trains_as_one_gpu() {
+        let test = "gpu_tensor_parallel_backend_on_one_gpu_through_the_host_trains_as_one_gpu";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        for (tp, dp) in [(2, 1), (2, 2)] {
+            let ranks: Vec<Arc<Gpu>> = (0..tp * dp)
+                .map(|_| Arc::new(gpu.with_own_stream().unwrap()))
+                .collect();
+            let tensor: Vec<_> = (0..dp).map(|_| HostExchange::new(tp)).collect();
+            let data: Vec<_> = (0..tp).map(|_| HostExchange::new(dp)).collect();
+            let comms = move |rank: usize, gpu: &Arc<Gpu>| {
+                let (t, d) = (rank % tp, rank / tp);
+                let host = |rank, world, exchange: &Arc<HostExchange>| {
+                    let comm =
+                        HostCollectives::new(Arc::clone(gpu), rank, world, Arc::clone(exchange));
+                    GroupComm::new(comm)
+                };
+                (
+                    host(t, tp, &tensor[d]),
+                    (dp > 1).then(|| host(d, dp, &data[t])),
+                )
+            };
+            follows_one_gpu(&gpu, ranks, (tp, dp), Arc::new(comms));
+        }
+    }
+
+    /// [`follows_one_gpu`] over `tp` x `dp` GPUs and NCCL.
+    fn over_nccl(test: &str, tp: usize, dp: usize) {
         let Some(gpus) = gpus(test, tp * dp) else {
             return;
         };
+        let tensor: Vec<_> = (0..dp).map(|_| NcclComm::unique_id().unwrap()).collect();
+        let data: Vec<_> = (0..tp).map(|_| NcclComm::unique_id().unwrap()).collect();
+        let comms = move |rank: usize, gpu: &Arc<Gpu>| {
+            let (t, d) = (rank % tp, rank / tp);
+            let nccl = |id, rank, world| {
+                GroupComm::new(NcclComm::new(Arc::clone(gpu), id, rank, world).unwrap())
+            };
+            (
+                nccl(tensor[d], t, tp),
+                (dp > 1).then(|| nccl(data[t], d, dp)),
+            )
+        };
+        follows_one_gpu(&Arc::clone(&gpus[0]), gpus, (tp, dp), Arc::new(comms));
+    }
+
+    /// Rank `rank`'s tensor-parallel communicator, and its data-parallel one where there are
+    /// several data-parallel ranks, on its `gpu`.
+    type Comms = dyn Fn(usize, &Arc<Gpu>) -> (GroupComm, Option<GroupComm>) + Send + Sync;
+
+    /// A job of `tp` x `dp` ranks on `gpus` (tensor-parallel groups of consecutive ranks, each
+    /// data rank on its share of the batch, their communicators from `comms`) against one
+    /// GPU (`alone`) on the whole batch: the weights every rank exports at the start and after
+    /// 3 steps with an offload cycle after the second (the same on every rank), the losses,
+    /// then a checkpoint written by rank 0 with the others assisting, loaded on one GPU: the
+    /// same weights and step, and the next loss.
+    fn follows_one_gpu(
+        alone: &Arc<Gpu>,
+        gpus: Vec<Arc<Gpu>>,
+        (tp, dp): (usize, usize),
+        comms: Arc<Comms>,
+    ) {
         let settings = settings();
         let config = LlamaConfig::from_settings(&settings).unwrap();
         let whole = batch(29, config.vocab_size, 0..4, 1);
         let dir = tempfile::tempdir().unwrap();
-        let mut alone = MegatronGpu::on_ranks(Arc::clone(&gpus[0]), &settings, None).unwrap();
-        let alone_start = exported(&mut alone);
-        let alone_losses: Vec<f32> = (0..3)
-            .map(|_| alone.train_step(&whole).unwrap().loss)
+        let mut one = MegatronGpu::on_ranks(Arc::clone(alone), &settings, None).unwrap();
+        let one_start = exported(&mut one);
+        let one_losses: Vec<f32> = (0..3)
+            .map(|_| one.train_step(&whole).unwrap().loss)
             .collect();
-        drop(alone);
-        let tensor_ids: Vec<_> = (0..dp).map(|_| NcclComm::unique_id().unwrap()).collect();
-        let data_ids: Vec<_> = (0..tp).map(|_| NcclComm::unique_id().unwrap()).collect();
+        drop(one);
         let ranks: Vec<_> = gpus
-            .iter()
+            .into_iter()
             .enumerate()
             .map(|(rank, gpu)| {
-                let (gpu, settings) = (Arc::clone(gpu), settings.clone());
-                let (t, d) = (rank % tp, rank / tp);
-                let (tensor_id, data_id) = (tensor_ids[d], data_ids[t]);
+                let (settings, comms) = (settings.clone(), Arc::clone(&comms));
+                let d = rank / tp;
                 let part = batch(29, config.vocab_size, d * 4 / dp..(d + 1) * 4 / dp, dp);
                 let dir = dir.path().to_path_buf();
                 std::thread::spawn(move || {
-                    let tensor = NcclComm::new(Arc::clone(&gpu), tensor_id, t, tp).unwrap();
-                    let data =
-                        (dp > 1).then(|| NcclComm::new(Arc::clone(&gpu), data_id, d, dp).unwrap());
+                    let (tensor, data) = comms(rank, &gpu);
                     let mut backend =
                         TensorParallelGpu::from_settings(gpu, &settings, rank, tensor, data)
                             .unwrap();
@@ -425,12 +468,12 @@ mod tests {
         let ranks: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
         for (rank, (start, _, trained, _)) in ranks.iter().enumerate() {
             assert!(
-                *start == alone_start,
-                "rank {rank} exports other weights than one gpu's at the start"
+                *start == one_start,
+                "tp {tp} x dp {dp}: rank {rank} exports other weights than one gpu's at the start"
             );
             assert!(
                 *trained == ranks[0].2,
-                "rank {rank} exports other weights than rank 0 after training"
+                "tp {tp} x dp {dp}: rank {rank} exports other weights than rank 0 after training"
             );
         }
         // A step's loss is the data-parallel ranks' mean: each rank reports it alike.
@@ -439,11 +482,11 @@ mod tests {
             gpu_testing::assert_pair_follows(
                 &format!("tensor {tp} x data {dp} (rank {rank})"),
                 &[rank_losses.clone(), losses[0].clone()],
-                &alone_losses,
+                &one_losses,
             );
         }
         let mut loaded = MegatronGpu::on_ranks(
-            Arc::clone(&gpus[0]),
+            Arc::clone(alone),
             &Settings {
                 load: Some(dir.path().to_path_buf()),
                 ..settings
@@ -454,7 +497,7 @@ mod tests {
         assert_eq!(loaded.step(), 3);
         assert!(
             exported(&mut loaded) == ranks[0].2,
-            "the checkpoint loads other weights than the job trained"
+            "tp {tp} x dp {dp}: the checkpoint loads other weights than the job trained"
         );
         let next = loaded.train_step(&whole).unwrap().loss;
         let rel = (next - ranks[0].3).abs() / ranks[0].3.abs();

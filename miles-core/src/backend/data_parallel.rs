@@ -9,7 +9,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::BackendError;
-use crate::device::{Gpu, GpuSlice, NcclComm};
+use crate::device::{Collectives, Gpu, GpuSlice, NcclComm};
 use crate::model::{
     GpuTrainer, GroupComm, LlamaConfig, ModelError, OptimizerShard, TrainerGroup,
     standalone_gpu_trainer,
@@ -29,7 +29,7 @@ pub struct DataParallelGroup {
 
 impl DataParallelGroup {
     /// The group of `comm`'s ranks.
-    pub fn new(comm: NcclComm) -> DataParallelGroup {
+    pub fn new(comm: impl Collectives + 'static) -> DataParallelGroup {
         DataParallelGroup {
             comm: GroupComm::new(comm),
         }
@@ -147,13 +147,13 @@ mod tests {
     //! through the host). On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p miles-core
     //! backend::data_parallel -- --test-threads=1`; elsewhere (or with one GPU) they skip.
 
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
     use crate::BackupPolicy;
-    use crate::device::{Gpu, GpuSlice, NcclComm};
+    use crate::device::{Gpu, NcclComm};
     use crate::model::gpu_testing::{
-        Batch, PARALLEL_STEPS, assert_pair_follows, bf16_params, gentle, losses, losses_alone,
-        manager, one_gpu, spec, tiny, two_gpus,
+        Batch, HostCollectives, HostExchange, PARALLEL_STEPS, assert_pair_follows, bf16_params,
+        gentle, losses, losses_alone, manager, one_gpu, spec, tiny, two_gpus,
     };
     use crate::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
 
@@ -321,164 +321,15 @@ mod tests {
             return;
         };
         for (bf16_reduce, on_host) in SPLIT_WAYS {
+            // Two ranks on one GPU, each on a stream of its own, their collectives computed
+            // through the host as NCCL computes them (a sum of two is the same in either order).
             let second = Arc::new(gpu.with_own_stream().unwrap());
-            let exchange = Arc::new(HostExchange::default());
+            let exchange = HostExchange::new(2);
             let first = Arc::clone(&gpu);
             split_pair_follows_one_gpu([first, second], bf16_reduce, on_host, move |rank, gpu| {
-                Box::new(HostPair {
-                    gpu: Arc::clone(gpu),
-                    rank,
-                    exchange: Arc::clone(&exchange),
-                })
+                let host = HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchange));
+                Box::new(DataParallelGroup::new(host))
             });
-        }
-    }
-
-    /// Two ranks' slots and the barrier they meet at.
-    struct HostExchange {
-        barrier: std::sync::Barrier,
-        f32s: Mutex<[Vec<f32>; 2]>,
-        bf16s: Mutex<[Vec<bf16>; 2]>,
-    }
-
-    impl Default for HostExchange {
-        fn default() -> Self {
-            HostExchange {
-                barrier: std::sync::Barrier::new(2),
-                f32s: Mutex::default(),
-                bf16s: Mutex::default(),
-            }
-        }
-    }
-
-    impl HostExchange {
-        /// Leaves `mine` in slot `rank` and returns the other rank's.
-        fn swap<T: Clone>(&self, slots: &Mutex<[Vec<T>; 2]>, rank: usize, mine: Vec<T>) -> Vec<T> {
-            slots.lock().unwrap()[rank] = mine;
-            self.barrier.wait();
-            let other = slots.lock().unwrap()[1 - rank].clone();
-            self.barrier.wait();
-            other
-        }
-    }
-
-    /// A data-parallel pair of ranks on one GPU computing the split optimizer's collectives
-    /// through host memory, as NCCL does them (a sum of two is the same in either order), so
-    /// the trainer's blocks are tested where no second GPU is lent.
-    struct HostPair {
-        gpu: Arc<Gpu>,
-        rank: usize,
-        exchange: Arc<HostExchange>,
-    }
-
-    impl HostPair {
-        fn sum(&self, gpu: &Gpu, x: GpuSlice<f32>) -> Result<Vec<f32>, ModelError> {
-            let mut mine = vec![0.0; x.len()];
-            gpu.download(&mut mine, x)?;
-            let other = self
-                .exchange
-                .swap(&self.exchange.f32s, self.rank, mine.clone());
-            Ok(mine.iter().zip(&other).map(|(a, b)| a + b).collect())
-        }
-    }
-
-    impl TrainerGroup for HostPair {
-        fn name(&self) -> &'static str {
-            "data"
-        }
-
-        fn rank(&self) -> usize {
-            self.rank
-        }
-
-        fn world_size(&self) -> usize {
-            2
-        }
-
-        fn gpu(&self) -> &Arc<Gpu> {
-            &self.gpu
-        }
-
-        fn sum_row_parallel(&self, _x: GpuSlice<bf16>) -> Result<(), ModelError> {
-            Ok(())
-        }
-
-        fn after_backward(
-            &self,
-            _: &Gpu,
-            _: GpuSlice<f32>,
-            _: GpuSlice<f32>,
-            _: f64,
-        ) -> Result<f64, ModelError> {
-            panic!("a split trainer reduce-scatters its gradients");
-        }
-
-        fn grad_norm_sq(
-            &self,
-            _: &Gpu,
-            _: GpuSlice<f32>,
-            _: GpuSlice<f32>,
-            _: GpuSlice<f32>,
-        ) -> Result<f32, ModelError> {
-            panic!("a split trainer sums its block's norm with sum_f32");
-        }
-
-        fn reduce_scatter_f32(&self, all: GpuSlice<f32>) -> Result<(), ModelError> {
-            let summed = self.sum(&self.gpu, all)?;
-            let block = all.len() / 2;
-            let own = self.rank * block;
-            Ok(self
-                .gpu
-                .upload(all.sub(own, block)?, &summed[own..own + block])?)
-        }
-
-        fn reduce_scatter_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
-            let mut mine = vec![bf16::ZERO; all.len()];
-            self.gpu.download(&mut mine, all)?;
-            let other = self
-                .exchange
-                .swap(&self.exchange.bf16s, self.rank, mine.clone());
-            let block = all.len() / 2;
-            let own = self.rank * block..(self.rank + 1) * block;
-            // NCCL adds two bf16 values in fp32 and rounds the sum to bf16.
-            let summed: Vec<bf16> = mine[own.clone()]
-                .iter()
-                .zip(&other[own.clone()])
-                .map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32()))
-                .collect();
-            Ok(self.gpu.upload(all.sub(own.start, block)?, &summed)?)
-        }
-
-        fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
-            let summed = self.sum(&self.gpu, x)?;
-            Ok(self.gpu.upload(x, &summed)?)
-        }
-
-        fn all_gather_bf16(&self, all: GpuSlice<bf16>) -> Result<(), ModelError> {
-            let block = all.len() / 2;
-            let mut mine = vec![bf16::ZERO; block];
-            self.gpu
-                .download(&mut mine, all.sub(self.rank * block, block)?)?;
-            let other = self.exchange.swap(&self.exchange.bf16s, self.rank, mine);
-            let peer = 1 - self.rank;
-            Ok(self.gpu.upload(all.sub(peer * block, block)?, &other)?)
-        }
-
-        fn all_gather_f32(
-            &self,
-            block: GpuSlice<f32>,
-            all: GpuSlice<f32>,
-        ) -> Result<(), ModelError> {
-            let mut mine = vec![0.0; block.len()];
-            self.gpu.download(&mut mine, block)?;
-            let other = self
-                .exchange
-                .swap(&self.exchange.f32s, self.rank, mine.clone());
-            let n = block.len();
-            for (rank, part) in [(self.rank, &mine), (1 - self.rank, &other)] {
-                self.gpu.upload(all.sub(rank * n, n)?, part)?;
-            }
-            Ok(())
         }
     }
 

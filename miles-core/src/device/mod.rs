@@ -24,8 +24,8 @@ mod view;
 pub use cpu::CpuDevice;
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::compute::{
-    Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuGraph, GpuSlice, ID_BYTES, KernelProgram,
-    LaunchConfig, NcclComm, Transpose, compile,
+    Collectives, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuGraph, GpuSlice, ID_BYTES,
+    KernelProgram, LaunchConfig, NcclComm, Transpose, compile,
 };
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;

@@ -10,15 +10,16 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
-use crate::device::{Gpu, GpuSlice, NcclComm};
+use crate::device::{Collectives, Gpu, GpuSlice};
 use crate::model::ModelError;
 
-/// A group's NCCL communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers
-/// through `&self`, an NCCL communicator is neither), with the GPU it runs on: what every
-/// group over NCCL holds, and the calls that do not depend on its layout.
+/// A group's communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers through
+/// `&self`, an NCCL communicator is neither), with the GPU it runs on: what every group holds,
+/// and the calls that do not depend on its layout. It carries the collectives over NCCL
+/// ([`NcclComm`](crate::device::NcclComm)), or in tests over the host between ranks on one GPU.
 pub struct GroupComm {
     gpu: Arc<Gpu>,
-    comm: Mutex<NcclComm>,
+    comm: Mutex<Box<dyn Collectives>>,
 }
 
 impl std::fmt::Debug for GroupComm {
@@ -29,15 +30,15 @@ impl std::fmt::Debug for GroupComm {
 
 impl GroupComm {
     /// `comm`, on its GPU.
-    pub fn new(comm: NcclComm) -> GroupComm {
+    pub fn new(comm: impl Collectives + 'static) -> GroupComm {
         GroupComm {
             gpu: Arc::clone(comm.gpu()),
-            comm: Mutex::new(comm),
+            comm: Mutex::new(Box::new(comm)),
         }
     }
 
     /// The communicator, for a collective: hold it for no more than the calls at hand.
-    pub fn lock(&self) -> MutexGuard<'_, NcclComm> {
+    pub fn lock(&self) -> MutexGuard<'_, Box<dyn Collectives>> {
         self.comm.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

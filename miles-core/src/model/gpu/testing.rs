@@ -12,7 +12,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::{GpuTrainer, GpuTrainerSpec, OptimizerShard};
-use crate::device::{CudaDevice, Device, Gpu};
+use crate::device::{Collectives, CudaDevice, Device, DeviceError, Gpu, GpuSlice};
 use crate::memory::{BackupPolicy, ManagerSettings, MemoryManager};
 use crate::model::{LlamaConfig, ParamKind, ParamLayout, TrainBatch, init_params};
 use crate::ops::AdamWConfig;
@@ -233,5 +233,160 @@ pub fn assert_pair_follows(what: &str, ranks: &[Vec<f32>], alone: &[f32]) {
             "step {}: {got} vs {want}",
             step + 1
         );
+    }
+}
+
+/// The meeting point of a group of ranks on one GPU whose collectives go through the host
+/// ([`HostCollectives`]): one slot a rank and a barrier.
+pub struct HostExchange {
+    barrier: std::sync::Barrier,
+    slots: std::sync::Mutex<Vec<Vec<u8>>>,
+}
+
+impl HostExchange {
+    /// The meeting point of `ranks` ranks.
+    pub fn new(ranks: usize) -> Arc<HostExchange> {
+        Arc::new(HostExchange {
+            barrier: std::sync::Barrier::new(ranks),
+            slots: std::sync::Mutex::new(vec![Vec::new(); ranks]),
+        })
+    }
+
+    /// Leaves `mine` in slot `rank` and returns every rank's, once all have left theirs.
+    fn swap(&self, rank: usize, mine: Vec<u8>) -> Vec<Vec<u8>> {
+        self.slots.lock().unwrap()[rank] = mine;
+        self.barrier.wait();
+        let all = self.slots.lock().unwrap().clone();
+        self.barrier.wait();
+        all
+    }
+}
+
+/// One rank of a group on one GPU whose collectives are computed on the host, as NCCL computes
+/// them between GPUs (sums in rank order): so that a parallel group's logic runs where one GPU
+/// is lent. Each rank queues on a stream of its own ([`Gpu::with_own_stream`]).
+pub struct HostCollectives {
+    gpu: Arc<Gpu>,
+    rank: usize,
+    exchange: Arc<HostExchange>,
+    world: usize,
+}
+
+impl HostCollectives {
+    /// Rank `rank` of `world` meeting at `exchange`, on `gpu`.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        rank: usize,
+        world: usize,
+        exchange: Arc<HostExchange>,
+    ) -> HostCollectives {
+        HostCollectives {
+            gpu,
+            rank,
+            exchange,
+            world,
+        }
+    }
+
+    /// Every rank's `x`, read from the device.
+    fn gathered<T: crate::device::GpuElement + bytemuck::Pod>(
+        &self,
+        x: GpuSlice<T>,
+    ) -> Result<Vec<Vec<T>>, DeviceError> {
+        let mut mine = vec![T::zeroed(); x.len()];
+        self.gpu.download(&mut mine, x)?;
+        let all = self
+            .exchange
+            .swap(self.rank, bytemuck::cast_slice(&mine).to_vec());
+        Ok(all
+            .iter()
+            .map(|bytes| {
+                let mut part = vec![T::zeroed(); x.len()];
+                bytemuck::cast_slice_mut(&mut part).copy_from_slice(bytes);
+                part
+            })
+            .collect())
+    }
+
+    /// The element-wise sum in rank order of every rank's `x`.
+    fn summed(&self, x: GpuSlice<f32>) -> Result<Vec<f32>, DeviceError> {
+        let all = self.gathered(x)?;
+        Ok((0..x.len())
+            .map(|i| all.iter().map(|part| part[i]).sum())
+            .collect())
+    }
+
+    /// The element-wise sum in rank order of every rank's bf16 `x`, rounded once.
+    fn summed_bf16(&self, x: GpuSlice<bf16>) -> Result<Vec<bf16>, DeviceError> {
+        let all = self.gathered(x)?;
+        Ok((0..x.len())
+            .map(|i| bf16::from_f32(all.iter().map(|part| f32::from(part[i])).sum()))
+            .collect())
+    }
+}
+
+impl Collectives for HostCollectives {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn all_reduce_sum(&self, buf: GpuSlice<f32>) -> Result<(), DeviceError> {
+        let sum = self.summed(buf)?;
+        self.gpu.upload(buf, &sum)
+    }
+
+    fn all_reduce_sum_bf16(&self, buf: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        let sum = self.summed_bf16(buf)?;
+        self.gpu.upload(buf, &sum)
+    }
+
+    fn all_gather(&self, send: GpuSlice<f32>, recv: GpuSlice<f32>) -> Result<(), DeviceError> {
+        let all: Vec<f32> = self.gathered(send)?.concat();
+        self.gpu.upload(recv, &all)
+    }
+
+    fn all_gather_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        let block = all.len() / self.world;
+        let whole: Vec<bf16> = self.gathered(all.sub(self.rank * block, block)?)?.concat();
+        self.gpu.upload(all, &whole)
+    }
+
+    fn reduce_scatter_sum(
+        &self,
+        send: GpuSlice<f32>,
+        recv: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
+        let sum = self.summed(send)?;
+        let block = recv.len();
+        self.gpu
+            .upload(recv, &sum[self.rank * block..(self.rank + 1) * block])
+    }
+
+    fn reduce_scatter_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        let sum = self.summed_bf16(all)?;
+        let block = all.len() / self.world;
+        let own = self.rank * block..(self.rank + 1) * block;
+        self.gpu.upload(all.sub(own.start, block)?, &sum[own])
+    }
+
+    fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
+        let all = self.gathered(buf)?;
+        self.gpu.upload(buf, &all[root])
+    }
+
+    fn suspend(&mut self) -> Result<Option<u64>, DeviceError> {
+        Ok(None)
+    }
+
+    fn resume(&mut self) -> Result<(), DeviceError> {
+        Ok(())
     }
 }

@@ -27,7 +27,7 @@ use half::bf16;
 pub use blas::{Gemm, GemmOutput, Transpose};
 pub use cudarc::driver::LaunchConfig;
 pub use lt::GemmAlgo;
-pub use nccl::{ID_BYTES, NcclComm};
+pub use nccl::{Collectives, ID_BYTES, NcclComm};
 
 use self::staging::{COPY_KERNEL, COPY_SOURCE, STAGED_MAX_BYTES, StagingSlot};
 use super::CudaDevice;

@@ -508,6 +508,136 @@ fn nccl(call: &'static str) -> impl Fn(NcclError) -> DeviceError {
     }
 }
 
+/// The collectives a parallel group of GPU trainers runs, whatever carries them: NCCL between
+/// GPUs ([`NcclComm`]), or in tests the host between ranks on one GPU. Each call queues its work
+/// on the GPU's compute stream (or finishes it there), in order with the kernels queued before
+/// it; every rank must call the same collectives in the same order with matching lengths.
+pub trait Collectives: Send {
+    /// This rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// The GPU whose stream the collectives queue on.
+    fn gpu(&self) -> &Arc<Gpu>;
+
+    /// `buf` on every rank becomes the element-wise sum over the ranks.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_reduce_sum`].
+    fn all_reduce_sum(&self, buf: GpuSlice<f32>) -> Result<(), DeviceError>;
+
+    /// As [`all_reduce_sum`](Self::all_reduce_sum) on bf16 elements.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_reduce_sum_bf16`].
+    fn all_reduce_sum_bf16(&self, buf: GpuSlice<bf16>) -> Result<(), DeviceError>;
+
+    /// `recv` (`world_size` blocks of `send`'s length) becomes every rank's `send` in rank
+    /// order.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_gather`].
+    fn all_gather(&self, send: GpuSlice<f32>, recv: GpuSlice<f32>) -> Result<(), DeviceError>;
+
+    /// Every block of `all` becomes that rank's block.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_gather_bf16_in_place`].
+    fn all_gather_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError>;
+
+    /// `recv` becomes block `rank` of the sum over the ranks of `send` (`world_size` blocks of
+    /// `recv`'s length).
+    ///
+    /// # Errors
+    /// As [`NcclComm::reduce_scatter_sum`].
+    fn reduce_scatter_sum(
+        &self,
+        send: GpuSlice<f32>,
+        recv: GpuSlice<f32>,
+    ) -> Result<(), DeviceError>;
+
+    /// Block `rank` of `all` becomes block `rank` of the sum over the ranks, in bf16.
+    ///
+    /// # Errors
+    /// As [`NcclComm::reduce_scatter_bf16_in_place`].
+    fn reduce_scatter_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError>;
+
+    /// `buf` on every rank becomes rank `root`'s.
+    ///
+    /// # Errors
+    /// As [`NcclComm::broadcast`].
+    fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError>;
+
+    /// Releases the group's own device buffers where it can; their bytes, `None` where they
+    /// stay (or there are none). Collective.
+    ///
+    /// # Errors
+    /// As [`NcclComm::suspend`].
+    fn suspend(&mut self) -> Result<Option<u64>, DeviceError>;
+
+    /// Brings back what [`suspend`](Self::suspend) released. Collective.
+    ///
+    /// # Errors
+    /// As [`NcclComm::resume`].
+    fn resume(&mut self) -> Result<(), DeviceError>;
+}
+
+impl Collectives for NcclComm {
+    fn rank(&self) -> usize {
+        NcclComm::rank(self)
+    }
+
+    fn world_size(&self) -> usize {
+        NcclComm::world_size(self)
+    }
+
+    fn gpu(&self) -> &Arc<Gpu> {
+        NcclComm::gpu(self)
+    }
+
+    fn all_reduce_sum(&self, buf: GpuSlice<f32>) -> Result<(), DeviceError> {
+        NcclComm::all_reduce_sum(self, buf)
+    }
+
+    fn all_reduce_sum_bf16(&self, buf: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        NcclComm::all_reduce_sum_bf16(self, buf)
+    }
+
+    fn all_gather(&self, send: GpuSlice<f32>, recv: GpuSlice<f32>) -> Result<(), DeviceError> {
+        NcclComm::all_gather(self, send, recv)
+    }
+
+    fn all_gather_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        NcclComm::all_gather_bf16_in_place(self, all)
+    }
+
+    fn reduce_scatter_sum(
+        &self,
+        send: GpuSlice<f32>,
+        recv: GpuSlice<f32>,
+    ) -> Result<(), DeviceError> {
+        NcclComm::reduce_scatter_sum(self, send, recv)
+    }
+
+    fn reduce_scatter_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
+        NcclComm::reduce_scatter_bf16_in_place(self, all)
+    }
+
+    fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
+        NcclComm::broadcast(self, buf, root)
+    }
+
+    fn suspend(&mut self) -> Result<Option<u64>, DeviceError> {
+        NcclComm::suspend(self)
+    }
+
+    fn resume(&mut self) -> Result<(), DeviceError> {
+        NcclComm::resume(self)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod tests {
