@@ -262,9 +262,11 @@ impl HostExchange {
     }
 }
 
-/// One rank of a group on one GPU whose collectives are computed on the host, as NCCL computes
-/// them between GPUs (sums in rank order): so that a parallel group's logic runs where one GPU
-/// is lent. Each rank queues on a stream of its own ([`Gpu::with_own_stream`]).
+/// One rank of a group on one GPU whose collectives are computed on the host (sums in rank
+/// order, bf16 sums rounded once: NCCL's bits for two ranks, not for more), so that a parallel
+/// group's logic runs where one GPU is lent. Each rank queues on a stream of its own
+/// ([`Gpu::with_own_stream`]). A rank that fails between collectives leaves its peers waiting
+/// (as NCCL does): run these tests under a timeout.
 pub struct HostCollectives {
     gpu: Arc<Gpu>,
     rank: usize,
@@ -316,7 +318,8 @@ impl HostCollectives {
             .collect())
     }
 
-    /// The element-wise sum in rank order of every rank's bf16 `x`, rounded once.
+    /// The element-wise sum in rank order of every rank's bf16 `x`, in fp32 rounded once (NCCL
+    /// rounds after every addition, the same for two ranks).
     fn summed_bf16(&self, x: GpuSlice<bf16>) -> Result<Vec<bf16>, DeviceError> {
         let all = self.gathered(x)?;
         Ok((0..x.len())
