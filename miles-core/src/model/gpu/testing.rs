@@ -237,36 +237,120 @@ pub fn assert_pair_follows(what: &str, ranks: &[Vec<f32>], alone: &[f32]) {
 }
 
 /// The meeting point of a group of ranks on one GPU whose collectives go through the host
-/// ([`HostCollectives`]): one slot a rank and a barrier.
+/// ([`HostCollectives`]): each rank leaves its bytes and the call it made, and once all have,
+/// each takes every rank's bytes. Ranks whose calls differ (another collective, another
+/// length) fail together, naming both calls; a rank that leaves the group (its
+/// [`HostCollectives`] dropped, as a failing rank's is when its thread unwinds) fails the
+/// others' waiting calls instead of leaving them to hang.
 pub struct HostExchange {
-    barrier: std::sync::Barrier,
-    slots: std::sync::Mutex<Vec<Vec<u8>>>,
+    state: std::sync::Mutex<Meeting>,
+    arrived: std::sync::Condvar,
+}
+
+/// A collective call as the exchange checks it: its name and its length in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Call {
+    op: &'static str,
+    root: Option<usize>,
+    bytes: usize,
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} of {} bytes", self.op, self.bytes)?;
+        match self.root {
+            Some(root) => write!(f, " from root {root}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What the exchange holds between calls.
+struct Meeting {
+    /// Each rank's call and bytes of the meeting under way.
+    slots: Vec<Option<(Call, Vec<u8>)>>,
+    /// Meetings completed so far: a waiting rank's cue that its own is done.
+    completed: u64,
+    /// Every rank's bytes of the last completed meeting, in rank order.
+    last: Arc<Vec<Vec<u8>>>,
+    /// Why the group can meet no more.
+    broken: Option<String>,
 }
 
 impl HostExchange {
     /// The meeting point of `ranks` ranks.
     pub fn new(ranks: usize) -> Arc<HostExchange> {
         Arc::new(HostExchange {
-            barrier: std::sync::Barrier::new(ranks),
-            slots: std::sync::Mutex::new(vec![Vec::new(); ranks]),
+            state: std::sync::Mutex::new(Meeting {
+                slots: vec![None; ranks],
+                completed: 0,
+                last: Arc::new(Vec::new()),
+                broken: None,
+            }),
+            arrived: std::sync::Condvar::new(),
         })
     }
 
-    /// Leaves `mine` in slot `rank` and returns every rank's, once all have left theirs.
-    fn swap(&self, rank: usize, mine: Vec<u8>) -> Vec<Vec<u8>> {
-        self.slots.lock().unwrap()[rank] = mine;
-        self.barrier.wait();
-        let all = self.slots.lock().unwrap().clone();
-        self.barrier.wait();
-        all
+    /// Leaves `mine` in slot `rank` for `call` and returns every rank's, once all have left
+    /// theirs with the same call.
+    fn swap(&self, rank: usize, call: Call, mine: Vec<u8>) -> Result<Arc<Vec<Vec<u8>>>, String> {
+        let mut meeting = self.lock();
+        if let Some(why) = &meeting.broken {
+            return Err(why.clone());
+        }
+        meeting.slots[rank] = Some((call, mine));
+        if meeting.slots.iter().all(Option::is_some) {
+            let ranks = meeting.slots.len();
+            let slots = std::mem::replace(&mut meeting.slots, vec![None; ranks]);
+            let (calls, parts): (Vec<Call>, Vec<Vec<u8>>) = slots.into_iter().flatten().unzip();
+            if let Some((other, theirs)) = calls.iter().enumerate().find(|(_, c)| **c != calls[0]) {
+                let why = format!(
+                    "host collectives out of step: rank 0 called {}, rank {other} {}",
+                    calls[0], theirs
+                );
+                meeting.broken = Some(why.clone());
+                self.arrived.notify_all();
+                return Err(why);
+            }
+            meeting.last = Arc::new(parts);
+            meeting.completed += 1;
+            self.arrived.notify_all();
+            return Ok(Arc::clone(&meeting.last));
+        }
+        let mine = meeting.completed;
+        while meeting.completed == mine && meeting.broken.is_none() {
+            meeting = self
+                .arrived
+                .wait(meeting)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        match (&meeting.broken, meeting.completed == mine) {
+            (Some(why), true) => Err(why.clone()),
+            _ => Ok(Arc::clone(&meeting.last)),
+        }
+    }
+
+    /// Rank `rank` is gone: every call waiting or to come fails.
+    fn leave(&self, rank: usize) {
+        let mut meeting = self.lock();
+        if meeting.broken.is_none() {
+            meeting.broken = Some(format!("rank {rank} left the host collectives' group"));
+        }
+        self.arrived.notify_all();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Meeting> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 /// One rank of a group on one GPU whose collectives are computed on the host (sums in rank
 /// order, bf16 sums rounded once: NCCL's bits for two ranks, not for more), so that a parallel
 /// group's logic runs where one GPU is lent. Each rank queues on a stream of its own
-/// ([`Gpu::with_own_stream`]). A rank that fails between collectives leaves its peers waiting
-/// (as NCCL does): run these tests under a timeout.
+/// ([`Gpu::with_own_stream`]). Unlike NCCL, a rank that fails (and drops its collectives) or
+/// calls another collective than its peers fails them rather than leaving them waiting.
 pub struct HostCollectives {
     gpu: Arc<Gpu>,
     rank: usize,
@@ -290,16 +374,27 @@ impl HostCollectives {
         }
     }
 
-    /// Every rank's `x`, read from the device.
+    /// Every rank's `x`, read from the device, for collective `op`.
     fn gathered<T: crate::device::GpuElement + bytemuck::Pod>(
         &self,
+        op: &'static str,
+        root: Option<usize>,
         x: GpuSlice<T>,
     ) -> Result<Vec<Vec<T>>, DeviceError> {
         let mut mine = vec![T::zeroed(); x.len()];
         self.gpu.download(&mut mine, x)?;
+        let call = Call {
+            op,
+            root,
+            bytes: x.bytes(),
+        };
         let all = self
             .exchange
-            .swap(self.rank, bytemuck::cast_slice(&mine).to_vec());
+            .swap(self.rank, call, bytemuck::cast_slice(&mine).to_vec())
+            .map_err(|message| DeviceError::Cuda {
+                call: "host collective",
+                message,
+            })?;
         Ok(all
             .iter()
             .map(|bytes| {
@@ -311,8 +406,8 @@ impl HostCollectives {
     }
 
     /// The element-wise sum in rank order of every rank's `x`.
-    fn summed(&self, x: GpuSlice<f32>) -> Result<Vec<f32>, DeviceError> {
-        let all = self.gathered(x)?;
+    fn summed(&self, op: &'static str, x: GpuSlice<f32>) -> Result<Vec<f32>, DeviceError> {
+        let all = self.gathered(op, None, x)?;
         Ok((0..x.len())
             .map(|i| all.iter().map(|part| part[i]).sum())
             .collect())
@@ -320,11 +415,17 @@ impl HostCollectives {
 
     /// The element-wise sum in rank order of every rank's bf16 `x`, in fp32 rounded once (NCCL
     /// rounds after every addition, the same for two ranks).
-    fn summed_bf16(&self, x: GpuSlice<bf16>) -> Result<Vec<bf16>, DeviceError> {
-        let all = self.gathered(x)?;
+    fn summed_bf16(&self, op: &'static str, x: GpuSlice<bf16>) -> Result<Vec<bf16>, DeviceError> {
+        let all = self.gathered(op, None, x)?;
         Ok((0..x.len())
             .map(|i| bf16::from_f32(all.iter().map(|part| f32::from(part[i])).sum()))
             .collect())
+    }
+}
+
+impl Drop for HostCollectives {
+    fn drop(&mut self) {
+        self.exchange.leave(self.rank);
     }
 }
 
@@ -342,23 +443,29 @@ impl Collectives for HostCollectives {
     }
 
     fn all_reduce_sum(&self, buf: GpuSlice<f32>) -> Result<(), DeviceError> {
-        let sum = self.summed(buf)?;
+        let sum = self.summed("all_reduce_sum", buf)?;
         self.gpu.upload(buf, &sum)
     }
 
     fn all_reduce_sum_bf16(&self, buf: GpuSlice<bf16>) -> Result<(), DeviceError> {
-        let sum = self.summed_bf16(buf)?;
+        let sum = self.summed_bf16("all_reduce_sum_bf16", buf)?;
         self.gpu.upload(buf, &sum)
     }
 
     fn all_gather(&self, send: GpuSlice<f32>, recv: GpuSlice<f32>) -> Result<(), DeviceError> {
-        let all: Vec<f32> = self.gathered(send)?.concat();
+        let all: Vec<f32> = self.gathered("all_gather", None, send)?.concat();
         self.gpu.upload(recv, &all)
     }
 
     fn all_gather_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
         let block = all.len() / self.world;
-        let whole: Vec<bf16> = self.gathered(all.sub(self.rank * block, block)?)?.concat();
+        let whole: Vec<bf16> = self
+            .gathered(
+                "all_gather_bf16_in_place",
+                None,
+                all.sub(self.rank * block, block)?,
+            )?
+            .concat();
         self.gpu.upload(all, &whole)
     }
 
@@ -367,21 +474,28 @@ impl Collectives for HostCollectives {
         send: GpuSlice<f32>,
         recv: GpuSlice<f32>,
     ) -> Result<(), DeviceError> {
-        let sum = self.summed(send)?;
+        let sum = self.summed("reduce_scatter_sum", send)?;
         let block = recv.len();
         self.gpu
             .upload(recv, &sum[self.rank * block..(self.rank + 1) * block])
     }
 
     fn reduce_scatter_bf16_in_place(&self, all: GpuSlice<bf16>) -> Result<(), DeviceError> {
-        let sum = self.summed_bf16(all)?;
+        let sum = self.summed_bf16("reduce_scatter_bf16_in_place", all)?;
         let block = all.len() / self.world;
         let own = self.rank * block..(self.rank + 1) * block;
         self.gpu.upload(all.sub(own.start, block)?, &sum[own])
     }
 
     fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
-        let all = self.gathered(buf)?;
+        if root >= self.world {
+            return Err(DeviceError::BadRank {
+                what: "broadcast root",
+                rank: root,
+                world: self.world,
+            });
+        }
+        let all = self.gathered("broadcast", Some(root), buf)?;
         self.gpu.upload(buf, &all[root])
     }
 
@@ -391,5 +505,103 @@ impl Collectives for HostCollectives {
 
     fn resume(&mut self) -> Result<(), DeviceError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(op: &'static str, bytes: usize) -> Call {
+        Call {
+            op,
+            root: None,
+            bytes,
+        }
+    }
+
+    /// Runs `rank`'s part for each of `ranks` ranks on a thread of its own; their results in
+    /// rank order.
+    fn on_ranks<R: Send>(ranks: usize, part: impl Fn(usize, &HostExchange) -> R + Sync) -> Vec<R> {
+        let exchange = HostExchange::new(ranks);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    let (exchange, part) = (&exchange, &part);
+                    scope.spawn(move || part(rank, exchange))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn host_exchange_hands_every_rank_all_bytes_in_rank_order_meeting_after_meeting() {
+        let got = on_ranks(3, |rank, exchange| {
+            (0..50u8)
+                .map(|round| {
+                    let mine = vec![rank as u8, round];
+                    exchange.swap(rank, call("all_gather", 2), mine).unwrap()
+                })
+                .collect::<Vec<_>>()
+        });
+        for seen in got {
+            for (round, all) in seen.iter().enumerate() {
+                let want: Vec<Vec<u8>> = (0..3).map(|r| vec![r, round as u8]).collect();
+                assert_eq!(**all, want, "round {round}");
+            }
+        }
+    }
+
+    #[test]
+    fn host_exchange_fails_every_rank_whose_peers_called_another_collective() {
+        let got = on_ranks(2, |rank, exchange| {
+            let op = if rank == 0 { "all_gather" } else { "broadcast" };
+            let first = exchange.swap(rank, call(op, 8), vec![0; 8]);
+            let next = exchange.swap(rank, call("all_gather", 8), vec![0; 8]);
+            (first, next)
+        });
+        for (first, next) in got {
+            let why = first.unwrap_err();
+            assert!(
+                why.contains("rank 0 called all_gather of 8 bytes")
+                    && why.contains("rank 1 broadcast of 8 bytes"),
+                "{why}"
+            );
+            assert_eq!(next.unwrap_err(), why, "a broken group stays broken");
+        }
+        let lengths = on_ranks(2, |rank, exchange| {
+            exchange.swap(rank, call("all_reduce_sum", 4 + rank * 4), vec![])
+        });
+        for result in lengths {
+            assert!(result.unwrap_err().contains("of 8 bytes"));
+        }
+    }
+
+    #[test]
+    fn host_exchange_fails_the_waiting_ranks_of_a_rank_that_left_instead_of_hanging() {
+        let got = on_ranks(3, |rank, exchange| {
+            let met = exchange.swap(rank, call("all_reduce_sum", 1), vec![rank as u8]);
+            if rank == 2 {
+                // Rank 2 fails here, between collectives: its collectives are dropped.
+                exchange.leave(rank);
+                return (met, None);
+            }
+            (
+                met,
+                Some(exchange.swap(rank, call("all_reduce_sum", 1), vec![0])),
+            )
+        });
+        for (rank, (met, next)) in got.into_iter().enumerate() {
+            assert_eq!(
+                *met.unwrap(),
+                vec![vec![0], vec![1], vec![2]],
+                "rank {rank}"
+            );
+            if let Some(next) = next {
+                let why = next.unwrap_err();
+                assert!(why.contains("rank 2 left"), "{why}");
+            }
+        }
     }
 }
