@@ -94,6 +94,10 @@ impl TrainerGroup for DataParallelGroup {
         Ok(self.comm.lock().reduce_scatter_bf16_in_place(all)?)
     }
 
+    fn reduce_f32(&self, part: GpuSlice<f32>, owner: usize) -> Result<(), ModelError> {
+        Ok(self.comm.lock().reduce_sum(part, owner)?)
+    }
+
     fn sum_f32(&self, x: GpuSlice<f32>) -> Result<(), ModelError> {
         Ok(self.comm.lock().all_reduce_sum(x)?)
     }
@@ -152,7 +156,7 @@ mod tests {
     use crate::BackupPolicy;
     use crate::device::{Gpu, NcclComm};
     use crate::model::gpu_testing::{
-        Batch, HostCollectives, HostExchange, PARALLEL_STEPS, assert_pair_follows, bf16_params,
+        Batch, HostCollectives, HostExchange, PARALLEL_STEPS, T, assert_pair_follows, bf16_params,
         gentle, losses, losses_alone, manager, one_gpu, spec, tiny, two_gpus,
     };
     use crate::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
@@ -212,17 +216,53 @@ mod tests {
     /// and the gathered master weights and moments.
     type RankEnd = (Vec<f32>, usize, Vec<f32>, Vec<f32>, Vec<f32>);
 
-    /// Two ranks of a split optimizer state on `gpus` (reducing their gradients in bf16 with
-    /// `bf16_reduce`, keeping their blocks on the host with `on_host`), each joined to
-    /// `group(rank, gpu)`, training on halves of a batch (an offload cycle after step 2),
-    /// against one GPU on the whole: the pair follows it, each rank keeps at most half the
-    /// state on its device, and both gather the same.
-    fn split_pair_follows_one_gpu<G>(
-        gpus: [Arc<Gpu>; 2],
+    /// How a split pair reduces and keeps its state.
+    #[derive(Clone, Copy, Debug)]
+    struct Way {
+        /// Gradients reduced in bf16.
         bf16_reduce: bool,
+        /// The optimizer state and step on the host.
         on_host: bool,
-        group: G,
-    ) where
+        /// Gradients split too, summed unit by unit; each sequence a micro-batch, so that the
+        /// ranks (two sequences and one) run different numbers of them.
+        split_grads: bool,
+    }
+
+    /// The ways a split pair is tested.
+    const SPLIT_WAYS: [Way; 5] = [
+        Way {
+            bf16_reduce: false,
+            on_host: false,
+            split_grads: false,
+        },
+        Way {
+            bf16_reduce: true,
+            on_host: false,
+            split_grads: false,
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: true,
+            split_grads: false,
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: false,
+            split_grads: true,
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: true,
+            split_grads: true,
+        },
+    ];
+
+    /// Two ranks of a split optimizer state on `gpus`, split `way`, each joined to
+    /// `group(rank, gpu)`, training on parts of a batch (an offload cycle after step 2),
+    /// against one GPU on the whole: the pair follows it, each rank keeps at most half the
+    /// state on its device (and of the gradients where split), and both gather the same.
+    fn split_pair_follows_one_gpu<G>(gpus: [Arc<Gpu>; 2], way: Way, group: G)
+    where
         G: Fn(usize, &Arc<Gpu>) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
     {
         let config = tiny();
@@ -245,13 +285,16 @@ mod tests {
                 let (gpu, config, group) = (Arc::clone(gpu), config.clone(), Arc::clone(&group));
                 let (params, data) = (Arc::clone(&params), Arc::clone(&data));
                 std::thread::spawn(move || -> RankEnd {
+                    let max_batch_tokens = if way.split_grads { T } else { 64 };
                     let spec = GpuTrainerSpec {
                         shard: OptimizerShard {
-                            bf16_reduce,
+                            bf16_reduce: way.bf16_reduce,
+                            split_grads: way.split_grads,
                             ..OptimizerShard::split(rank, 2)
                         },
                         backup: BackupPolicy::Host,
-                        optimizer_on_host: on_host,
+                        optimizer_on_host: way.on_host,
+                        max_batch_tokens,
                         ..gentle(config)
                     };
                     let mut trainer =
@@ -270,12 +313,20 @@ mod tests {
                         }
                     }
                     let bytes = trainer.optimizer_device_bytes();
+                    let grads = trainer.grads().unwrap().len();
+                    let block = trainer.shard().block(trainer.layout().len());
+                    assert_eq!(
+                        grads == block,
+                        way.split_grads,
+                        "{way:?}: rank {rank} holds {grads} gradients, its block {block}"
+                    );
                     let master = trainer.master_params().unwrap();
                     let (m, v) = trainer.moments().unwrap();
                     (losses, bytes, master, m, v)
                 })
             })
             .collect();
+        eprintln!("split pair {way:?}");
         let results: Vec<RankEnd> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
         let losses: Vec<Vec<f32>> = results.iter().map(|r| r.0.clone()).collect();
         for (rank, (_, bytes, master, m, v)) in results.iter().enumerate() {
@@ -295,19 +346,16 @@ mod tests {
         assert_pair_follows("split-optimizer data-parallel", &losses, &alone);
     }
 
-    /// The ways a split pair reduces and keeps its state: (bf16 reduction, state on the host).
-    const SPLIT_WAYS: [(bool, bool); 3] = [(false, false), (true, false), (false, true)];
-
     #[test]
     fn gpu_split_optimizer_pair_over_nccl_follows_one_gpu_every_way() {
         let test = "gpu_split_optimizer_pair_over_nccl_follows_one_gpu_every_way";
         let Some(gpus) = two_gpus(test) else {
             return;
         };
-        for (bf16_reduce, on_host) in SPLIT_WAYS {
+        for way in SPLIT_WAYS {
             let id = NcclComm::unique_id().unwrap();
             let pair = [Arc::clone(&gpus[0]), Arc::clone(&gpus[1])];
-            split_pair_follows_one_gpu(pair, bf16_reduce, on_host, move |rank, gpu| {
+            split_pair_follows_one_gpu(pair, way, move |rank, gpu| {
                 let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
                 Box::new(DataParallelGroup::new(comm))
             });
@@ -320,13 +368,13 @@ mod tests {
         let Some(gpu) = one_gpu(test) else {
             return;
         };
-        for (bf16_reduce, on_host) in SPLIT_WAYS {
+        for way in SPLIT_WAYS {
             // Two ranks on one GPU, each on a stream of its own, their collectives computed
             // through the host as NCCL computes them (a sum of two is the same in either order).
             let second = Arc::new(gpu.with_own_stream().unwrap());
             let exchange = HostExchange::new(2);
             let first = Arc::clone(&gpu);
-            split_pair_follows_one_gpu([first, second], bf16_reduce, on_host, move |rank, gpu| {
+            split_pair_follows_one_gpu([first, second], way, move |rank, gpu| {
                 let host = HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchange));
                 Box::new(DataParallelGroup::new(host))
             });

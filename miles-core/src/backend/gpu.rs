@@ -6,7 +6,8 @@
 //! of the shared optimizer files, which [`OptimizerFiles`] supplies, and the flags each backend
 //! accepts, which its constructor checks before building this. Over several GPUs, one process
 //! each, either backend runs data parallel with the optimizer state split over the ranks
-//! ([`GpuBackend::on_ranks`]): fsdp's ZeRO stage 1, Megatron's distributed optimizer.
+//! ([`GpuBackend::on_ranks`]): Megatron's distributed optimizer (ZeRO stage 1), and fsdp's
+//! stage 2, its gradients split too.
 
 use std::marker::PhantomData;
 use std::path::Path;
@@ -190,8 +191,14 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             backend: F::NAME,
             reason,
         })?;
+        // FSDP splits the gradients too (ZeRO stage 2) where they are reduced in fp32;
+        // Megatron's distributed optimizer keeps them whole (stage 1).
+        let split_grads = settings.train_backend == TrainBackendKind::Fsdp
+            && ranks > 1
+            && !settings.grad_reduce_in_bf16;
         let shard = OptimizerShard {
             bf16_reduce: settings.grad_reduce_in_bf16,
+            split_grads,
             ..OptimizerShard::split(comm.as_ref().map_or(0, NcclComm::rank), ranks)
         };
         let mut backend = GpuBackend::from_settings(gpu, settings, shard)?;
@@ -206,7 +213,13 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 ranks,
                 params = bytes(MemoryTag::Params),
                 optimizer = bytes(MemoryTag::Optimizer),
-                "this rank keeps its block of the optimizer state (fp32 master weights and moments) and the whole bf16 weights"
+                grads = bytes(MemoryTag::Grads),
+                "this rank keeps its block of the optimizer state (fp32 master weights and moments){} and the whole bf16 weights",
+                if split_grads {
+                    " and of the gradients"
+                } else {
+                    ""
+                }
             );
         }
         Ok(backend)

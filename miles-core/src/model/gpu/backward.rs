@@ -10,7 +10,7 @@ use super::GpuTransformer;
 use super::TrainerGroup;
 use super::forward::{HeadGrads, attention_shape, sum_over_shards};
 use super::layout::{GpuActivations, LayerActs};
-use super::weights::{LayerTensors, tensor};
+use super::weights::{GradUnits, LayerTensors, edge_units, tensor, tensor_in};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{ModelError, ParamKind, TrainBatch};
@@ -68,7 +68,8 @@ pub(super) fn weight_grad(out: usize, inp: usize, n: usize) -> Gemm {
 impl GpuTransformer {
     /// Queues the backward pass of the last [`forward`](Self::forward) of `batch` on `acts`
     /// (run in [`ForwardMode::Train`](super::ForwardMode::Train)), accumulating into `grads`
-    /// (`+=`: zero them first for a fresh step); the per-token log-probs are in `acts` after it.
+    /// unit by unit (`+=`: for the whole flat buffer, [`WholeGrads`](super::weights::WholeGrads),
+    /// zero them first for a fresh step); the per-token log-probs are in `acts` after it.
     /// With `group` (as in [`forward`](Self::forward)), the gradients entering each layer's
     /// two norms go through [`TrainerGroup::sum_row_parallel`].
     ///
@@ -79,7 +80,7 @@ impl GpuTransformer {
         &self,
         gpu: &Gpu,
         params: GpuSlice<bf16>,
-        grads: GpuSlice<f32>,
+        grads: &dyn GradUnits,
         acts: &GpuActivations,
         batch: &TrainBatch<'_>,
         group: Option<&dyn TrainerGroup>,
@@ -87,33 +88,48 @@ impl GpuTransformer {
         acts.check_shape(batch)?;
         let lay = self.layout();
         params.expect_len("gpu params (bf16)", lay.len())?;
-        grads.expect_len("gpu grads (f32)", lay.len())?;
         let c = self.config();
         let a = acts.layout();
         let (h, layers) = (c.hidden_size, c.num_layers);
         let flow = Flow::of(acts, group)?;
+        // The edges first: the head's and final norm's gradients (a tied head's in the
+        // embedding's), the embedding's at the end.
+        let [embedding, tail] = edge_units(lay);
+        let g_embedding = grads.open(gpu, embedding.clone())?;
+        let g_tail = grads.open(gpu, tail.clone())?;
+        let edge = |kind| {
+            if lay.range(kind, 0).start >= tail.start {
+                tensor_in(lay, g_tail, tail.start, kind, 0)
+            } else {
+                tensor_in(lay, g_embedding, embedding.start, kind, 0)
+            }
+        };
         let head = HeadGrads {
-            d_head: tensor(lay, grads, ParamKind::LmHead, 0)?,
+            d_head: edge(ParamKind::LmHead)?,
             d_lnf: flow.d_ln,
         };
         self.head_rows(gpu, params, acts, batch.normaliser, Some(&head))?;
         gpu.zero(flow.d_res)?;
         gpu.rmsnorm_backward(
             flow.d_res,
-            tensor(lay, grads, ParamKind::FinalNorm, 0)?,
+            edge(ParamKind::FinalNorm)?,
             flow.d_ln,
             acts.bf(&layer_block(&a.residual, layers, layers + 1))?,
             tensor(lay, params, ParamKind::FinalNorm, 0)?,
             acts.f(&a.lnf_rstd)?,
             flow.partials,
         )?;
+        grads.close(gpu, tail.clone())?;
         for l in (0..layers).rev() {
+            let unit = lay.layer_range(l);
             let w = LayerTensors::of(lay, params, l)?;
-            let dw = LayerTensors::of(lay, grads, l)?;
+            let g = grads.open(gpu, unit.clone())?;
+            let dw = LayerTensors::in_unit(lay, g, unit.start, l)?;
             self.layer_backward(gpu, &w, &dw, &acts.layer(l, layers)?, &flow, acts)?;
+            grads.close(gpu, unit)?;
         }
         gpu.embedding_backward(
-            tensor(lay, grads, ParamKind::Embedding, 0)?,
+            edge(ParamKind::Embedding)?,
             flow.d_res,
             acts.u(&a.inputs)?,
             acts.u(&a.input_order)?,

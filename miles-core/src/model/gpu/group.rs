@@ -6,12 +6,14 @@
 //! reduce-scattered, each rank updates its block, and the bf16 weights are all-gathered.
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
+use super::weights::{GradUnits, edge_units};
 use crate::device::{Collectives, Gpu, GpuSlice};
-use crate::model::ModelError;
+use crate::model::{ModelError, ParamLayout};
 
 /// A group's communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers through
 /// `&self`, an NCCL communicator is neither), with the GPU it runs on: what every group holds,
@@ -239,12 +241,88 @@ pub trait TrainerGroup: Send + Sync {
         Err(not_sharded(self.name()))
     }
 
+    /// For a trainer whose gradients are split too ([`OptimizerShard::split_grads`]): sums
+    /// `part` (a piece of a unit's gradients that rank `owner`'s block holds) over the ranks
+    /// into `owner`'s `part`, in place; the others' stay.
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
+    fn reduce_f32(&self, _part: GpuSlice<f32>, _owner: usize) -> Result<(), ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
     /// Called before the trainer's memory is resumed, on every rank of the group at once:
     /// brings back what [`release`](Self::release) released.
     ///
     /// # Errors
     /// [`ModelError::Gpu`] when it cannot come back (no memory, a peer gone).
     fn restore(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
+/// The gradients of a rank whose gradients are split over its group
+/// ([`OptimizerShard::split_grads`]): each unit accumulates in `units` (the embedding's at the
+/// start, a layer's or the tail's after it) and, once closed, is summed into its owners' blocks
+/// over the group ([`TrainerGroup::reduce_f32`]); this rank adds the pieces it owns into `own`,
+/// its block of the gradients.
+pub(super) struct SplitGrads<'a> {
+    pub group: &'a dyn TrainerGroup,
+    pub shard: OptimizerShard,
+    /// The model's parameters.
+    pub params: usize,
+    pub own: GpuSlice<f32>,
+    pub units: GpuSlice<f32>,
+    /// The embedding unit's length: where the other units start in `units`.
+    pub embedding: usize,
+}
+
+impl SplitGrads<'_> {
+    /// Where `unit` accumulates: the embedding (the unit starting at parameter 0) at the start
+    /// of `units`, any other after it.
+    fn place(&self, unit: &Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
+        let at = if unit.start == 0 { 0 } else { self.embedding };
+        Ok(self.units.sub(at, unit.len())?)
+    }
+
+    /// A backward pass's unit sums with nothing of this rank's in them, for a rank with fewer
+    /// micro-batches than its peers: every unit of a model laid out by `layout` with `layers`
+    /// layers opened (zeroed) and closed in the backward pass's order.
+    pub(super) fn pass_without_batch(
+        &self,
+        gpu: &Gpu,
+        layout: &ParamLayout,
+        layers: usize,
+    ) -> Result<(), ModelError> {
+        let [embedding, tail] = edge_units(layout);
+        let units = std::iter::once(tail)
+            .chain((0..layers).rev().map(|l| layout.layer_range(l)))
+            .chain(std::iter::once(embedding));
+        for unit in units {
+            self.open(gpu, unit.clone())?;
+            self.close(gpu, unit)?;
+        }
+        Ok(())
+    }
+}
+
+impl GradUnits for SplitGrads<'_> {
+    fn open(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
+        let grads = self.place(&unit)?;
+        gpu.zero(grads)?;
+        Ok(grads)
+    }
+
+    fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError> {
+        let grads = self.place(&unit)?;
+        let start = self.shard.start(self.params);
+        for (owner, piece) in self.shard.owners(unit.clone(), self.params) {
+            let part = grads.sub(piece.start - unit.start, piece.len())?;
+            self.group.reduce_f32(part, owner)?;
+            if owner == self.shard.rank {
+                gpu.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
+            }
+        }
         Ok(())
     }
 }
@@ -270,6 +348,12 @@ pub struct OptimizerShard {
     /// rank's fp32 gradients rounded to bf16, summed over the ranks in bf16, the block widened
     /// back to fp32 for the optimizer step.
     pub bf16_reduce: bool,
+    /// The gradients are split too (ZeRO stage 2, as FSDP shards them): each unit's gradients
+    /// (a layer's; the embedding's; the final norm's and an untied head's) accumulate in a
+    /// unit buffer during the backward pass and are summed into their owners' blocks as soon
+    /// as the unit is done, so a rank holds its block of the gradients and a unit's, not all
+    /// of them. Not with `bf16_reduce`.
+    pub split_grads: bool,
 }
 
 /// A block is a multiple of this many elements, so that every block of bf16 or fp32 elements
@@ -286,6 +370,7 @@ impl OptimizerShard {
             rank,
             ranks,
             bf16_reduce: false,
+            split_grads: false,
         }
     }
 
@@ -313,6 +398,22 @@ impl OptimizerShard {
         self.ranks * self.block(params)
     }
 
+    /// The pieces of `range` (of `params` parameters) each rank's block holds, in order: the
+    /// owner and its piece, in the parameters' numbering.
+    pub fn owners(
+        &self,
+        range: Range<usize>,
+        params: usize,
+    ) -> impl Iterator<Item = (usize, Range<usize>)> {
+        let block = self.block(params);
+        (range.start / block.max(1)..self.ranks)
+            .map(move |owner| {
+                let piece = range.start.max(owner * block)..range.end.min((owner + 1) * block);
+                (owner, piece)
+            })
+            .take_while(|(_, piece)| !piece.is_empty())
+    }
+
     /// This rank's block of `full` (the whole parameter vector), zero-padded to a block:
     /// `full` itself when the state is whole.
     pub fn block_of<'a>(&self, full: &'a [f32]) -> Cow<'a, [f32]> {
@@ -332,6 +433,31 @@ impl OptimizerShard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owners_cut_a_range_at_the_blocks_it_crosses() {
+        let n = 1000;
+        let shard = OptimizerShard::split(1, 3); // blocks of 384
+        let pieces = |r: Range<usize>| shard.owners(r, n).collect::<Vec<_>>();
+        assert_eq!(pieces(10..20), [(0, 10..20)]);
+        assert_eq!(pieces(380..390), [(0, 380..384), (1, 384..390)]);
+        assert_eq!(pieces(0..n), [(0, 0..384), (1, 384..768), (2, 768..n)]);
+        assert_eq!(pieces(768..n), [(2, 768..n)]);
+        assert_eq!(pieces(5..5), []);
+        for start in (0..n).step_by(37) {
+            for end in (start + 1..=n).step_by(53) {
+                let got = pieces(start..end);
+                let covered: Vec<usize> = got.iter().flat_map(|(_, p)| p.clone()).collect();
+                assert_eq!(covered, (start..end).collect::<Vec<_>>(), "{start}..{end}");
+                for (owner, piece) in got {
+                    let own = shard.block(n) * owner..shard.block(n) * (owner + 1);
+                    assert!(own.contains(&piece.start) && own.contains(&(piece.end - 1)));
+                }
+            }
+        }
+        let whole = OptimizerShard::WHOLE;
+        assert_eq!(whole.owners(3..9, 10).collect::<Vec<_>>(), [(0, 3..9)]);
+    }
 
     #[test]
     fn blocks_cover_every_parameter_once_aligned_and_padded_with_zeros() {

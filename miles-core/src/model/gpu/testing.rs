@@ -405,9 +405,31 @@ impl HostCollectives {
             .collect())
     }
 
+    /// An error unless `root` is a rank of the group.
+    fn check_root(&self, what: &'static str, root: usize) -> Result<(), DeviceError> {
+        if root >= self.world {
+            return Err(DeviceError::BadRank {
+                what,
+                rank: root,
+                world: self.world,
+            });
+        }
+        Ok(())
+    }
+
     /// The element-wise sum in rank order of every rank's `x`.
     fn summed(&self, op: &'static str, x: GpuSlice<f32>) -> Result<Vec<f32>, DeviceError> {
-        let all = self.gathered(op, None, x)?;
+        self.summed_at(op, None, x)
+    }
+
+    /// [`summed`](Self::summed) for a collective with a root.
+    fn summed_at(
+        &self,
+        op: &'static str,
+        root: Option<usize>,
+        x: GpuSlice<f32>,
+    ) -> Result<Vec<f32>, DeviceError> {
+        let all = self.gathered(op, root, x)?;
         Ok((0..x.len())
             .map(|i| all.iter().map(|part| part[i]).sum())
             .collect())
@@ -488,15 +510,18 @@ impl Collectives for HostCollectives {
     }
 
     fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
-        if root >= self.world {
-            return Err(DeviceError::BadRank {
-                what: "broadcast root",
-                rank: root,
-                world: self.world,
-            });
-        }
+        self.check_root("broadcast root", root)?;
         let all = self.gathered("broadcast", Some(root), buf)?;
         self.gpu.upload(buf, &all[root])
+    }
+
+    fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
+        self.check_root("reduce root", root)?;
+        let sum = self.summed_at("reduce_sum", Some(root), buf)?;
+        if self.rank == root {
+            self.gpu.upload(buf, &sum)?;
+        }
+        Ok(())
     }
 
     fn suspend(&mut self) -> Result<Option<u64>, DeviceError> {

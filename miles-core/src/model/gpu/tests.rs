@@ -129,7 +129,14 @@ fn forward_and_backward_match_the_cpu_on(
         .forward(&t.gpu, dev_params, &acts, &batch, ForwardMode::Train, None)
         .unwrap();
     model
-        .backward(&t.gpu, dev_params, dev_grads, &acts, &batch, None)
+        .backward(
+            &t.gpu,
+            dev_params,
+            &WholeGrads(dev_grads),
+            &acts,
+            &batch,
+            None,
+        )
         .unwrap();
     let logprobs = model.logprobs(&t.gpu, &acts).unwrap();
     let loss = GpuTransformer::loss(&logprobs, &batch);
@@ -183,7 +190,14 @@ fn gpu_backward_refuses_a_batch_of_another_shape_than_its_activations() {
     );
     let acts = GpuActivations::new(layout, bf, fl, ids).unwrap();
     let other = Batch::random_of(23, config.vocab_size, B, T + 1);
-    let result = model.backward(&t.gpu, dev_params, dev_grads, &acts, &other.view(), None);
+    let result = model.backward(
+        &t.gpu,
+        dev_params,
+        &WholeGrads(dev_grads),
+        &acts,
+        &other.view(),
+        None,
+    );
     assert!(
         matches!(result, Err(ModelError::Batch(ref why)) if why.contains("build them for this batch")),
         "{result:?}"

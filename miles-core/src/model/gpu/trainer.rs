@@ -8,8 +8,10 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::forward::nll_sum;
+use super::group::SplitGrads;
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
+use super::weights::{GradUnits, WholeGrads, edge_units};
 use super::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
 };
@@ -165,7 +167,12 @@ pub struct GpuTrainer {
     /// stream with the moments.
     master: Option<Buffer>,
     moments: Moments,
-    grads: Buffer, // (P) fp32, Grads
+    /// (P) fp32, Grads; this rank's block where the gradients are split too
+    /// ([`OptimizerShard::split_grads`]).
+    grads: Buffer,
+    /// fp32, Grads, where the gradients are split: the unit buffer their units accumulate in
+    /// ([`SplitGrads`]), also the scratch a gather of the split state goes through.
+    units: Option<Buffer>,
     /// (P) bf16, Grads: the gradients rounded for a bf16 reduce-scatter
     /// ([`OptimizerShard::bf16_reduce`] of a split state).
     low: Option<Buffer>,
@@ -246,6 +253,11 @@ impl GpuTrainer {
                 "the optimizer state split over data-parallel ranks does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu".into(),
             ));
         }
+        if shard.split_grads && (!shard.is_split() || shard.bf16_reduce) {
+            return Err(ModelError::Config(
+                "gradients split over a data-parallel group need the optimizer state split over more than one rank and reduced in fp32; drop --grad-reduce-in-bf16".into(),
+            ));
+        }
         if spec.optimizer_on_host && spec.stream.is_some() {
             return Err(ModelError::Config(
                 "the optimizer state on the host (--fsdp-cpu-offload) stays in host memory, not streamed through the disk; drop one of them".into(),
@@ -255,6 +267,13 @@ impl GpuTrainer {
         let padded = shard.padded(n);
         let half = padded * size_of::<bf16>();
         let (full, block) = (padded * size_of::<f32>(), shard.block(n) * size_of::<f32>());
+        // Split gradients: this rank's block, and a unit buffer holding the embedding's
+        // gradients beside a layer's or the tail's.
+        let (grad_bytes, unit_bytes) = if shard.split_grads {
+            (block, split_unit_len(model.layout()) * size_of::<f32>())
+        } else {
+            (full, 0)
+        };
         let act_bytes = activation_arena_bytes(model.config(), spec.max_batch_tokens);
         let reduces_in_bf16 = shard.is_split() && shard.bf16_reduce;
         let low_bytes = if reduces_in_bf16 {
@@ -288,7 +307,7 @@ impl GpuTrainer {
             (
                 MemoryTag::Grads,
                 BackupPolicy::None,
-                full + low_bytes + BLOCK_SLACK,
+                grad_bytes + unit_bytes + low_bytes + 2 * BLOCK_SLACK,
             ),
             (MemoryTag::Activations, BackupPolicy::None, act_bytes),
         ] {
@@ -323,7 +342,11 @@ impl GpuTrainer {
             params: memory.alloc(&MemoryTag::Params, half)?,
             master,
             moments,
-            grads: memory.alloc(&MemoryTag::Grads, full)?,
+            grads: memory.alloc(&MemoryTag::Grads, grad_bytes)?,
+            units: shard
+                .split_grads
+                .then(|| memory.alloc(&MemoryTag::Grads, unit_bytes))
+                .transpose()?,
             low: reduces_in_bf16
                 .then(|| memory.alloc(&MemoryTag::Grads, half))
                 .transpose()?,
@@ -519,6 +542,8 @@ impl GpuTrainer {
         }
         let grads = slice::<f32>(&self.grads)?;
         match &self.low {
+            // Split gradients were summed into their owners' blocks unit by unit.
+            None if self.shard.split_grads => {}
             Some(low) => {
                 let n = self.model.layout().len();
                 let (start, block) = (self.shard.start(n), self.shard.block(n));
@@ -705,7 +730,7 @@ impl GpuTrainer {
             _ => return Err(no_master(self.model.layout().len())),
         };
         for block in blocks {
-            self.gather_blocks(block)?;
+            self.gather_blocks(block, false)?;
         }
         self.record_fences()
     }
@@ -735,13 +760,31 @@ impl GpuTrainer {
     /// The gradients of the last [`compute_grads`](Self::compute_grads) (or train step), before
     /// clipping. With the optimizer state split over a group, only this rank's block holds
     /// the group's sum; the rest are undefined, and after a gather of the state (a save, or
-    /// [`master_params`](Self::master_params)) the buffer holds what was gathered.
+    /// [`master_params`](Self::master_params)) the buffer holds what was gathered. Where the
+    /// gradients are split too ([`OptimizerShard::split_grads`]), this rank's block alone.
     ///
     /// # Errors
     /// As [`master_params`](Self::master_params).
     pub fn grads(&self) -> Result<Vec<f32>, ModelError> {
         self.ensure_active("read the gradients")?;
-        self.download(&self.grads)
+        if !self.shard.split_grads {
+            return self.download(&self.grads);
+        }
+        let own = self.own_grads()?;
+        let mut out = vec![0.0; own.len()];
+        self.gpu.download(&mut out, own)?;
+        Ok(out)
+    }
+
+    /// This rank's block of the (reduced) gradients: all of them unless the state is split.
+    fn own_grads(&self) -> Result<GpuSlice<f32>, ModelError> {
+        let n = self.model.layout().len();
+        let start = if self.shard.split_grads {
+            0
+        } else {
+            self.shard.start(n)
+        };
+        Ok(slice::<f32>(&self.grads)?.sub(start, self.shard.block(n))?)
     }
 
     /// Records a fence after the queued work, then pauses [`MemoryTag::Params`],
@@ -874,23 +917,83 @@ impl GpuTrainer {
     }
 
     /// Zeroes the gradients, runs forward and backward over each micro-batch; returns the
-    /// summed weighted negative log-probs.
+    /// summed weighted negative log-probs. Where the gradients are split, every rank of the
+    /// group runs as many backward passes' unit sums as the rank with the most micro-batches
+    /// (a rank with fewer adds nothing to the rest).
     fn accumulate_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f64, ModelError> {
         let n = self.model.layout().len();
-        let grads = slice::<f32>(&self.grads)?;
-        self.gpu.zero(grads)?;
-        let (params, grads) = (slice::<bf16>(&self.params)?.sub(0, n)?, grads.sub(0, n)?);
+        self.gpu.zero(slice::<f32>(&self.grads)?)?;
+        let params = slice::<bf16>(&self.params)?.sub(0, n)?;
+        let micros = micro_batches(batch, self.max_batch_tokens);
+        let passes = match self.group.as_deref() {
+            Some(group) if self.shard.split_grads => self.passes_over_group(group, micros.len())?,
+            _ => micros.len(),
+        };
         let mut nll = 0.0;
-        for micro in micro_batches(batch, self.max_batch_tokens) {
+        for micro in &micros {
             let acts = self.activations_for(micro.batch, micro.seq)?;
             let group = self.group.as_deref();
             self.model
-                .forward(&self.gpu, params, &acts, &micro, ForwardMode::Train, group)?;
+                .forward(&self.gpu, params, &acts, micro, ForwardMode::Train, group)?;
+            let whole;
+            let split;
+            let units: &dyn GradUnits = match self.split_grads()? {
+                Some(grads) => {
+                    split = grads;
+                    &split
+                }
+                None => {
+                    whole = WholeGrads(slice::<f32>(&self.grads)?.sub(0, n)?);
+                    &whole
+                }
+            };
             self.model
-                .backward(&self.gpu, params, grads, &acts, &micro, group)?;
+                .backward(&self.gpu, params, units, &acts, micro, group)?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
+        if let Some(split) = self.split_grads()? {
+            for _ in micros.len()..passes {
+                split.pass_without_batch(
+                    &self.gpu,
+                    self.model.layout(),
+                    self.config().num_layers,
+                )?;
+            }
+        }
         Ok(nll)
+    }
+
+    /// Where the gradients are split ([`OptimizerShard::split_grads`]), the units the backward
+    /// pass accumulates them in.
+    fn split_grads(&self) -> Result<Option<SplitGrads<'_>>, ModelError> {
+        let Some(units) = &self.units else {
+            return Ok(None);
+        };
+        let n = self.model.layout().len();
+        Ok(Some(SplitGrads {
+            group: self.group.as_deref().ok_or_else(unjoined)?,
+            shard: self.shard,
+            params: n,
+            own: self.own_grads()?,
+            units: slice(units)?,
+            embedding: edge_units(self.model.layout())[0].len(),
+        }))
+    }
+
+    /// The backward passes every rank of a group with split gradients runs this step, `mine`
+    /// here: the most micro-batches any rank has (each pass's unit sums are collectives).
+    fn passes_over_group(
+        &self,
+        group: &dyn TrainerGroup,
+        mine: usize,
+    ) -> Result<usize, ModelError> {
+        let counts = slice::<f32>(&self.scalar)?.sub(0, self.shard.ranks)?;
+        let mut each = vec![0.0f32; self.shard.ranks];
+        each[self.shard.rank] = mine as f32;
+        self.gpu.upload(counts, &each)?;
+        group.sum_f32(counts)?;
+        self.gpu.download(&mut each, counts)?;
+        Ok(each.into_iter().fold(0.0, f32::max) as usize)
     }
 
     /// Forward passes over each micro-batch: the log-probs and the summed weighted negative
@@ -924,8 +1027,7 @@ impl GpuTrainer {
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         let n = self.model.layout().len();
         let (start, block) = (self.shard.start(n), self.shard.block(n));
-        // This rank's block of the (reduced) gradients: all of them unless the state is split.
-        let grads = slice::<f32>(&self.grads)?.sub(start, block)?;
+        let grads = self.own_grads()?;
         let grad_norm = self.grad_norm_sq(grads)?.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
         let s = AdamWStep::new(&self.adamw, step, clip);
@@ -981,32 +1083,47 @@ impl GpuTrainer {
         Ok(sum[0])
     }
 
-    /// Every rank's `block` of a split state (master weights or a moment), gathered in the
-    /// gradients' buffer, which it returns. Collective.
-    fn gather_blocks(&self, block: Block<'_>) -> Result<GpuSlice<f32>, ModelError> {
+    /// Every rank's `block` of a split state (master weights or a moment), gathered a piece of
+    /// each block at a time through a scratch (the gradients' buffer, which holds every block
+    /// at once, or where the gradients are split, the unit buffer); with `keep`, downloaded
+    /// into the whole vector. Collective.
+    fn gather_blocks(&self, block: Block<'_>, keep: bool) -> Result<Option<Vec<f32>>, ModelError> {
         let group = self.group.as_deref().ok_or_else(unjoined)?;
-        let all = slice::<f32>(&self.grads)?;
-        let send = match block {
-            Block::Device(buffer) => slice(buffer)?,
-            Block::Host(values) => {
-                // Sent from this rank's own block of the buffer (NCCL's in-place form).
-                let n = self.model.layout().len();
-                let own = all.sub(self.shard.start(n), values.len())?;
-                self.gpu.upload(own, values)?;
-                own
+        let n = self.model.layout().len();
+        let (rank, ranks, size) = (self.shard.rank, self.shard.ranks, self.shard.block(n));
+        let scratch = slice::<f32>(self.units.as_ref().unwrap_or(&self.grads))?;
+        let piece = (scratch.len() / ranks).min(size).max(1);
+        let mut out = keep.then(|| vec![0.0; ranks * size]);
+        for first in (0..size).step_by(piece) {
+            let len = piece.min(size - first);
+            let all = scratch.sub(0, ranks * len)?;
+            let send = match block {
+                Block::Device(buffer) => slice::<f32>(buffer)?.sub(first, len)?,
+                Block::Host(values) => {
+                    // Sent from this rank's own piece of the scratch (NCCL's in-place form).
+                    let own = all.sub(rank * len, len)?;
+                    self.gpu.upload(own, &values[first..first + len])?;
+                    own
+                }
+            };
+            group.all_gather_f32(send, all)?;
+            if let Some(out) = &mut out {
+                let mut pieces = vec![0.0; ranks * len];
+                self.gpu.download(&mut pieces, all)?;
+                for (r, got) in pieces.chunks_exact(len).enumerate() {
+                    out[r * size + first..][..len].copy_from_slice(got);
+                }
             }
-        };
-        group.all_gather_f32(send, all)?;
-        Ok(all)
+        }
+        Ok(out.map(|mut whole| {
+            whole.truncate(n);
+            whole
+        }))
     }
 
-    /// [`gather_blocks`](Self::gather_blocks), downloaded whole.
+    /// [`gather_blocks`](Self::gather_blocks), kept.
     fn gathered(&self, block: Block<'_>) -> Result<Vec<f32>, ModelError> {
-        let all = self.gather_blocks(block)?;
-        let n = self.model.layout().len();
-        let mut out = vec![0.0; n];
-        self.gpu.download(&mut out, all.sub(0, n)?)?;
-        Ok(out)
+        Ok(self.gather_blocks(block, true)?.unwrap_or_default())
     }
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
@@ -1104,6 +1221,7 @@ impl GpuTrainer {
         let state = [&self.params, &self.grads, &self.scalar]
             .into_iter()
             .chain(&self.master)
+            .chain(&self.units)
             .chain(&self.low);
         let moments: Vec<&Buffer> = match &self.moments {
             Moments::Resident { m, v } => vec![m, v],
@@ -1172,6 +1290,13 @@ enum Block<'a> {
     Device(&'a Buffer),
     /// In host memory ([`GpuTrainerSpec::optimizer_on_host`]).
     Host(&'a [f32]),
+}
+
+/// Elements of the unit buffer of split gradients: the embedding's gradients, and beside them
+/// room for the largest of a layer's and the tail's (final norm, untied head).
+fn split_unit_len(layout: &ParamLayout) -> usize {
+    let [embedding, tail] = edge_units(layout);
+    embedding.len() + tail.len().max(layout.layer_range(0).len())
 }
 
 /// The error of a trainer of a split optimizer state used before it joined its group.

@@ -1,8 +1,51 @@
 //! Views of the flat parameter (bf16) and gradient (fp32) buffers on the device, cut by the
-//! same [`ParamLayout`] as the CPU's fp32 buffers.
+//! same [`ParamLayout`] as the CPU's fp32 buffers, and where the backward pass accumulates the
+//! gradients ([`GradUnits`]): the whole flat buffer, or unit by unit.
 
-use crate::device::{DeviceError, GpuElement, GpuSlice};
-use crate::model::{ParamKind, ParamLayout};
+use std::ops::Range;
+
+use crate::device::{DeviceError, Gpu, GpuElement, GpuSlice};
+use crate::model::{ModelError, ParamKind, ParamLayout};
+
+/// Where the backward pass accumulates (`+=`) the weight gradients, a unit at a time: a unit is
+/// a range of the flat parameters (a layer's, the embedding's, the final norm's with an
+/// untied head's), opened before its gradients are computed and closed once they are
+/// complete for the pass. At most two units are open at once (the edges' at the start).
+pub trait GradUnits {
+    /// Where the gradients of `unit` accumulate: `unit.len()` elements laid out as the flat
+    /// buffer's `unit`.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`].
+    fn open(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError>;
+
+    /// The pass's gradients of `unit` are all there.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`].
+    fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError>;
+}
+
+/// The gradients in one flat buffer laid out as the whole model, accumulating over passes.
+pub struct WholeGrads(pub GpuSlice<f32>);
+
+impl GradUnits for WholeGrads {
+    fn open(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
+        Ok(self.0.sub(unit.start, unit.len())?)
+    }
+
+    fn close(&self, _gpu: &Gpu, _unit: Range<usize>) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
+/// The units of the backward pass whose gradients are computed first and last: the embedding
+/// (and a tied head), and the final norm with an untied head.
+pub(crate) fn edge_units(layout: &ParamLayout) -> [Range<usize>; 2] {
+    let embedding = layout.range(ParamKind::Embedding, 0);
+    let tail = layout.range(ParamKind::FinalNorm, 0).start..layout.len();
+    [embedding, tail]
+}
 
 /// Tensor `kind` of `layer` (ignored for whole-model kinds) in `buf`; the LM head of a tied
 /// model is the embedding.
@@ -12,8 +55,27 @@ pub(super) fn tensor<T: GpuElement>(
     kind: ParamKind,
     layer: usize,
 ) -> Result<GpuSlice<T>, DeviceError> {
+    tensor_in(layout, buf, 0, kind, layer)
+}
+
+/// [`tensor`] in `unit`, a buffer holding the flat parameters from `base` on.
+pub(super) fn tensor_in<T: GpuElement>(
+    layout: &ParamLayout,
+    unit: GpuSlice<T>,
+    base: usize,
+    kind: ParamKind,
+    layer: usize,
+) -> Result<GpuSlice<T>, DeviceError> {
     let r = layout.range(kind, layer);
-    buf.sub(r.start, r.end - r.start)
+    let start = r
+        .start
+        .checked_sub(base)
+        .ok_or(DeviceError::ShapeMismatch {
+            what: "unit holding a tensor (its first parameter)",
+            expected: base,
+            actual: r.start,
+        })?;
+    unit.sub(start, r.len())
 }
 
 /// The tensors of one decoder layer in a flat buffer (weights or their gradients): the nine of
@@ -41,7 +103,17 @@ impl<T: GpuElement> LayerTensors<T> {
         buf: GpuSlice<T>,
         l: usize,
     ) -> Result<LayerTensors<T>, DeviceError> {
-        let t = |kind| tensor(layout, buf, kind, l);
+        Self::in_unit(layout, buf, 0, l)
+    }
+
+    /// Layer `l`'s tensors in `unit`, a buffer holding the flat parameters from `base` on.
+    pub(super) fn in_unit(
+        layout: &ParamLayout,
+        unit: GpuSlice<T>,
+        base: usize,
+        l: usize,
+    ) -> Result<LayerTensors<T>, DeviceError> {
+        let t = |kind| tensor_in(layout, unit, base, kind, l);
         let has = |kind| layout.get(kind, l).is_some();
         let qkv_bias = if has(ParamKind::QBias) {
             Some([

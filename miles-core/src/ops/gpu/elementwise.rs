@@ -53,6 +53,20 @@ impl Gpu {
         )
     }
 
+    /// `out += x`, in fp32.
+    ///
+    /// # Errors
+    /// As [`Gpu::cast_to_bf16`].
+    pub fn add_f32(&self, out: GpuSlice<f32>, x: GpuSlice<f32>) -> Result<(), DeviceError> {
+        out.expect_len("addend", x.len())?;
+        let n = as_i64(x.len());
+        self.launch(
+            "add_f32",
+            elementwise(x.len()),
+            &[&out.address(), &x.address(), &n],
+        )
+    }
+
     /// `out (N, C)` = rows `ids (N)` of `table (V, C)`. Ids are trusted to be below `V`
     /// (the model checks tokens before it uploads them).
     ///

@@ -61,8 +61,9 @@ pub const PROGRAM: KernelProgram = KernelProgram {
 };
 
 /// The kernels of `kernels/forward.cu`.
-const FORWARD_KERNELS: [&str; 10] = [
+const FORWARD_KERNELS: [&str; 11] = [
     "cast_f32_to_bf16",
+    "add_f32",
     "cast_bf16_to_f32",
     "embedding_forward",
     "rmsnorm_forward",

@@ -382,6 +382,19 @@ fn gpu_casts_round_trip_through_bf16() {
 }
 
 #[test]
+fn gpu_add_f32_adds_in_place_as_the_host_does() {
+    let Some(mut t) = TestGpu::open("gpu_add_f32_adds_in_place_as_the_host_does", 16 << 20) else {
+        return;
+    };
+    let (a, b) = (seeded(13, 70_001), seeded(14, 70_001));
+    let (out, x) = (t.put(&a), t.put(&b));
+    t.gpu.add_f32(out, x).unwrap_or_else(|e| panic!("{e}"));
+    let want: Vec<f32> = a.iter().zip(&b).map(|(p, q)| p + q).collect();
+    assert_close("add_f32", &t.get(out), &want, 0.0);
+    assert!(t.gpu.add_f32(out, x.sub(0, 7).unwrap()).is_err());
+}
+
+#[test]
 fn gpu_slices_reinterpret_their_bytes_and_refuse_a_partial_or_misaligned_element() {
     let range = |start: u64, len: usize| crate::device::AddressRange { start, len };
     let halves = GpuSlice::<bf16>::of(range(4096, 64)).unwrap();

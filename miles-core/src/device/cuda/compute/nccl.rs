@@ -403,13 +403,7 @@ impl NcclComm {
     /// # Errors
     /// [`DeviceError::BadRank`] for a root not below the world size; [`DeviceError::Cuda`].
     pub fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
-        if root >= self.world {
-            return Err(DeviceError::BadRank {
-                what: "broadcast root",
-                rank: root,
-                world: self.world,
-            });
-        }
+        self.check_root("broadcast root", root)?;
         let stream = self.queue("ncclBroadcast")?;
         // SAFETY: `buf` is device memory of this GPU the caller holds, read on the root and
         // written elsewhere, in place; `root` is below the world size, which fits a c_int.
@@ -426,6 +420,43 @@ impl NcclComm {
         }
         .map(drop)
         .map_err(nccl("ncclBroadcast"))
+    }
+
+    /// Sums `buf` over the ranks into rank `root`'s `buf`, in place; the others' `buf` stay as
+    /// they were.
+    ///
+    /// # Errors
+    /// As [`broadcast`](Self::broadcast).
+    pub fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
+        self.check_root("reduce root", root)?;
+        let stream = self.queue("ncclReduce")?;
+        // SAFETY: `buf` is device memory of this GPU the caller holds, read everywhere and
+        // written on the root, in place (allowed by NCCL); `root` is below the world size.
+        unsafe {
+            result::reduce(
+                buf.address() as *const _,
+                buf.address() as *mut _,
+                buf.len(),
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                root as c_int,
+                self.comm,
+                stream,
+            )
+        }
+        .map(drop)
+        .map_err(nccl("ncclReduce"))
+    }
+
+    fn check_root(&self, what: &'static str, root: usize) -> Result<(), DeviceError> {
+        if root >= self.world {
+            return Err(DeviceError::BadRank {
+                what,
+                rank: root,
+                world: self.world,
+            });
+        }
+        Ok(())
     }
 
     /// Returns once every rank has reached it and this GPU's queued work is done: an
@@ -570,6 +601,12 @@ pub trait Collectives: Send {
     /// As [`NcclComm::broadcast`].
     fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError>;
 
+    /// `buf` on rank `root` becomes the element-wise sum over the ranks; the others' stay.
+    ///
+    /// # Errors
+    /// As [`NcclComm::reduce_sum`].
+    fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError>;
+
     /// Releases the group's own device buffers where it can; their bytes, `None` where they
     /// stay (or there are none). Collective.
     ///
@@ -627,6 +664,10 @@ impl Collectives for NcclComm {
 
     fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
         NcclComm::broadcast(self, buf, root)
+    }
+
+    fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
+        NcclComm::reduce_sum(self, buf, root)
     }
 
     fn suspend(&mut self) -> Result<Option<u64>, DeviceError> {

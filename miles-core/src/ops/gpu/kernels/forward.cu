@@ -17,6 +17,14 @@ extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* x, long long
     }
 }
 
+// out[i] += x[i], i < n, in fp32.
+extern "C" __global__ void add_f32(float* out, const float* x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] += x[i];
+    }
+}
+
 // out (n, c) = table[ids[row]] (rows of c); one block a row.
 extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids, const bf16* table,
                                              int c) {
