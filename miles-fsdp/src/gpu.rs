@@ -1,12 +1,12 @@
 //! FSDP on GPUs: one process a GPU, computed by core's GPU trainer.
 //!
 //! - Over several GPUs each rank keeps its block of the optimizer state (fp32 master weights
-//!   and AdamW moments, core's `OptimizerShard`) and of the gradients, and the whole bf16
-//!   weights: each unit's gradients (a layer's, the embedding's, the tail's) are summed into
-//!   their owners' blocks as soon as the unit's backward pass is done, each rank updates its
-//!   block, and the bf16 weights are all-gathered. In ZeRO's terms that is stage 2; with
-//!   `--grad-reduce-in-bf16` the gradients stay whole and are reduce-scattered in bf16 (stage
-//!   1). The bf16 weights are not split per unit yet.
+//!   and AdamW moments, core's `OptimizerShard`), of the gradients and of the bf16 weights:
+//!   each unit's weights (a layer's; the edges': embedding, final norm, untied head) are
+//!   gathered before it runs, its gradients summed into their owners' blocks as soon as its
+//!   backward pass is done, and each rank updates its block. In ZeRO's terms that is stage 3;
+//!   with `--grad-reduce-in-bf16` the weights and gradients stay whole and the gradients are
+//!   reduce-scattered in bf16 (stage 1).
 //! - On one GPU, `--fsdp-cpu-offload` without `--offload-train` keeps the optimizer state and
 //!   its step on the host (the trainer's `optimizer_on_host`).
 //! - Saved in core's optimizer files, gathered to rank 0, so a GPU checkpoint loads on the CPU

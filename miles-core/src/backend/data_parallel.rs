@@ -94,6 +94,15 @@ impl TrainerGroup for DataParallelGroup {
         Ok(self.comm.lock().reduce_scatter_bf16_in_place(all)?)
     }
 
+    fn broadcast_bf16(
+        &self,
+        send: GpuSlice<bf16>,
+        recv: GpuSlice<bf16>,
+        owner: usize,
+    ) -> Result<(), ModelError> {
+        Ok(self.comm.lock().broadcast_bf16(send, recv, owner)?)
+    }
+
     fn reduce_f32(&self, part: GpuSlice<f32>, owner: usize) -> Result<(), ModelError> {
         Ok(self.comm.lock().reduce_sum(part, owner)?)
     }
@@ -226,34 +235,53 @@ mod tests {
         /// Gradients split too, summed unit by unit; each sequence a micro-batch, so that the
         /// ranks (two sequences and one) run different numbers of them.
         split_grads: bool,
+        /// bf16 weights split too, gathered unit by unit (with `split_grads`).
+        split_weights: bool,
     }
 
     /// The ways a split pair is tested.
-    const SPLIT_WAYS: [Way; 5] = [
+    const SPLIT_WAYS: [Way; 7] = [
         Way {
             bf16_reduce: false,
             on_host: false,
             split_grads: false,
+            split_weights: false,
         },
         Way {
             bf16_reduce: true,
             on_host: false,
             split_grads: false,
+            split_weights: false,
         },
         Way {
             bf16_reduce: false,
             on_host: true,
             split_grads: false,
+            split_weights: false,
         },
         Way {
             bf16_reduce: false,
             on_host: false,
             split_grads: true,
+            split_weights: false,
         },
         Way {
             bf16_reduce: false,
             on_host: true,
             split_grads: true,
+            split_weights: false,
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: false,
+            split_grads: true,
+            split_weights: true,
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: true,
+            split_grads: true,
+            split_weights: true,
         },
     ];
 
@@ -290,6 +318,7 @@ mod tests {
                         shard: OptimizerShard {
                             bf16_reduce: way.bf16_reduce,
                             split_grads: way.split_grads,
+                            split_weights: way.split_weights,
                             ..OptimizerShard::split(rank, 2)
                         },
                         backup: BackupPolicy::Host,
@@ -322,6 +351,20 @@ mod tests {
                     );
                     let master = trainer.master_params().unwrap();
                     let (m, v) = trainer.moments().unwrap();
+                    // The bf16 weights, gathered where split, are the master weights rounded.
+                    let rounded: Vec<f32> = master
+                        .iter()
+                        .map(|&x| f32::from(bf16::from_f32(x)))
+                        .collect();
+                    assert!(
+                        trainer.weights().unwrap() == rounded,
+                        "{way:?}: rank {rank}'s bf16 weights are not its master weights rounded"
+                    );
+                    assert_eq!(
+                        trainer.device_params().unwrap().is_none(),
+                        way.split_weights,
+                        "{way:?}: split weights are not shown on the device whole"
+                    );
                     (losses, bytes, master, m, v)
                 })
             })

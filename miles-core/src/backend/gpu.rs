@@ -7,7 +7,7 @@
 //! accepts, which its constructor checks before building this. Over several GPUs, one process
 //! each, either backend runs data parallel with the optimizer state split over the ranks
 //! ([`GpuBackend::on_ranks`]): Megatron's distributed optimizer (ZeRO stage 1), and fsdp's
-//! stage 2, its gradients split too.
+//! stage 3, its gradients and bf16 weights split too.
 
 use std::marker::PhantomData;
 use std::path::Path;
@@ -191,14 +191,16 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             backend: F::NAME,
             reason,
         })?;
-        // FSDP splits the gradients too (ZeRO stage 2) where they are reduced in fp32;
-        // Megatron's distributed optimizer keeps them whole (stage 1).
-        let split_grads = settings.train_backend == TrainBackendKind::Fsdp
+        // FSDP splits the gradients and the bf16 weights too (ZeRO stage 3) where the
+        // gradients are reduced in fp32; Megatron's distributed optimizer keeps both whole
+        // (stage 1).
+        let fully_sharded = settings.train_backend == TrainBackendKind::Fsdp
             && ranks > 1
             && !settings.grad_reduce_in_bf16;
         let shard = OptimizerShard {
             bf16_reduce: settings.grad_reduce_in_bf16,
-            split_grads,
+            split_grads: fully_sharded,
+            split_weights: fully_sharded,
             ..OptimizerShard::split(comm.as_ref().map_or(0, NcclComm::rank), ranks)
         };
         let mut backend = GpuBackend::from_settings(gpu, settings, shard)?;
@@ -214,11 +216,11 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 params = bytes(MemoryTag::Params),
                 optimizer = bytes(MemoryTag::Optimizer),
                 grads = bytes(MemoryTag::Grads),
-                "this rank keeps its block of the optimizer state (fp32 master weights and moments){} and the whole bf16 weights",
-                if split_grads {
-                    " and of the gradients"
+                "this rank keeps its block of the optimizer state (fp32 master weights and moments){}",
+                if fully_sharded {
+                    ", of the gradients and of the bf16 weights"
                 } else {
-                    ""
+                    " and the whole bf16 weights"
                 }
             );
         }
@@ -388,7 +390,7 @@ impl<F: OptimizerFiles> TrainBackend for GpuBackend<F> {
     ) -> Result<(), BackendError> {
         self.check_on_device("export weights")?;
         // The bf16 weights, not the master weights: what the engine and the trainer compute
-        // with, and no gather, so a rank may export without the others.
+        // with; gathered over the group where they are split (every rank exports at once).
         let full = self.trainer.weights()?;
         export_full_weights(&self.layout, &full, bucket_bytes, sink)
     }

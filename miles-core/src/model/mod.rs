@@ -31,8 +31,8 @@ pub use error::ModelError;
 pub use gpu::testing as gpu_testing;
 pub use gpu::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTrainer, GpuTrainerSpec, GpuTransformer,
-    GradUnits, GroupComm, MomentStream, OptimizerShard, StepTimes, TrainerGroup, WholeGrads,
-    standalone_gpu_trainer,
+    GradUnits, GroupComm, MomentStream, OptimizerShard, StepTimes, TrainerGroup, WeightUnits,
+    WholeGrads, WholeWeights, standalone_gpu_trainer,
 };
 pub use hf_tokenizer::{TOKENIZER_FILE, Tokenizer};
 pub use init::init_params;

@@ -10,7 +10,7 @@ use super::GpuTransformer;
 use super::TrainerGroup;
 use super::forward::{HeadGrads, attention_shape, sum_over_shards};
 use super::layout::{GpuActivations, LayerActs};
-use super::weights::{GradUnits, LayerTensors, edge_units, tensor, tensor_in};
+use super::weights::{Edges, GradUnits, LayerTensors, WeightUnits, edge_units};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{ModelError, ParamKind, TrainBatch};
@@ -79,7 +79,7 @@ impl GpuTransformer {
     pub fn backward(
         &self,
         gpu: &Gpu,
-        params: GpuSlice<bf16>,
+        weights: &dyn WeightUnits,
         grads: &dyn GradUnits,
         acts: &GpuActivations,
         batch: &TrainBatch<'_>,
@@ -87,56 +87,90 @@ impl GpuTransformer {
     ) -> Result<(), ModelError> {
         acts.check_shape(batch)?;
         let lay = self.layout();
-        params.expect_len("gpu params (bf16)", lay.len())?;
         let c = self.config();
         let a = acts.layout();
         let (h, layers) = (c.hidden_size, c.num_layers);
         let flow = Flow::of(acts, group)?;
         // The edges first: the head's and final norm's gradients (a tied head's in the
         // embedding's), the embedding's at the end.
+        let edge_w = self.edge_weights(gpu, weights)?;
         let [embedding, tail] = edge_units(lay);
-        let g_embedding = grads.open(gpu, embedding.clone())?;
-        let g_tail = grads.open(gpu, tail.clone())?;
-        let edge = |kind| {
-            if lay.range(kind, 0).start >= tail.start {
-                tensor_in(lay, g_tail, tail.start, kind, 0)
-            } else {
-                tensor_in(lay, g_embedding, embedding.start, kind, 0)
-            }
+        let edge_dw = Edges {
+            bufs: [
+                grads.open(gpu, embedding.clone())?,
+                grads.open(gpu, tail.clone())?,
+            ],
+            units: [embedding.clone(), tail.clone()],
         };
         let head = HeadGrads {
-            d_head: edge(ParamKind::LmHead)?,
+            d_head: edge_dw.tensor(lay, ParamKind::LmHead)?,
             d_lnf: flow.d_ln,
         };
-        self.head_rows(gpu, params, acts, batch.normaliser, Some(&head))?;
+        let head_weights = edge_w.tensor(lay, ParamKind::LmHead)?;
+        self.head_rows(gpu, head_weights, acts, batch.normaliser, Some(&head))?;
         gpu.zero(flow.d_res)?;
         gpu.rmsnorm_backward(
             flow.d_res,
-            edge(ParamKind::FinalNorm)?,
+            edge_dw.tensor(lay, ParamKind::FinalNorm)?,
             flow.d_ln,
             acts.bf(&layer_block(&a.residual, layers, layers + 1))?,
-            tensor(lay, params, ParamKind::FinalNorm, 0)?,
+            edge_w.tensor(lay, ParamKind::FinalNorm)?,
             acts.f(&a.lnf_rstd)?,
             flow.partials,
         )?;
         grads.close(gpu, tail.clone())?;
         for l in (0..layers).rev() {
             let unit = lay.layer_range(l);
-            let w = LayerTensors::of(lay, params, l)?;
+            let w = self.layer_weights(gpu, weights, l)?;
             let g = grads.open(gpu, unit.clone())?;
             let dw = LayerTensors::in_unit(lay, g, unit.start, l)?;
             self.layer_backward(gpu, &w, &dw, &acts.layer(l, layers)?, &flow, acts)?;
             grads.close(gpu, unit)?;
         }
         gpu.embedding_backward(
-            edge(ParamKind::Embedding)?,
+            edge_dw.tensor(lay, ParamKind::Embedding)?,
             flow.d_res,
             acts.u(&a.inputs)?,
             acts.u(&a.input_order)?,
             acts.u(&a.input_starts)?,
             h,
         )?;
-        Ok(())
+        grads.close(gpu, embedding)
+    }
+
+    /// A forward pass's unit fetches and, with `grads`, a backward pass's fetches, opens and
+    /// closes, in the passes' order, computing nothing: for a rank of a group that splits its
+    /// weights or gradients and has fewer micro-batches than its peers, whose gathers and sums
+    /// (collectives) it still takes part in. The gradients it adds are zeros.
+    ///
+    /// # Errors
+    /// As [`backward`](Self::backward).
+    pub(super) fn pass_without_batch(
+        &self,
+        gpu: &Gpu,
+        weights: &dyn WeightUnits,
+        grads: Option<&dyn GradUnits>,
+    ) -> Result<(), ModelError> {
+        let (lay, layers) = (self.layout(), self.config().num_layers);
+        self.edge_weights(gpu, weights)?;
+        for l in 0..layers {
+            self.layer_weights(gpu, weights, l)?;
+        }
+        let Some(grads) = grads else {
+            return Ok(());
+        };
+        self.edge_weights(gpu, weights)?;
+        let [embedding, tail] = edge_units(lay);
+        grads.open(gpu, embedding.clone())?;
+        grads.open(gpu, tail.clone())?;
+        grads.close(gpu, tail)?;
+        for l in (0..layers).rev() {
+            self.layer_weights(gpu, weights, l)?;
+            let unit = lay.layer_range(l);
+            grads.open(gpu, unit.clone())?;
+            grads.close(gpu, unit)?;
+        }
+        grads.close(gpu, embedding)
     }
 
     /// Layer `l`'s backward pass; `flow.d_res` holds the gradient of the residual stream

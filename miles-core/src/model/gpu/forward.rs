@@ -6,7 +6,7 @@ use half::bf16;
 use super::TrainerGroup;
 use super::backward::{input_grad, weight_grad};
 use super::layout::{GpuActivationLayout, GpuActivations, HEAD_ROWS, LayerActs};
-use super::weights::{LayerTensors, tensor};
+use super::weights::{Edges, LayerTensors, WeightUnits, edge_units};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
@@ -81,7 +81,8 @@ impl GpuTransformer {
         self.model.check_batch(&al, batch)
     }
 
-    /// Uploads `batch`'s inputs and queues the forward pass: for [`ForwardMode::Score`] the
+    /// Uploads `batch`'s inputs and queues the forward pass over `weights` (the whole flat
+    /// buffer: [`WholeWeights`](super::weights::WholeWeights)): for [`ForwardMode::Score`] the
     /// per-token log-probs are then in `acts` ([`logprobs`](Self::logprobs) reads them); for
     /// [`ForwardMode::Train`] the final norm's output is, and the log-probs come with the
     /// [`backward`](Self::backward) pass. With `group`, the o and down products go through
@@ -94,7 +95,7 @@ impl GpuTransformer {
     pub fn forward(
         &self,
         gpu: &Gpu,
-        params: GpuSlice<bf16>,
+        weights: &dyn WeightUnits,
         acts: &GpuActivations,
         batch: &TrainBatch<'_>,
         mode: ForwardMode,
@@ -102,18 +103,44 @@ impl GpuTransformer {
     ) -> Result<(), ModelError> {
         self.check_batch(batch)?;
         acts.check_shape(batch)?;
-        params.expect_len("gpu params (bf16)", self.layout().len())?;
         self.upload_inputs(gpu, acts, batch)?;
-        let c = self.config();
+        let (c, lay) = (self.config(), self.layout());
         let (layers, a) = (c.num_layers, acts.layout());
-        let embedding = tensor(self.layout(), params, ParamKind::Embedding, 0)?;
+        let edges = self.edge_weights(gpu, weights)?;
+        let embedding = edges.tensor(lay, ParamKind::Embedding)?;
         let res0 = acts.bf(&layer_block(&a.residual, 0, layers + 1))?;
         gpu.embedding_forward(res0, acts.u(&a.inputs)?, embedding, c.hidden_size)?;
         for l in 0..layers {
-            let w = LayerTensors::of(self.layout(), params, l)?;
+            let w = self.layer_weights(gpu, weights, l)?;
             self.layer_forward(gpu, &w, &acts.layer(l, layers)?, acts, group)?;
         }
-        self.head_forward(gpu, params, acts, batch.normaliser, mode)
+        self.head_forward(gpu, &edges, acts, batch.normaliser, mode)
+    }
+
+    /// The edges' weights (embedding, final norm, head), fetched from `weights`.
+    pub(super) fn edge_weights(
+        &self,
+        gpu: &Gpu,
+        weights: &dyn WeightUnits,
+    ) -> Result<Edges<bf16>, ModelError> {
+        let units = edge_units(self.layout());
+        let bufs = [
+            weights.fetch(gpu, units[0].clone())?,
+            weights.fetch(gpu, units[1].clone())?,
+        ];
+        Ok(Edges { units, bufs })
+    }
+
+    /// Layer `l`'s weights, fetched from `weights`.
+    pub(super) fn layer_weights(
+        &self,
+        gpu: &Gpu,
+        weights: &dyn WeightUnits,
+        l: usize,
+    ) -> Result<LayerTensors<bf16>, ModelError> {
+        let unit = self.layout().layer_range(l);
+        let buf = weights.fetch(gpu, unit.clone())?;
+        Ok(LayerTensors::in_unit(self.layout(), buf, unit.start, l)?)
     }
 
     /// The per-token log-probs `(B, T)` of the last scoring forward pass or backward pass on
@@ -229,7 +256,7 @@ impl GpuTransformer {
     fn head_forward(
         &self,
         gpu: &Gpu,
-        params: GpuSlice<bf16>,
+        edges: &Edges<bf16>,
         acts: &GpuActivations,
         normaliser: f32,
         mode: ForwardMode,
@@ -237,7 +264,7 @@ impl GpuTransformer {
         let c = self.config();
         let a = acts.layout();
         let layers = c.num_layers;
-        let norm = tensor(self.layout(), params, ParamKind::FinalNorm, 0)?;
+        let norm = edges.tensor(self.layout(), ParamKind::FinalNorm)?;
         let res_last = acts.bf(&layer_block(&a.residual, layers, layers + 1))?;
         gpu.rmsnorm_forward(
             acts.bf(&a.lnf)?,
@@ -247,19 +274,22 @@ impl GpuTransformer {
             c.rms_norm_eps,
         )?;
         match mode {
-            ForwardMode::Score => self.head_rows(gpu, params, acts, normaliser, None),
+            ForwardMode::Score => {
+                let head = edges.tensor(self.layout(), ParamKind::LmHead)?;
+                self.head_rows(gpu, head, acts, normaliser, None)
+            }
             ForwardMode::Train => Ok(()),
         }
     }
 
-    /// The LM head over the final norm's output into fp32 logits and the fused cross-entropy
-    /// into the log-probs, [`HEAD_ROWS`] rows at a time; with `grads`, each chunk's logit
-    /// gradient goes straight back through the head: `d_lnf = d_logits W` and
+    /// The LM head `head` over the final norm's output into fp32 logits and the fused
+    /// cross-entropy into the log-probs, [`HEAD_ROWS`] rows at a time; with `grads`, each
+    /// chunk's logit gradient goes straight back through the head: `d_lnf = d_logits W` and
     /// `d_head += d_logits^T lnf`.
     pub(super) fn head_rows(
         &self,
         gpu: &Gpu,
-        params: GpuSlice<bf16>,
+        head: GpuSlice<bf16>,
         acts: &GpuActivations,
         normaliser: f32,
         grads: Option<&HeadGrads>,
@@ -267,7 +297,6 @@ impl GpuTransformer {
         let c = self.config();
         let a = acts.layout();
         let (n, h, v) = (a.batch * a.seq, c.hidden_size, c.vocab_size);
-        let head = tensor(self.layout(), params, ParamKind::LmHead, 0)?;
         let lnf = acts.bf(&a.lnf)?;
         let (logits, d_logits) = acts.head_logits()?;
         let (logprobs, targets, weights) = (

@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
-use super::weights::{GradUnits, edge_units};
+use super::weights::{GradUnits, WeightUnits};
 use crate::device::{Collectives, Gpu, GpuSlice};
-use crate::model::{ModelError, ParamLayout};
+use crate::model::ModelError;
 
 /// A group's communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers through
 /// `&self`, an NCCL communicator is neither), with the GPU it runs on: what every group holds,
@@ -241,6 +241,21 @@ pub trait TrainerGroup: Send + Sync {
         Err(not_sharded(self.name()))
     }
 
+    /// For a trainer whose bf16 weights are split too ([`OptimizerShard::split_weights`]):
+    /// `recv` on every rank becomes rank `owner`'s `send` (a piece of a unit's weights that
+    /// `owner`'s block holds; `send` is read on `owner` alone).
+    ///
+    /// # Errors
+    /// As [`reduce_scatter_f32`](Self::reduce_scatter_f32).
+    fn broadcast_bf16(
+        &self,
+        _send: GpuSlice<bf16>,
+        _recv: GpuSlice<bf16>,
+        _owner: usize,
+    ) -> Result<(), ModelError> {
+        Err(not_sharded(self.name()))
+    }
+
     /// For a trainer whose gradients are split too ([`OptimizerShard::split_grads`]): sums
     /// `part` (a piece of a unit's gradients that rank `owner`'s block holds) over the ranks
     /// into `owner`'s `part`, in place; the others' stay.
@@ -284,25 +299,70 @@ impl SplitGrads<'_> {
         let at = if unit.start == 0 { 0 } else { self.embedding };
         Ok(self.units.sub(at, unit.len())?)
     }
+}
 
-    /// A backward pass's unit sums with nothing of this rank's in them, for a rank with fewer
-    /// micro-batches than its peers: every unit of a model laid out by `layout` with `layers`
-    /// layers opened (zeroed) and closed in the backward pass's order.
-    pub(super) fn pass_without_batch(
-        &self,
-        gpu: &Gpu,
-        layout: &ParamLayout,
-        layers: usize,
-    ) -> Result<(), ModelError> {
-        let [embedding, tail] = edge_units(layout);
-        let units = std::iter::once(tail)
-            .chain((0..layers).rev().map(|l| layout.layer_range(l)))
-            .chain(std::iter::once(embedding));
-        for unit in units {
-            self.open(gpu, unit.clone())?;
-            self.close(gpu, unit)?;
+/// The bf16 weights of a rank whose weights are split over its group
+/// ([`OptimizerShard::split_weights`]): the edges' units gathered into `units` once (the
+/// embedding's at the start, the tail's after it, [`gather_edges`](Self::gather_edges)), and
+/// each layer's after them when fetched, from the ranks whose blocks hold its pieces
+/// ([`TrainerGroup::broadcast_bf16`]); this rank's block is `own`.
+pub(super) struct SplitWeights<'a> {
+    pub group: &'a dyn TrainerGroup,
+    pub shard: OptimizerShard,
+    /// The model's parameters.
+    pub params: usize,
+    pub own: GpuSlice<bf16>,
+    pub units: GpuSlice<bf16>,
+    /// The edge units (`weights::edge_units`): the embedding's and the tail's.
+    pub edges: [Range<usize>; 2],
+}
+
+impl SplitWeights<'_> {
+    /// Gathers the edges' weights, which stay in place for the passes. Collective.
+    pub(super) fn gather_edges(&self) -> Result<(), ModelError> {
+        for unit in &self.edges {
+            self.gather(unit, self.place(unit)?)?;
         }
         Ok(())
+    }
+
+    /// Where `unit` lies in `units`: the embedding's first, the tail's after it, a layer's
+    /// after both.
+    fn place(&self, unit: &Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
+        let [embedding, tail] = &self.edges;
+        let at = if unit == embedding {
+            0
+        } else if unit == tail {
+            embedding.len()
+        } else {
+            embedding.len() + tail.len()
+        };
+        Ok(self.units.sub(at, unit.len())?)
+    }
+
+    /// `unit`'s weights into `into`, a piece from each rank whose block holds one.
+    fn gather(&self, unit: &Range<usize>, into: GpuSlice<bf16>) -> Result<(), ModelError> {
+        let start = self.shard.start(self.params);
+        for (owner, piece) in self.shard.owners(unit.clone(), self.params) {
+            let recv = into.sub(piece.start - unit.start, piece.len())?;
+            let send = if owner == self.shard.rank {
+                self.own.sub(piece.start - start, piece.len())?
+            } else {
+                recv
+            };
+            self.group.broadcast_bf16(send, recv, owner)?;
+        }
+        Ok(())
+    }
+}
+
+impl WeightUnits for SplitWeights<'_> {
+    fn fetch(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
+        let at = self.place(&unit)?;
+        if !self.edges.contains(&unit) {
+            self.gather(&unit, at)?;
+        }
+        Ok(at)
     }
 }
 
@@ -354,6 +414,11 @@ pub struct OptimizerShard {
     /// as the unit is done, so a rank holds its block of the gradients and a unit's, not all
     /// of them. Not with `bf16_reduce`.
     pub split_grads: bool,
+    /// The bf16 weights are split too (ZeRO stage 3, FSDP's full sharding): a rank keeps its
+    /// block of them; the edges' weights (embedding, final norm, untied head) are gathered
+    /// into a unit buffer at the start of a step's passes and each layer's just before it
+    /// runs, forward and backward. Needs `split_grads`.
+    pub split_weights: bool,
 }
 
 /// A block is a multiple of this many elements, so that every block of bf16 or fp32 elements
@@ -371,6 +436,7 @@ impl OptimizerShard {
             ranks,
             bf16_reduce: false,
             split_grads: false,
+            split_weights: false,
         }
     }
 

@@ -27,4 +27,4 @@ pub use group::{GroupComm, OptimizerShard, TrainerGroup};
 pub use layout::{GpuActivationLayout, GpuActivations};
 pub use stream::MomentStream;
 pub use trainer::{GpuTrainer, GpuTrainerSpec, StepTimes, standalone_gpu_trainer};
-pub use weights::{GradUnits, WholeGrads};
+pub use weights::{GradUnits, WeightUnits, WholeGrads, WholeWeights};

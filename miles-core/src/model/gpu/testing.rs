@@ -515,6 +515,18 @@ impl Collectives for HostCollectives {
         self.gpu.upload(buf, &all[root])
     }
 
+    fn broadcast_bf16(
+        &self,
+        send: GpuSlice<bf16>,
+        recv: GpuSlice<bf16>,
+        root: usize,
+    ) -> Result<(), DeviceError> {
+        self.check_root("broadcast root", root)?;
+        recv.expect_len("broadcast receive buffer", send.len())?;
+        let all = self.gathered("broadcast_bf16", Some(root), send)?;
+        self.gpu.upload(recv, &all[root])
+    }
+
     fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
         self.check_root("reduce root", root)?;
         let sum = self.summed_at("reduce_sum", Some(root), buf)?;

@@ -126,12 +126,19 @@ fn forward_and_backward_match_the_cpu_on(
     );
     let acts = GpuActivations::new(layout, bf, fl, ids).unwrap();
     model
-        .forward(&t.gpu, dev_params, &acts, &batch, ForwardMode::Train, None)
+        .forward(
+            &t.gpu,
+            &WholeWeights(dev_params),
+            &acts,
+            &batch,
+            ForwardMode::Train,
+            None,
+        )
         .unwrap();
     model
         .backward(
             &t.gpu,
-            dev_params,
+            &WholeWeights(dev_params),
             &WholeGrads(dev_grads),
             &acts,
             &batch,
@@ -192,7 +199,7 @@ fn gpu_backward_refuses_a_batch_of_another_shape_than_its_activations() {
     let other = Batch::random_of(23, config.vocab_size, B, T + 1);
     let result = model.backward(
         &t.gpu,
-        dev_params,
+        &WholeWeights(dev_params),
         &WholeGrads(dev_grads),
         &acts,
         &other.view(),

@@ -1,6 +1,7 @@
 //! The GPU trainer: bf16 parameters, fp32 master weights, AdamW moments and gradients, and the
 //! activations, each in its memory-manager region, so that an offload is four pauses.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -8,10 +9,10 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::forward::nll_sum;
-use super::group::SplitGrads;
+use super::group::{SplitGrads, SplitWeights};
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
-use super::weights::{GradUnits, WholeGrads, edge_units};
+use super::weights::{GradUnits, WeightUnits, WholeGrads, WholeWeights, edge_units};
 use super::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
 };
@@ -150,9 +151,10 @@ struct ActivationBuffers {
 /// after the trainer drops (one trainer per manager). Every call that queues GPU work records
 /// a fence on every buffer, so a pause of any of the tags waits for that work.
 ///
-/// Attention probabilities are materialised (`L * B * H * T * T` bf16 per micro-batch): the
-/// activation region reserves address space for the largest shape within `max_batch_tokens`
-/// and commits only what the batch at hand needs.
+/// The activation region reserves address space for the largest shape within
+/// `max_batch_tokens` and commits only what the batch at hand needs. Where the state is split
+/// over a data-parallel group ([`OptimizerShard`]) the regions hold this rank's blocks, and
+/// where the weights and gradients are split too, unit buffers for the units a pass is at.
 pub struct GpuTrainer {
     gpu: Arc<Gpu>,
     memory: Arc<MemoryManager>,
@@ -162,7 +164,12 @@ pub struct GpuTrainer {
     /// The block of the optimizer state kept here; P below is the parameters padded to whole
     /// blocks ([`OptimizerShard::padded`]), the parameters themselves when not split.
     shard: OptimizerShard,
-    params: Buffer, // (P) bf16, Params
+    /// (P) bf16, Params; this rank's block where the weights are split
+    /// ([`OptimizerShard::split_weights`]).
+    params: Buffer,
+    /// bf16, Params, where the weights are split: the unit buffer the edges' and a layer's
+    /// weights are gathered into ([`SplitWeights`]).
+    weight_units: Option<Buffer>,
     /// (P) fp32 (this rank's block when split), Optimizer; `None` when the master weights
     /// stream with the moments.
     master: Option<Buffer>,
@@ -253,6 +260,11 @@ impl GpuTrainer {
                 "the optimizer state split over data-parallel ranks does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu".into(),
             ));
         }
+        if shard.split_weights && !shard.split_grads {
+            return Err(ModelError::Config(
+                "bf16 weights split over a data-parallel group need the gradients split too (OptimizerShard::split_grads)".into(),
+            ));
+        }
         if shard.split_grads && (!shard.is_split() || shard.bf16_reduce) {
             return Err(ModelError::Config(
                 "gradients split over a data-parallel group need the optimizer state split over more than one rank and reduced in fp32; drop --grad-reduce-in-bf16".into(),
@@ -265,7 +277,18 @@ impl GpuTrainer {
         }
         let n = model.layout().len();
         let padded = shard.padded(n);
-        let half = padded * size_of::<bf16>();
+        // Split weights: this rank's block, and a unit buffer holding the edges' weights
+        // beside a layer's.
+        let (half, weight_unit_bytes) = if shard.split_weights {
+            let [embedding, tail] = edge_units(model.layout());
+            let units = embedding.len() + tail.len() + model.layout().layer_range(0).len();
+            (
+                shard.block(n) * size_of::<bf16>(),
+                units * size_of::<bf16>(),
+            )
+        } else {
+            (padded * size_of::<bf16>(), 0)
+        };
         let (full, block) = (padded * size_of::<f32>(), shard.block(n) * size_of::<f32>());
         // Split gradients: this rank's block, and a unit buffer holding the embedding's
         // gradients beside a layer's or the tail's.
@@ -298,7 +321,11 @@ impl GpuTrainer {
             BackupPolicy::None
         };
         for (tag, policy, bytes) in [
-            (MemoryTag::Params, params_backup, half + BLOCK_SLACK),
+            (
+                MemoryTag::Params,
+                params_backup,
+                half + weight_unit_bytes + 2 * BLOCK_SLACK,
+            ),
             (
                 MemoryTag::Optimizer,
                 spec.backup,
@@ -340,6 +367,10 @@ impl GpuTrainer {
         let trainer = GpuTrainer {
             shard,
             params: memory.alloc(&MemoryTag::Params, half)?,
+            weight_units: shard
+                .split_weights
+                .then(|| memory.alloc(&MemoryTag::Params, weight_unit_bytes))
+                .transpose()?,
             master,
             moments,
             grads: memory.alloc(&MemoryTag::Grads, grad_bytes)?,
@@ -621,7 +652,9 @@ impl GpuTrainer {
     pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
         self.ensure_active("read the master weights")?;
         match (&self.master, &self.moments) {
-            (Some(master), _) if self.shard.is_split() => self.gathered(Block::Device(master)),
+            (Some(master), _) if self.shard.is_split() => {
+                self.gathered(Block::Device(slice(master)?))
+            }
             (Some(master), _) => self.download(master),
             (None, Moments::Streamed(streamed)) => streamed.read_master(self.model.layout().len()),
             (None, Moments::Host(host)) if self.shard.is_split() => {
@@ -634,13 +667,14 @@ impl GpuTrainer {
 
     /// The bf16 weights on the device (each the round-to-nearest-even of its master weight), in
     /// [`ParamLayout`](crate::model::ParamLayout) order, with a fence after every kernel queued
-    /// so far (the last AdamW update writes them); `None` while offloaded. The view stays valid
+    /// so far (the last AdamW update writes them); `None` while offloaded, and where the weights
+    /// are split ([`OptimizerShard::split_weights`]: no rank holds them whole). The view stays valid
     /// until the next call that takes `&mut self`.
     ///
     /// # Errors
     /// [`ModelError::Gpu`] when the fence cannot be recorded.
     pub fn device_params(&self) -> Result<Option<(GpuSlice<bf16>, Fence)>, ModelError> {
-        if self.offloaded {
+        if self.offloaded || self.shard.split_weights {
             return Ok(None);
         }
         let params = slice::<bf16>(&self.params)?.sub(0, self.model.layout().len())?;
@@ -648,8 +682,9 @@ impl GpuTrainer {
     }
 
     /// The bf16 weights widened to fp32, in [`ParamLayout`](crate::model::ParamLayout) order:
-    /// each the rounding of its master weight, the weights the model computes with. Never
-    /// collective: every rank of a split state holds them whole.
+    /// each the rounding of its master weight, the weights the model computes with. Not
+    /// collective unless the weights are split ([`OptimizerShard::split_weights`]): then every
+    /// rank of the group calls it at once, and the blocks are gathered as the master weights'.
     ///
     /// # Errors
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`] when the download fails.
@@ -657,8 +692,27 @@ impl GpuTrainer {
         self.ensure_active("read the weights")?;
         let n = self.model.layout().len();
         let mut rounded = vec![bf16::ZERO; n];
-        self.gpu
-            .download(&mut rounded, slice::<bf16>(&self.params)?.sub(0, n)?)?;
+        if self.shard.split_weights {
+            // The bf16 blocks, two to a word, gathered as fp32 words.
+            let words = self
+                .gather_blocks(
+                    Block::Device(slice::<bf16>(&self.params)?.reinterpret()?),
+                    true,
+                )?
+                .unwrap_or_default();
+            let halves: &[bf16] = bytemuck::cast_slice(&words);
+            let size = self.shard.block(n);
+            for (r, block) in halves.chunks_exact(size).enumerate() {
+                let start = r * size;
+                if start < n {
+                    let end = n.min(start + size);
+                    rounded[start..end].copy_from_slice(&block[..end - start]);
+                }
+            }
+        } else {
+            self.gpu
+                .download(&mut rounded, slice::<bf16>(&self.params)?.sub(0, n)?)?;
+        }
         Ok(rounded.into_iter().map(f32::from).collect())
     }
 
@@ -683,8 +737,8 @@ impl GpuTrainer {
         self.ensure_active("read the optimizer moments")?;
         match &self.moments {
             Moments::Resident { m, v } if self.shard.is_split() => Ok((
-                self.gathered(Block::Device(m))?,
-                self.gathered(Block::Device(v))?,
+                self.gathered(Block::Device(slice(m)?))?,
+                self.gathered(Block::Device(slice(v)?))?,
             )),
             Moments::Host(host) if self.shard.is_split() => Ok((
                 self.gathered(Block::Host(&host.m))?,
@@ -719,9 +773,11 @@ impl GpuTrainer {
             return Ok(());
         }
         let blocks = match (&self.master, &self.moments) {
-            (Some(master), Moments::Resident { m, v }) => {
-                [Block::Device(master), Block::Device(m), Block::Device(v)]
-            }
+            (Some(master), Moments::Resident { m, v }) => [
+                Block::Device(slice(master)?),
+                Block::Device(slice(m)?),
+                Block::Device(slice(v)?),
+            ],
             (None, Moments::Host(host)) => [
                 Block::Host(&host.master),
                 Block::Host(&host.m),
@@ -774,6 +830,18 @@ impl GpuTrainer {
         let mut out = vec![0.0; own.len()];
         self.gpu.download(&mut out, own)?;
         Ok(out)
+    }
+
+    /// This rank's block of the bf16 weights (where the weights are split, all the buffer
+    /// holds): all of them unless the state is split.
+    fn own_weights(&self) -> Result<GpuSlice<bf16>, ModelError> {
+        let n = self.model.layout().len();
+        let start = if self.shard.split_weights {
+            0
+        } else {
+            self.shard.start(n)
+        };
+        Ok(slice::<bf16>(&self.params)?.sub(start, self.shard.block(n))?)
     }
 
     /// This rank's block of the (reduced) gradients: all of them unless the state is split.
@@ -845,16 +913,15 @@ impl GpuTrainer {
         let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
-        let n = self.model.layout().len();
-        let params = slice::<bf16>(&self.params)?;
-        let own = params.sub(self.shard.start(n), self.shard.block(n))?;
+        let own = self.own_weights()?;
         match (&self.master, &mut self.moments) {
             (Some(master), _) => self.gpu.cast_to_bf16(own, slice(master)?)?,
             (None, Moments::Host(host)) => host.upload_rounded(&self.gpu, own)?,
             // Streamed master weights: the bf16 weights came back from their backup.
             (None, _) => {}
         }
-        if self.shard.is_split() {
+        if self.shard.is_split() && !self.shard.split_weights {
+            let params = slice::<bf16>(&self.params)?;
             self.group
                 .as_deref()
                 .ok_or_else(unjoined)?
@@ -917,60 +984,69 @@ impl GpuTrainer {
     }
 
     /// Zeroes the gradients, runs forward and backward over each micro-batch; returns the
-    /// summed weighted negative log-probs. Where the gradients are split, every rank of the
-    /// group runs as many backward passes' unit sums as the rank with the most micro-batches
-    /// (a rank with fewer adds nothing to the rest).
+    /// summed weighted negative log-probs. Where the weights or gradients are split, every
+    /// rank of the group takes part in as many passes' gathers and sums as the rank with the
+    /// most micro-batches (a rank with fewer adds nothing to the rest).
     fn accumulate_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f64, ModelError> {
-        let n = self.model.layout().len();
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
-        let params = slice::<bf16>(&self.params)?.sub(0, n)?;
         let micros = micro_batches(batch, self.max_batch_tokens);
-        let passes = match self.group.as_deref() {
-            Some(group) if self.shard.split_grads => self.passes_over_group(group, micros.len())?,
-            _ => micros.len(),
-        };
+        let passes = self.passes_over_group(micros.len(), self.shard.split_grads)?;
         let mut nll = 0.0;
         for micro in &micros {
             let acts = self.activations_for(micro.batch, micro.seq)?;
+            let (weights, grads) = (self.weight_units()?, self.grad_units()?);
             let group = self.group.as_deref();
+            let train = ForwardMode::Train;
             self.model
-                .forward(&self.gpu, params, &acts, micro, ForwardMode::Train, group)?;
-            let whole;
-            let split;
-            let units: &dyn GradUnits = match self.split_grads()? {
-                Some(grads) => {
-                    split = grads;
-                    &split
-                }
-                None => {
-                    whole = WholeGrads(slice::<f32>(&self.grads)?.sub(0, n)?);
-                    &whole
-                }
-            };
+                .forward(&self.gpu, &*weights, &acts, micro, train, group)?;
             self.model
-                .backward(&self.gpu, params, units, &acts, micro, group)?;
+                .backward(&self.gpu, &*weights, &*grads, &acts, micro, group)?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
-        if let Some(split) = self.split_grads()? {
-            for _ in micros.len()..passes {
-                split.pass_without_batch(
-                    &self.gpu,
-                    self.model.layout(),
-                    self.config().num_layers,
-                )?;
-            }
+        let (weights, grads) = (self.weight_units()?, self.grad_units()?);
+        for _ in micros.len()..passes {
+            self.model
+                .pass_without_batch(&self.gpu, &*weights, Some(&*grads))?;
         }
         Ok(nll)
     }
 
-    /// Where the gradients are split ([`OptimizerShard::split_grads`]), the units the backward
-    /// pass accumulates them in.
-    fn split_grads(&self) -> Result<Option<SplitGrads<'_>>, ModelError> {
-        let Some(units) = &self.units else {
+    /// Where the passes find the weights: the whole bf16 buffer, or where the weights are
+    /// split ([`OptimizerShard::split_weights`]), the units they are gathered into.
+    fn weight_units(&self) -> Result<Box<dyn WeightUnits + '_>, ModelError> {
+        Ok(match self.split_weights()? {
+            Some(split) => Box::new(split),
+            None => {
+                let n = self.model.layout().len();
+                Box::new(WholeWeights(slice::<bf16>(&self.params)?.sub(0, n)?))
+            }
+        })
+    }
+
+    /// Where the weights are split, the units they are gathered into.
+    fn split_weights(&self) -> Result<Option<SplitWeights<'_>>, ModelError> {
+        let Some(units) = &self.weight_units else {
             return Ok(None);
         };
         let n = self.model.layout().len();
-        Ok(Some(SplitGrads {
+        Ok(Some(SplitWeights {
+            group: self.group.as_deref().ok_or_else(unjoined)?,
+            shard: self.shard,
+            params: n,
+            own: slice::<bf16>(&self.params)?.sub(0, self.shard.block(n))?,
+            units: slice(units)?,
+            edges: edge_units(self.model.layout()),
+        }))
+    }
+
+    /// Where the backward pass puts the gradients: the whole fp32 buffer, or where the
+    /// gradients are split ([`OptimizerShard::split_grads`]), the units they accumulate in.
+    fn grad_units(&self) -> Result<Box<dyn GradUnits + '_>, ModelError> {
+        let n = self.model.layout().len();
+        let Some(units) = &self.units else {
+            return Ok(Box::new(WholeGrads(slice::<f32>(&self.grads)?.sub(0, n)?)));
+        };
+        Ok(Box::new(SplitGrads {
             group: self.group.as_deref().ok_or_else(unjoined)?,
             shard: self.shard,
             params: n,
@@ -980,13 +1056,20 @@ impl GpuTrainer {
         }))
     }
 
-    /// The backward passes every rank of a group with split gradients runs this step, `mine`
-    /// here: the most micro-batches any rank has (each pass's unit sums are collectives).
-    fn passes_over_group(
-        &self,
-        group: &dyn TrainerGroup,
-        mine: usize,
-    ) -> Result<usize, ModelError> {
+    /// The passes this rank runs for its `mine` micro-batches. Where a pass's units are
+    /// collectives (the weights split, or with `sums` the gradients split), every rank of the
+    /// group runs as many as the rank with the most micro-batches, and the split weights'
+    /// edges are gathered first, for all of them.
+    fn passes_over_group(&self, mine: usize, sums: bool) -> Result<usize, ModelError> {
+        let Some(group) = self.group.as_deref() else {
+            return Ok(mine);
+        };
+        if !(self.shard.split_weights || sums) {
+            return Ok(mine);
+        }
+        if let Some(split) = self.split_weights()? {
+            split.gather_edges()?;
+        }
         let counts = slice::<f32>(&self.scalar)?.sub(0, self.shard.ranks)?;
         let mut each = vec![0.0f32; self.shard.ranks];
         each[self.shard.rank] = mine as f32;
@@ -997,24 +1080,26 @@ impl GpuTrainer {
     }
 
     /// Forward passes over each micro-batch: the log-probs and the summed weighted negative
-    /// log-probs.
+    /// log-probs. Where the weights are split, as many passes' gathers as the rank with the
+    /// most micro-batches runs.
     fn score(&mut self, batch: &TrainBatch<'_>) -> Result<(Vec<f32>, f64), ModelError> {
-        let params = slice::<bf16>(&self.params)?.sub(0, self.model.layout().len())?;
         let mut logprobs = Vec::with_capacity(batch.batch * batch.seq);
         let mut nll = 0.0;
-        for micro in micro_batches(batch, self.max_batch_tokens) {
+        let micros = micro_batches(batch, self.max_batch_tokens);
+        let passes = self.passes_over_group(micros.len(), false)?;
+        for micro in &micros {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            self.model.forward(
-                &self.gpu,
-                params,
-                &acts,
-                &micro,
-                ForwardMode::Score,
-                self.group.as_deref(),
-            )?;
+            let weights = self.weight_units()?;
+            let (score, group) = (ForwardMode::Score, self.group.as_deref());
+            self.model
+                .forward(&self.gpu, &*weights, &acts, micro, score, group)?;
             let lp = self.model.logprobs(&self.gpu, &acts)?;
             nll += nll_sum(&lp, micro.weights);
             logprobs.extend_from_slice(&lp);
+        }
+        let weights = self.weight_units()?;
+        for _ in micros.len()..passes {
+            self.model.pass_without_batch(&self.gpu, &*weights, None)?;
         }
         Ok((logprobs, nll))
     }
@@ -1026,13 +1111,12 @@ impl GpuTrainer {
         step: u64,
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
         let n = self.model.layout().len();
-        let (start, block) = (self.shard.start(n), self.shard.block(n));
         let grads = self.own_grads()?;
         let grad_norm = self.grad_norm_sq(grads)?.sqrt();
         let clip = clip_scale(&self.adamw, grad_norm);
         let s = AdamWStep::new(&self.adamw, step, clip);
         let params = slice::<bf16>(&self.params)?;
-        let own = params.sub(start, block)?;
+        let own = self.own_weights()?;
         let master = self.master.as_ref().map(slice::<f32>).transpose()?;
         let stream = match &mut self.moments {
             Moments::Resident { m, v } => {
@@ -1047,7 +1131,7 @@ impl GpuTrainer {
                 None
             }
         };
-        if self.shard.is_split() {
+        if self.shard.is_split() && !self.shard.split_weights {
             // Every rank updated its block of the bf16 weights; each gets all of them.
             self.group
                 .as_deref()
@@ -1086,11 +1170,14 @@ impl GpuTrainer {
     /// Every rank's `block` of a split state (master weights or a moment), gathered a piece of
     /// each block at a time through a scratch (the gradients' buffer, which holds every block
     /// at once, or where the gradients are split, the unit buffer); with `keep`, downloaded
-    /// into the whole vector. Collective.
+    /// into every rank's block in rank order. Collective.
     fn gather_blocks(&self, block: Block<'_>, keep: bool) -> Result<Option<Vec<f32>>, ModelError> {
         let group = self.group.as_deref().ok_or_else(unjoined)?;
-        let n = self.model.layout().len();
-        let (rank, ranks, size) = (self.shard.rank, self.shard.ranks, self.shard.block(n));
+        let size = match block {
+            Block::Device(own) => own.len(),
+            Block::Host(values) => values.len(),
+        };
+        let (rank, ranks) = (self.shard.rank, self.shard.ranks);
         let scratch = slice::<f32>(self.units.as_ref().unwrap_or(&self.grads))?;
         let piece = (scratch.len() / ranks).min(size).max(1);
         let mut out = keep.then(|| vec![0.0; ranks * size]);
@@ -1098,7 +1185,7 @@ impl GpuTrainer {
             let len = piece.min(size - first);
             let all = scratch.sub(0, ranks * len)?;
             let send = match block {
-                Block::Device(buffer) => slice::<f32>(buffer)?.sub(first, len)?,
+                Block::Device(own) => own.sub(first, len)?,
                 Block::Host(values) => {
                     // Sent from this rank's own piece of the scratch (NCCL's in-place form).
                     let own = all.sub(rank * len, len)?;
@@ -1115,15 +1202,15 @@ impl GpuTrainer {
                 }
             }
         }
-        Ok(out.map(|mut whole| {
-            whole.truncate(n);
-            whole
-        }))
+        Ok(out)
     }
 
-    /// [`gather_blocks`](Self::gather_blocks), kept.
+    /// [`gather_blocks`](Self::gather_blocks) of a block of the parameters, kept: the whole
+    /// vector.
     fn gathered(&self, block: Block<'_>) -> Result<Vec<f32>, ModelError> {
-        Ok(self.gather_blocks(block, true)?.unwrap_or_default())
+        let mut whole = self.gather_blocks(block, true)?.unwrap_or_default();
+        whole.truncate(self.model.layout().len());
+        Ok(whole)
     }
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
@@ -1193,7 +1280,8 @@ impl GpuTrainer {
     }
 
     /// Uploads this rank's block of `params` into `master` (a split state's) and the bf16
-    /// rounding of all of them into the bf16 weights.
+    /// rounding of all of them (of the block, where the weights are split) into the bf16
+    /// weights.
     fn upload_master_block(&self, master: &Buffer, params: &[f32]) -> Result<(), ModelError> {
         self.gpu
             .upload(slice(master)?, &self.shard.block_of(params))?;
@@ -1203,8 +1291,13 @@ impl GpuTrainer {
     /// Uploads the bf16 rounding of `params` into the bf16 weights, for master weights that
     /// live on disk or in blocks over a group.
     fn upload_rounded(&self, params: &[f32]) -> Result<(), ModelError> {
-        let dst = slice::<bf16>(&self.params)?.sub(0, params.len())?;
-        upload_rounded(&self.gpu, params, &mut Vec::new(), dst)?;
+        let values = if self.shard.split_weights {
+            self.shard.block_of(params)
+        } else {
+            Cow::Borrowed(params)
+        };
+        let dst = slice::<bf16>(&self.params)?.sub(0, values.len())?;
+        upload_rounded(&self.gpu, &values, &mut Vec::new(), dst)?;
         self.record_fences()
     }
 
@@ -1221,6 +1314,7 @@ impl GpuTrainer {
         let state = [&self.params, &self.grads, &self.scalar]
             .into_iter()
             .chain(&self.master)
+            .chain(&self.weight_units)
             .chain(&self.units)
             .chain(&self.low);
         let moments: Vec<&Buffer> = match &self.moments {
@@ -1286,8 +1380,8 @@ fn slice<T: GpuElement>(buffer: &Buffer) -> Result<GpuSlice<T>, DeviceError> {
 
 /// Where a rank's block of a split state lives.
 enum Block<'a> {
-    /// In a device buffer of its own.
-    Device(&'a Buffer),
+    /// On the device: a buffer of its own (or a view of bf16 weights as fp32 words).
+    Device(GpuSlice<f32>),
     /// In host memory ([`GpuTrainerSpec::optimizer_on_host`]).
     Host(&'a [f32]),
 }

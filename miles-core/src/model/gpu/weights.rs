@@ -1,8 +1,11 @@
 //! Views of the flat parameter (bf16) and gradient (fp32) buffers on the device, cut by the
-//! same [`ParamLayout`] as the CPU's fp32 buffers, and where the backward pass accumulates the
-//! gradients ([`GradUnits`]): the whole flat buffer, or unit by unit.
+//! same [`ParamLayout`] as the CPU's fp32 buffers; where the passes find the weights
+//! ([`WeightUnits`]) and where the backward pass accumulates the gradients ([`GradUnits`]):
+//! the whole flat buffers, or unit by unit.
 
 use std::ops::Range;
+
+use half::bf16;
 
 use crate::device::{DeviceError, Gpu, GpuElement, GpuSlice};
 use crate::model::{ModelError, ParamKind, ParamLayout};
@@ -26,6 +29,28 @@ pub trait GradUnits {
     fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError>;
 }
 
+/// Where the passes find the bf16 weights, a unit at a time (a unit as for [`GradUnits`]): each
+/// pass fetches the embedding's unit, each layer's in order (the backward pass in reverse
+/// order), and the tail's.
+pub trait WeightUnits {
+    /// The weights of `unit`, laid out as the flat buffer's `unit`, valid until the next fetch
+    /// of another layer. Where the weights are split over a group, a layer's are gathered
+    /// first: every rank fetches the same layers in the same order.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`].
+    fn fetch(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError>;
+}
+
+/// The weights in one flat buffer laid out as the whole model.
+pub struct WholeWeights(pub GpuSlice<bf16>);
+
+impl WeightUnits for WholeWeights {
+    fn fetch(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
+        Ok(self.0.sub(unit.start, unit.len())?)
+    }
+}
+
 /// The gradients in one flat buffer laid out as the whole model, accumulating over passes.
 pub struct WholeGrads(pub GpuSlice<f32>);
 
@@ -47,18 +72,27 @@ pub(crate) fn edge_units(layout: &ParamLayout) -> [Range<usize>; 2] {
     [embedding, tail]
 }
 
-/// Tensor `kind` of `layer` (ignored for whole-model kinds) in `buf`; the LM head of a tied
-/// model is the embedding.
-pub(super) fn tensor<T: GpuElement>(
-    layout: &ParamLayout,
-    buf: GpuSlice<T>,
-    kind: ParamKind,
-    layer: usize,
-) -> Result<GpuSlice<T>, DeviceError> {
-    tensor_in(layout, buf, 0, kind, layer)
+/// The edges' tensors (embedding, final norm, head) in the buffers of the two edge units
+/// ([`edge_units`]).
+pub(super) struct Edges<T> {
+    pub units: [Range<usize>; 2],
+    pub bufs: [GpuSlice<T>; 2],
 }
 
-/// [`tensor`] in `unit`, a buffer holding the flat parameters from `base` on.
+impl<T: GpuElement> Edges<T> {
+    /// Tensor `kind` (a whole-model kind), in whichever unit holds it.
+    pub(super) fn tensor(
+        &self,
+        layout: &ParamLayout,
+        kind: ParamKind,
+    ) -> Result<GpuSlice<T>, DeviceError> {
+        let at = usize::from(layout.range(kind, 0).start >= self.units[1].start);
+        tensor_in(layout, self.bufs[at], self.units[at].start, kind, 0)
+    }
+}
+
+/// Tensor `kind` of `layer` (ignored for whole-model kinds) in `unit`, a buffer holding the
+/// flat parameters from `base` on; the LM head of a tied model is the embedding.
 pub(super) fn tensor_in<T: GpuElement>(
     layout: &ParamLayout,
     unit: GpuSlice<T>,
@@ -97,15 +131,6 @@ pub(super) struct LayerTensors<T> {
 }
 
 impl<T: GpuElement> LayerTensors<T> {
-    /// Layer `l`'s tensors in `buf`.
-    pub(super) fn of(
-        layout: &ParamLayout,
-        buf: GpuSlice<T>,
-        l: usize,
-    ) -> Result<LayerTensors<T>, DeviceError> {
-        Self::in_unit(layout, buf, 0, l)
-    }
-
     /// Layer `l`'s tensors in `unit`, a buffer holding the flat parameters from `base` on.
     pub(super) fn in_unit(
         layout: &ParamLayout,

@@ -422,6 +422,39 @@ impl NcclComm {
         .map_err(nccl("ncclBroadcast"))
     }
 
+    /// Copies `send` of rank `root` into `recv` of every rank (the root's own included); `send`
+    /// is read on the root alone. They hold the same number of bf16 elements, apart or the same.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for lengths that differ; as
+    /// [`broadcast`](Self::broadcast).
+    pub fn broadcast_bf16(
+        &self,
+        send: GpuSlice<bf16>,
+        recv: GpuSlice<bf16>,
+        root: usize,
+    ) -> Result<(), DeviceError> {
+        recv.expect_len("broadcast receive buffer", send.len())?;
+        self.check_root("broadcast root", root)?;
+        let stream = self.queue("ncclBroadcast")?;
+        // SAFETY: `send` and `recv` hold the same number of bf16 elements in device memory of
+        // this GPU the caller holds, `send` read on the root and `recv` written everywhere
+        // (apart, or the same: NCCL's in-place form); `root` is below the world size.
+        unsafe {
+            result::broadcast(
+                send.address() as *const _,
+                recv.address() as *mut _,
+                recv.len(),
+                sys::ncclDataType_t::ncclBfloat16,
+                root as c_int,
+                self.comm,
+                stream,
+            )
+        }
+        .map(drop)
+        .map_err(nccl("ncclBroadcast"))
+    }
+
     /// Sums `buf` over the ranks into rank `root`'s `buf`, in place; the others' `buf` stay as
     /// they were.
     ///
@@ -601,6 +634,18 @@ pub trait Collectives: Send {
     /// As [`NcclComm::broadcast`].
     fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError>;
 
+    /// `recv` on every rank becomes rank `root`'s `send` (bf16, the same length; apart or the
+    /// same).
+    ///
+    /// # Errors
+    /// As [`NcclComm::broadcast_bf16`].
+    fn broadcast_bf16(
+        &self,
+        send: GpuSlice<bf16>,
+        recv: GpuSlice<bf16>,
+        root: usize,
+    ) -> Result<(), DeviceError>;
+
     /// `buf` on rank `root` becomes the element-wise sum over the ranks; the others' stay.
     ///
     /// # Errors
@@ -664,6 +709,15 @@ impl Collectives for NcclComm {
 
     fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
         NcclComm::broadcast(self, buf, root)
+    }
+
+    fn broadcast_bf16(
+        &self,
+        send: GpuSlice<bf16>,
+        recv: GpuSlice<bf16>,
+        root: usize,
+    ) -> Result<(), DeviceError> {
+        NcclComm::broadcast_bf16(self, send, recv, root)
     }
 
     fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
