@@ -77,6 +77,12 @@ pub struct BenchTrainArgs {
     /// With several processes, data parallel: reduce-scatter the gradients in bf16.
     #[arg(long)]
     pub grad_reduce_in_bf16: bool,
+    /// With several processes, data parallel: shard fully, as `--train-backend fsdp` does
+    /// (ZeRO stage 3: each rank keeps its block of the bf16 weights and gradients too, each
+    /// unit's weights gathered before it runs and its gradients summed into their owners'
+    /// blocks after).
+    #[arg(long)]
+    pub fully_shard: bool,
     /// On cuda: also say where each timed step's time went (the passes, the group's gradient
     /// reduction, the optimizer step), each phase waited for on the host.
     #[arg(long)]
@@ -144,6 +150,14 @@ pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
     if args.grad_reduce_in_bf16 && (args.device != BenchDevice::Cuda || args.tensor_parallel) {
         return Err(BadSettings(
             "--grad-reduce-in-bf16 reduces the gradients of data parallelism over gpus; add --device cuda and drop --tensor-parallel, or drop it".into(),
+        )
+        .into());
+    }
+    if args.fully_shard
+        && (args.device != BenchDevice::Cuda || args.tensor_parallel || args.grad_reduce_in_bf16)
+    {
+        return Err(BadSettings(
+            "--fully-shard splits data parallelism's weights and gradients over gpus, reduced in fp32; add --device cuda and drop --tensor-parallel and --grad-reduce-in-bf16, or drop it".into(),
         )
         .into());
     }

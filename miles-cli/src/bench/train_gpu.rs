@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use miles_core::backend::DataParallelSplit;
 use miles_core::device::{Gpu, NcclComm};
 use miles_core::model::{
     ByteTokenizer, GpuTrainer, LlamaConfig, OptimizerShard, ParamLayout, StepTimes, TrainBatch,
@@ -288,10 +289,16 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         out,
         "bench train: {} parameters, batch {b} x seq {t}, {} parallel over {} gpus, {} timed steps after {} warmup",
         layout.len(),
-        match (args.tensor_parallel, args.grad_reduce_in_bf16) {
-            (true, _) => "tensor",
-            (false, false) => "data (optimizer state split, gradients reduced in fp32)",
-            (false, true) => "data (optimizer state split, gradients reduced in bf16)",
+        match (
+            args.tensor_parallel,
+            args.grad_reduce_in_bf16,
+            args.fully_shard
+        ) {
+            (true, _, _) => "tensor",
+            (false, _, true) =>
+                "data (fully sharded: optimizer state, gradients and bf16 weights split)",
+            (false, false, false) => "data (optimizer state split, gradients reduced in fp32)",
+            (false, true, false) => "data (optimizer state split, gradients reduced in bf16)",
         },
         ranks.len(),
         args.steps,
@@ -317,23 +324,15 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         out,
         "  largest relative loss difference against one gpu: {worst:.2e}; every rank reports the same losses: {same}"
     )?;
-    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
-    let per_rank: Vec<String> = ranks
-        .iter()
-        .map(|(_, _, bytes, _)| format!("{:.2}", gib(*bytes)))
-        .collect();
-    let largest = ranks
-        .iter()
-        .map(|(_, _, bytes, _)| *bytes)
-        .max()
-        .unwrap_or(0);
-    writeln!(
-        out,
-        "  parameters + optimizer state on the device, per rank: {} GiB; one gpu: {:.2} GiB ({:.2}x)",
-        per_rank.join(", "),
-        gib(alone_bytes),
-        largest as f64 / alone_bytes.max(1) as f64
+    let state: Vec<u64> = ranks.iter().map(|(_, _, bytes, _)| bytes.state).collect();
+    bytes_line(
+        &mut out,
+        "parameters + optimizer state",
+        &state,
+        alone_bytes.state,
     )?;
+    let grads: Vec<u64> = ranks.iter().map(|(_, _, bytes, _)| bytes.grads).collect();
+    bytes_line(&mut out, "gradients", &grads, alone_bytes.grads)?;
     for (rank, (_, _, _, phases)) in ranks.iter().enumerate() {
         if let Some(phases) = phases {
             writeln!(
@@ -349,20 +348,46 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One rank's run: its losses, its timed seconds, the device bytes of its parameters and
-/// optimizer state, and with `--phases` its steps' phases.
-type RankRun = (Vec<f32>, f64, u64, Option<StepTimes>);
+/// Writes `what`'s device bytes on each rank and on one GPU, and the largest rank's share.
+fn bytes_line(out: &mut impl Write, what: &str, per_rank: &[u64], one: u64) -> std::io::Result<()> {
+    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    let each: Vec<String> = per_rank.iter().map(|&b| format!("{:.2}", gib(b))).collect();
+    let largest = per_rank.iter().copied().max().unwrap_or(0);
+    writeln!(
+        out,
+        "  {what} on the device, per rank: {} GiB; one gpu: {:.2} GiB ({:.2}x)",
+        each.join(", "),
+        gib(one),
+        largest as f64 / one.max(1) as f64
+    )
+}
 
-/// Device bytes of `trainer`'s bf16 weights and optimizer state (tags `params` and
-/// `optimizer`).
-fn state_bytes(trainer: &GpuTrainer) -> u64 {
-    trainer
-        .memory()
-        .resident_bytes()
-        .into_iter()
-        .filter(|(tag, _)| matches!(tag, MemoryTag::Params | MemoryTag::Optimizer))
-        .map(|(_, bytes)| bytes)
-        .sum()
+/// One rank's run: its losses, its timed seconds, the device bytes of its state, and with
+/// `--phases` its steps' phases.
+type RankRun = (Vec<f32>, f64, StateBytes, Option<StepTimes>);
+
+/// Device bytes of a trainer's state.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+struct StateBytes {
+    /// The bf16 weights and the optimizer state (tags `params` and `optimizer`).
+    state: u64,
+    /// The gradients (tag `grads`).
+    grads: u64,
+}
+
+/// Device bytes of `trainer`'s state.
+fn state_bytes(trainer: &GpuTrainer) -> StateBytes {
+    let held = trainer.memory().resident_bytes();
+    let of = |tags: &[MemoryTag]| {
+        held.iter()
+            .filter(|(tag, _)| tags.contains(tag))
+            .map(|(_, bytes)| bytes)
+            .sum()
+    };
+    StateBytes {
+        state: of(&[MemoryTag::Params, MemoryTag::Optimizer]),
+        grads: of(&[MemoryTag::Grads]),
+    }
 }
 
 /// This rank's steps of Megatron's tensor-parallel GPU trainer over the job's GPUs, its shard
@@ -422,13 +447,18 @@ fn data_parallel_rank(
 ) -> anyhow::Result<RankRun> {
     let part = batch.shard(env.rank, env.world_size)?;
     let tokens = part.batch * part.seq;
+    let split = match (args.grad_reduce_in_bf16, args.fully_shard) {
+        (true, _) => DataParallelSplit::OptimizerReducedInBf16,
+        (false, true) => DataParallelSplit::Full,
+        (false, false) => DataParallelSplit::Optimizer,
+    };
     let mut trainer = miles_core::backend::data_parallel_gpu_trainer(
         gpu,
         config.clone(),
         params,
         comm,
         tokens,
-        args.grad_reduce_in_bf16,
+        split,
     )?;
     let (losses, seconds, phases) = train_steps(&mut trainer, &part, args)?;
     Ok((losses, seconds, state_bytes(&trainer), phases))

@@ -128,11 +128,24 @@ impl TrainerGroup for DataParallelGroup {
     }
 }
 
+/// What a data-parallel rank keeps of the state ([`OptimizerShard`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataParallelSplit {
+    /// Its block of the optimizer state; the gradients reduce-scattered in fp32 (ZeRO stage
+    /// 1, Megatron's distributed optimizer).
+    Optimizer,
+    /// As [`Optimizer`](Self::Optimizer), the gradients reduce-scattered in bf16.
+    OptimizerReducedInBf16,
+    /// Its block of the optimizer state, the gradients and the bf16 weights (ZeRO stage 3,
+    /// fsdp's).
+    Full,
+}
+
 /// A data-parallel rank on `gpu`, rank `comm.rank()` of `comm`'s group, from the full weights
 /// `params` of `config` (the same on every rank), for one-off work (a benchmark): a
 /// [`standalone_gpu_trainer`] trainer with activations for `max_batch_tokens` tokens (this
-/// rank's part of a batch) keeping its block of the optimizer state (its gradients reduced in
-/// bf16 with `bf16_reduce`), joined to a [`DataParallelGroup`].
+/// rank's part of a batch) keeping its blocks as `split` says, joined to a
+/// [`DataParallelGroup`].
 ///
 /// # Errors
 /// [`BackendError::Model`] when the trainer cannot be built or `comm` is on another GPU.
@@ -142,10 +155,13 @@ pub fn data_parallel_gpu_trainer(
     params: &[f32],
     comm: NcclComm,
     max_batch_tokens: usize,
-    bf16_reduce: bool,
+    split: DataParallelSplit,
 ) -> Result<GpuTrainer, BackendError> {
+    let full = split == DataParallelSplit::Full;
     let shard = OptimizerShard {
-        bf16_reduce,
+        bf16_reduce: split == DataParallelSplit::OptimizerReducedInBf16,
+        split_grads: full,
+        split_weights: full,
         ..OptimizerShard::split(comm.rank(), comm.world_size())
     };
     let mut trainer = standalone_gpu_trainer(gpu, config, params, max_batch_tokens, shard)?;

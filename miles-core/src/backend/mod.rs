@@ -32,7 +32,7 @@ use crate::model::{LlamaConfig, ModelError, TrainBatch};
 use crate::store::{StoreError, StreamStats};
 
 pub use critic::Critic;
-pub use data_parallel::{DataParallelGroup, data_parallel_gpu_trainer};
+pub use data_parallel::{DataParallelGroup, DataParallelSplit, data_parallel_gpu_trainer};
 pub use gpu::{GpuBackend, OptimizerFiles, check_job_ranks};
 pub use optimizer::{OPTIMIZER_DIR, OptimizerShards, SavedOptimizer};
 pub use rollout::{EngineError, RolloutEngine, Sample, Sampling};
