@@ -65,8 +65,188 @@ fn check_gpu_settings(settings: &Settings) -> Result<(), BackendError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::print_stderr)]
 mod tests {
+    //! The fully sharded backend's GPU tests: over two GPUs and NCCL, and on one GPU with two
+    //! ranks whose collectives go through the host. On a GPU machine: `MILES_TEST_DEVICE=cuda
+    //! cargo test -p miles-fsdp gpu_ -- --test-threads=1`; elsewhere (or with one GPU for the
+    //! NCCL test) they skip.
+
+    use miles_core::backend::{Batch, TrainBackend};
+    use miles_core::device::{Collectives, NcclComm};
+    use miles_core::model::gpu_testing::{self, HostCollectives, HostExchange, one_gpu, two_gpus};
+    use miles_core::{DeviceChoice, MemoryTag, TrainBackendKind};
+
     use super::*;
+
+    /// fsdp on cuda over `ranks` data-parallel ranks, the tiny preset at a learning rate that
+    /// moves it.
+    fn settings(ranks: usize) -> Settings {
+        Settings {
+            preset: "tiny".into(),
+            seed: 23,
+            lr: 1e-3,
+            device: DeviceChoice::Cuda,
+            train_backend: TrainBackendKind::Fsdp,
+            data_parallel_size: ranks,
+            ..Settings::default()
+        }
+    }
+
+    /// Sequences `rows` of a batch of 4 x 16 tokens, normalised by the share of the whole
+    /// batch's tokens one of `parts` equal parts holds.
+    fn batch(rows: std::ops::Range<usize>, parts: usize) -> Batch {
+        let data = gpu_testing::Batch::random_of(41, 259, 4, 16);
+        let cut = |x: &[u32]| x[rows.start * 16..rows.end * 16].to_vec();
+        Batch {
+            batch: rows.len(),
+            seq: 16,
+            inputs: cut(&data.inputs),
+            targets: cut(&data.targets),
+            weights: data.weights[rows.start * 16..rows.end * 16].to_vec(),
+            normaliser: 64.0 / parts as f32,
+            entropy_mask: None,
+            entropy_coef: 0.0,
+        }
+    }
+
+    /// The full weights a backend exports.
+    fn exported(backend: &mut dyn TrainBackend) -> Vec<f32> {
+        let mut full = Vec::new();
+        backend
+            .export_weights(1 << 20, &mut |bucket| {
+                for tensor in bucket.tensors {
+                    full.extend(tensor.data);
+                }
+                Ok(())
+            })
+            .unwrap();
+        full
+    }
+
+    /// The device bytes of `tag` a backend holds.
+    fn held(backend: &dyn TrainBackend, tag: &MemoryTag) -> u64 {
+        backend
+            .device_memory()
+            .iter()
+            .find(|(t, _)| t == tag)
+            .map_or(0, |(_, bytes)| *bytes)
+    }
+
+    #[test]
+    fn gpu_fully_sharded_pair_over_nccl_trains_saves_and_loads_as_one_gpu() {
+        let test = "gpu_fully_sharded_pair_over_nccl_trains_saves_and_loads_as_one_gpu";
+        let Some([first, second]) = two_gpus(test) else {
+            return;
+        };
+        let id = NcclComm::unique_id().unwrap();
+        let alone = Arc::clone(&first);
+        follows_one_gpu(&alone, [first, second], move |rank, gpu| {
+            NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap()
+        });
+    }
+
+    #[test]
+    fn gpu_fully_sharded_pair_on_one_gpu_through_the_host_trains_saves_and_loads_as_one_gpu() {
+        let test =
+            "gpu_fully_sharded_pair_on_one_gpu_through_the_host_trains_saves_and_loads_as_one_gpu";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        let ranks = [0, 1].map(|_| Arc::new(gpu.with_own_stream().unwrap()));
+        let exchange = HostExchange::new(2);
+        follows_one_gpu(&gpu, ranks, move |rank, gpu| {
+            HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchange))
+        });
+    }
+
+    /// Two fsdp ranks on `gpus` (their collectives from `comm`), each on half of a batch,
+    /// against one GPU (`alone`) on the whole: fully sharded (half the optimizer state and the
+    /// gradients' block a rank), the same weights exported at the start and by both ranks
+    /// after 3 steps with an offload cycle, losses following one GPU's, and a checkpoint
+    /// written by rank 0 with rank 1 assisting that loads on one GPU with the same weights,
+    /// step and next loss.
+    fn follows_one_gpu<C: Collectives + 'static>(
+        alone: &Arc<Gpu>,
+        gpus: [Arc<Gpu>; 2],
+        comm: impl Fn(usize, &Arc<Gpu>) -> C + Send + Sync + 'static,
+    ) {
+        let whole = batch(0..4, 1);
+        let dir = tempfile::tempdir().unwrap();
+        let mut one = FsdpGpu::on_ranks(Arc::clone(alone), &settings(1), None::<C>).unwrap();
+        let one_start = exported(&mut one);
+        let one_losses: Vec<f32> = (0..3)
+            .map(|_| one.train_step(&whole).unwrap().loss)
+            .collect();
+        let one_optimizer = held(&one, &MemoryTag::Optimizer);
+        drop(one);
+        let comm = Arc::new(comm);
+        let ranks: Vec<_> = gpus
+            .into_iter()
+            .enumerate()
+            .map(|(rank, gpu)| {
+                let (comm, dir) = (Arc::clone(&comm), dir.path().to_path_buf());
+                std::thread::spawn(move || {
+                    let part = batch(rank * 2..rank * 2 + 2, 2);
+                    let group = comm(rank, &gpu);
+                    let mut backend = FsdpGpu::on_ranks(gpu, &settings(2), Some(group)).unwrap();
+                    let shard = backend.trainer().shard();
+                    assert!(shard.split_grads && shard.split_weights, "{shard:?}");
+                    let start = exported(&mut backend);
+                    let mut losses = Vec::new();
+                    for step in 1..=3 {
+                        losses.push(backend.train_step(&part).unwrap().loss);
+                        if step == 2 {
+                            backend.offload().unwrap();
+                            backend.onload().unwrap();
+                        }
+                    }
+                    let trained = exported(&mut backend);
+                    let optimizer = held(&backend, &MemoryTag::Optimizer);
+                    match rank {
+                        0 => backend.save(&dir).unwrap(),
+                        _ => backend.assist_save().unwrap(),
+                    }
+                    let next = backend.train_step(&part).unwrap().loss;
+                    (start, losses, trained, next, optimizer)
+                })
+            })
+            .collect();
+        let ranks: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+        for (rank, (start, _, trained, _, optimizer)) in ranks.iter().enumerate() {
+            assert!(
+                *start == one_start,
+                "rank {rank} exports other weights than one gpu's at the start"
+            );
+            assert!(
+                *trained == ranks[0].2,
+                "rank {rank} exports other weights than rank 0 after training"
+            );
+            assert!(
+                *optimizer <= one_optimizer / 2 + 4096,
+                "rank {rank} holds {optimizer} bytes of optimizer state, one gpu {one_optimizer}"
+            );
+        }
+        let losses: Vec<Vec<f32>> = ranks.iter().map(|r| r.1.clone()).collect();
+        gpu_testing::assert_pair_follows("fully sharded data-parallel", &losses, &one_losses);
+        let loading = Settings {
+            load: Some(dir.path().to_path_buf()),
+            ..settings(1)
+        };
+        let mut loaded = FsdpGpu::on_ranks(Arc::clone(alone), &loading, None::<C>).unwrap();
+        assert_eq!(loaded.step(), 3);
+        assert!(
+            exported(&mut loaded) == ranks[0].2,
+            "the checkpoint loads other weights than the pair trained"
+        );
+        let next = loaded.train_step(&whole).unwrap().loss;
+        let rel = (next - ranks[0].3).abs() / ranks[0].3.abs();
+        assert!(
+            rel < 1e-2,
+            "next loss {next} after loading vs {}",
+            ranks[0].3
+        );
+    }
 
     #[test]
     fn native_cpu_offload_with_optimizer_streaming_is_refused_naming_both_flags() {

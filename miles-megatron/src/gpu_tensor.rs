@@ -425,7 +425,8 @@ mod tests {
         let config = LlamaConfig::from_settings(&settings).unwrap();
         let whole = batch(29, config.vocab_size, 0..4, 1);
         let dir = tempfile::tempdir().unwrap();
-        let mut one = MegatronGpu::on_ranks(Arc::clone(alone), &settings, None).unwrap();
+        let mut one =
+            MegatronGpu::on_ranks(Arc::clone(alone), &settings, None::<NcclComm>).unwrap();
         let one_start = exported(&mut one);
         let one_losses: Vec<f32> = (0..3)
             .map(|_| one.train_step(&whole).unwrap().loss)
@@ -491,7 +492,7 @@ mod tests {
                 load: Some(dir.path().to_path_buf()),
                 ..settings
             },
-            None,
+            None::<NcclComm>,
         )
         .unwrap();
         assert_eq!(loaded.step(), 3);

@@ -22,7 +22,7 @@ use super::{
 };
 use crate::TrainBackendKind;
 use crate::config::{OffloadTarget, OptimizerStream, Settings, TrainOffload};
-use crate::device::{Device, Gpu, NcclComm};
+use crate::device::{Collectives, Device, Gpu};
 use crate::memory::{ManagerSettings, MemoryManager, MemoryTag};
 use crate::model::{
     GpuTrainer, GpuTrainerSpec, LlamaConfig, MomentStream, OptimizerShard, ParamLayout,
@@ -169,9 +169,10 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     }
 
     /// The trainer `settings` describe on `gpu` ([`GpuBackend::from_settings`]): alone, or with
-    /// `comm` this process's rank of a data-parallel job over one GPU a process, keeping its
-    /// block of the optimizer state ([`OptimizerShard::split`], its gradients reduced in bf16
-    /// with `--grad-reduce-in-bf16`) in a [`DataParallelGroup`]. Every rank trains on its own
+    /// `comm` (NCCL's, or in tests the host's) this process's rank of a data-parallel job over
+    /// one GPU a process, keeping its block of the optimizer state ([`OptimizerShard::split`],
+    /// its gradients reduced in bf16 with `--grad-reduce-in-bf16`; under fsdp, reduced in fp32,
+    /// its blocks of the gradients and bf16 weights too) in a [`DataParallelGroup`]. Every rank trains on its own
     /// batches (normalised by their own normaliser), the gradients are averaged over the
     /// ranks, and every rank takes the same step. A step's loss is the ranks' summed negative
     /// log-probs over this rank's normaliser times the ranks: their mean loss when the ranks'
@@ -181,12 +182,12 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     /// [`BackendError::Settings`] for tensor parallelism, a data-parallel size other than the
     /// job's (1 alone), or optimizer streaming over several ranks, before anything is built; as
     /// [`GpuBackend::from_settings`]; [`BackendError::Model`] for a communicator on another GPU.
-    pub fn on_ranks(
+    pub fn on_ranks<C: Collectives + 'static>(
         gpu: Arc<Gpu>,
         settings: &Settings,
-        comm: Option<NcclComm>,
+        comm: Option<C>,
     ) -> Result<GpuBackend<F>, BackendError> {
-        let ranks = comm.as_ref().map_or(1, NcclComm::world_size);
+        let ranks = comm.as_ref().map_or(1, C::world_size);
         check_job_ranks(settings, ranks).map_err(|reason| BackendError::Settings {
             backend: F::NAME,
             reason,
@@ -201,7 +202,7 @@ impl<F: OptimizerFiles> GpuBackend<F> {
             bf16_reduce: settings.grad_reduce_in_bf16,
             split_grads: fully_sharded,
             split_weights: fully_sharded,
-            ..OptimizerShard::split(comm.as_ref().map_or(0, NcclComm::rank), ranks)
+            ..OptimizerShard::split(comm.as_ref().map_or(0, C::rank), ranks)
         };
         let mut backend = GpuBackend::from_settings(gpu, settings, shard)?;
         if let Some(comm) = comm {
