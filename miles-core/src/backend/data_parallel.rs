@@ -15,12 +15,14 @@ use crate::model::{
     standalone_gpu_trainer,
 };
 
-/// One rank of a data-parallel group: every rank holds every bf16 weight and trains on its part
-/// of each batch ([`TrainBatch::shard`](crate::model::TrainBatch::shard)), all parts with
-/// the whole batch's normaliser, and every rank starts from the same weights. A trainer whose
-/// optimizer state is split over the group ([`OptimizerShard`]) has its gradients
-/// reduce-scattered and its bf16 weights all-gathered; a whole trainer (every rank a replica,
-/// as PyTorch's DDP) has its gradients and loss summed over the group after the backward pass.
+/// One rank of a data-parallel group: every rank trains on its part of each batch
+/// ([`TrainBatch::shard`](crate::model::TrainBatch::shard)), all parts with the whole batch's
+/// normaliser, and every rank starts from the same weights. A trainer whose optimizer state is
+/// split over the group ([`OptimizerShard`]) has its gradients reduce-scattered and its bf16
+/// weights all-gathered, or where its gradients and bf16 weights are split too, each unit's
+/// weights broadcast from the blocks holding them and its gradients reduced into them; a whole
+/// trainer (every rank a replica, as PyTorch's DDP) has its gradients and loss summed over the
+/// group after the backward pass.
 /// Either way every rank takes the same optimizer step (NCCL on the trainer's stream).
 #[derive(Debug)]
 pub struct DataParallelGroup {
@@ -182,7 +184,8 @@ mod tests {
     use crate::device::{Gpu, NcclComm};
     use crate::model::gpu_testing::{
         Batch, HostCollectives, HostExchange, PARALLEL_STEPS, T, assert_pair_follows, bf16_params,
-        gentle, losses, losses_alone, manager, one_gpu, spec, tiny, two_gpus,
+        family_params, gentle, losses, losses_alone, manager, one_gpu, spec, tiny, tiny_family,
+        two_gpus,
     };
     use crate::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
 
@@ -253,51 +256,75 @@ mod tests {
         split_grads: bool,
         /// bf16 weights split too, gathered unit by unit (with `split_grads`).
         split_weights: bool,
+        /// The tiny model's family (`llama`; `qwen2`: biases; `qwen3`: q/k norms, an untied
+        /// head, which the fully sharded tail unit then holds).
+        family: &'static str,
     }
 
     /// The ways a split pair is tested.
-    const SPLIT_WAYS: [Way; 7] = [
+    const SPLIT_WAYS: [Way; 9] = [
         Way {
             bf16_reduce: false,
             on_host: false,
             split_grads: false,
             split_weights: false,
+            family: "llama",
         },
         Way {
             bf16_reduce: true,
             on_host: false,
             split_grads: false,
             split_weights: false,
+            family: "llama",
         },
         Way {
             bf16_reduce: false,
             on_host: true,
             split_grads: false,
             split_weights: false,
+            family: "llama",
         },
         Way {
             bf16_reduce: false,
             on_host: false,
             split_grads: true,
             split_weights: false,
+            family: "llama",
         },
         Way {
             bf16_reduce: false,
             on_host: true,
             split_grads: true,
             split_weights: false,
+            family: "llama",
         },
         Way {
             bf16_reduce: false,
             on_host: false,
             split_grads: true,
             split_weights: true,
+            family: "llama",
         },
         Way {
             bf16_reduce: false,
             on_host: true,
             split_grads: true,
             split_weights: true,
+            family: "llama",
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: false,
+            split_grads: true,
+            split_weights: true,
+            family: "qwen2",
+        },
+        Way {
+            bf16_reduce: false,
+            on_host: false,
+            split_grads: true,
+            split_weights: true,
+            family: "qwen3",
         },
     ];
 
@@ -309,8 +336,11 @@ mod tests {
     where
         G: Fn(usize, &Arc<Gpu>) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
     {
-        let config = tiny();
-        let params = Arc::new(bf16_params(&config, 53));
+        let config = match way.family {
+            "llama" => tiny(),
+            family => tiny_family(family),
+        };
+        let params = Arc::new(family_params(&config, 53));
         let data = Arc::new(Batch::random(54, config.vocab_size));
         let alone = losses_alone(&gpus[0], &config, &params, &data);
         let whole = GpuTrainer::new(

@@ -10,8 +10,10 @@
 //!
 //! Every call here is collective over the backend's ranks: the backend runs them on all ranks
 //! (threads on the CPU device, processes on CUDA) and returns once all are done. One exception:
-//! a GPU backend without tensor parallelism reads in [`TrainBackend::export_weights`] the bf16
-//! weights every rank holds whole, so a rank exports alone.
+//! a GPU backend whose ranks hold the bf16 weights whole (Megatron's data parallelism, fsdp on
+//! one GPU) reads them in [`TrainBackend::export_weights`] alone, so a rank may export without
+//! the others; where they are split (tensor parallelism, fsdp over several GPUs) every rank
+//! exports at once.
 
 mod critic;
 mod data_parallel;
@@ -345,8 +347,9 @@ pub trait TrainBackend: Send {
     /// The full bf16 weights where they live on the device, for a rollout engine on the same
     /// device to copy there ([`RolloutEngine::copy_device_weights`]); they stay valid until the
     /// next call that changes or moves them (a train step, an offload, a load). `None` for a
-    /// backend that holds no full bf16 copy on one device (the CPU backends), or while
-    /// offloaded: the loop then syncs through [`export_weights`](Self::export_weights).
+    /// backend that holds no full bf16 copy on one device (the CPU backends, tensor
+    /// parallelism, fsdp over several GPUs), or while offloaded: the loop then syncs through
+    /// [`export_weights`](Self::export_weights).
     ///
     ///
     /// # Errors

@@ -1,9 +1,13 @@
 //! The seam between the single-GPU trainer and a parallel group it is one rank of: the trainer
 //! calls a [`TrainerGroup`] at the points where ranks must agree, and the backends that name a
 //! parallel layout implement it (Megatron's tensor-parallel group in `miles-megatron`; the
-//! data-parallel group both backends use is core's, in `backend/data_parallel.rs`). A data-parallel group may also split the optimizer
-//! state over its ranks ([`OptimizerShard`]), as FSDP and ZeRO do: then the gradients are
-//! reduce-scattered, each rank updates its block, and the bf16 weights are all-gathered.
+//! data-parallel group both backends use is core's, in `backend/data_parallel.rs`). A
+//! data-parallel group may also split the optimizer state over its ranks ([`OptimizerShard`]),
+//! as ZeRO does: then the gradients are reduce-scattered, each rank updates its block, and the
+//! bf16 weights are all-gathered (stage 1); or the gradients and bf16 weights are split too, as
+//! FSDP does (stage 3): each unit's weights gathered from the blocks that hold them before it
+//! runs ([`SplitWeights`]), its gradients summed into their owners' blocks after
+//! ([`SplitGrads`]).
 
 use std::borrow::Cow;
 use std::ops::Range;

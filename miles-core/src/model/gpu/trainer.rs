@@ -170,6 +170,9 @@ pub struct GpuTrainer {
     /// bf16, Params, where the weights are split: the unit buffer the edges' and a layer's
     /// weights are gathered into ([`SplitWeights`]).
     weight_units: Option<Buffer>,
+    /// Whether the edges' weights in `weight_units` are those of the current weights (gathered
+    /// since the last change of the weights).
+    edges_gathered: bool,
     /// (P) fp32 (this rank's block when split), Optimizer; `None` when the master weights
     /// stream with the moments.
     master: Option<Buffer>,
@@ -196,9 +199,12 @@ pub struct GpuTrainer {
 /// phases add up to the step ([`GpuTrainer::time_steps`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepTimes {
-    /// The forward and backward passes over every micro-batch.
+    /// The forward and backward passes over every micro-batch (where the weights and
+    /// gradients are split, with their gathers and sums, including a rank's passes without a
+    /// batch).
     pub passes: f64,
-    /// The group's sums of the gradients and the loss (0 alone).
+    /// The group's sums of the gradients and the loss (0 alone; the loss's alone where the
+    /// gradients are split).
     pub reduction: f64,
     /// The gradient norm, AdamW, and a split state's gather of the bf16 weights.
     pub optimizer: f64,
@@ -314,7 +320,8 @@ impl GpuTrainer {
         // The bf16 weights are the master weights rounded (the AdamW kernel writes both), so
         // with the master weights on the device or the host they need not move: 2 bytes a
         // parameter less each way. A rank of a split state rounds its own block again and
-        // gathers the others' from the group, so only its shard of the state moves.
+        // gathers the others' from the group (or, where the weights are split, keeps only its
+        // block), so only its shard of the state moves.
         let params_backup = if master_streams {
             spec.backup
         } else {
@@ -371,6 +378,7 @@ impl GpuTrainer {
                 .split_weights
                 .then(|| memory.alloc(&MemoryTag::Params, weight_unit_bytes))
                 .transpose()?,
+            edges_gathered: false,
             master,
             moments,
             grads: memory.alloc(&MemoryTag::Grads, grad_bytes)?,
@@ -645,7 +653,8 @@ impl GpuTrainer {
 
     /// The fp32 master weights, in [`ParamLayout`](crate::model::ParamLayout) order. With the
     /// optimizer state split over a group, every rank of the group calls it at once (the
-    /// blocks are gathered through the gradients' buffer, which the next step zeroes).
+    /// blocks are gathered through the gradients' buffer, which the next step zeroes, or where
+    /// the gradients are split, through their unit buffer).
     ///
     /// # Errors
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`].
@@ -896,7 +905,8 @@ impl GpuTrainer {
     /// at once), resumes the regions (same order as [`offload`](Self::offload)), rounds the bf16
     /// weights again from the master weights (on the device, or uploaded from the host where
     /// the optimizer state lives there; a rank of a split state rounds its block and gathers
-    /// the others' from the group, on every rank at once; streamed master weights' bf16
+    /// the others' from the group, on every rank at once, unless the weights are split, when
+    /// it keeps only its block; streamed master weights' bf16
     /// weights come back from their backup), and zeroes the gradients. A failed resume pauses
     /// the tags resumed before it again, so the trainer stays offloaded.
     ///
@@ -912,6 +922,7 @@ impl GpuTrainer {
         }
         let reports = self.memory.resume_all(&self.tags())?;
         self.offloaded = false;
+        self.edges_gathered = false;
         // `resume` returns once its copies are complete, so the compute stream needs no wait.
         let own = self.own_weights()?;
         match (&self.master, &mut self.moments) {
@@ -990,6 +1001,10 @@ impl GpuTrainer {
     fn accumulate_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f64, ModelError> {
         self.gpu.zero(slice::<f32>(&self.grads)?)?;
         let micros = micro_batches(batch, self.max_batch_tokens);
+        if let Some(first) = micros.first() {
+            // The largest micro-batch's activations, before the group's first collective.
+            self.activations_for(first.batch, first.seq)?;
+        }
         let passes = self.passes_over_group(micros.len(), self.shard.split_grads)?;
         let mut nll = 0.0;
         for micro in &micros {
@@ -1015,6 +1030,11 @@ impl GpuTrainer {
     /// split ([`OptimizerShard::split_weights`]), the units they are gathered into.
     fn weight_units(&self) -> Result<Box<dyn WeightUnits + '_>, ModelError> {
         Ok(match self.split_weights()? {
+            Some(_) if !self.edges_gathered => {
+                return Err(ModelError::Config(
+                    "the split weights' edges were not gathered for the current weights; a pass over split weights starts with passes_over_group".into(),
+                ));
+            }
             Some(split) => Box::new(split),
             None => {
                 let n = self.model.layout().len();
@@ -1060,7 +1080,7 @@ impl GpuTrainer {
     /// collectives (the weights split, or with `sums` the gradients split), every rank of the
     /// group runs as many as the rank with the most micro-batches, and the split weights'
     /// edges are gathered first, for all of them.
-    fn passes_over_group(&self, mine: usize, sums: bool) -> Result<usize, ModelError> {
+    fn passes_over_group(&mut self, mine: usize, sums: bool) -> Result<usize, ModelError> {
         let Some(group) = self.group.as_deref() else {
             return Ok(mine);
         };
@@ -1069,6 +1089,7 @@ impl GpuTrainer {
         }
         if let Some(split) = self.split_weights()? {
             split.gather_edges()?;
+            self.edges_gathered = true;
         }
         let counts = slice::<f32>(&self.scalar)?.sub(0, self.shard.ranks)?;
         let mut each = vec![0.0f32; self.shard.ranks];
@@ -1086,6 +1107,9 @@ impl GpuTrainer {
         let mut logprobs = Vec::with_capacity(batch.batch * batch.seq);
         let mut nll = 0.0;
         let micros = micro_batches(batch, self.max_batch_tokens);
+        if let Some(first) = micros.first() {
+            self.activations_for(first.batch, first.seq)?;
+        }
         let passes = self.passes_over_group(micros.len(), false)?;
         for micro in &micros {
             let acts = self.activations_for(micro.batch, micro.seq)?;
@@ -1110,6 +1134,7 @@ impl GpuTrainer {
         &mut self,
         step: u64,
     ) -> Result<(AdamWStepStats, Option<StreamStats>), ModelError> {
+        self.edges_gathered = false;
         let n = self.model.layout().len();
         let grads = self.own_grads()?;
         let grad_norm = self.grad_norm_sq(grads)?.sqrt();
@@ -1256,6 +1281,7 @@ impl GpuTrainer {
     /// Writes the master weights `params` (to the device, or through the stream to disk) and
     /// their bf16 rounding into the bf16 weights.
     fn upload_params(&mut self, params: &[f32]) -> Result<(), ModelError> {
+        self.edges_gathered = false;
         if let Some(master) = &self.master {
             return if self.shard.is_split() {
                 self.upload_master_block(master, params)
