@@ -72,9 +72,11 @@ mod tests {
     //! cargo test -p miles-fsdp gpu_ -- --test-threads=1`; elsewhere (or with one GPU for the
     //! NCCL test) they skip.
 
-    use miles_core::backend::{Batch, TrainBackend};
+    use miles_core::backend::TrainBackend;
     use miles_core::device::{Collectives, NcclComm};
-    use miles_core::model::gpu_testing::{self, HostCollectives, HostExchange, one_gpu, two_gpus};
+    use miles_core::model::gpu_testing::{
+        self, HostCollectives, HostExchange, backend_batch, exported, one_gpu, two_gpus,
+    };
     use miles_core::{DeviceChoice, MemoryTag, TrainBackendKind};
 
     use super::*;
@@ -91,37 +93,6 @@ mod tests {
             data_parallel_size: ranks,
             ..Settings::default()
         }
-    }
-
-    /// Sequences `rows` of a batch of 4 x 16 tokens, normalised by the share of the whole
-    /// batch's tokens one of `parts` equal parts holds.
-    fn batch(rows: std::ops::Range<usize>, parts: usize) -> Batch {
-        let data = gpu_testing::Batch::random_of(41, 259, 4, 16);
-        let cut = |x: &[u32]| x[rows.start * 16..rows.end * 16].to_vec();
-        Batch {
-            batch: rows.len(),
-            seq: 16,
-            inputs: cut(&data.inputs),
-            targets: cut(&data.targets),
-            weights: data.weights[rows.start * 16..rows.end * 16].to_vec(),
-            normaliser: 64.0 / parts as f32,
-            entropy_mask: None,
-            entropy_coef: 0.0,
-        }
-    }
-
-    /// The full weights a backend exports.
-    fn exported(backend: &mut dyn TrainBackend) -> Vec<f32> {
-        let mut full = Vec::new();
-        backend
-            .export_weights(1 << 20, &mut |bucket| {
-                for tensor in bucket.tensors {
-                    full.extend(tensor.data);
-                }
-                Ok(())
-            })
-            .unwrap();
-        full
     }
 
     /// The device bytes of `tag` a backend holds.
@@ -171,7 +142,7 @@ mod tests {
         gpus: [Arc<Gpu>; 2],
         comm: impl Fn(usize, &Arc<Gpu>) -> C + Send + Sync + 'static,
     ) {
-        let whole = batch(0..4, 1);
+        let whole = backend_batch(41, 259, 0..4, 1);
         let dir = tempfile::tempdir().unwrap();
         let mut one = FsdpGpu::on_ranks(Arc::clone(alone), &settings(1), None::<C>).unwrap();
         let one_start = exported(&mut one);
@@ -187,7 +158,7 @@ mod tests {
             .map(|(rank, gpu)| {
                 let (comm, dir) = (Arc::clone(&comm), dir.path().to_path_buf());
                 std::thread::spawn(move || {
-                    let part = batch(rank * 2..rank * 2 + 2, 2);
+                    let part = backend_batch(41, 259, rank * 2..rank * 2 + 2, 2);
                     let group = comm(rank, &gpu);
                     let mut backend = FsdpGpu::on_ranks(gpu, &settings(2), Some(group)).unwrap();
                     let shard = backend.trainer().shard();

@@ -299,7 +299,9 @@ mod tests {
     //! elsewhere (or with fewer GPUs) they skip.
 
     use miles_core::device::NcclComm;
-    use miles_core::model::gpu_testing::{self, HostCollectives, HostExchange, gpus, one_gpu};
+    use miles_core::model::gpu_testing::{
+        self, HostCollectives, HostExchange, backend_batch, exported, gpus, one_gpu,
+    };
 
     use super::*;
 
@@ -312,37 +314,6 @@ mod tests {
             device: miles_core::DeviceChoice::Cuda,
             ..Settings::default()
         }
-    }
-
-    /// Sequences `rows` of a batch of 4 x 16 tokens drawn from `seed`, normalised by the
-    /// share of the whole batch's tokens one of `parts` equal parts holds.
-    fn batch(seed: u64, vocab: usize, rows: std::ops::Range<usize>, parts: usize) -> Batch {
-        let data = gpu_testing::Batch::random_of(seed, vocab, 4, 16);
-        let cut = |x: &[u32]| x[rows.start * 16..rows.end * 16].to_vec();
-        Batch {
-            batch: rows.len(),
-            seq: 16,
-            inputs: cut(&data.inputs),
-            targets: cut(&data.targets),
-            weights: data.weights[rows.start * 16..rows.end * 16].to_vec(),
-            normaliser: 64.0 / parts as f32,
-            entropy_mask: None,
-            entropy_coef: 0.0,
-        }
-    }
-
-    /// The full weights a backend exports.
-    fn exported(backend: &mut dyn TrainBackend) -> Vec<f32> {
-        let mut full = Vec::new();
-        backend
-            .export_weights(1 << 20, &mut |bucket| {
-                for tensor in bucket.tensors {
-                    full.extend(tensor.data);
-                }
-                Ok(())
-            })
-            .unwrap();
-        full
     }
 
     #[test]
@@ -423,7 +394,7 @@ mod tests {
     ) {
         let settings = settings();
         let config = LlamaConfig::from_settings(&settings).unwrap();
-        let whole = batch(29, config.vocab_size, 0..4, 1);
+        let whole = backend_batch(29, config.vocab_size, 0..4, 1);
         let dir = tempfile::tempdir().unwrap();
         let mut one =
             MegatronGpu::on_ranks(Arc::clone(alone), &settings, None::<NcclComm>).unwrap();
@@ -438,7 +409,7 @@ mod tests {
             .map(|(rank, gpu)| {
                 let (settings, comms) = (settings.clone(), Arc::clone(&comms));
                 let d = rank / tp;
-                let part = batch(29, config.vocab_size, d * 4 / dp..(d + 1) * 4 / dp, dp);
+                let part = backend_batch(29, config.vocab_size, d * 4 / dp..(d + 1) * 4 / dp, dp);
                 let dir = dir.path().to_path_buf();
                 std::thread::spawn(move || {
                     let (tensor, data) = comms(rank, &gpu);

@@ -261,70 +261,54 @@ mod tests {
         family: &'static str,
     }
 
+    /// The optimizer state split, the gradients reduce-scattered in fp32, the tiny llama.
+    const STAGE_1: Way = Way {
+        bf16_reduce: false,
+        on_host: false,
+        split_grads: false,
+        split_weights: false,
+        family: "llama",
+    };
+
+    /// The optimizer state, gradients and bf16 weights split.
+    const STAGE_3: Way = Way {
+        split_grads: true,
+        split_weights: true,
+        ..STAGE_1
+    };
+
     /// The ways a split pair is tested.
     const SPLIT_WAYS: [Way; 9] = [
-        Way {
-            bf16_reduce: false,
-            on_host: false,
-            split_grads: false,
-            split_weights: false,
-            family: "llama",
-        },
+        STAGE_1,
         Way {
             bf16_reduce: true,
-            on_host: false,
-            split_grads: false,
-            split_weights: false,
-            family: "llama",
+            ..STAGE_1
         },
         Way {
-            bf16_reduce: false,
             on_host: true,
-            split_grads: false,
-            split_weights: false,
-            family: "llama",
+            ..STAGE_1
         },
         Way {
-            bf16_reduce: false,
-            on_host: false,
             split_grads: true,
-            split_weights: false,
-            family: "llama",
+            ..STAGE_1
         },
         Way {
-            bf16_reduce: false,
+            split_grads: true,
             on_host: true,
-            split_grads: true,
-            split_weights: false,
-            family: "llama",
+            ..STAGE_1
         },
+        STAGE_3,
         Way {
-            bf16_reduce: false,
-            on_host: false,
-            split_grads: true,
-            split_weights: true,
-            family: "llama",
-        },
-        Way {
-            bf16_reduce: false,
             on_host: true,
-            split_grads: true,
-            split_weights: true,
-            family: "llama",
+            ..STAGE_3
         },
         Way {
-            bf16_reduce: false,
-            on_host: false,
-            split_grads: true,
-            split_weights: true,
             family: "qwen2",
+            ..STAGE_3
         },
         Way {
-            bf16_reduce: false,
-            on_host: false,
-            split_grads: true,
-            split_weights: true,
             family: "qwen3",
+            ..STAGE_3
         },
     ];
 

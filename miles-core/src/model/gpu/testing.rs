@@ -124,6 +124,43 @@ impl Batch {
     }
 }
 
+/// Sequences `rows` of a batch of 4 x 16 tokens drawn from `seed` (ids below `vocab`),
+/// normalised by the share of the whole batch's tokens one of `parts` equal parts holds: one
+/// data-parallel rank's part of a backend's batch.
+pub fn backend_batch(
+    seed: u64,
+    vocab: usize,
+    rows: std::ops::Range<usize>,
+    parts: usize,
+) -> crate::backend::Batch {
+    let data = Batch::random_of(seed, vocab, 4, 16);
+    let cut = |x: &[u32]| x[rows.start * 16..rows.end * 16].to_vec();
+    crate::backend::Batch {
+        batch: rows.len(),
+        seq: 16,
+        inputs: cut(&data.inputs),
+        targets: cut(&data.targets),
+        weights: data.weights[rows.start * 16..rows.end * 16].to_vec(),
+        normaliser: 64.0 / parts as f32,
+        entropy_mask: None,
+        entropy_coef: 0.0,
+    }
+}
+
+/// The full weights a backend exports.
+pub fn exported(backend: &mut dyn crate::backend::TrainBackend) -> Vec<f32> {
+    let mut full = Vec::new();
+    backend
+        .export_weights(1 << 20, &mut |bucket| {
+            for tensor in bucket.tensors {
+                full.extend(tensor.data);
+            }
+            Ok(())
+        })
+        .unwrap();
+    full
+}
+
 /// A manager over the gpu's own device.
 pub fn manager(gpu: &Gpu) -> Arc<MemoryManager> {
     let device: Arc<dyn Device> = Arc::clone(gpu.device()) as Arc<dyn Device>;
@@ -403,18 +440,6 @@ impl HostCollectives {
                 part
             })
             .collect())
-    }
-
-    /// An error unless `root` is a rank of the group.
-    fn check_root(&self, what: &'static str, root: usize) -> Result<(), DeviceError> {
-        if root >= self.world {
-            return Err(DeviceError::BadRank {
-                what,
-                rank: root,
-                world: self.world,
-            });
-        }
-        Ok(())
     }
 
     /// The element-wise sum in rank order of every rank's `x`.

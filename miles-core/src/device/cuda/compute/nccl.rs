@@ -403,7 +403,7 @@ impl NcclComm {
     /// # Errors
     /// [`DeviceError::BadRank`] for a root not below the world size; [`DeviceError::Cuda`].
     pub fn broadcast(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
-        self.check_root("broadcast root", root)?;
+        Collectives::check_root(self, "broadcast root", root)?;
         let stream = self.queue("ncclBroadcast")?;
         // SAFETY: `buf` is device memory of this GPU the caller holds, read on the root and
         // written elsewhere, in place; `root` is below the world size, which fits a c_int.
@@ -435,7 +435,7 @@ impl NcclComm {
         root: usize,
     ) -> Result<(), DeviceError> {
         recv.expect_len("broadcast receive buffer", send.len())?;
-        self.check_root("broadcast root", root)?;
+        Collectives::check_root(self, "broadcast root", root)?;
         let stream = self.queue("ncclBroadcast")?;
         // SAFETY: `send` and `recv` hold the same number of bf16 elements in device memory of
         // this GPU the caller holds, `send` read on the root and `recv` written everywhere
@@ -461,7 +461,7 @@ impl NcclComm {
     /// # Errors
     /// As [`broadcast`](Self::broadcast).
     pub fn reduce_sum(&self, buf: GpuSlice<f32>, root: usize) -> Result<(), DeviceError> {
-        self.check_root("reduce root", root)?;
+        Collectives::check_root(self, "reduce root", root)?;
         let stream = self.queue("ncclReduce")?;
         // SAFETY: `buf` is device memory of this GPU the caller holds, read everywhere and
         // written on the root, in place (allowed by NCCL); `root` is below the world size.
@@ -479,17 +479,6 @@ impl NcclComm {
         }
         .map(drop)
         .map_err(nccl("ncclReduce"))
-    }
-
-    fn check_root(&self, what: &'static str, root: usize) -> Result<(), DeviceError> {
-        if root >= self.world {
-            return Err(DeviceError::BadRank {
-                what,
-                rank: root,
-                world: self.world,
-            });
-        }
-        Ok(())
     }
 
     /// Returns once every rank has reached it and this GPU's queued work is done: an
@@ -585,6 +574,22 @@ pub trait Collectives: Send {
 
     /// The GPU whose stream the collectives queue on.
     fn gpu(&self) -> &Arc<Gpu>;
+
+    /// An error naming `what` unless `root` is a rank of the group.
+    ///
+    /// # Errors
+    /// [`DeviceError::BadRank`].
+    fn check_root(&self, what: &'static str, root: usize) -> Result<(), DeviceError> {
+        let world = self.world_size();
+        if root >= world {
+            return Err(DeviceError::BadRank {
+                what,
+                rank: root,
+                world,
+            });
+        }
+        Ok(())
+    }
 
     /// `buf` on every rank becomes the element-wise sum over the ranks.
     ///
