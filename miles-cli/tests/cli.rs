@@ -648,6 +648,35 @@ fn full_sharding_in_bench_train_needs_fp32_data_parallel_gpus_exiting_2() {
 }
 
 #[test]
+fn overlapped_gradient_sums_in_bench_train_need_fp32_data_parallel_gpus_exiting_2() {
+    let bench = [
+        "bench",
+        "train",
+        "--preset",
+        "tiny",
+        "--overlap-grad-reduce",
+    ];
+    let (_, err) = expect(&bench, 2);
+    assert!(
+        err.contains("--overlap-grad-reduce") && err.contains("--device cuda"),
+        "{err}"
+    );
+    for other in [
+        "--tensor-parallel",
+        "--grad-reduce-in-bf16",
+        "--fully-shard",
+    ] {
+        let (_, err) = expect(&[&bench[..], &["--device", "cuda", other]].concat(), 2);
+        assert!(
+            err.contains("--overlap-grad-reduce") && err.contains(other),
+            "{err}"
+        );
+    }
+    let (_, err) = expect(&[&bench[..], &["--device", "cuda"]].concat(), 2);
+    assert!(err.contains("--nproc-per-node 2"), "{err}");
+}
+
+#[test]
 fn bench_train_phases_on_the_cpu_exit_2_naming_the_device() {
     let (_, err) = expect(&["bench", "train", "--preset", "tiny", "--phases"], 2);
     assert!(

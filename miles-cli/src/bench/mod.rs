@@ -56,9 +56,13 @@ pub fn train(args: train::BenchTrainArgs) -> anyhow::Result<()> {
     if args.nproc_per_node > 1 {
         return crate::launch::run_local(args.nproc_per_node, DeviceChoice::Cuda);
     }
-    if args.tensor_parallel || args.grad_reduce_in_bf16 || args.fully_shard {
+    if args.tensor_parallel
+        || args.grad_reduce_in_bf16
+        || args.fully_shard
+        || args.overlap_grad_reduce
+    {
         return Err(BadSettings(
-            "--tensor-parallel, --grad-reduce-in-bf16 and --fully-shard run over several processes; add --nproc-per-node 2 (or more), or start the ranks with a launcher".into(),
+            "--tensor-parallel, --grad-reduce-in-bf16, --fully-shard and --overlap-grad-reduce run over several processes; add --nproc-per-node 2 (or more), or start the ranks with a launcher".into(),
         )
         .into());
     }

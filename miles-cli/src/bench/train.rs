@@ -83,6 +83,11 @@ pub struct BenchTrainArgs {
     /// blocks after).
     #[arg(long)]
     pub fully_shard: bool,
+    /// With several processes, data parallel: split the gradients too and sum each layer's
+    /// on a second communicator and stream while the backward pass goes on (ZeRO stage 2, as
+    /// Megatron's `--overlap-grad-reduce`).
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
     /// On cuda: also say where each timed step's time went (the passes, the group's gradient
     /// reduction, the optimizer step), each phase waited for on the host.
     #[arg(long)]
@@ -158,6 +163,17 @@ pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
     {
         return Err(BadSettings(
             "--fully-shard splits data parallelism's weights and gradients over gpus, reduced in fp32; add --device cuda and drop --tensor-parallel and --grad-reduce-in-bf16, or drop it".into(),
+        )
+        .into());
+    }
+    if args.overlap_grad_reduce
+        && (args.device != BenchDevice::Cuda
+            || args.tensor_parallel
+            || args.grad_reduce_in_bf16
+            || args.fully_shard)
+    {
+        return Err(BadSettings(
+            "--overlap-grad-reduce sums data parallelism's split gradients in fp32 behind the backward pass, the bf16 weights whole; add --device cuda and drop --tensor-parallel, --grad-reduce-in-bf16 and --fully-shard, or drop it".into(),
         )
         .into());
     }

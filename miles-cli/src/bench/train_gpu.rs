@@ -252,7 +252,17 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
     let parallel = if args.tensor_parallel {
         tensor_parallel_rank(Arc::clone(&gpu), &config, &params, comm, &batch, args)?
     } else {
-        data_parallel_rank(Arc::clone(&gpu), &config, &params, comm, &batch, env, args)?
+        // The gradients' sums behind the backward pass run on a stream and communicator of
+        // their own.
+        let behind = match args.overlap_grad_reduce {
+            true => {
+                let stream = Arc::new(gpu.with_own_stream()?);
+                Some(crate::gpu::open_comm(&mut group, &stream)?)
+            }
+            false => None,
+        };
+        let comms = (comm, behind);
+        data_parallel_rank(Arc::clone(&gpu), &config, &params, comms, &batch, env, args)?
     };
     let gathered = group.gather(&serde_json::to_vec(&parallel)?)?;
     let alone = match env.rank {
@@ -289,16 +299,16 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         out,
         "bench train: {} parameters, batch {b} x seq {t}, {} parallel over {} gpus, {} timed steps after {} warmup",
         layout.len(),
-        match (
-            args.tensor_parallel,
-            args.grad_reduce_in_bf16,
-            args.fully_shard
-        ) {
-            (true, _, _) => "tensor",
-            (false, _, true) =>
-                "data (fully sharded: optimizer state, gradients and bf16 weights split)",
-            (false, false, false) => "data (optimizer state split, gradients reduced in fp32)",
-            (false, true, false) => "data (optimizer state split, gradients reduced in bf16)",
+        if args.tensor_parallel {
+            "tensor"
+        } else if args.fully_shard {
+            "data (fully sharded: optimizer state, gradients and bf16 weights split)"
+        } else if args.overlap_grad_reduce {
+            "data (optimizer state and gradients split, the gradients summed behind the backward pass)"
+        } else if args.grad_reduce_in_bf16 {
+            "data (optimizer state split, gradients reduced in bf16)"
+        } else {
+            "data (optimizer state split, gradients reduced in fp32)"
         },
         ranks.len(),
         args.steps,
@@ -440,23 +450,27 @@ fn data_parallel_rank(
     gpu: Arc<Gpu>,
     config: &LlamaConfig,
     params: &[f32],
-    comm: NcclComm,
+    comms: (NcclComm, Option<NcclComm>),
     batch: &TrainBatch<'_>,
     env: &LaunchEnv,
     args: &BenchTrainArgs,
 ) -> anyhow::Result<RankRun> {
     let part = batch.shard(env.rank, env.world_size)?;
     let tokens = part.batch * part.seq;
-    let split = match (args.grad_reduce_in_bf16, args.fully_shard) {
-        (true, _) => DataParallelSplit::OptimizerReducedInBf16,
-        (false, true) => DataParallelSplit::Full,
-        (false, false) => DataParallelSplit::Optimizer,
+    let split = if args.grad_reduce_in_bf16 {
+        DataParallelSplit::OptimizerReducedInBf16
+    } else if args.fully_shard {
+        DataParallelSplit::Full
+    } else if args.overlap_grad_reduce {
+        DataParallelSplit::GradientsBehind
+    } else {
+        DataParallelSplit::Optimizer
     };
     let mut trainer = miles_core::backend::data_parallel_gpu_trainer(
         gpu,
         config.clone(),
         params,
-        comm,
+        comms,
         tokens,
         split,
     )?;

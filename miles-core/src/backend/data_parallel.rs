@@ -27,6 +27,8 @@ use crate::model::{
 #[derive(Debug)]
 pub struct DataParallelGroup {
     comm: GroupComm,
+    /// The second communicator split gradients are summed on behind the backward pass.
+    behind: Option<GroupComm>,
 }
 
 impl DataParallelGroup {
@@ -34,7 +36,33 @@ impl DataParallelGroup {
     pub fn new(comm: impl Collectives + 'static) -> DataParallelGroup {
         DataParallelGroup {
             comm: GroupComm::new(comm),
+            behind: None,
         }
+    }
+
+    /// The group, with `behind` (a second communicator over the same ranks, on a stream of its
+    /// own of the same GPU: [`Gpu::with_own_stream`]) summing split gradients behind the
+    /// backward pass ([`OptimizerShard::reduce_behind`], `--overlap-grad-reduce`).
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] for a communicator over other ranks.
+    pub fn with_sums_behind(
+        self,
+        behind: impl Collectives + 'static,
+    ) -> Result<DataParallelGroup, ModelError> {
+        let behind = GroupComm::new(behind);
+        let place = |comm: &GroupComm| (comm.rank(), comm.world_size());
+        if place(&behind) != place(&self.comm) {
+            return Err(ModelError::Config(format!(
+                "the second communicator is rank {:?} of another group than the first, rank {:?}; open it over the same ranks",
+                place(&behind),
+                place(&self.comm)
+            )));
+        }
+        Ok(DataParallelGroup {
+            behind: Some(behind),
+            ..self
+        })
     }
 }
 
@@ -121,12 +149,27 @@ impl TrainerGroup for DataParallelGroup {
         Ok(self.comm.lock().all_gather(block, all)?)
     }
 
+    fn behind(&self) -> Option<&GroupComm> {
+        self.behind.as_ref()
+    }
+
     fn release(&self) -> Result<Option<u64>, ModelError> {
-        self.comm.release()
+        let released = self.comm.release()?;
+        let Some(behind) = &self.behind else {
+            return Ok(released);
+        };
+        Ok(match (released, behind.release()?) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        })
     }
 
     fn restore(&self) -> Result<(), ModelError> {
-        self.comm.restore()
+        self.comm.restore()?;
+        match &self.behind {
+            Some(behind) => behind.restore(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -138,6 +181,10 @@ pub enum DataParallelSplit {
     Optimizer,
     /// As [`Optimizer`](Self::Optimizer), the gradients reduce-scattered in bf16.
     OptimizerReducedInBf16,
+    /// Its block of the optimizer state and of the gradients, each unit's gradients summed
+    /// behind the backward pass on a second communicator (ZeRO stage 2,
+    /// `--overlap-grad-reduce`).
+    GradientsBehind,
     /// Its block of the optimizer state, the gradients and the bf16 weights (ZeRO stage 3,
     /// fsdp's).
     Full,
@@ -147,27 +194,35 @@ pub enum DataParallelSplit {
 /// `params` of `config` (the same on every rank), for one-off work (a benchmark): a
 /// [`standalone_gpu_trainer`] trainer with activations for `max_batch_tokens` tokens (this
 /// rank's part of a batch) keeping its blocks as `split` says, joined to a
-/// [`DataParallelGroup`].
+/// [`DataParallelGroup`]; `behind` is the second communicator of
+/// [`DataParallelSplit::GradientsBehind`] (on a stream of its own of `gpu`).
 ///
 /// # Errors
-/// [`BackendError::Model`] when the trainer cannot be built or `comm` is on another GPU.
+/// [`BackendError::Model`] when the trainer cannot be built, `comm` is on another GPU, or
+/// `behind` is missing, over other ranks or on the trainer's own stream.
 pub fn data_parallel_gpu_trainer(
     gpu: Arc<Gpu>,
     config: LlamaConfig,
     params: &[f32],
-    comm: NcclComm,
+    (comm, behind): (NcclComm, Option<NcclComm>),
     max_batch_tokens: usize,
     split: DataParallelSplit,
 ) -> Result<GpuTrainer, BackendError> {
     let full = split == DataParallelSplit::Full;
+    let sums_behind = split == DataParallelSplit::GradientsBehind;
     let shard = OptimizerShard {
         bf16_reduce: split == DataParallelSplit::OptimizerReducedInBf16,
-        split_grads: full,
+        split_grads: full || sums_behind,
         split_weights: full,
+        reduce_behind: sums_behind,
         ..OptimizerShard::split(comm.rank(), comm.world_size())
     };
     let mut trainer = standalone_gpu_trainer(gpu, config, params, max_batch_tokens, shard)?;
-    trainer.join(Box::new(DataParallelGroup::new(comm)))?;
+    let mut group = DataParallelGroup::new(comm);
+    if let Some(behind) = behind {
+        group = group.with_sums_behind(behind)?;
+    }
+    trainer.join(Box::new(group))?;
     Ok(trainer)
 }
 
@@ -256,6 +311,8 @@ mod tests {
         split_grads: bool,
         /// bf16 weights split too, gathered unit by unit (with `split_grads`).
         split_weights: bool,
+        /// Split gradients summed behind the backward pass on a second communicator.
+        behind: bool,
         /// The tiny model's family (`llama`; `qwen2`: biases; `qwen3`: q/k norms, an untied
         /// head, which the fully sharded tail unit then holds).
         family: &'static str,
@@ -267,6 +324,7 @@ mod tests {
         on_host: false,
         split_grads: false,
         split_weights: false,
+        behind: false,
         family: "llama",
     };
 
@@ -278,7 +336,7 @@ mod tests {
     };
 
     /// The ways a split pair is tested.
-    const SPLIT_WAYS: [Way; 9] = [
+    const SPLIT_WAYS: [Way; 11] = [
         STAGE_1,
         Way {
             bf16_reduce: true,
@@ -294,6 +352,17 @@ mod tests {
         },
         Way {
             split_grads: true,
+            on_host: true,
+            ..STAGE_1
+        },
+        Way {
+            split_grads: true,
+            behind: true,
+            ..STAGE_1
+        },
+        Way {
+            split_grads: true,
+            behind: true,
             on_host: true,
             ..STAGE_1
         },
@@ -318,7 +387,7 @@ mod tests {
     /// state on its device (and of the gradients where split), and both gather the same.
     fn split_pair_follows_one_gpu<G>(gpus: [Arc<Gpu>; 2], way: Way, group: G)
     where
-        G: Fn(usize, &Arc<Gpu>) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
+        G: Fn(usize, &Arc<Gpu>, bool) -> Box<dyn TrainerGroup> + Send + Sync + 'static,
     {
         let config = match way.family {
             "llama" => tiny(),
@@ -349,6 +418,7 @@ mod tests {
                             bf16_reduce: way.bf16_reduce,
                             split_grads: way.split_grads,
                             split_weights: way.split_weights,
+                            reduce_behind: way.behind,
                             ..OptimizerShard::split(rank, 2)
                         },
                         backup: BackupPolicy::Host,
@@ -358,7 +428,7 @@ mod tests {
                     };
                     let mut trainer =
                         GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
-                    trainer.join(group(rank, &gpu)).unwrap();
+                    trainer.join(group(rank, &gpu, way.behind)).unwrap();
                     let batch = data.view();
                     let part = batch.shard(rank, 2).unwrap();
                     let mut losses = Vec::new();
@@ -426,11 +496,18 @@ mod tests {
             return;
         };
         for way in SPLIT_WAYS {
-            let id = NcclComm::unique_id().unwrap();
+            let ids = [0, 1].map(|_| NcclComm::unique_id().unwrap());
             let pair = [Arc::clone(&gpus[0]), Arc::clone(&gpus[1])];
-            split_pair_follows_one_gpu(pair, way, move |rank, gpu| {
-                let comm = NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap();
-                Box::new(DataParallelGroup::new(comm))
+            split_pair_follows_one_gpu(pair, way, move |rank, gpu, behind| {
+                let comm = NcclComm::new(Arc::clone(gpu), ids[0], rank, 2).unwrap();
+                let group = DataParallelGroup::new(comm);
+                if !behind {
+                    return Box::new(group);
+                }
+                // The sums behind run on a stream of their own.
+                let stream = Arc::new(gpu.with_own_stream().unwrap());
+                let second = NcclComm::new(stream, ids[1], rank, 2).unwrap();
+                Box::new(group.with_sums_behind(second).unwrap())
             });
         }
     }
@@ -445,11 +522,17 @@ mod tests {
             // Two ranks on one GPU, each on a stream of its own, their collectives computed
             // through the host as NCCL computes them (a sum of two is the same in either order).
             let second = Arc::new(gpu.with_own_stream().unwrap());
-            let exchange = HostExchange::new(2);
+            let exchanges = [0, 1].map(|_| HostExchange::new(2));
             let first = Arc::clone(&gpu);
-            split_pair_follows_one_gpu([first, second], way, move |rank, gpu| {
-                let host = HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchange));
-                Box::new(DataParallelGroup::new(host))
+            split_pair_follows_one_gpu([first, second], way, move |rank, gpu, behind| {
+                let host = |gpu, exchange| HostCollectives::new(gpu, rank, 2, Arc::clone(exchange));
+                let group = DataParallelGroup::new(host(Arc::clone(gpu), &exchanges[0]));
+                if !behind {
+                    return Box::new(group);
+                }
+                let stream = Arc::new(gpu.with_own_stream().unwrap());
+                let second = host(stream, &exchanges[1]);
+                Box::new(group.with_sums_behind(second).unwrap())
             });
         }
     }

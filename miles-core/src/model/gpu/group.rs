@@ -10,13 +10,14 @@
 //! ([`SplitGrads`]).
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use half::bf16;
 
 use super::weights::{GradUnits, WeightUnits};
-use crate::device::{Collectives, Gpu, GpuSlice};
+use crate::device::{Collectives, Fence, Gpu, GpuSlice};
 use crate::model::ModelError;
 
 /// A group's communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers through
@@ -270,6 +271,13 @@ pub trait TrainerGroup: Send + Sync {
         Err(not_sharded(self.name()))
     }
 
+    /// A second communicator over the group's ranks, on a stream of its own, that sums split
+    /// gradients behind the backward pass ([`OptimizerShard::reduce_behind`]); `None` where
+    /// the group has none.
+    fn behind(&self) -> Option<&GroupComm> {
+        None
+    }
+
     /// Called before the trainer's memory is resumed, on every rank of the group at once:
     /// brings back what [`release`](Self::release) released.
     ///
@@ -282,9 +290,11 @@ pub trait TrainerGroup: Send + Sync {
 
 /// The gradients of a rank whose gradients are split over its group
 /// ([`OptimizerShard::split_grads`]): each unit accumulates in `units` (the embedding's at the
-/// start, a layer's or the tail's after it) and, once closed, is summed into its owners' blocks
-/// over the group ([`TrainerGroup::reduce_f32`]); this rank adds the pieces it owns into `own`,
-/// its block of the gradients.
+/// start, a layer's or the tail's in a slot after it) and, once closed, is summed into its
+/// owners' blocks over the group ([`TrainerGroup::reduce_f32`]); this rank adds the pieces it
+/// owns into `own`, its block of the gradients. With `behind`, the sums run on that
+/// communicator's stream while the pass goes on, the layers taking two slots in turn, and a
+/// slot is zeroed for its next unit only once its last sum is done.
 pub(super) struct SplitGrads<'a> {
     pub group: &'a dyn TrainerGroup,
     pub shard: OptimizerShard,
@@ -292,16 +302,43 @@ pub(super) struct SplitGrads<'a> {
     pub params: usize,
     pub own: GpuSlice<f32>,
     pub units: GpuSlice<f32>,
-    /// The embedding unit's length: where the other units start in `units`.
+    /// The embedding unit's length: where the slots start in `units`.
     pub embedding: usize,
+    /// A layer's parameters (every layer's alike): the tail and each layer take the slot of
+    /// their index among the layers (the tail's being the number of layers).
+    pub layer: usize,
+    /// A slot's length: the larger of a layer's and the tail's.
+    pub slot: usize,
+    /// The communicator and stream the sums run behind on, if they do.
+    pub behind: Option<&'a GroupComm>,
+    /// The sums still running behind: each with its unit's place in `units`.
+    pub running: RefCell<Vec<(usize, Fence)>>,
 }
 
 impl SplitGrads<'_> {
-    /// Where `unit` accumulates: the embedding (the unit starting at parameter 0) at the start
-    /// of `units`, any other after it.
-    fn place(&self, unit: &Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
-        let at = if unit.start == 0 { 0 } else { self.embedding };
-        Ok(self.units.sub(at, unit.len())?)
+    /// Where `unit` accumulates in `units`: the embedding (the unit starting at parameter 0)
+    /// first, any other in its slot after it.
+    fn place(&self, unit: &Range<usize>) -> usize {
+        if unit.start == 0 {
+            return 0;
+        }
+        let slots = if self.behind.is_some() { 2 } else { 1 };
+        let index = (unit.start - self.embedding) / self.layer.max(1);
+        self.embedding + index % slots * self.slot
+    }
+
+    /// Makes `gpu`'s later work wait for the sums behind that read `units` at `at`, or for
+    /// all of them.
+    fn wait(&self, gpu: &Gpu, at: Option<usize>) -> Result<(), ModelError> {
+        let mut running = self.running.borrow_mut();
+        for (_, done) in running
+            .iter()
+            .filter(|(place, _)| at.is_none_or(|a| a == *place))
+        {
+            gpu.wait_for(done)?;
+        }
+        running.retain(|(place, _)| at.is_some_and(|a| a != *place));
+        Ok(())
     }
 }
 
@@ -372,22 +409,45 @@ impl WeightUnits for SplitWeights<'_> {
 
 impl GradUnits for SplitGrads<'_> {
     fn open(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
-        let grads = self.place(&unit)?;
+        let at = self.place(&unit);
+        self.wait(gpu, Some(at))?;
+        let grads = self.units.sub(at, unit.len())?;
         gpu.zero(grads)?;
         Ok(grads)
     }
 
     fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError> {
-        let grads = self.place(&unit)?;
+        let at = self.place(&unit);
+        let grads = self.units.sub(at, unit.len())?;
         let start = self.shard.start(self.params);
-        for (owner, piece) in self.shard.owners(unit.clone(), self.params) {
+        let pieces = self.shard.owners(unit.clone(), self.params);
+        let Some(behind) = self.behind else {
+            for (owner, piece) in pieces {
+                let part = grads.sub(piece.start - unit.start, piece.len())?;
+                self.group.reduce_f32(part, owner)?;
+                if owner == self.shard.rank {
+                    gpu.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
+                }
+            }
+            return Ok(());
+        };
+        // The unit's gradients are done on the trainer's stream; its sums go behind.
+        let stream = behind.gpu();
+        stream.wait_for(&gpu.record_fence()?)?;
+        let comm = behind.lock();
+        for (owner, piece) in pieces {
             let part = grads.sub(piece.start - unit.start, piece.len())?;
-            self.group.reduce_f32(part, owner)?;
+            comm.reduce_sum(part, owner)?;
             if owner == self.shard.rank {
-                gpu.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
+                stream.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
             }
         }
+        self.running.borrow_mut().push((at, stream.record_fence()?));
         Ok(())
+    }
+
+    fn finish(&self, gpu: &Gpu) -> Result<(), ModelError> {
+        self.wait(gpu, None)
     }
 }
 
@@ -423,6 +483,12 @@ pub struct OptimizerShard {
     /// into a unit buffer at the start of a step's passes and each layer's just before it
     /// runs, forward and backward. Needs `split_grads`.
     pub split_weights: bool,
+    /// Split gradients are summed behind the backward pass (`--overlap-grad-reduce`): each
+    /// unit's sums run on the group's second communicator and stream
+    /// ([`TrainerGroup::behind`]) while the next layers' gradients are computed, the layers
+    /// alternating between two slots of the unit buffer. Needs `split_grads`, not
+    /// `split_weights` (whose gathers run on the first communicator meanwhile).
+    pub reduce_behind: bool,
 }
 
 /// A block is a multiple of this many elements, so that every block of bf16 or fp32 elements
@@ -441,6 +507,7 @@ impl OptimizerShard {
             bf16_reduce: false,
             split_grads: false,
             split_weights: false,
+            reduce_behind: false,
         }
     }
 

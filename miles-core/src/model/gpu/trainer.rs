@@ -2,6 +2,7 @@
 //! activations, each in its memory-manager region, so that an offload is four pauses.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -271,6 +272,11 @@ impl GpuTrainer {
                 "bf16 weights split over a data-parallel group need the gradients split too (OptimizerShard::split_grads)".into(),
             ));
         }
+        if shard.reduce_behind && (!shard.split_grads || shard.split_weights) {
+            return Err(ModelError::Config(
+                "gradients summed behind the backward pass (--overlap-grad-reduce) need them split and the bf16 weights whole (not fsdp's full sharding)".into(),
+            ));
+        }
         if shard.split_grads && (!shard.is_split() || shard.bf16_reduce) {
             return Err(ModelError::Config(
                 "gradients split over a data-parallel group need the optimizer state split over more than one rank and reduced in fp32; drop --grad-reduce-in-bf16".into(),
@@ -299,7 +305,10 @@ impl GpuTrainer {
         // Split gradients: this rank's block, and a unit buffer holding the embedding's
         // gradients beside a layer's or the tail's.
         let (grad_bytes, unit_bytes) = if shard.split_grads {
-            (block, split_unit_len(model.layout()) * size_of::<f32>())
+            (
+                block,
+                split_unit_len(model.layout(), shard) * size_of::<f32>(),
+            )
         } else {
             (full, 0)
         };
@@ -505,6 +514,21 @@ impl GpuTrainer {
             return Err(ModelError::Config(
                 "the gpu trainer is one rank of a parallel group already; it joins one group, data or tensor parallel".into(),
             ));
+        }
+        if self.shard.reduce_behind {
+            let behind = group.behind().ok_or_else(|| {
+                ModelError::Config(format!(
+                    "the trainer sums its gradients behind the backward pass, and the {}-parallel group has no second communicator to do it on",
+                    group.name()
+                ))
+            })?;
+            if Arc::ptr_eq(behind.gpu(), &self.gpu)
+                || !Arc::ptr_eq(behind.gpu().device(), self.gpu.device())
+            {
+                return Err(ModelError::Config(
+                    "the group's second communicator must run on a stream of its own on the trainer's gpu (Gpu::with_own_stream)".into(),
+                ));
+            }
         }
         let (rank, ranks) = group.split_place();
         if self.shard.is_split() && (rank, ranks) != (self.shard.rank, self.shard.ranks) {
@@ -1014,14 +1038,20 @@ impl GpuTrainer {
             let train = ForwardMode::Train;
             self.model
                 .forward(&self.gpu, &*weights, &acts, micro, train, group)?;
-            self.model
-                .backward(&self.gpu, &*weights, &*grads, &acts, micro, group)?;
+            let passed = self
+                .model
+                .backward(&self.gpu, &*weights, &*grads, &acts, micro, group);
+            // Sums left running behind a failed pass are waited for too.
+            let finished = grads.finish(&self.gpu);
+            passed?;
+            finished?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         let (weights, grads) = (self.weight_units()?, self.grad_units()?);
         for _ in micros.len()..passes {
             self.model
                 .pass_without_batch(&self.gpu, &*weights, Some(&*grads))?;
+            grads.finish(&self.gpu)?;
         }
         Ok(nll)
     }
@@ -1066,13 +1096,20 @@ impl GpuTrainer {
         let Some(units) = &self.units else {
             return Ok(Box::new(WholeGrads(slice::<f32>(&self.grads)?.sub(0, n)?)));
         };
+        let group = self.group.as_deref().ok_or_else(unjoined)?;
+        let layout = self.model.layout();
+        let embedding = edge_units(layout)[0].len();
         Ok(Box::new(SplitGrads {
-            group: self.group.as_deref().ok_or_else(unjoined)?,
+            group,
             shard: self.shard,
             params: n,
             own: self.own_grads()?,
             units: slice(units)?,
-            embedding: edge_units(self.model.layout())[0].len(),
+            embedding,
+            layer: layout.layer_range(0).len(),
+            slot: unit_slot_len(layout),
+            behind: group.behind().filter(|_| self.shard.reduce_behind),
+            running: RefCell::new(Vec::new()),
         }))
     }
 
@@ -1413,10 +1450,17 @@ enum Block<'a> {
 }
 
 /// Elements of the unit buffer of split gradients: the embedding's gradients, and beside them
-/// room for the largest of a layer's and the tail's (final norm, untied head).
-fn split_unit_len(layout: &ParamLayout) -> usize {
-    let [embedding, tail] = edge_units(layout);
-    embedding.len() + tail.len().max(layout.layer_range(0).len())
+/// a slot for the tail's (final norm, untied head) and each layer's, two where `shard` sums
+/// them behind the pass.
+fn split_unit_len(layout: &ParamLayout, shard: OptimizerShard) -> usize {
+    let slots = if shard.reduce_behind { 2 } else { 1 };
+    edge_units(layout)[0].len() + slots * unit_slot_len(layout)
+}
+
+/// Elements of a slot of the unit buffer of split gradients: the larger of a layer's and the
+/// tail's.
+fn unit_slot_len(layout: &ParamLayout) -> usize {
+    edge_units(layout)[1].len().max(layout.layer_range(0).len())
 }
 
 /// The error of a trainer of a split optimizer state used before it joined its group.

@@ -27,6 +27,15 @@ pub trait GradUnits {
     /// # Errors
     /// [`ModelError::Gpu`].
     fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError>;
+
+    /// Makes `gpu`'s later work wait for whatever the closes left running beside it (sums
+    /// behind the pass); called after each pass.
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`].
+    fn finish(&self, _gpu: &Gpu) -> Result<(), ModelError> {
+        Ok(())
+    }
 }
 
 /// Where the passes find the bf16 weights, a unit at a time (a unit as for [`GradUnits`]): each
