@@ -17,6 +17,9 @@ pub struct RankComms {
     /// The ranks it is data parallel with: the whole job's, or with a tensor-parallel group the
     /// replicas of its shard (`None` where there are none).
     pub data: Option<NcclComm>,
+    /// A second communicator over the data-parallel ranks, on a stream of its own, that sums
+    /// the gradients behind the backward pass (`--overlap-grad-reduce`).
+    pub behind: Option<NcclComm>,
 }
 
 /// The backend `--train-backend` names, built from the settings; with `comms`, this process's
@@ -53,12 +56,19 @@ fn megatron(
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
         Some(gpu) => {
-            let RankComms { rank, tensor, data } = comms.unwrap_or(RankComms {
+            let RankComms {
+                rank,
+                tensor,
+                data,
+                behind,
+            } = comms.unwrap_or(RankComms {
                 rank: 0,
                 tensor: None,
                 data: None,
+                behind: None,
             });
-            miles_megatron::gpu_trainer(gpu, settings, rank, tensor, data).map_err(refused)?
+            miles_megatron::gpu_trainer(gpu, settings, rank, tensor, (data, behind))
+                .map_err(refused)?
         }
         None => {
             Box::new(miles_megatron::MegatronTrainer::from_settings(settings).map_err(refused)?)

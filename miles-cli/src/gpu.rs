@@ -42,8 +42,9 @@ pub fn connect(env: &LaunchEnv) -> anyhow::Result<HostGroup> {
 /// The communicators a trainer of `group`'s job of `tp`-rank tensor-parallel groups uses on
 /// this rank's GPU `gpu`: with `tp` 1 one over the whole job; else one over this rank's
 /// tensor-parallel group (`tp` consecutive ranks) and, where there are several such groups,
-/// one over the ranks holding the same shard (one a group). Every rank calls it at the same
-/// point.
+/// one over the ranks holding the same shard (one a group). With `sums_behind` (and `tp` 1) a
+/// second one over the whole job on a stream of its own, which sums the gradients behind the
+/// backward pass (`--overlap-grad-reduce`). Every rank calls it at the same point.
 ///
 /// # Errors
 /// The group fails, or NCCL does.
@@ -51,13 +52,20 @@ pub fn rank_comms(
     group: &mut HostGroup,
     gpu: &Arc<Gpu>,
     tp: usize,
+    sums_behind: bool,
 ) -> anyhow::Result<crate::backends::RankComms> {
     let (rank, world) = (group.rank(), group.world_size());
     if tp <= 1 {
+        let data = Some(open_comm(group, gpu)?);
+        let behind = match sums_behind {
+            true => Some(open_comm(group, &Arc::new(gpu.with_own_stream()?))?),
+            false => None,
+        };
         return Ok(crate::backends::RankComms {
             rank,
             tensor: None,
-            data: Some(open_comm(group, gpu)?),
+            data,
+            behind,
         });
     }
     let (tensor_ranks, data_ranks) = groups_of(rank, world, tp);
@@ -70,6 +78,7 @@ pub fn rank_comms(
         rank,
         tensor: Some(tensor),
         data,
+        behind: None,
     })
 }
 

@@ -124,7 +124,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 .into());
             };
             let mut group = crate::gpu::connect(env)?;
-            let comms = crate::gpu::rank_comms(&mut group, &gpu, tp)?;
+            let comms = crate::gpu::rank_comms(&mut group, &gpu, tp, settings.overlap_grad_reduce)?;
             Some((group, comms))
         }
         None => None,
@@ -144,6 +144,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 rank,
                 tensor: None,
                 data: Some(crate::gpu::open_comm(&mut group, &gpu)?),
+                behind: None,
             })
         }
         _ => None,

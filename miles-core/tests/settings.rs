@@ -29,6 +29,17 @@ fn label(error: &SettingsError) -> String {
         }
         SettingsError::FsdpCpuOffloadWithMegatron => "rule7".into(),
         SettingsError::GradReduceInBf16 { device, ranks } => format!("rule9:{device}:{ranks}"),
+        SettingsError::OverlapGradReduce { fix, .. } => {
+            let flag = [
+                "--device",
+                "--train-backend",
+                "--tensor-model-parallel-size",
+            ]
+            .into_iter()
+            .find(|flag| fix.contains(flag))
+            .unwrap_or("?");
+            format!("rule10:{flag}")
+        }
         SettingsError::EmptyRolloutLevel => "rule5:empty".into(),
         SettingsError::OffloadDirIsAFile { .. } => "rule3:file".into(),
         SettingsError::OutOfRange { flag, .. } => format!("range:{flag}"),
@@ -282,6 +293,31 @@ const CASES: &[(&str, &str, Expect)] = &[
         "bf16 gradient reduction on one gpu",
         "grad_reduce_in_bf16 = true\ndevice = \"cuda\"",
         Expect::Invalid(&["rule9:cuda:1"]),
+    ),
+    (
+        "gradient sums behind the backward pass on one gpu",
+        "overlap_grad_reduce = true\ndevice = \"cuda\"",
+        Expect::Invalid(&["rule10:--device"]),
+    ),
+    (
+        "gradient sums behind the backward pass on the cpu device",
+        "overlap_grad_reduce = true\ndevice = \"cpu\"\ndata_parallel_size = 2",
+        Expect::Invalid(&["rule10:--device"]),
+    ),
+    (
+        "gradient sums behind the backward pass with fsdp",
+        "overlap_grad_reduce = true\ndevice = \"cuda\"\ndata_parallel_size = 2\ntrain_backend = \"fsdp\"",
+        Expect::Invalid(&["rule10:--train-backend"]),
+    ),
+    (
+        "gradient sums behind the backward pass with tensor parallelism",
+        "overlap_grad_reduce = true\ndevice = \"cuda\"\ndata_parallel_size = 2\ntensor_model_parallel_size = 2",
+        Expect::Invalid(&["rule10:--tensor-model-parallel-size"]),
+    ),
+    (
+        "gradient sums behind the backward pass over data-parallel gpus with megatron",
+        "overlap_grad_reduce = true\ndevice = \"cuda\"\ndata_parallel_size = 2",
+        Expect::Valid(|s| assert!(s.overlap_grad_reduce)),
     ),
     (
         "bf16 gradient reduction over data-parallel gpus with megatron",

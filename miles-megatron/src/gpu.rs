@@ -40,7 +40,9 @@ pub type MegatronGpu = GpuBackend<MegatronFiles>;
 /// ([`TensorParallelGpu`]: `tensor` its tensor-parallel group, `data` the data-parallel ranks of its
 /// shard); without, alone or (with `data`) this process's rank of a data-parallel job over one
 /// GPU a process, the optimizer state split over the ranks as Megatron's distributed optimizer
-/// splits it.
+/// splits it, and with `behind` (a second communicator over the data-parallel ranks, on a
+/// stream of its own: `--overlap-grad-reduce`) the gradients too, summed behind the backward
+/// pass.
 ///
 /// # Errors
 /// As [`TensorParallelGpu::from_settings`] and [`GpuBackend::on_ranks`]; alone it streams the
@@ -51,16 +53,25 @@ pub fn gpu_trainer(
     settings: &Settings,
     rank: usize,
     tensor: Option<NcclComm>,
-    data: Option<NcclComm>,
+    (data, behind): (Option<NcclComm>, Option<NcclComm>),
 ) -> Result<Box<dyn TrainBackend>, BackendError> {
-    Ok(match tensor {
-        Some(tensor) => Box::new(TensorParallelGpu::from_settings(
+    Ok(match (tensor, data, behind) {
+        (Some(tensor), data, None) => Box::new(TensorParallelGpu::from_settings(
             gpu,
             settings,
             rank,
             GroupComm::new(tensor),
             data.map(GroupComm::new),
         )?),
-        None => Box::new(MegatronGpu::on_ranks(gpu, settings, data)?),
+        (None, Some(data), Some(behind)) => Box::new(MegatronGpu::on_ranks_with_sums_behind(
+            gpu, settings, data, behind,
+        )?),
+        (None, data, None) => Box::new(MegatronGpu::on_ranks(gpu, settings, data)?),
+        _ => {
+            return Err(BackendError::Settings {
+                backend: "megatron",
+                reason: "--overlap-grad-reduce sums the gradients of data parallelism alone; drop it or --tensor-model-parallel-size".into(),
+            });
+        }
     })
 }

@@ -610,7 +610,7 @@ fn a_gpu_trainer_step_copied_on_the_device_generates_what_the_host_sync_gives() 
         ..Settings::default()
     };
     let mut trainer =
-        miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings, 0, None, None).unwrap();
+        miles_megatron::gpu_trainer(Arc::clone(&gpu), &settings, 0, None, (None, None)).unwrap();
     trainer.train_step(&train_batch(4, 32, 5)).unwrap();
     let model = trainer.config().clone();
     let engine = || {

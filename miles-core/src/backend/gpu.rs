@@ -187,26 +187,59 @@ impl<F: OptimizerFiles> GpuBackend<F> {
         settings: &Settings,
         comm: Option<C>,
     ) -> Result<GpuBackend<F>, BackendError> {
-        let ranks = comm.as_ref().map_or(1, C::world_size);
+        GpuBackend::joined(gpu, settings, comm.map(|comm| (comm, None)))
+    }
+
+    /// As [`on_ranks`](Self::on_ranks) over `comm`'s ranks, with `behind` (a second
+    /// communicator over the same ranks, on a stream of its own of `gpu`) summing the
+    /// gradients behind the backward pass (`--overlap-grad-reduce`): each rank keeps its block
+    /// of the gradients too ([`OptimizerShard::reduce_behind`]).
+    ///
+    /// # Errors
+    /// As [`on_ranks`](Self::on_ranks); [`BackendError::Model`] for a `behind` over other
+    /// ranks or on the trainer's own stream, or with fsdp's full sharding.
+    pub fn on_ranks_with_sums_behind<C: Collectives + 'static>(
+        gpu: Arc<Gpu>,
+        settings: &Settings,
+        comm: C,
+        behind: C,
+    ) -> Result<GpuBackend<F>, BackendError> {
+        GpuBackend::joined(gpu, settings, Some((comm, Some(behind))))
+    }
+
+    /// [`on_ranks`](Self::on_ranks), with the second communicator where there is one.
+    fn joined<C: Collectives + 'static>(
+        gpu: Arc<Gpu>,
+        settings: &Settings,
+        comms: Option<(C, Option<C>)>,
+    ) -> Result<GpuBackend<F>, BackendError> {
+        let ranks = comms.as_ref().map_or(1, |(comm, _)| comm.world_size());
         check_job_ranks(settings, ranks).map_err(|reason| BackendError::Settings {
             backend: F::NAME,
             reason,
         })?;
         // FSDP splits the gradients and the bf16 weights too (ZeRO stage 3) where the
         // gradients are reduced in fp32; Megatron's distributed optimizer keeps both whole
-        // (stage 1).
+        // (stage 1), or with a second communicator splits the gradients and sums them behind
+        // the backward pass (stage 2).
         let fully_sharded = settings.train_backend == TrainBackendKind::Fsdp
             && ranks > 1
             && !settings.grad_reduce_in_bf16;
+        let sums_behind = comms.as_ref().is_some_and(|(_, behind)| behind.is_some());
         let shard = OptimizerShard {
             bf16_reduce: settings.grad_reduce_in_bf16,
-            split_grads: fully_sharded,
+            split_grads: fully_sharded || sums_behind,
             split_weights: fully_sharded,
-            ..OptimizerShard::split(comm.as_ref().map_or(0, C::rank), ranks)
+            reduce_behind: sums_behind,
+            ..OptimizerShard::split(comms.as_ref().map_or(0, |(comm, _)| comm.rank()), ranks)
         };
         let mut backend = GpuBackend::from_settings(gpu, settings, shard)?;
-        if let Some(comm) = comm {
-            backend.join(Box::new(DataParallelGroup::new(comm)), ranks)?;
+        if let Some((comm, behind)) = comms {
+            let mut group = DataParallelGroup::new(comm);
+            if let Some(behind) = behind {
+                group = group.with_sums_behind(behind)?;
+            }
+            backend.join(Box::new(group), ranks)?;
             let held = backend.device_memory();
             let bytes =
                 |tag: MemoryTag| held.iter().find(|(t, _)| *t == tag).map_or(0, |(_, b)| *b);
@@ -220,6 +253,8 @@ impl<F: OptimizerFiles> GpuBackend<F> {
                 "this rank keeps its block of the optimizer state (fp32 master weights and moments){}",
                 if fully_sharded {
                     ", of the gradients and of the bf16 weights"
+                } else if sums_behind {
+                    " and of the gradients (summed behind the backward pass), and the whole bf16 weights"
                 } else {
                     " and the whole bf16 weights"
                 }

@@ -175,6 +175,17 @@ pub enum SettingsError {
         /// The data-parallel size.
         ranks: usize,
     },
+    /// Rule 10: gradients summed behind the backward pass where no data-parallel Megatron
+    /// trainer on GPUs sums them.
+    #[error(
+        "--overlap-grad-reduce sums the gradients of megatron's data-parallel gpus in fp32 behind the backward pass ({why}); drop it, or {fix}"
+    )]
+    OverlapGradReduce {
+        /// What stands in the way.
+        why: String,
+        /// The flags that would make it run.
+        fix: &'static str,
+    },
     /// A number outside its range.
     #[error("--{flag} must be {expected} (got {value})")]
     OutOfRange {

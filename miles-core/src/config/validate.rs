@@ -117,6 +117,34 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
             });
         }
     }
+    // Rule 10.
+    if s.overlap_grad_reduce {
+        let device = crate::device::resolve(s.device);
+        let refused = if device != crate::DeviceKind::Cuda || s.data_parallel_size == 1 {
+            Some((
+                format!(
+                    "got the {device} device, --data-parallel-size {}",
+                    s.data_parallel_size
+                ),
+                "add --device cuda and --data-parallel-size N with N processes",
+            ))
+        } else if s.train_backend != TrainBackendKind::Megatron {
+            Some((
+                "fsdp shards its weights fully and sums its gradients in line".into(),
+                "use --train-backend megatron",
+            ))
+        } else if s.tensor_model_parallel_size > 1 || s.grad_reduce_in_bf16 {
+            Some((
+                "not with tensor parallelism or --grad-reduce-in-bf16".into(),
+                "drop --tensor-model-parallel-size and --grad-reduce-in-bf16",
+            ))
+        } else {
+            None
+        };
+        if let Some((why, fix)) = refused {
+            errors.push(SettingsError::OverlapGradReduce { why, fix });
+        }
+    }
     errors.extend(check_ranges(s));
     errors.extend(super::algorithm::check(s));
     errors
