@@ -70,7 +70,7 @@ pub fn gpu_trainer(
         _ => {
             return Err(BackendError::Settings {
                 backend: "megatron",
-                reason: "--overlap-grad-reduce sums the gradients of data parallelism alone; drop it or --tensor-model-parallel-size".into(),
+                reason: "--overlap-grad-reduce sums the gradients over data-parallel ranks, with no tensor parallelism; drop it, or --tensor-model-parallel-size, or add --data-parallel-size N".into(),
             });
         }
     })

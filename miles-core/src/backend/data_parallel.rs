@@ -23,7 +23,8 @@ use crate::model::{
 /// weights broadcast from the blocks holding them and its gradients reduced into them; a whole
 /// trainer (every rank a replica, as PyTorch's DDP) has its gradients and loss summed over the
 /// group after the backward pass.
-/// Either way every rank takes the same optimizer step (NCCL on the trainer's stream).
+/// Either way every rank takes the same optimizer step (NCCL on the trainer's stream, and for
+/// sums behind the backward pass on the second communicator's own stream).
 #[derive(Debug)]
 pub struct DataParallelGroup {
     comm: GroupComm,
@@ -336,7 +337,7 @@ mod tests {
     };
 
     /// The ways a split pair is tested.
-    const SPLIT_WAYS: [Way; 11] = [
+    const SPLIT_WAYS: [Way; 12] = [
         STAGE_1,
         Way {
             bf16_reduce: true,
@@ -378,6 +379,12 @@ mod tests {
         Way {
             family: "qwen3",
             ..STAGE_3
+        },
+        Way {
+            split_grads: true,
+            behind: true,
+            family: "qwen3",
+            ..STAGE_1
         },
     ];
 

@@ -4,10 +4,12 @@
 //! data-parallel group both backends use is core's, in `backend/data_parallel.rs`). A
 //! data-parallel group may also split the optimizer state over its ranks ([`OptimizerShard`]),
 //! as ZeRO does: then the gradients are reduce-scattered, each rank updates its block, and the
-//! bf16 weights are all-gathered (stage 1); or the gradients and bf16 weights are split too, as
-//! FSDP does (stage 3): each unit's weights gathered from the blocks that hold them before it
-//! runs ([`SplitWeights`]), its gradients summed into their owners' blocks after
-//! ([`SplitGrads`]).
+//! bf16 weights are all-gathered (stage 1); or the gradients are split too (stage 2), each
+//! unit's summed into their owners' blocks as soon as its backward pass is done
+//! ([`SplitGrads`]), on a second communicator and stream while the pass goes on where the group
+//! has one ([`TrainerGroup::behind`]); or the bf16 weights are split as well, as FSDP does
+//! (stage 3), each unit's gathered from the blocks that hold them before it runs
+//! ([`SplitWeights`]).
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -125,7 +127,8 @@ pub trait TrainerGroup: Send + Sync {
         (self.rank(), self.world_size())
     }
 
-    /// The GPU whose stream the group's collectives run on: the trainer's own.
+    /// The GPU whose stream the group's collectives run on: the trainer's own (the second
+    /// communicator of [`behind`](Self::behind) has a stream of its own).
     fn gpu(&self) -> &Arc<Gpu>;
 
     /// Called in the forward pass on each row-parallel product's partial output (o and down),
@@ -304,10 +307,12 @@ pub(super) struct SplitGrads<'a> {
     pub units: GpuSlice<f32>,
     /// The embedding unit's length: where the slots start in `units`.
     pub embedding: usize,
-    /// A layer's parameters (every layer's alike): the tail and each layer take the slot of
-    /// their index among the layers (the tail's being the number of layers).
+    /// A layer's parameters (every layer's alike), and the layers: a unit's index among them
+    /// (the tail's being the number of layers) says its slot.
     pub layer: usize,
-    /// A slot's length: the larger of a layer's and the tail's.
+    pub layers: usize,
+    /// The first slot's length: the larger of a layer's and the tail's. The second, where the
+    /// sums run behind, holds a layer.
     pub slot: usize,
     /// The communicator and stream the sums run behind on, if they do.
     pub behind: Option<&'a GroupComm>,
@@ -317,14 +322,15 @@ pub(super) struct SplitGrads<'a> {
 
 impl SplitGrads<'_> {
     /// Where `unit` accumulates in `units`: the embedding (the unit starting at parameter 0)
-    /// first, any other in its slot after it.
+    /// first, any other in its slot after it: the tail and every other layer from the last in
+    /// the first slot, the layers between them in the second where the sums run behind.
     fn place(&self, unit: &Range<usize>) -> usize {
         if unit.start == 0 {
             return 0;
         }
-        let slots = if self.behind.is_some() { 2 } else { 1 };
         let index = (unit.start - self.embedding) / self.layer.max(1);
-        self.embedding + index % slots * self.slot
+        let second = self.behind.is_some() && (self.layers.saturating_sub(index)) % 2 == 1;
+        self.embedding + usize::from(second) * self.slot
     }
 
     /// Makes `gpu`'s later work wait for the sums behind that read `units` at `at`, or for
@@ -434,16 +440,20 @@ impl GradUnits for SplitGrads<'_> {
         // The unit's gradients are done on the trainer's stream; its sums go behind.
         let stream = behind.gpu();
         stream.wait_for(&gpu.record_fence()?)?;
-        let comm = behind.lock();
-        for (owner, piece) in pieces {
-            let part = grads.sub(piece.start - unit.start, piece.len())?;
-            comm.reduce_sum(part, owner)?;
-            if owner == self.shard.rank {
-                stream.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
+        let queued = (|| -> Result<(), ModelError> {
+            let comm = behind.lock();
+            for (owner, piece) in pieces {
+                let part = grads.sub(piece.start - unit.start, piece.len())?;
+                comm.reduce_sum(part, owner)?;
+                if owner == self.shard.rank {
+                    stream.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
+                }
             }
-        }
+            Ok(())
+        })();
+        // Whatever was queued, the slot is free again only after it.
         self.running.borrow_mut().push((at, stream.record_fence()?));
-        Ok(())
+        queued
     }
 
     fn finish(&self, gpu: &Gpu) -> Result<(), ModelError> {

@@ -1049,9 +1049,12 @@ impl GpuTrainer {
         }
         let (weights, grads) = (self.weight_units()?, self.grad_units()?);
         for _ in micros.len()..passes {
-            self.model
-                .pass_without_batch(&self.gpu, &*weights, Some(&*grads))?;
-            grads.finish(&self.gpu)?;
+            let passed = self
+                .model
+                .pass_without_batch(&self.gpu, &*weights, Some(&*grads));
+            let finished = grads.finish(&self.gpu);
+            passed?;
+            finished?;
         }
         Ok(nll)
     }
@@ -1107,6 +1110,7 @@ impl GpuTrainer {
             units: slice(units)?,
             embedding,
             layer: layout.layer_range(0).len(),
+            layers: self.config().num_layers,
             slot: unit_slot_len(layout),
             behind: group.behind().filter(|_| self.shard.reduce_behind),
             running: RefCell::new(Vec::new()),
@@ -1371,8 +1375,19 @@ impl GpuTrainer {
         Ok(out)
     }
 
-    /// Tells every buffer that the work queued so far uses it.
+    /// Makes the trainer's stream wait, on the device, for what its group's second
+    /// communicator queued on its own stream (sums behind the backward pass), so that a fence
+    /// of the trainer's stream covers them too.
+    fn wait_behind(&self) -> Result<(), ModelError> {
+        if let Some(behind) = self.group.as_deref().and_then(|group| group.behind()) {
+            self.gpu.wait_for(&behind.gpu().record_fence()?)?;
+        }
+        Ok(())
+    }
+
+    /// Tells every buffer that the work queued so far (with sums behind the pass) uses it.
     fn record_fences(&self) -> Result<(), ModelError> {
+        self.wait_behind()?;
         let fence = self.gpu.record_fence()?;
         let state = [&self.params, &self.grads, &self.scalar]
             .into_iter()
@@ -1429,8 +1444,12 @@ pub fn standalone_gpu_trainer(
 
 impl Drop for GpuTrainer {
     fn drop(&mut self) {
-        // The buffers free their device memory next; queued kernels must not outlive it.
-        if let Err(error) = self.gpu.synchronize() {
+        // The buffers free their device memory next; queued kernels (sums behind the pass
+        // too) must not outlive it.
+        let waited = self
+            .wait_behind()
+            .and_then(|()| Ok(self.gpu.synchronize()?));
+        if let Err(error) = waited {
             tracing::error!(%error, "cannot wait for the gpu trainer's kernels");
         }
     }
@@ -1450,11 +1469,15 @@ enum Block<'a> {
 }
 
 /// Elements of the unit buffer of split gradients: the embedding's gradients, and beside them
-/// a slot for the tail's (final norm, untied head) and each layer's, two where `shard` sums
-/// them behind the pass.
+/// a slot for the tail's (final norm, untied head) and each layer's, and where `shard` sums
+/// them behind the pass a second slot for every other layer.
 fn split_unit_len(layout: &ParamLayout, shard: OptimizerShard) -> usize {
-    let slots = if shard.reduce_behind { 2 } else { 1 };
-    edge_units(layout)[0].len() + slots * unit_slot_len(layout)
+    let second = if shard.reduce_behind {
+        layout.layer_range(0).len()
+    } else {
+        0
+    };
+    edge_units(layout)[0].len() + unit_slot_len(layout) + second
 }
 
 /// Elements of a slot of the unit buffer of split gradients: the larger of a layer's and the
