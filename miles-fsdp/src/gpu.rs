@@ -77,7 +77,7 @@ mod tests {
     use miles_core::model::gpu_testing::{
         self, HostCollectives, HostExchange, backend_batch, exported, one_gpu, two_gpus,
     };
-    use miles_core::{DeviceChoice, MemoryTag, TrainBackendKind};
+    use miles_core::{DeviceChoice, TrainBackendKind};
 
     use super::*;
 
@@ -93,15 +93,6 @@ mod tests {
             data_parallel_size: ranks,
             ..Settings::default()
         }
-    }
-
-    /// The device bytes of `tag` a backend holds.
-    fn held(backend: &dyn TrainBackend, tag: &MemoryTag) -> u64 {
-        backend
-            .device_memory()
-            .iter()
-            .find(|(t, _)| t == tag)
-            .map_or(0, |(_, bytes)| *bytes)
     }
 
     #[test]
@@ -149,7 +140,7 @@ mod tests {
         let one_losses: Vec<f32> = (0..3)
             .map(|_| one.train_step(&whole).unwrap().loss)
             .collect();
-        let one_optimizer = held(&one, &MemoryTag::Optimizer);
+        let one_optimizer = one.trainer().optimizer_device_bytes();
         drop(one);
         let comm = Arc::new(comm);
         let ranks: Vec<_> = gpus
@@ -173,7 +164,7 @@ mod tests {
                         }
                     }
                     let trained = exported(&mut backend);
-                    let optimizer = held(&backend, &MemoryTag::Optimizer);
+                    let optimizer = backend.trainer().optimizer_device_bytes();
                     match rank {
                         0 => backend.save(&dir).unwrap(),
                         _ => backend.assist_save().unwrap(),
