@@ -405,7 +405,6 @@ fn gpu_adamw_three_steps_match_the_cpu_with_clipping_and_weight_decay() {
     ) else {
         return;
     };
-    let n = 5000;
     let cfg = AdamWConfig {
         lr: 1e-2,
         beta1: 0.9,
@@ -414,49 +413,61 @@ fn gpu_adamw_three_steps_match_the_cpu_with_clipping_and_weight_decay() {
         weight_decay: 0.1,
         max_grad_norm: Some(30.0),
     };
-    // A state some steps in: moments not zero.
-    let mut master_host = seeded(50, n);
-    let mut m_host = scaled(seeded(51, n), 0.1);
-    let mut v_host: Vec<f32> = seeded(52, n).iter().map(|x| x * x * 0.01).collect();
-    let (master, m, v) = (t.put(&master_host), t.put(&m_host), t.put(&v_host));
-    let params = t.alloc::<bf16>(n);
-    let grads = t.alloc::<f32>(n);
-    // Gradient norms near 41, 20 and 82 against a clip of 30: clipped, not, clipped.
-    for (step, size) in [(1u64, 1.0f32), (2, 0.5), (3, 2.0)] {
-        let g = scaled(seeded(52 + step, n), size);
-        ok(t.gpu.upload(grads, &g));
-        let scale = clip_scale(&cfg, global_grad_norm(&g));
-        adamw_update(
-            &mut master_host,
-            &g,
-            &mut m_host,
-            &mut v_host,
-            step,
-            &cfg,
-            scale,
+    // Four elements a thread on aligned buffers; one at a time from an odd start, with a tail.
+    for (offset, n) in [(0, 5000), (1, 4999)] {
+        // A state some steps in: moments not zero.
+        let mut master_host = seeded(50, n);
+        let mut m_host = scaled(seeded(51, n), 0.1);
+        let mut v_host: Vec<f32> = seeded(52, n).iter().map(|x| x * x * 0.01).collect();
+        let shifted = |t: &mut TestGpu, host: &[f32]| {
+            let mut padded = vec![0.0; offset];
+            padded.extend_from_slice(host);
+            t.put(&padded).sub(offset, n).unwrap()
+        };
+        let (master, m, v) = (
+            shifted(&mut t, &master_host),
+            shifted(&mut t, &m_host),
+            shifted(&mut t, &v_host),
         );
-        ok(t.gpu.adamw_update(
-            master,
-            params,
-            GpuMoments::Fp32(m, v),
-            grads,
-            AdamWStep::new(&cfg, step, scale),
-        ));
-        // The kernel does the CPU's fp32 operations in the CPU's order, unfused, so it should
-        // agree to the bit; 1e-6 (of max(1, |value|) for the weights and the first moment,
-        // which may cancel; of the value for the second moment, a sum of positives) allows a
-        // few ulps.
-        let what = |x: &str| format!("adamw step {step} {x}");
-        assert_close(&what("master"), &t.get(master), &master_host, 1e-6);
-        assert_close(&what("m"), &t.get(m), &m_host, 1e-6);
-        assert_close_relative(&what("v"), &t.get(v), &v_host, 1e-6, 1e-30);
-        // One bf16 rounding of the master weights: at most 2^-8 (0.39%) of each.
-        assert_close_relative(
-            &what("bf16 params"),
-            &t.get_bf16(params),
-            &master_host,
-            5e-3,
-            1e-30,
-        );
+        let params = t.alloc::<bf16>(n + offset).sub(offset, n).unwrap();
+        let grads = t.alloc::<f32>(n + offset).sub(offset, n).unwrap();
+        // Gradient norms near 41, 20 and 82 against a clip of 30: clipped, not, clipped.
+        for (step, size) in [(1u64, 1.0f32), (2, 0.5), (3, 2.0)] {
+            let g = scaled(seeded(52 + step, n), size);
+            ok(t.gpu.upload(grads, &g));
+            let scale = clip_scale(&cfg, global_grad_norm(&g));
+            adamw_update(
+                &mut master_host,
+                &g,
+                &mut m_host,
+                &mut v_host,
+                step,
+                &cfg,
+                scale,
+            );
+            ok(t.gpu.adamw_update(
+                master,
+                params,
+                GpuMoments::Fp32(m, v),
+                grads,
+                AdamWStep::new(&cfg, step, scale),
+            ));
+            // The kernel does the CPU's fp32 operations in the CPU's order, unfused, so it should
+            // agree to the bit; 1e-6 (of max(1, |value|) for the weights and the first moment,
+            // which may cancel; of the value for the second moment, a sum of positives) allows a
+            // few ulps.
+            let what = |x: &str| format!("adamw step {step} {x} (from element {offset})");
+            assert_close(&what("master"), &t.get(master), &master_host, 1e-6);
+            assert_close(&what("m"), &t.get(m), &m_host, 1e-6);
+            assert_close_relative(&what("v"), &t.get(v), &v_host, 1e-6, 1e-30);
+            // One bf16 rounding of the master weights: at most 2^-8 (0.39%) of each.
+            assert_close_relative(
+                &what("bf16 params"),
+                &t.get_bf16(params),
+                &master_host,
+                5e-3,
+                1e-30,
+            );
+        }
     }
 }
