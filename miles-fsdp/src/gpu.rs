@@ -196,18 +196,8 @@ mod tests {
             ..settings(1)
         };
         let mut loaded = FsdpGpu::on_ranks(Arc::clone(alone), &loading, None::<C>).unwrap();
-        assert_eq!(loaded.step(), 3);
-        assert!(
-            exported(&mut loaded) == ranks[0].2,
-            "the checkpoint loads other weights than the pair trained"
-        );
-        let next = loaded.train_step(&whole).unwrap().loss;
-        let rel = (next - ranks[0].3).abs() / ranks[0].3.abs();
-        assert!(
-            rel < 1e-2,
-            "next loss {next} after loading vs {}",
-            ranks[0].3
-        );
+        let job = (&ranks[0].2[..], &whole, ranks[0].3);
+        gpu_testing::assert_resumes("fully sharded pair", &mut loaded, 3, job);
     }
 
     #[test]

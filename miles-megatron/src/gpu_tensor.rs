@@ -466,18 +466,8 @@ mod tests {
             None::<NcclComm>,
         )
         .unwrap();
-        assert_eq!(loaded.step(), 3);
-        assert!(
-            exported(&mut loaded) == ranks[0].2,
-            "tp {tp} x dp {dp}: the checkpoint loads other weights than the job trained"
-        );
-        let next = loaded.train_step(&whole).unwrap().loss;
-        let rel = (next - ranks[0].3).abs() / ranks[0].3.abs();
-        assert!(
-            rel < 1e-2,
-            "next loss {next} after loading vs {}",
-            ranks[0].3
-        );
+        let job = (&ranks[0].2[..], &whole, ranks[0].3);
+        gpu_testing::assert_resumes(&format!("tp {tp} x dp {dp}"), &mut loaded, 3, job);
     }
 
     #[test]

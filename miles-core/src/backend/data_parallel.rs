@@ -572,6 +572,49 @@ mod tests {
     }
 
     #[test]
+    fn gpu_sums_behind_need_a_second_communicator_of_the_same_ranks_on_a_stream_of_its_own() {
+        let test =
+            "gpu_sums_behind_need_a_second_communicator_of_the_same_ranks_on_a_stream_of_its_own";
+        let Some(gpu) = one_gpu(test) else {
+            return;
+        };
+        // Rank 0 of two; nothing here is collective, so its peer never comes.
+        let rank_0 = |gpu: &Arc<Gpu>, ranks: usize| {
+            HostCollectives::new(Arc::clone(gpu), 0, ranks, HostExchange::new(ranks))
+        };
+        let stream = Arc::new(gpu.with_own_stream().unwrap());
+        let err = DataParallelGroup::new(rank_0(&gpu, 2))
+            .with_sums_behind(rank_0(&stream, 3))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("over the same ranks"), "{err}");
+        let config = tiny();
+        let params = bf16_params(&config, 93);
+        let spec = GpuTrainerSpec {
+            shard: OptimizerShard {
+                split_grads: true,
+                reduce_behind: true,
+                ..OptimizerShard::split(0, 2)
+            },
+            ..gentle(config)
+        };
+        let mut trainer =
+            GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec.clone(), &params).unwrap();
+        let err = trainer
+            .join(Box::new(DataParallelGroup::new(rank_0(&gpu, 2))))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no second communicator"), "{err}");
+        drop(trainer);
+        let mut trainer = GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+        let same_stream = DataParallelGroup::new(rank_0(&gpu, 2))
+            .with_sums_behind(rank_0(&gpu, 2))
+            .unwrap();
+        let err = trainer.join(Box::new(same_stream)).unwrap_err().to_string();
+        assert!(err.contains("stream of its own"), "{err}");
+    }
+
+    #[test]
     fn gpu_trainer_joins_one_group_and_only_on_its_own_gpu() {
         let test = "gpu_trainer_joins_one_group_and_only_on_its_own_gpu";
         let Some(gpu) = one_gpu(test) else {

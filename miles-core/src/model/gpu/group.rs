@@ -333,6 +333,27 @@ impl SplitGrads<'_> {
         self.embedding + usize::from(second) * self.slot
     }
 
+    /// Sums each piece of `unit`'s gradients (in `units` at `at`) into its owner with
+    /// `reduce`, the owner adding it to its block on `stream`'s GPU.
+    fn sum_into_owners(
+        &self,
+        unit: &Range<usize>,
+        at: usize,
+        stream: &Gpu,
+        reduce: impl Fn(GpuSlice<f32>, usize) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let grads = self.units.sub(at, unit.len())?;
+        let start = self.shard.start(self.params);
+        for (owner, piece) in self.shard.owners(unit.clone(), self.params) {
+            let part = grads.sub(piece.start - unit.start, piece.len())?;
+            reduce(part, owner)?;
+            if owner == self.shard.rank {
+                stream.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Makes `gpu`'s later work wait for the sums behind that read `units` at `at`, or for
     /// all of them.
     fn wait(&self, gpu: &Gpu, at: Option<usize>) -> Result<(), ModelError> {
@@ -424,33 +445,18 @@ impl GradUnits for SplitGrads<'_> {
 
     fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError> {
         let at = self.place(&unit);
-        let grads = self.units.sub(at, unit.len())?;
-        let start = self.shard.start(self.params);
-        let pieces = self.shard.owners(unit.clone(), self.params);
         let Some(behind) = self.behind else {
-            for (owner, piece) in pieces {
-                let part = grads.sub(piece.start - unit.start, piece.len())?;
-                self.group.reduce_f32(part, owner)?;
-                if owner == self.shard.rank {
-                    gpu.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
-                }
-            }
-            return Ok(());
+            return self.sum_into_owners(&unit, at, gpu, |part, owner| {
+                self.group.reduce_f32(part, owner)
+            });
         };
         // The unit's gradients are done on the trainer's stream; its sums go behind.
         let stream = behind.gpu();
         stream.wait_for(&gpu.record_fence()?)?;
-        let queued = (|| -> Result<(), ModelError> {
-            let comm = behind.lock();
-            for (owner, piece) in pieces {
-                let part = grads.sub(piece.start - unit.start, piece.len())?;
-                comm.reduce_sum(part, owner)?;
-                if owner == self.shard.rank {
-                    stream.add_f32(self.own.sub(piece.start - start, piece.len())?, part)?;
-                }
-            }
-            Ok(())
-        })();
+        let comm = behind.lock();
+        let queued = self.sum_into_owners(&unit, at, stream, |part, owner| {
+            Ok(comm.reduce_sum(part, owner)?)
+        });
         // Whatever was queued, the slot is free again only after it.
         self.running.borrow_mut().push((at, stream.record_fence()?));
         queued
@@ -545,6 +551,25 @@ impl OptimizerShard {
         self.ranks * self.block(params)
     }
 
+    /// An error naming what this split cannot do: weights split without the gradients,
+    /// sums behind the pass without split gradients or with split weights, split gradients
+    /// over one rank or reduced in bf16.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`].
+    pub fn check(&self) -> Result<(), ModelError> {
+        let refused = if self.split_weights && !self.split_grads {
+            "bf16 weights split over a data-parallel group need the gradients split too (OptimizerShard::split_grads)"
+        } else if self.reduce_behind && (!self.split_grads || self.split_weights) {
+            "gradients summed behind the backward pass (--overlap-grad-reduce) need them split and the bf16 weights whole (not fsdp's full sharding)"
+        } else if self.split_grads && (!self.is_split() || self.bf16_reduce) {
+            "gradients split over a data-parallel group need the optimizer state split over more than one rank and reduced in fp32; drop --grad-reduce-in-bf16"
+        } else {
+            return Ok(());
+        };
+        Err(ModelError::Config(refused.into()))
+    }
+
     /// The pieces of `range` (of `params` parameters) each rank's block holds, in order: the
     /// owner and its piece, in the parameters' numbering.
     pub fn owners(
@@ -580,6 +605,66 @@ impl OptimizerShard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn splits_a_trainer_cannot_run_are_refused_naming_why() {
+        let stage_1 = OptimizerShard::split(0, 2);
+        let stage_2 = OptimizerShard {
+            split_grads: true,
+            ..stage_1
+        };
+        let stage_3 = OptimizerShard {
+            split_weights: true,
+            ..stage_2
+        };
+        let behind = OptimizerShard {
+            reduce_behind: true,
+            ..stage_2
+        };
+        for ok in [OptimizerShard::WHOLE, stage_1, stage_2, stage_3, behind] {
+            ok.check().unwrap();
+        }
+        for (bad, why) in [
+            (
+                OptimizerShard {
+                    split_weights: true,
+                    ..stage_1
+                },
+                "need the gradients split too",
+            ),
+            (
+                OptimizerShard {
+                    reduce_behind: true,
+                    ..stage_1
+                },
+                "--overlap-grad-reduce",
+            ),
+            (
+                OptimizerShard {
+                    reduce_behind: true,
+                    ..stage_3
+                },
+                "full sharding",
+            ),
+            (
+                OptimizerShard {
+                    bf16_reduce: true,
+                    ..stage_2
+                },
+                "--grad-reduce-in-bf16",
+            ),
+            (
+                OptimizerShard {
+                    split_grads: true,
+                    ..OptimizerShard::WHOLE
+                },
+                "more than one rank",
+            ),
+        ] {
+            let err = bad.check().unwrap_err().to_string();
+            assert!(err.contains(why), "{bad:?}: {err}");
+        }
+    }
 
     #[test]
     fn owners_cut_a_range_at_the_blocks_it_crosses() {

@@ -161,6 +161,25 @@ pub fn exported(backend: &mut dyn crate::backend::TrainBackend) -> Vec<f32> {
     full
 }
 
+/// A backend loaded from a checkpoint a parallel job wrote after `step` steps resumes it: the
+/// same step, the weights the job exported (`trained`), and on `batch` a next loss within 1% of
+/// the job's (`next`).
+pub fn assert_resumes(
+    what: &str,
+    loaded: &mut dyn crate::backend::TrainBackend,
+    step: u64,
+    (trained, batch, next): (&[f32], &crate::backend::Batch, f32),
+) {
+    assert_eq!(loaded.step(), step);
+    assert!(
+        exported(loaded) == trained,
+        "{what}: the checkpoint loads other weights than the job trained"
+    );
+    let loss = loaded.train_step(batch).unwrap().loss;
+    let rel = (loss - next).abs() / next.abs();
+    assert!(rel < 1e-2, "next loss {loss} after loading vs {next}");
+}
+
 /// A manager over the gpu's own device.
 pub fn manager(gpu: &Gpu) -> Arc<MemoryManager> {
     let device: Arc<dyn Device> = Arc::clone(gpu.device()) as Arc<dyn Device>;

@@ -267,21 +267,7 @@ impl GpuTrainer {
                 "the optimizer state split over data-parallel ranks does not stream through the disk yet; drop --stream-optimizer-state-to-disk or train on one gpu".into(),
             ));
         }
-        if shard.split_weights && !shard.split_grads {
-            return Err(ModelError::Config(
-                "bf16 weights split over a data-parallel group need the gradients split too (OptimizerShard::split_grads)".into(),
-            ));
-        }
-        if shard.reduce_behind && (!shard.split_grads || shard.split_weights) {
-            return Err(ModelError::Config(
-                "gradients summed behind the backward pass (--overlap-grad-reduce) need them split and the bf16 weights whole (not fsdp's full sharding)".into(),
-            ));
-        }
-        if shard.split_grads && (!shard.is_split() || shard.bf16_reduce) {
-            return Err(ModelError::Config(
-                "gradients split over a data-parallel group need the optimizer state split over more than one rank and reduced in fp32; drop --grad-reduce-in-bf16".into(),
-            ));
-        }
+        shard.check()?;
         if spec.optimizer_on_host && spec.stream.is_some() {
             return Err(ModelError::Config(
                 "the optimizer state on the host (--fsdp-cpu-offload) stays in host memory, not streamed through the disk; drop one of them".into(),
@@ -865,27 +851,26 @@ impl GpuTrainer {
         Ok(out)
     }
 
-    /// This rank's block of the bf16 weights (where the weights are split, all the buffer
-    /// holds): all of them unless the state is split.
+    /// This rank's block of the bf16 weights: all of them unless the state is split.
     fn own_weights(&self) -> Result<GpuSlice<bf16>, ModelError> {
-        let n = self.model.layout().len();
-        let start = if self.shard.split_weights {
-            0
-        } else {
-            self.shard.start(n)
-        };
-        Ok(slice::<bf16>(&self.params)?.sub(start, self.shard.block(n))?)
+        self.own_block(&self.params, self.shard.split_weights)
     }
 
     /// This rank's block of the (reduced) gradients: all of them unless the state is split.
     fn own_grads(&self) -> Result<GpuSlice<f32>, ModelError> {
+        self.own_block(&self.grads, self.shard.split_grads)
+    }
+
+    /// This rank's block of `buffer`, laid out by the parameters: all the buffer holds where
+    /// it is `split` (only the block), else the block at this rank's place.
+    fn own_block<T: GpuElement>(
+        &self,
+        buffer: &Buffer,
+        split: bool,
+    ) -> Result<GpuSlice<T>, ModelError> {
         let n = self.model.layout().len();
-        let start = if self.shard.split_grads {
-            0
-        } else {
-            self.shard.start(n)
-        };
-        Ok(slice::<f32>(&self.grads)?.sub(start, self.shard.block(n))?)
+        let start = if split { 0 } else { self.shard.start(n) };
+        Ok(slice::<T>(buffer)?.sub(start, self.shard.block(n))?)
     }
 
     /// Records a fence after the queued work, then pauses [`MemoryTag::Params`],
@@ -1086,7 +1071,7 @@ impl GpuTrainer {
             group: self.group.as_deref().ok_or_else(unjoined)?,
             shard: self.shard,
             params: n,
-            own: slice::<bf16>(&self.params)?.sub(0, self.shard.block(n))?,
+            own: self.own_weights()?,
             units: slice(units)?,
             edges: edge_units(self.model.layout()),
         }))
