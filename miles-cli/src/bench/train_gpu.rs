@@ -64,12 +64,15 @@ fn train_steps(
         trainer.time_steps()?;
     }
     let mut phases = StepTimes::default();
+    trainer.synchronize()?;
     let start = Instant::now();
     for step in 1..=args.steps as u64 {
         let step = args.warmup as u64 + step;
         losses.push(trainer.train_step(batch, step)?.loss);
         phases += trainer.step_times().unwrap_or_default();
     }
+    // The last optimizer step may still run behind the trainer's stream.
+    trainer.synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
     let mean = args.phases.then(|| {
         let n = args.steps.max(1) as f64;

@@ -6,7 +6,7 @@ use half::bf16;
 use super::TrainerGroup;
 use super::backward::{input_grad, weight_grad};
 use super::layout::{GpuActivationLayout, GpuActivations, HEAD_ROWS, LayerActs};
-use super::weights::{Edges, LayerTensors, WeightUnits, edge_units};
+use super::weights::{Edges, LayerTensors, WeightUnits, edge_units, tensor_in};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
@@ -106,14 +106,24 @@ impl GpuTransformer {
         self.upload_inputs(gpu, acts, batch)?;
         let (c, lay) = (self.config(), self.layout());
         let (layers, a) = (c.num_layers, acts.layout());
-        let edges = self.edge_weights(gpu, weights)?;
-        let embedding = edges.tensor(lay, ParamKind::Embedding)?;
+        // The units in the order an optimizer step behind the pass updates them
+        // (`weights::update_units`): the embedding's first, the tail's last.
+        let unit = edge_units(lay)[0].clone();
+        let base = unit.start;
+        let embedding = tensor_in(
+            lay,
+            weights.fetch(gpu, unit)?,
+            base,
+            ParamKind::Embedding,
+            0,
+        )?;
         let res0 = acts.bf(&layer_block(&a.residual, 0, layers + 1))?;
         gpu.embedding_forward(res0, acts.u(&a.inputs)?, embedding, c.hidden_size)?;
         for l in 0..layers {
             let w = self.layer_weights(gpu, weights, l)?;
             self.layer_forward(gpu, &w, &acts.layer(l, layers)?, acts, group)?;
         }
+        let edges = self.edge_weights(gpu, weights)?;
         self.head_forward(gpu, &edges, acts, batch.normaliser, mode)
     }
 

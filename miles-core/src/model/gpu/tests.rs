@@ -610,9 +610,13 @@ fn gpu_trainer_micro_batches_give_the_gradients_of_one_batch_and_refuse_bad_batc
     ));
 }
 
+/// Two runs give the same bits, and so does a run whose optimizer steps run in line (a timed
+/// trainer's) rather than behind the next forward pass: a pass that read a unit before its
+/// update, or gradients zeroed under the update, would change them.
 #[test]
-fn two_gpu_trainers_give_bit_identical_gradients_losses_and_weights() {
-    let test = "two_gpu_trainers_give_bit_identical_gradients_losses_and_weights";
+fn gpu_trainers_give_bit_identical_gradients_losses_and_weights_with_the_optimizer_in_line_or_behind()
+ {
+    let test = "gpu_trainers_give_bit_identical_gradients_losses_and_weights_with_the_optimizer_in_line_or_behind";
     let Some(gpu) = super::testing::one_gpu(test) else {
         return;
     };
@@ -621,40 +625,53 @@ fn two_gpu_trainers_give_bit_identical_gradients_losses_and_weights() {
     for config in [tiny(), tiny_family("qwen3")] {
         let params = family_params(&config, 47);
         let data = Batch::random(48, config.vocab_size);
-        let run = || {
+        let run = |in_line: bool| {
             let spec = gentle(config.clone());
             let mut trainer =
                 GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
+            if in_line {
+                trainer.time_steps().unwrap();
+            }
             let mut seen = Vec::new();
             for step in 1..=3 {
                 let report = trainer.train_step(&data.view(), step).unwrap();
                 seen.push((report.loss.to_bits(), bits(&trainer.grads().unwrap())));
+                // Scoring right after a step reads the weights its update writes.
+                let (logprobs, loss) = trainer.logprobs(&data.view()).unwrap();
+                seen.push((loss.to_bits(), bits(&logprobs)));
             }
             (seen, bits(&trainer.master_params().unwrap()))
         };
-        let (first, second) = (run(), run());
-        for (step, (a, b)) in first.0.iter().zip(&second.0).enumerate() {
-            assert_eq!(
-                a.0,
-                b.0,
-                "{}: loss of step {}",
-                config.family.model_type(),
-                step + 1
-            );
-            let differ = a.1.iter().zip(&b.1).filter(|(x, y)| x != y).count();
-            assert_eq!(
-                differ,
-                0,
-                "{}: {differ} gradients differ at step {}",
-                config.family.model_type(),
-                step + 1
+        let first = run(true);
+        for second in [run(false), run(false)] {
+            for (at, (a, b)) in first.0.iter().zip(&second.0).enumerate() {
+                let what = if at % 2 == 0 {
+                    "step"
+                } else {
+                    "scoring after step"
+                };
+                assert_eq!(
+                    a.0,
+                    b.0,
+                    "{}: loss of {what} {}",
+                    config.family.model_type(),
+                    at / 2 + 1
+                );
+                let differ = a.1.iter().zip(&b.1).filter(|(x, y)| x != y).count();
+                assert_eq!(
+                    differ,
+                    0,
+                    "{}: {differ} gradients or log-probs differ at {what} {}",
+                    config.family.model_type(),
+                    at / 2 + 1
+                );
+            }
+            assert!(
+                first.1 == second.1,
+                "{}: master weights differ",
+                config.family.model_type()
             );
         }
-        assert!(
-            first.1 == second.1,
-            "{}: master weights differ",
-            config.family.model_type()
-        );
     }
 }
 

@@ -13,7 +13,10 @@ use super::forward::nll_sum;
 use super::group::{SplitGrads, SplitWeights};
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
-use super::weights::{GradUnits, WeightUnits, WholeGrads, WholeWeights, edge_units};
+use super::weights::{
+    GradUnits, Update, UpdatingWeights, WeightUnits, WholeGrads, WholeWeights, edge_units,
+    update_units,
+};
 use super::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
 };
@@ -194,6 +197,11 @@ pub struct GpuTrainer {
     group: Option<Box<dyn TrainerGroup>>,
     /// The last step's phases, when timed ([`time_steps`](GpuTrainer::time_steps)).
     times: Option<StepTimes>,
+    /// Where the optimizer state is resident and whole: the stream AdamW updates the weights
+    /// on, a unit at a time, while the next step's forward pass starts on the trainer's.
+    updater: Option<Gpu>,
+    /// The update queued on `updater` that the trainer's stream has not waited for yet.
+    update: Option<Update>,
 }
 
 /// Where a training step's time went, in seconds: each phase waited for on the host, so the
@@ -366,6 +374,10 @@ impl GpuTrainer {
             Moments::Host(_) => None,
             _ => Some(memory.alloc(&MemoryTag::Optimizer, block)?),
         };
+        let updater = match &moments {
+            Moments::Resident { .. } if !shard.is_split() => Some(gpu.with_own_stream()?),
+            _ => None,
+        };
         let trainer = GpuTrainer {
             shard,
             params: memory.alloc(&MemoryTag::Params, half)?,
@@ -394,6 +406,8 @@ impl GpuTrainer {
             offloaded: false,
             group: None,
             times: None,
+            updater,
+            update: None,
         };
         if let Moments::Resident { m, v } = &trainer.moments {
             trainer.gpu.zero(slice::<f32>(m)?)?;
@@ -472,9 +486,20 @@ impl GpuTrainer {
     /// # Errors
     /// [`ModelError::Gpu`] when the wait fails.
     pub fn time_steps(&mut self) -> Result<(), ModelError> {
-        self.gpu.synchronize()?;
+        self.synchronize()?;
         self.times = Some(StepTimes::default());
         Ok(())
+    }
+
+    /// Waits for every kernel the trainer queued, an optimizer step still running behind it
+    /// included (a benchmark's end).
+    ///
+    /// # Errors
+    /// [`ModelError::Gpu`]: the first error a queued kernel hit.
+    pub fn synchronize(&self) -> Result<(), ModelError> {
+        self.wait_behind()?;
+        self.join_update()?;
+        Ok(self.gpu.synchronize()?)
     }
 
     /// The last step's phases, once [`time_steps`](Self::time_steps) was called.
@@ -552,9 +577,14 @@ impl GpuTrainer {
         // The passes end in a download of the log-probs, which waits for them; a tensor-parallel
         // group's reduction queues collectives and returns, so a timed step waits for it.
         let started = Instant::now();
-        let passes = self.accumulate_grads(batch);
+        let update = self.update.take();
+        let passes = self.accumulate_grads(batch, update.as_ref());
+        // The passes waited for the last optimizer step a unit at a time; a failed one may not have.
+        let joined = update.map_or(Ok(()), |update| update.wait_all(&self.gpu));
         let passed = started.elapsed().as_secs_f64();
-        let mut result = passes.and_then(|nll| self.sum_over_group(nll));
+        let mut result = passes
+            .and_then(|nll| Ok(joined.map(|()| nll)?))
+            .and_then(|nll| self.sum_over_group(nll));
         if self.times.is_some()
             && let Ok(&nll) = result.as_ref()
         {
@@ -630,7 +660,7 @@ impl GpuTrainer {
         if step == 0 {
             return Err(ModelError::InvalidStep { step });
         }
-        self.ensure_active("take an optimizer step")?;
+        self.ready("take an optimizer step")?;
         let started = Instant::now();
         let mut result = self.adamw_step(step);
         if let Some(times) = &mut self.times {
@@ -654,7 +684,10 @@ impl GpuTrainer {
     pub fn logprobs(&mut self, batch: &TrainBatch<'_>) -> Result<(Vec<f32>, f32), ModelError> {
         self.ensure_active("score a batch")?;
         self.check_batch(batch)?;
-        let result = self.score(batch);
+        let update = self.update.take();
+        let scored = self.score(batch, update.as_ref());
+        let joined = update.map_or(Ok(()), |update| update.wait_all(&self.gpu));
+        let result = scored.and_then(|scored| Ok(joined.map(|()| scored)?));
         let fenced = self.record_fences();
         let (logprobs, nll) = result?;
         fenced?;
@@ -669,7 +702,7 @@ impl GpuTrainer {
     /// # Errors
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`].
     pub fn master_params(&self) -> Result<Vec<f32>, ModelError> {
-        self.ensure_active("read the master weights")?;
+        self.ready("read the master weights")?;
         match (&self.master, &self.moments) {
             (Some(master), _) if self.shard.is_split() => {
                 self.gathered(Block::Device(slice(master)?))
@@ -696,6 +729,7 @@ impl GpuTrainer {
         if self.offloaded || self.shard.split_weights {
             return Ok(None);
         }
+        self.join_update()?;
         let params = slice::<bf16>(&self.params)?.sub(0, self.model.layout().len())?;
         Ok(Some((params, self.gpu.record_fence()?)))
     }
@@ -708,7 +742,7 @@ impl GpuTrainer {
     /// # Errors
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`] when the download fails.
     pub fn weights(&self) -> Result<Vec<f32>, ModelError> {
-        self.ensure_active("read the weights")?;
+        self.ready("read the weights")?;
         let n = self.model.layout().len();
         let mut rounded = vec![bf16::ZERO; n];
         if self.shard.split_weights {
@@ -742,7 +776,7 @@ impl GpuTrainer {
     /// [`ModelError::BufferLength`], [`ModelError::Offloaded`]; [`ModelError::Gpu`].
     pub fn set_params(&mut self, params: &[f32]) -> Result<(), ModelError> {
         self.model.layout().check("params", params)?;
-        self.ensure_active("set the parameters")?;
+        self.ready("set the parameters")?;
         self.upload_params(params)
     }
 
@@ -753,7 +787,7 @@ impl GpuTrainer {
     /// # Errors
     /// As [`master_params`](Self::master_params); [`ModelError::Store`] for streamed moments.
     pub fn moments(&self) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
-        self.ensure_active("read the optimizer moments")?;
+        self.ready("read the optimizer moments")?;
         match &self.moments {
             Moments::Resident { m, v } if self.shard.is_split() => Ok((
                 self.gathered(Block::Device(slice(m)?))?,
@@ -787,7 +821,7 @@ impl GpuTrainer {
     /// # Errors
     /// As [`master_params`](Self::master_params).
     pub fn send_state_blocks(&self) -> Result<(), ModelError> {
-        self.ensure_active("send its optimizer state")?;
+        self.ready("send its optimizer state")?;
         if !self.shard.is_split() {
             return Ok(());
         }
@@ -817,7 +851,7 @@ impl GpuTrainer {
     pub fn set_moments(&mut self, m: &[f32], v: &[f32]) -> Result<(), ModelError> {
         self.model.layout().check("adamw m", m)?;
         self.model.layout().check("adamw v", v)?;
-        self.ensure_active("set the optimizer moments")?;
+        self.ready("set the optimizer moments")?;
         match &mut self.moments {
             Moments::Resident { m: dm, v: dv } => {
                 self.gpu.upload(slice(dm)?, &self.shard.block_of(m))?;
@@ -841,7 +875,7 @@ impl GpuTrainer {
     /// # Errors
     /// As [`master_params`](Self::master_params).
     pub fn grads(&self) -> Result<Vec<f32>, ModelError> {
-        self.ensure_active("read the gradients")?;
+        self.ready("read the gradients")?;
         if !self.shard.split_grads {
             return self.download(&self.grads);
         }
@@ -886,6 +920,8 @@ impl GpuTrainer {
         if self.offloaded {
             return Err(ModelError::Offloaded { action: "offload" });
         }
+        self.join_update()?;
+        self.update = None;
         self.record_fences()?;
         let reports = self.memory.pause_all(&self.tags())?;
         self.offloaded = true;
@@ -961,6 +997,22 @@ impl GpuTrainer {
         tags
     }
 
+    /// As [`ensure_active`](Self::ensure_active), and makes the trainer's stream wait for an
+    /// optimizer step still running behind it: for every call but the passes, which wait for
+    /// it a unit at a time.
+    fn ready(&self, action: &'static str) -> Result<(), ModelError> {
+        self.ensure_active(action)?;
+        self.join_update()
+    }
+
+    /// Makes the trainer's stream wait for the optimizer step queued on `updater`, if any.
+    fn join_update(&self) -> Result<(), ModelError> {
+        match &self.update {
+            Some(update) => Ok(update.wait_all(&self.gpu)?),
+            None => Ok(()),
+        }
+    }
+
     /// Errors unless the trainer is onloaded and its regions are active.
     fn ensure_active(&self, action: &'static str) -> Result<(), ModelError> {
         if self.offloaded {
@@ -1006,10 +1058,19 @@ impl GpuTrainer {
     /// Zeroes the gradients, runs forward and backward over each micro-batch; returns the
     /// summed weighted negative log-probs. Where the weights or gradients are split, every
     /// rank of the group takes part in as many passes' gathers and sums as the rank with the
-    /// most micro-batches (a rank with fewer adds nothing to the rest).
-    fn accumulate_grads(&mut self, batch: &TrainBatch<'_>) -> Result<f64, ModelError> {
-        self.gpu.zero(slice::<f32>(&self.grads)?)?;
+    /// most micro-batches (a rank with fewer adds nothing to the rest). With `update` (an
+    /// optimizer step still running behind), the first forward pass waits for it a unit at a
+    /// time, and the gradients it reads are zeroed after that pass.
+    fn accumulate_grads(
+        &mut self,
+        batch: &TrainBatch<'_>,
+        update: Option<&Update>,
+    ) -> Result<f64, ModelError> {
         let micros = micro_batches(batch, self.max_batch_tokens);
+        let mut behind = update.filter(|_| !micros.is_empty());
+        if behind.is_none() {
+            self.zero_grads(update)?;
+        }
         if let Some(first) = micros.first() {
             // The largest micro-batch's activations, before the group's first collective.
             self.activations_for(first.batch, first.seq)?;
@@ -1018,11 +1079,14 @@ impl GpuTrainer {
         let mut nll = 0.0;
         for micro in &micros {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            let (weights, grads) = (self.weight_units()?, self.grad_units()?);
+            let (weights, grads) = (self.weight_units(behind)?, self.grad_units()?);
             let group = self.group.as_deref();
             let train = ForwardMode::Train;
             self.model
                 .forward(&self.gpu, &*weights, &acts, micro, train, group)?;
+            if let Some(update) = behind.take() {
+                self.zero_grads(Some(update))?;
+            }
             let passed = self
                 .model
                 .backward(&self.gpu, &*weights, &*grads, &acts, micro, group);
@@ -1032,7 +1096,7 @@ impl GpuTrainer {
             finished?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
-        let (weights, grads) = (self.weight_units()?, self.grad_units()?);
+        let (weights, grads) = (self.weight_units(None)?, self.grad_units()?);
         for _ in micros.len()..passes {
             let passed = self
                 .model
@@ -1044,9 +1108,21 @@ impl GpuTrainer {
         Ok(nll)
     }
 
-    /// Where the passes find the weights: the whole bf16 buffer, or where the weights are
-    /// split ([`OptimizerShard::split_weights`]), the units they are gathered into.
-    fn weight_units(&self) -> Result<Box<dyn WeightUnits + '_>, ModelError> {
+    /// Zeroes the gradients once `update`, which reads them, is done.
+    fn zero_grads(&self, update: Option<&Update>) -> Result<(), ModelError> {
+        if let Some(update) = update {
+            update.wait_all(&self.gpu)?;
+        }
+        Ok(self.gpu.zero(slice::<f32>(&self.grads)?)?)
+    }
+
+    /// Where the passes find the weights: the whole bf16 buffer (waiting for `update` a unit
+    /// at a time), or where the weights are split ([`OptimizerShard::split_weights`]), the
+    /// units they are gathered into.
+    fn weight_units<'a>(
+        &'a self,
+        update: Option<&'a Update>,
+    ) -> Result<Box<dyn WeightUnits + 'a>, ModelError> {
         Ok(match self.split_weights()? {
             Some(_) if !self.edges_gathered => {
                 return Err(ModelError::Config(
@@ -1056,7 +1132,11 @@ impl GpuTrainer {
             Some(split) => Box::new(split),
             None => {
                 let n = self.model.layout().len();
-                Box::new(WholeWeights(slice::<bf16>(&self.params)?.sub(0, n)?))
+                let whole = slice::<bf16>(&self.params)?.sub(0, n)?;
+                match update {
+                    Some(update) => Box::new(UpdatingWeights { whole, update }),
+                    None => Box::new(WholeWeights(whole)),
+                }
             }
         })
     }
@@ -1128,8 +1208,13 @@ impl GpuTrainer {
 
     /// Forward passes over each micro-batch: the log-probs and the summed weighted negative
     /// log-probs. Where the weights are split, as many passes' gathers as the rank with the
-    /// most micro-batches runs.
-    fn score(&mut self, batch: &TrainBatch<'_>) -> Result<(Vec<f32>, f64), ModelError> {
+    /// most micro-batches runs. With `update` (an optimizer step still running behind), the
+    /// first pass waits for it a unit at a time.
+    fn score(
+        &mut self,
+        batch: &TrainBatch<'_>,
+        update: Option<&Update>,
+    ) -> Result<(Vec<f32>, f64), ModelError> {
         let mut logprobs = Vec::with_capacity(batch.batch * batch.seq);
         let mut nll = 0.0;
         let micros = micro_batches(batch, self.max_batch_tokens);
@@ -1137,9 +1222,10 @@ impl GpuTrainer {
             self.activations_for(first.batch, first.seq)?;
         }
         let passes = self.passes_over_group(micros.len(), false)?;
+        let mut behind = update;
         for micro in &micros {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            let weights = self.weight_units()?;
+            let weights = self.weight_units(behind.take())?;
             let (score, group) = (ForwardMode::Score, self.group.as_deref());
             self.model
                 .forward(&self.gpu, &*weights, &acts, micro, score, group)?;
@@ -1147,7 +1233,7 @@ impl GpuTrainer {
             nll += nll_sum(&lp, micro.weights);
             logprobs.extend_from_slice(&lp);
         }
-        let weights = self.weight_units()?;
+        let weights = self.weight_units(None)?;
         for _ in micros.len()..passes {
             self.model.pass_without_batch(&self.gpu, &*weights, None)?;
         }
@@ -1172,8 +1258,26 @@ impl GpuTrainer {
         let stream = match &mut self.moments {
             Moments::Resident { m, v } => {
                 let master = master.ok_or_else(|| no_master(n))?;
-                let moments = GpuMoments::Fp32(slice(m)?, slice(v)?);
-                self.gpu.adamw_update(master, own, moments, grads, s)?;
+                let (m, v) = (slice::<f32>(m)?, slice::<f32>(v)?);
+                match &self.updater {
+                    // Behind the next step's forward pass, which waits for each unit's update
+                    // before it reads the unit.
+                    Some(updater) if self.times.is_none() => {
+                        updater.wait_for(&self.gpu.record_fence()?)?;
+                        let layers = self.model.config().num_layers;
+                        let update = self.update.insert(Update { units: Vec::new() });
+                        for unit in update_units(self.model.layout(), layers) {
+                            let (at, len) = (unit.start, unit.len());
+                            let moments = GpuMoments::Fp32(m.sub(at, len)?, v.sub(at, len)?);
+                            let (master, own) = (master.sub(at, len)?, own.sub(at, len)?);
+                            updater.adamw_update(master, own, moments, grads.sub(at, len)?, s)?;
+                            update.units.push((unit, updater.record_fence()?));
+                        }
+                    }
+                    _ => self
+                        .gpu
+                        .adamw_update(master, own, GpuMoments::Fp32(m, v), grads, s)?,
+                }
                 None
             }
             Moments::Streamed(streamed) => Some(streamed.update(&self.gpu, master, own, grads, s)?),
@@ -1370,10 +1474,19 @@ impl GpuTrainer {
         Ok(())
     }
 
-    /// Tells every buffer that the work queued so far (with sums behind the pass) uses it.
+    /// Tells every buffer that the work queued so far (with sums behind the pass, and an
+    /// optimizer step behind it) uses it.
     fn record_fences(&self) -> Result<(), ModelError> {
         self.wait_behind()?;
-        let fence = self.gpu.record_fence()?;
+        let fence = match (&self.update, &self.updater) {
+            // The fence of the updater's stream, once it has waited for the trainer's: the
+            // trainer's own stream goes on without waiting for the update.
+            (Some(_), Some(updater)) => {
+                updater.wait_for(&self.gpu.record_fence()?)?;
+                updater.record_fence()?
+            }
+            _ => self.gpu.record_fence()?,
+        };
         let state = [&self.params, &self.grads, &self.scalar]
             .into_iter()
             .chain(&self.master)
@@ -1429,12 +1542,9 @@ pub fn standalone_gpu_trainer(
 
 impl Drop for GpuTrainer {
     fn drop(&mut self) {
-        // The buffers free their device memory next; queued kernels (sums behind the pass
-        // too) must not outlive it.
-        let waited = self
-            .wait_behind()
-            .and_then(|()| Ok(self.gpu.synchronize()?));
-        if let Err(error) = waited {
+        // The buffers free their device memory next; queued kernels (sums and an optimizer
+        // step behind the pass too) must not outlive it.
+        if let Err(error) = self.synchronize() {
             tracing::error!(%error, "cannot wait for the gpu trainer's kernels");
         }
     }
