@@ -577,8 +577,8 @@ impl GpuTrainer {
         // The passes end in a download of the log-probs, which waits for them; a tensor-parallel
         // group's reduction queues collectives and returns, so a timed step waits for it.
         let started = Instant::now();
-        let update = self.update.take();
-        let passes = self.accumulate_grads(batch, update.as_ref());
+        let mut update = self.update.take();
+        let passes = self.accumulate_grads(batch, update.as_mut());
         // The passes waited for the last optimizer step a unit at a time; a failed one may not have.
         let joined = update.map_or(Ok(()), |update| update.wait_all(&self.gpu));
         let passed = started.elapsed().as_secs_f64();
@@ -1059,18 +1059,30 @@ impl GpuTrainer {
     /// summed weighted negative log-probs. Where the weights or gradients are split, every
     /// rank of the group takes part in as many passes' gathers and sums as the rank with the
     /// most micro-batches (a rank with fewer adds nothing to the rest). With `update` (an
-    /// optimizer step still running behind), the first forward pass waits for it a unit at a
-    /// time, and the gradients it reads are zeroed after that pass.
+    /// optimizer step still running behind), the gradients are zeroed behind it, and the
+    /// first forward pass waits for it a unit at a time, the first backward pass for all of it.
     fn accumulate_grads(
         &mut self,
         batch: &TrainBatch<'_>,
-        update: Option<&Update>,
+        mut update: Option<&mut Update>,
     ) -> Result<f64, ModelError> {
-        let micros = micro_batches(batch, self.max_batch_tokens);
-        let mut behind = update.filter(|_| !micros.is_empty());
-        if behind.is_none() {
-            self.zero_grads(update)?;
+        let zeros = slice::<f32>(&self.grads)?;
+        match (update.as_deref_mut(), &self.updater) {
+            (Some(update), Some(updater)) => {
+                // Once the trainer's stream is done with them too.
+                updater.wait_for(&self.gpu.record_fence()?)?;
+                updater.zero(zeros)?;
+                update.after = Some(updater.record_fence()?);
+            }
+            (update, _) => {
+                if let Some(update) = update {
+                    update.wait_all(&self.gpu)?;
+                }
+                self.gpu.zero(zeros)?;
+            }
         }
+        let micros = micro_batches(batch, self.max_batch_tokens);
+        let mut behind = update.as_deref();
         if let Some(first) = micros.first() {
             // The largest micro-batch's activations, before the group's first collective.
             self.activations_for(first.batch, first.seq)?;
@@ -1085,7 +1097,7 @@ impl GpuTrainer {
             self.model
                 .forward(&self.gpu, &*weights, &acts, micro, train, group)?;
             if let Some(update) = behind.take() {
-                self.zero_grads(Some(update))?;
+                update.wait_all(&self.gpu)?;
             }
             let passed = self
                 .model
@@ -1106,14 +1118,6 @@ impl GpuTrainer {
             finished?;
         }
         Ok(nll)
-    }
-
-    /// Zeroes the gradients once `update`, which reads them, is done.
-    fn zero_grads(&self, update: Option<&Update>) -> Result<(), ModelError> {
-        if let Some(update) = update {
-            update.wait_all(&self.gpu)?;
-        }
-        Ok(self.gpu.zero(slice::<f32>(&self.grads)?)?)
     }
 
     /// Where the passes find the weights: the whole bf16 buffer (waiting for `update` a unit
@@ -1265,7 +1269,10 @@ impl GpuTrainer {
                     Some(updater) if self.times.is_none() => {
                         updater.wait_for(&self.gpu.record_fence()?)?;
                         let layers = self.model.config().num_layers;
-                        let update = self.update.insert(Update { units: Vec::new() });
+                        let update = self.update.insert(Update {
+                            units: Vec::new(),
+                            after: None,
+                        });
                         for unit in update_units(self.model.layout(), layers) {
                             let (at, len) = (unit.start, unit.len());
                             let moments = GpuMoments::Fp32(m.sub(at, len)?, v.sub(at, len)?);

@@ -61,19 +61,22 @@ impl WeightUnits for WholeWeights {
 }
 
 /// An optimizer step running on another stream, unit by unit ([`update_units`]): a fence
-/// after each unit's update, in the order they were queued.
+/// after each unit's update, in the order they were queued, and one after what that stream
+/// queued behind them (the gradients' zeroing).
 pub(super) struct Update {
     pub units: Vec<(Range<usize>, Fence)>,
+    pub after: Option<Fence>,
 }
 
 impl Update {
-    /// Makes `gpu`'s later work wait for the whole update.
+    /// Makes `gpu`'s later work wait for the whole update and what was queued behind it.
     pub(super) fn wait_all(&self, gpu: &Gpu) -> Result<(), DeviceError> {
-        match self.units.last() {
-            // One stream queued the units in order: the last fence covers them all.
-            Some((_, fence)) => gpu.wait_for(fence),
-            None => Ok(()),
-        }
+        // One stream queued it all in order: its last fence covers the rest.
+        let last = self
+            .after
+            .as_ref()
+            .or(self.units.last().map(|(_, fence)| fence));
+        last.map_or(Ok(()), |fence| gpu.wait_for(fence))
     }
 }
 
