@@ -81,8 +81,8 @@ impl GpuTransformer {
         self.model.check_batch(&al, batch)
     }
 
-    /// Uploads `batch`'s inputs and queues the forward pass over `weights` (the whole flat
-    /// buffer: [`WholeWeights`](super::weights::WholeWeights)): for [`ForwardMode::Score`] the
+    /// Uploads `batch`'s inputs and queues the forward pass over `weights` (fetched a unit at
+    /// a time, embedding first and the edges last: see [`WeightUnits`]): for [`ForwardMode::Score`] the
     /// per-token log-probs are then in `acts` ([`logprobs`](Self::logprobs) reads them); for
     /// [`ForwardMode::Train`] the final norm's output is, and the log-probs come with the
     /// [`backward`](Self::backward) pass. With `group`, the o and down products go through

@@ -20,6 +20,7 @@ pub mod testing;
 #[allow(clippy::panic, clippy::print_stderr)]
 mod tests;
 mod trainer;
+mod update;
 mod weights;
 
 pub use forward::{ForwardMode, GpuTransformer};

@@ -13,10 +13,8 @@ use super::forward::nll_sum;
 use super::group::{SplitGrads, SplitWeights};
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
-use super::weights::{
-    GradUnits, Update, UpdatingWeights, WeightUnits, WholeGrads, WholeWeights, edge_units,
-    update_units,
-};
+use super::update::{AdamWBuffers, Update, UpdatingWeights};
+use super::weights::{GradUnits, WeightUnits, WholeGrads, WholeWeights, edge_units};
 use super::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
 };
@@ -198,9 +196,11 @@ pub struct GpuTrainer {
     /// The last step's phases, when timed ([`time_steps`](GpuTrainer::time_steps)).
     times: Option<StepTimes>,
     /// Where the optimizer state is resident and whole: the stream AdamW updates the weights
-    /// on, a unit at a time, while the next step's forward pass starts on the trainer's.
-    updater: Option<Gpu>,
-    /// The update queued on `updater` that the trainer's stream has not waited for yet.
+    /// on, a unit at a time, while the next step's forward pass starts on the trainer's
+    /// (`update.rs`).
+    updater: Option<Arc<Gpu>>,
+    /// The last update queued on `updater`, until the passes take it; the trainer's stream
+    /// may not have waited for it yet.
     update: Option<Update>,
 }
 
@@ -375,7 +375,7 @@ impl GpuTrainer {
             _ => Some(memory.alloc(&MemoryTag::Optimizer, block)?),
         };
         let updater = match &moments {
-            Moments::Resident { .. } if !shard.is_split() => Some(gpu.with_own_stream()?),
+            Moments::Resident { .. } if !shard.is_split() => Some(Arc::new(gpu.with_own_stream()?)),
             _ => None,
         };
         let trainer = GpuTrainer {
@@ -480,13 +480,15 @@ impl GpuTrainer {
 
     /// Times every step's phases from now on ([`step_times`](Self::step_times)), once the work
     /// queued so far is done: the trainer then also waits for the group's reduction and the
-    /// optimizer step's work before they return (a benchmark's breakdown; it costs the
-    /// overlap of that work with what follows).
+    /// optimizer step's work before they return, and the optimizer step runs in line on the
+    /// trainer's stream rather than behind the next forward pass (a benchmark's breakdown; it
+    /// costs the overlap of that work with what follows).
     ///
     /// # Errors
     /// [`ModelError::Gpu`] when the wait fails.
     pub fn time_steps(&mut self) -> Result<(), ModelError> {
         self.synchronize()?;
+        self.update = None;
         self.times = Some(StepTimes::default());
         Ok(())
     }
@@ -1067,19 +1069,9 @@ impl GpuTrainer {
         mut update: Option<&mut Update>,
     ) -> Result<f64, ModelError> {
         let zeros = slice::<f32>(&self.grads)?;
-        match (update.as_deref_mut(), &self.updater) {
-            (Some(update), Some(updater)) => {
-                // Once the trainer's stream is done with them too.
-                updater.wait_for(&self.gpu.record_fence()?)?;
-                updater.zero(zeros)?;
-                update.after = Some(updater.record_fence()?);
-            }
-            (update, _) => {
-                if let Some(update) = update {
-                    update.wait_all(&self.gpu)?;
-                }
-                self.gpu.zero(zeros)?;
-            }
+        match update.as_deref_mut() {
+            Some(update) => update.zero_behind(&self.gpu, zeros)?,
+            None => self.gpu.zero(zeros)?,
         }
         let micros = micro_batches(batch, self.max_batch_tokens);
         let mut behind = update.as_deref();
@@ -1264,22 +1256,19 @@ impl GpuTrainer {
                 let master = master.ok_or_else(|| no_master(n))?;
                 let (m, v) = (slice::<f32>(m)?, slice::<f32>(v)?);
                 match &self.updater {
-                    // Behind the next step's forward pass, which waits for each unit's update
-                    // before it reads the unit.
+                    // Behind the next step's forward pass; timed steps run it in line.
                     Some(updater) if self.times.is_none() => {
-                        updater.wait_for(&self.gpu.record_fence()?)?;
-                        let layers = self.model.config().num_layers;
-                        let update = self.update.insert(Update {
-                            units: Vec::new(),
-                            after: None,
-                        });
-                        for unit in update_units(self.model.layout(), layers) {
-                            let (at, len) = (unit.start, unit.len());
-                            let moments = GpuMoments::Fp32(m.sub(at, len)?, v.sub(at, len)?);
-                            let (master, own) = (master.sub(at, len)?, own.sub(at, len)?);
-                            updater.adamw_update(master, own, moments, grads.sub(at, len)?, s)?;
-                            update.units.push((unit, updater.record_fence()?));
-                        }
+                        let model = (self.model.layout(), self.model.config().num_layers);
+                        let (params, stream) = (own, Arc::clone(updater));
+                        let buffers = AdamWBuffers {
+                            master,
+                            params,
+                            m,
+                            v,
+                            grads,
+                        };
+                        let update = Update::queue(stream, &self.gpu, model, &buffers, s)?;
+                        self.update = Some(update);
                     }
                     _ => self
                         .gpu
@@ -1485,14 +1474,10 @@ impl GpuTrainer {
     /// optimizer step behind it) uses it.
     fn record_fences(&self) -> Result<(), ModelError> {
         self.wait_behind()?;
-        let fence = match (&self.update, &self.updater) {
-            // The fence of the updater's stream, once it has waited for the trainer's: the
-            // trainer's own stream goes on without waiting for the update.
-            (Some(_), Some(updater)) => {
-                updater.wait_for(&self.gpu.record_fence()?)?;
-                updater.record_fence()?
-            }
-            _ => self.gpu.record_fence()?,
+        // The trainer's stream goes on without waiting for an update behind it.
+        let fence = match &self.update {
+            Some(update) => update.fence_with(&self.gpu)?,
+            None => self.gpu.record_fence()?,
         };
         let state = [&self.params, &self.grads, &self.scalar]
             .into_iter()

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use crate::device::{DeviceError, Fence, Gpu, GpuElement, GpuSlice};
+use crate::device::{DeviceError, Gpu, GpuElement, GpuSlice};
 use crate::model::{ModelError, ParamKind, ParamLayout};
 
 /// Where the backward pass accumulates (`+=`) the weight gradients, a unit at a time: a unit is
@@ -58,57 +58,6 @@ impl WeightUnits for WholeWeights {
     fn fetch(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
         Ok(self.0.sub(unit.start, unit.len())?)
     }
-}
-
-/// An optimizer step running on another stream, unit by unit ([`update_units`]): a fence
-/// after each unit's update, in the order they were queued, and one after what that stream
-/// queued behind them (the gradients' zeroing).
-pub(super) struct Update {
-    pub units: Vec<(Range<usize>, Fence)>,
-    pub after: Option<Fence>,
-}
-
-impl Update {
-    /// Makes `gpu`'s later work wait for the whole update and what was queued behind it.
-    pub(super) fn wait_all(&self, gpu: &Gpu) -> Result<(), DeviceError> {
-        // One stream queued it all in order: its last fence covers the rest.
-        let last = self
-            .after
-            .as_ref()
-            .or(self.units.last().map(|(_, fence)| fence));
-        last.map_or(Ok(()), |fence| gpu.wait_for(fence))
-    }
-}
-
-/// The whole flat buffer while an [`Update`] writes it: a fetch makes the pass wait for the
-/// update of the units it reads, so the pass starts while later units are still updated.
-pub(super) struct UpdatingWeights<'a> {
-    pub whole: GpuSlice<bf16>,
-    pub update: &'a Update,
-}
-
-impl WeightUnits for UpdatingWeights<'_> {
-    fn fetch(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
-        for (updated, fence) in &self.update.units {
-            if updated.start < unit.end && unit.start < updated.end {
-                gpu.wait_for(fence)?;
-            }
-        }
-        Ok(self.whole.sub(unit.start, unit.len())?)
-    }
-}
-
-/// The units an optimizer step updates one after another so that the next forward pass can
-/// start behind it: the embedding (the pass's first read), each layer in order, and the tail
-/// (final norm and an untied head, read last) of a model of `layers` layers. Together they
-/// cover the layout.
-pub(super) fn update_units(layout: &ParamLayout, layers: usize) -> Vec<Range<usize>> {
-    let [embedding, tail] = edge_units(layout);
-    let layers = (0..layers).map(|l| layout.layer_range(l));
-    std::iter::once(embedding)
-        .chain(layers)
-        .chain([tail])
-        .collect()
 }
 
 /// The gradients in one flat buffer laid out as the whole model, accumulating over passes.
@@ -227,27 +176,5 @@ impl<T: GpuElement> LayerTensors<T> {
             up: t(ParamKind::UpProj)?,
             down: t(ParamKind::DownProj)?,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::gpu::testing::{tiny, tiny_family};
-
-    #[test]
-    fn update_units_cover_the_layout_in_order_embedding_first_and_tail_last() {
-        // Tied (llama) and untied (qwen3) heads.
-        for config in [tiny(), tiny_family("qwen3")] {
-            let layout = ParamLayout::new(&config);
-            let units = update_units(&layout, config.num_layers);
-            assert_eq!(units.len(), config.num_layers + 2);
-            assert_eq!(units[0], layout.range(ParamKind::Embedding, 0));
-            assert_eq!(units[1], layout.layer_range(0));
-            assert_eq!(units.last().map(|u| u.end), Some(layout.len()));
-            for pair in units.windows(2) {
-                assert_eq!(pair[0].end, pair[1].start, "{units:?}");
-            }
-        }
     }
 }
