@@ -375,7 +375,9 @@ impl GpuTrainer {
             _ => Some(memory.alloc(&MemoryTag::Optimizer, block)?),
         };
         let updater = match &moments {
-            Moments::Resident { .. } if !shard.is_split() => Some(Arc::new(gpu.with_own_stream()?)),
+            Moments::Resident { .. } if !shard.is_split() => {
+                Some(Arc::new(gpu.with_background_stream()?))
+            }
             _ => None,
         };
         let trainer = GpuTrainer {

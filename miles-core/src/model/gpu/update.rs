@@ -4,7 +4,9 @@
 //! pass fetches its weights through [`UpdatingWeights`], which makes the trainer's stream wait
 //! for the update of each unit it reads, so the products of the first layers run while the
 //! last layers are still updated. The update is memory-bound and the forward pass mostly
-//! compute-bound, so the two share the GPU well.
+//! compute-bound, so the two share the GPU; the update's stream has the least priority
+//! (`Gpu::with_background_stream`), so its blocks fill what the pass's leave rather than hold
+//! the pass's products back.
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -160,6 +160,33 @@ impl<T: GpuElement> GpuSlice<T> {
     }
 }
 
+/// Where a stream's kernels stand when several streams have blocks waiting for the
+/// multiprocessors.
+#[derive(Clone, Copy)]
+enum Priority {
+    /// The device's greatest priority: every compute stream.
+    Compute,
+    /// Its least: work that only fills what the compute streams leave.
+    Background,
+}
+
+/// A non-blocking stream of `context` at `priority`.
+fn new_stream(
+    context: &Arc<CudaContext>,
+    priority: Priority,
+) -> Result<Arc<CudaStream>, DeviceError> {
+    context.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
+    let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
+        .map_err(cuda("cuCtxGetStreamPriorityRange"))?;
+    let level = match priority {
+        Priority::Compute => greatest,
+        Priority::Background => least,
+    };
+    context
+        .new_stream_with_priority(level)
+        .map_err(cuda("cuStreamCreateWithPriority"))
+}
+
 /// Compute on one GPU: the compiled kernels, a cuBLAS handle and the compute stream.
 pub struct Gpu {
     stream: Arc<CudaStream>,
@@ -195,7 +222,7 @@ impl Gpu {
         }
         let ptx = compile(program)?;
         let context = CudaContext::new(device.ordinal() as usize).map_err(cuda("cuCtxRetain"))?;
-        let stream = context.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let stream = new_stream(&context, Priority::Compute)?;
         let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
         let kernels = program
             .kernels
@@ -230,16 +257,28 @@ impl Gpu {
     /// stream of its own, with its own cuBLAS handles and staging buffer: for a second user of
     /// the GPU (the trainer beside the rollout engine) whose work may be queued from another
     /// thread while this one captures a graph, which would otherwise take that work in (or be
-    /// broken by it). Work on the two streams is ordered only by fences.
+    /// broken by it). Work on the two streams is ordered only by fences. Like every compute
+    /// stream it runs at the device's greatest priority.
     ///
     /// # Errors
     /// The driver's or cuBLAS's error creating the stream or the handles.
     pub fn with_own_stream(&self) -> Result<Gpu, DeviceError> {
-        let stream = self
-            .stream
-            .context()
-            .new_stream()
-            .map_err(cuda("cuStreamCreate"))?;
+        self.with_stream(Priority::Compute)
+    }
+
+    /// As [`with_own_stream`](Self::with_own_stream), on a stream of the device's least
+    /// priority: its kernels' blocks go to the multiprocessors only where the compute
+    /// streams' pending blocks leave room (the trainer's optimizer step behind its next
+    /// forward pass).
+    ///
+    /// # Errors
+    /// As [`with_own_stream`](Self::with_own_stream).
+    pub fn with_background_stream(&self) -> Result<Gpu, DeviceError> {
+        self.with_stream(Priority::Background)
+    }
+
+    fn with_stream(&self, priority: Priority) -> Result<Gpu, DeviceError> {
+        let stream = new_stream(self.stream.context(), priority)?;
         Ok(Gpu {
             blas: blas::Blas::new(&stream)?,
             lt: lt::Lt::new(&stream)?,
