@@ -13,7 +13,7 @@ use super::forward::nll_sum;
 use super::group::{SplitGrads, SplitWeights};
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
-use super::update::{AdamWBuffers, Update, UpdatingWeights};
+use super::update::{AdamWBuffers, SquaredGrads, Update, UpdatingWeights, backward_units};
 use super::weights::{GradUnits, WeightUnits, WholeGrads, WholeWeights, edge_units};
 use super::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
@@ -202,6 +202,9 @@ pub struct GpuTrainer {
     /// The last update queued on `updater`, until the passes take it; the trainer's stream
     /// may not have waited for it yet.
     update: Option<Update>,
+    /// Whether the gradients' sum of squares is in the scalar scratch's first word, summed on
+    /// `updater` behind the last backward pass ([`SquaredGrads`]) and not read yet.
+    squared: bool,
 }
 
 /// Where a training step's time went, in seconds: each phase waited for on the host, so the
@@ -410,6 +413,7 @@ impl GpuTrainer {
             times: None,
             updater,
             update: None,
+            squared: false,
         };
         if let Moments::Resident { m, v } = &trainer.moments {
             trainer.gpu.zero(slice::<f32>(m)?)?;
@@ -926,6 +930,8 @@ impl GpuTrainer {
         }
         self.join_update()?;
         self.update = None;
+        // The scalar scratch does not come back.
+        self.squared = false;
         self.record_fences()?;
         let reports = self.memory.pause_all(&self.tags())?;
         self.offloaded = true;
@@ -1070,6 +1076,7 @@ impl GpuTrainer {
         batch: &TrainBatch<'_>,
         mut update: Option<&mut Update>,
     ) -> Result<f64, ModelError> {
+        self.squared = false;
         let zeros = slice::<f32>(&self.grads)?;
         match update.as_deref_mut() {
             Some(update) => update.zero_behind(&self.gpu, zeros)?,
@@ -1083,9 +1090,10 @@ impl GpuTrainer {
         }
         let passes = self.passes_over_group(micros.len(), self.shard.split_grads)?;
         let mut nll = 0.0;
-        for micro in &micros {
+        for (i, micro) in micros.iter().enumerate() {
             let acts = self.activations_for(micro.batch, micro.seq)?;
-            let (weights, grads) = (self.weight_units(behind)?, self.grad_units()?);
+            let last = i + 1 == micros.len();
+            let (weights, grads) = (self.weight_units(behind)?, self.grad_units(last)?);
             let group = self.group.as_deref();
             let train = ForwardMode::Train;
             self.model
@@ -1102,7 +1110,8 @@ impl GpuTrainer {
             finished?;
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
-        let (weights, grads) = (self.weight_units(None)?, self.grad_units()?);
+        self.squared = !micros.is_empty() && self.squares_behind().is_some();
+        let (weights, grads) = (self.weight_units(None)?, self.grad_units(false)?);
         for _ in micros.len()..passes {
             let passed = self
                 .model
@@ -1155,12 +1164,34 @@ impl GpuTrainer {
         }))
     }
 
-    /// Where the backward pass puts the gradients: the whole fp32 buffer, or where the
-    /// gradients are split ([`OptimizerShard::split_grads`]), the units they accumulate in.
-    fn grad_units(&self) -> Result<Box<dyn GradUnits + '_>, ModelError> {
+    /// The stream a trainer alone sums its gradients' squares on behind the last backward
+    /// pass of a step: the optimizer step's, where it has one.
+    fn squares_behind(&self) -> Option<&Gpu> {
+        self.updater.as_deref().filter(|_| self.group.is_none())
+    }
+
+    /// Where the backward pass puts the gradients: the whole fp32 buffer (in a step's `last`
+    /// pass with the sum of their squares behind it, where [`squares_behind`](Self::squares_behind)
+    /// has a stream; the sum zeroed first), or where the gradients are split
+    /// ([`OptimizerShard::split_grads`]), the units they accumulate in.
+    fn grad_units(&self, last: bool) -> Result<Box<dyn GradUnits + '_>, ModelError> {
         let n = self.model.layout().len();
         let Some(units) = &self.units else {
-            return Ok(Box::new(WholeGrads(slice::<f32>(&self.grads)?.sub(0, n)?)));
+            let whole = slice::<f32>(&self.grads)?.sub(0, n)?;
+            return Ok(match self.squares_behind().filter(|_| last) {
+                Some(stream) => {
+                    let scalar = slice::<f32>(&self.scalar)?;
+                    let (sum, partials) = (scalar.sub(0, 1)?, scalar.sub(2, SQUARE_PARTIALS)?);
+                    self.gpu.zero(sum)?;
+                    Box::new(SquaredGrads {
+                        whole,
+                        stream,
+                        sum,
+                        partials,
+                    })
+                }
+                None => Box::new(WholeGrads(whole)),
+            });
         };
         let group = self.group.as_deref().ok_or_else(unjoined)?;
         let layout = self.model.layout();
@@ -1248,6 +1279,7 @@ impl GpuTrainer {
         let n = self.model.layout().len();
         let grads = self.own_grads()?;
         let grad_norm = self.grad_norm_sq(grads)?.sqrt();
+        self.squared = false;
         let clip = clip_scale(&self.adamw, grad_norm);
         let s = AdamWStep::new(&self.adamw, step, clip);
         let params = slice::<bf16>(&self.params)?;
@@ -1301,19 +1333,30 @@ impl GpuTrainer {
 
     /// The squared global norm of the gradients, `grads` being this rank's block of them: the
     /// block's sum over a split state's group, the group's own reading for a whole state in a
-    /// group ([`TrainerGroup::grad_norm_sq`]), else the sum here.
+    /// group ([`TrainerGroup::grad_norm_sq`]), else the one summed behind the last backward
+    /// pass, or the sum here in the same order (a unit at a time, as the backward pass
+    /// completes them), so every way alone gives the same bits.
     fn grad_norm_sq(&self, grads: GpuSlice<f32>) -> Result<f32, ModelError> {
         let scalar = slice::<f32>(&self.scalar)?;
         let (sums, partials) = (scalar.sub(0, 2)?, scalar.sub(2, SQUARE_PARTIALS)?);
-        self.gpu.zero(sums)?;
+        if !self.squared {
+            self.gpu.zero(sums)?;
+        }
         match (&self.group, self.shard.is_split()) {
+            (None, false) if self.squared => {}
             (Some(group), false) => return group.grad_norm_sq(&self.gpu, grads, sums, partials),
             (None, true) => return Err(unjoined()),
             (Some(group), true) => {
                 let start = self.shard.start(self.model.layout().len());
                 return group.block_norm_sq(&self.gpu, grads, start, sums, partials);
             }
-            (None, false) => self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?,
+            (None, false) => {
+                let layers = self.config().num_layers;
+                for unit in backward_units(self.model.layout(), layers) {
+                    let grads = grads.sub(unit.start, unit.len())?;
+                    self.gpu.sum_of_squares(sums.sub(0, 1)?, grads, partials)?;
+                }
+            }
         }
         let mut sum = [0.0f32; 2];
         self.gpu.download(&mut sum, sums)?;

@@ -1,5 +1,7 @@
-//! The optimizer step behind the next forward pass. Where the AdamW state is resident and
-//! whole, the trainer queues each step's update on a stream of its own a unit at a time
+//! The optimizer step beside the passes. Where the AdamW state is resident and whole, the
+//! trainer keeps a stream of its own for it. The last backward pass of a step sums the squares
+//! of each unit's gradients there as soon as the unit's are complete ([`SquaredGrads`], the
+//! global norm's sum), and the trainer queues the step's update there a unit at a time
 //! ([`update_units`]: the embedding, each layer, the tail) and returns; the next step's forward
 //! pass fetches its weights through [`UpdatingWeights`], which makes the trainer's stream wait
 //! for the update of each unit it reads, so the products of the first layers run while the
@@ -13,7 +15,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::weights::{WeightUnits, edge_units};
+use super::weights::{GradUnits, WeightUnits, edge_units};
 use crate::device::{DeviceError, Fence, Gpu, GpuSlice};
 use crate::model::{ModelError, ParamLayout};
 use crate::ops::gpu::{AdamWStep, GpuMoments};
@@ -132,6 +134,43 @@ impl WeightUnits for UpdatingWeights<'_> {
         }
         Ok(self.whole.sub(unit.start, unit.len())?)
     }
+}
+
+/// The whole flat fp32 gradient buffer in a step's last backward pass: as each unit's
+/// gradients are complete, the sum of their squares is added to `sum` on `stream`, behind the
+/// pass, in the order of [`backward_units`] (which a sum without this follows for the same
+/// bits).
+pub(super) struct SquaredGrads<'a> {
+    pub whole: GpuSlice<f32>,
+    pub stream: &'a Gpu,
+    /// One element, zeroed before the pass.
+    pub sum: GpuSlice<f32>,
+    /// `ops::gpu::SQUARE_PARTIALS` elements of scratch.
+    pub partials: GpuSlice<f32>,
+}
+
+impl GradUnits for SquaredGrads<'_> {
+    fn open(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
+        Ok(self.whole.sub(unit.start, unit.len())?)
+    }
+
+    fn close(&self, gpu: &Gpu, unit: Range<usize>) -> Result<(), ModelError> {
+        let grads = self.whole.sub(unit.start, unit.len())?;
+        self.stream.wait_for(&gpu.record_fence()?)?;
+        Ok(self.stream.sum_of_squares(self.sum, grads, self.partials)?)
+    }
+
+    fn finish(&self, gpu: &Gpu) -> Result<(), ModelError> {
+        Ok(gpu.wait_for(&self.stream.record_fence()?)?)
+    }
+}
+
+/// The units a backward pass completes the gradients of, in its order: the tail, each layer
+/// from the last, the embedding (a tied head's with it) at the end.
+pub(super) fn backward_units(layout: &ParamLayout, layers: usize) -> Vec<Range<usize>> {
+    let mut units = update_units(layout, layers);
+    units.reverse();
+    units
 }
 
 /// The units an update runs through, in the order a forward pass reads them: the embedding,
