@@ -5,7 +5,7 @@ use half::bf16;
 
 use super::TrainerGroup;
 use super::backward::{input_grad, weight_grad};
-use super::layout::{GpuActivationLayout, GpuActivations, HEAD_ROWS, LayerActs};
+use super::layout::{GpuActivationLayout, GpuActivations, HEAD_GRAD_ROWS, HEAD_ROWS, LayerActs};
 use super::weights::{Edges, LayerTensors, WeightUnits, edge_units, tensor_in};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
@@ -293,9 +293,9 @@ impl GpuTransformer {
     }
 
     /// The LM head `head` over the final norm's output into fp32 logits and the fused
-    /// cross-entropy into the log-probs, [`HEAD_ROWS`] rows at a time; with `grads`, each
-    /// chunk's logit gradient goes straight back through the head: `d_lnf = d_logits W` and
-    /// `d_head += d_logits^T lnf`.
+    /// cross-entropy into the log-probs, [`HEAD_ROWS`] rows at a time; with `grads`, the logit
+    /// gradients of [`HEAD_GRAD_ROWS`] rows at a time go back through the head:
+    /// `d_lnf = d_logits W` and `d_head += d_logits^T lnf`.
     pub(super) fn head_rows(
         &self,
         gpu: &Gpu,
@@ -314,35 +314,43 @@ impl GpuTransformer {
             acts.u(&a.targets)?,
             acts.f(&a.weights)?,
         );
-        for first in (0..n).step_by(HEAD_ROWS) {
-            let rows = HEAD_ROWS.min(n - first);
-            let (x, z, dz) = (
-                lnf.sub(first * h, rows * h)?,
-                logits.sub(0, rows * v)?,
-                d_logits.sub(0, rows * v)?,
-            );
-            gpu.gemm(
-                Gemm::new(rows, v, h, Transpose::No, Transpose::Yes),
-                z,
-                x,
-                head,
-            )?;
-            gpu.crossentropy(
-                logprobs.sub(first, rows)?,
-                grads.map(|_| dz),
-                z,
-                targets.sub(first, rows)?,
-                weights.sub(first, rows)?,
-                normaliser,
-            )?;
-            if let Some(g) = grads {
+        for block in (0..n).step_by(HEAD_GRAD_ROWS) {
+            let block_rows = HEAD_GRAD_ROWS.min(n - block);
+            for first in (block..block + block_rows).step_by(HEAD_ROWS) {
+                let rows = HEAD_ROWS.min(block + block_rows - first);
+                let z = logits.sub(0, rows * v)?;
+                let x = lnf.sub(first * h, rows * h)?;
                 gpu.gemm(
-                    input_grad(rows, h, v),
-                    g.d_lnf.sub(first * h, rows * h)?,
+                    Gemm::new(rows, v, h, Transpose::No, Transpose::Yes),
+                    z,
+                    x,
+                    head,
+                )?;
+                let dz = match grads {
+                    Some(_) => Some(d_logits.sub((first - block) * v, rows * v)?),
+                    None => None,
+                };
+                gpu.crossentropy(
+                    logprobs.sub(first, rows)?,
+                    dz,
+                    z,
+                    targets.sub(first, rows)?,
+                    weights.sub(first, rows)?,
+                    normaliser,
+                )?;
+            }
+            if let Some(g) = grads {
+                let (dz, x) = (
+                    d_logits.sub(0, block_rows * v)?,
+                    lnf.sub(block * h, block_rows * h)?,
+                );
+                gpu.gemm(
+                    input_grad(block_rows, h, v),
+                    g.d_lnf.sub(block * h, block_rows * h)?,
                     dz,
                     head,
                 )?;
-                gpu.gemm(weight_grad(v, h, rows), g.d_head, dz, x)?;
+                gpu.gemm(weight_grad(v, h, block_rows), g.d_head, dz, x)?;
             }
         }
         Ok(())

@@ -10,8 +10,9 @@
 //! - the two norms' outputs and the swiglu output are recomputed in the backward pass (the
 //!   same kernels, so the same bits) into one layer's scratch, and the swiglu backward writes
 //!   the gate and up gradients over the kept gate and up;
-//! - the LM head runs [`HEAD_ROWS`] rows at a time, so the fp32 logits and their bf16
-//!   gradient are scratch of that many rows, never `(B, T, V)`;
+//! - the LM head's logits are computed [`HEAD_ROWS`] rows at a time and their bf16 gradient
+//!   kept for [`HEAD_GRAD_ROWS`] rows before the head's backward products take them, so
+//!   both are scratch of that many rows, never `(B, T, V)`;
 //! - the swiglu output, the attention backward's k and v partials and the head's logits are
 //!   never needed at once, so they share one scratch at the start of the bf16 buffer, viewed
 //!   as fp32 where they are.
@@ -36,7 +37,8 @@ pub struct GpuActivationLayout {
     pub(super) scratch: Range<usize>,
     swiglu_len: usize,
     kv_partials_len: usize,
-    head_len: usize,
+    logits_len: usize,
+    logit_grads_len: usize,
     pub(super) residual: Range<usize>,     // (L+1, B, T, C)
     pub(super) q: Range<usize>,            // (L, B, T, H*D), rotated
     pub(super) k: Range<usize>,            // (L, B, T, K*D), rotated
@@ -88,10 +90,16 @@ pub struct GpuActivationLayout {
     u32_len: usize,
 }
 
-/// Rows of the LM head's logits computed at a time (512 rows of a 32,000-token vocabulary:
-/// 62.5 MiB of fp32 logits and 31 MiB of their gradient, where a batch of 4096 tokens would need
-/// 750 MiB).
-pub const HEAD_ROWS: usize = 512;
+/// Rows of the LM head's fp32 logits computed at a time (256 rows of a 128,256-token
+/// vocabulary: 125 MiB, where a batch of 4096 tokens would need 2 GiB).
+pub const HEAD_ROWS: usize = 256;
+
+/// Rows of the logits' bf16 gradient kept for the head's backward products (1024 rows of a
+/// 128,256-token vocabulary: 250 MiB). The head's weight gradient adds them in one product
+/// whose inner dimension is these rows: it reads and writes the fp32 `(V, C)` gradient once
+/// for them, so the fewer the products the less of that traffic (2 GiB a product for a 1B
+/// model), which a product over few rows is bound by.
+pub const HEAD_GRAD_ROWS: usize = 4 * HEAD_ROWS;
 
 /// Hands out consecutive ranges of one buffer.
 struct Cursor(usize);
@@ -127,11 +135,13 @@ impl GpuActivationLayout {
         let mut b = Cursor(0);
         let mut f32s = Cursor(0);
         let mut u32s = Cursor(0);
-        let head_len = n.min(HEAD_ROWS) * v;
+        let (logits_len, logit_grads_len) = (n.min(HEAD_ROWS) * v, n.min(HEAD_GRAD_ROWS) * v);
         let (swiglu_len, kv_partials_len) = (n * f, 2 * n * qd);
         // In bf16 elements: the swiglu output, the fp32 partials, the fp32 logits and their
         // bf16 gradient; rounded to 16 bytes for the ranges after it.
-        let scratch_len = swiglu_len.max(2 * kv_partials_len).max(3 * head_len);
+        let scratch_len = swiglu_len
+            .max(2 * kv_partials_len)
+            .max(2 * logits_len + logit_grads_len);
         let scratch = b.take(scratch_len.next_multiple_of(8));
         let residual = b.take((l + 1) * n * h);
         let q = b.take(l * n * qd);
@@ -178,7 +188,8 @@ impl GpuActivationLayout {
             scratch,
             swiglu_len,
             kv_partials_len,
-            head_len,
+            logits_len,
+            logit_grads_len,
             residual,
             q,
             k,
@@ -348,14 +359,14 @@ impl GpuActivations {
         scratch.sub(0, self.layout.kv_partials_len)
     }
 
-    /// The LM head's fp32 logits and their bf16 gradient, `(rows, V)` each for up to
-    /// [`HEAD_ROWS`] rows (the shared scratch).
+    /// The LM head's fp32 logits `(rows, V)` for up to [`HEAD_ROWS`] rows and their bf16
+    /// gradient for up to [`HEAD_GRAD_ROWS`] rows, after them (the shared scratch).
     pub(super) fn head_logits(&self) -> Result<(GpuSlice<f32>, GpuSlice<bf16>), DeviceError> {
         let scratch = self.bf(&self.layout.scratch)?;
-        let len = self.layout.head_len;
+        let (logits, grads) = (self.layout.logits_len, self.layout.logit_grads_len);
         Ok((
-            scratch.reinterpret::<f32>()?.sub(0, len)?,
-            scratch.sub(2 * len, len)?,
+            scratch.reinterpret::<f32>()?.sub(0, logits)?,
+            scratch.sub(2 * logits, grads)?,
         ))
     }
 
@@ -470,17 +481,18 @@ mod tests {
         assert_eq!(a.lse.len(), c.num_layers * 3 * c.num_heads * 17);
         assert_eq!(a.f32_inputs.len(), n + 17 * c.head_dim);
         assert_eq!(
-            a.head_len,
-            n * c.vocab_size,
+            (a.logits_len, a.logit_grads_len),
+            (n * c.vocab_size, n * c.vocab_size),
             "fewer rows than HEAD_ROWS: all of them"
         );
-        let long = GpuActivationLayout::new(c, 2, 600);
-        assert_eq!(long.head_len, HEAD_ROWS * c.vocab_size);
+        let long = GpuActivationLayout::new(c, 6, 200);
+        assert_eq!(long.logits_len, HEAD_ROWS * c.vocab_size);
+        assert_eq!(long.logit_grads_len, HEAD_GRAD_ROWS * c.vocab_size);
         for l in [&a, &long] {
             let bytes = 2 * l.scratch.len();
             assert!(bytes >= 2 * l.swiglu_len && bytes >= 4 * l.kv_partials_len);
             assert!(
-                bytes >= 6 * l.head_len,
+                bytes >= 4 * l.logits_len + 2 * l.logit_grads_len,
                 "fp32 logits, then their bf16 gradient"
             );
             assert_eq!(l.scratch.start, 0, "the scratch's fp32 views start aligned");

@@ -211,14 +211,16 @@ fn gpu_backward_refuses_a_batch_of_another_shape_than_its_activations() {
     );
 }
 
-/// 600 rows: the LM head's two chunks, the second one short.
+/// 1200 rows: the LM head's logits in chunks, its backward products over two blocks of their
+/// gradients, the second one short (one short chunk).
 #[test]
 fn gpu_forward_and_backward_match_the_cpu_over_several_head_chunks() {
-    const { assert!(600 > layout::HEAD_ROWS && 600 < 2 * layout::HEAD_ROWS) };
+    const { assert!(1200 > layout::HEAD_GRAD_ROWS && 1200 < 2 * layout::HEAD_GRAD_ROWS) };
+    const { assert!((1200 - layout::HEAD_GRAD_ROWS) < layout::HEAD_ROWS) };
     forward_and_backward_match_the_cpu_on(
         "gpu_forward_and_backward_match_the_cpu_over_several_head_chunks",
         tiny(),
-        3,
+        6,
         200,
     );
 }
