@@ -563,6 +563,8 @@ impl GpuTrainer {
             group.name()
         );
         self.group = Some(group);
+        // A sum of squares from alone is no group's norm.
+        self.squared = false;
         Ok(())
     }
 

@@ -1,11 +1,11 @@
 //! The optimizer step beside the passes. Where the AdamW state is resident and whole, the
-//! trainer keeps a stream of its own for it. The last backward pass of a step sums the squares
-//! of each unit's gradients there as soon as the unit's are complete ([`SquaredGrads`], the
-//! global norm's sum), and the trainer queues the step's update there a unit at a time
-//! ([`update_units`]: the embedding, each layer, the tail) and returns; the next step's forward
-//! pass fetches its weights through [`UpdatingWeights`], which makes the trainer's stream wait
-//! for the update of each unit it reads, so the products of the first layers run while the
-//! last layers are still updated. The update is memory-bound and the forward pass mostly
+//! trainer keeps a stream of its own for it. Alone (in no group), the last backward pass of a
+//! step sums the squares of each unit's gradients there as soon as the unit's are complete
+//! ([`SquaredGrads`], the global norm's sum); and the trainer queues the step's update there a
+//! unit at a time ([`update_units`]: the embedding, each layer, the tail) and returns; the
+//! next step's forward pass fetches its weights through [`UpdatingWeights`], which makes the
+//! trainer's stream wait for the update of each unit it reads, so the products of the first
+//! layers run while the last layers are still updated. The update is memory-bound and the forward pass mostly
 //! compute-bound, so the two share the GPU; the update's stream has the least priority
 //! (`Gpu::with_background_stream`), so its blocks fill what the pass's leave rather than hold
 //! the pass's products back.
