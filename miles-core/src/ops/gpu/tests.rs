@@ -196,7 +196,10 @@ fn gpu_gemm_pair_gives_each_product_from_one_shared_and_two_separate_operands() 
     let (x, x_host) = t.put_bf16(&seeded(8, m * k));
     let (w, w_host) = t.put_bf16(&seeded(9, 2 * n * k));
     let (out, out_host) = t.put_bf16(&seeded(10, 2 * m * n + gap));
-    let (c0, c1) = (out.sub(0, m * n).unwrap(), out.sub(m * n + gap, m * n).unwrap());
+    let (c0, c1) = (
+        out.sub(0, m * n).unwrap(),
+        out.sub(m * n + gap, m * n).unwrap(),
+    );
     let (w0, w1) = (w.sub(0, n * k).unwrap(), w.sub(n * k, n * k).unwrap());
     let g = Gemm::new(m, n, k, Transpose::No, Transpose::Yes).accumulate();
     t.gpu

@@ -275,7 +275,9 @@ impl Gpu {
         a: [GpuSlice<bf16>; 2],
         b: [GpuSlice<bf16>; 2],
     ) -> Result<(), DeviceError> {
-        fn span<T: GpuElement>([x, y]: [GpuSlice<T>; 2]) -> Result<(usize, GpuSlice<T>), DeviceError> {
+        fn span<T: GpuElement>(
+            [x, y]: [GpuSlice<T>; 2],
+        ) -> Result<(usize, GpuSlice<T>), DeviceError> {
             if x.address() == y.address() && x.len() == y.len() {
                 return Ok((0, x));
             }
