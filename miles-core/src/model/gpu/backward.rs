@@ -198,8 +198,8 @@ impl GpuTransformer {
         gpu.rmsnorm_forward(flow.ln, None, la.res_mid, w.post_norm, eps)?;
         gpu.gemm(input_grad(n, h, f), flow.d_ln, la.gate, w.gate)?;
         gpu.gemm(input_grad(n, h, f).accumulate(), flow.d_ln, la.up, w.up)?;
-        let (gate_up, ln_twice) = ([la.gate, la.up], [flow.ln, flow.ln]);
-        gpu.gemm_pair(weight_grad(f, h, n), [dw.gate, dw.up], gate_up, ln_twice)?;
+        gpu.gemm(weight_grad(f, h, n), dw.gate, la.gate, flow.ln)?;
+        gpu.gemm(weight_grad(f, h, n), dw.up, la.up, flow.ln)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
@@ -252,8 +252,8 @@ impl GpuTransformer {
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, dk_lin, w.k)?;
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_v, w.v)?;
         gpu.gemm(weight_grad(qd, h, n), dw.q, dq_lin, flow.ln)?;
-        let (k_v, ln_twice) = ([dk_lin, flow.d_v], [flow.ln, flow.ln]);
-        gpu.gemm_pair(weight_grad(kvd, h, n), [dw.k, dw.v], k_v, ln_twice)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.k, dk_lin, flow.ln)?;
+        gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, flow.ln)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,

@@ -234,7 +234,8 @@ impl GpuTransformer {
             None => (la.q, la.k),
         };
         gpu.gemm(linear(qd, h), q_lin, ln, w.q)?; // (B, T, H*D)
-        gpu.gemm_pair(linear(kvd, h), [k_lin, la.v], [ln, ln], [w.k, w.v])?; // (B, T, K*D) each
+        gpu.gemm(linear(kvd, h), k_lin, ln, w.k)?; // (B, T, K*D)
+        gpu.gemm(linear(kvd, h), la.v, ln, w.v)?; // (B, T, K*D)
         if let Some([qb, kb, vb]) = w.qkv_bias {
             gpu.bias_add(q_lin, qb)?;
             gpu.bias_add(k_lin, kb)?;
@@ -252,7 +253,8 @@ impl GpuTransformer {
         sum_over_shards(group, la.res_mid)?;
         gpu.residual_add(la.res_mid, la.res_in)?;
         gpu.rmsnorm_forward(ln, Some(la.rstd2), la.res_mid, w.post_norm, eps)?;
-        gpu.gemm_pair(linear(f, h), [la.gate, la.up], [ln, ln], [w.gate, w.up])?; // (B, T, F) each
+        gpu.gemm(linear(f, h), la.gate, ln, w.gate)?; // (B, T, F)
+        gpu.gemm(linear(f, h), la.up, ln, w.up)?; // (B, T, F)
         gpu.swiglu_forward(sw, la.gate, la.up)?;
         gpu.gemm(linear(h, f), la.res_out, sw, w.down)?; // (B, T, C)
         sum_over_shards(group, la.res_out)?;

@@ -144,13 +144,11 @@ impl GpuActivationLayout {
             .max(2 * logits_len + logit_grads_len);
         let scratch = b.take(scratch_len.next_multiple_of(8));
         let residual = b.take((l + 1) * n * h);
-        // The k (or k_pre) and v products' outputs, and their gradients, lie in this order for
-        // the products run as one pair (`Gpu::gemm_pair`).
-        let q_pre = b.take(qk * l * n * qd);
-        let k_pre = b.take(qk * l * n * kvd);
         let q = b.take(l * n * qd);
         let k = b.take(l * n * kvd);
         let vv = b.take(l * n * kvd);
+        let q_pre = b.take(qk * l * n * qd);
+        let k_pre = b.take(qk * l * n * kvd);
         let att_out = b.take(l * n * qd);
         let residual_mid = b.take(l * n * h);
         let gate = b.take(l * n * f);
@@ -160,11 +158,11 @@ impl GpuActivationLayout {
         let d_residual = b.take(n * h);
         let d_ln = b.take(n * h);
         let d_att_out = b.take(n * qd);
-        let d_q_pre = b.take(qk * n * qd);
-        let d_k_pre = b.take(qk * n * kvd);
         let d_q = b.take(n * qd);
         let d_k = b.take(n * kvd);
         let d_v = b.take(n * kvd);
+        let d_q_pre = b.take(qk * n * qd);
+        let d_k_pre = b.take(qk * n * kvd);
         let ln1_rstd = f32s.take(l * n);
         let ln2_rstd = f32s.take(l * n);
         let lnf_rstd = f32s.take(n);

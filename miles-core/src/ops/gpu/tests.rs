@@ -185,38 +185,6 @@ fn gpu_batched_gemm_accumulates_into_bf16() {
 }
 
 #[test]
-fn gpu_gemm_pair_gives_each_product_from_one_shared_and_two_separate_operands() {
-    let test = "gpu_gemm_pair_gives_each_product_from_one_shared_and_two_separate_operands";
-    let Some(mut t) = TestGpu::open(test, 64 << 20) else {
-        return;
-    };
-    // As the k and v products: one input `x (m, k)`, two weights `(n, k)` one after the
-    // other, two outputs with a gap between them; then as their weight gradients, adding.
-    let (m, n, k, gap) = (48, 24, 40, 100);
-    let (x, x_host) = t.put_bf16(&seeded(8, m * k));
-    let (w, w_host) = t.put_bf16(&seeded(9, 2 * n * k));
-    let (out, out_host) = t.put_bf16(&seeded(10, 2 * m * n + gap));
-    let (c0, c1) = (
-        out.sub(0, m * n).unwrap(),
-        out.sub(m * n + gap, m * n).unwrap(),
-    );
-    let (w0, w1) = (w.sub(0, n * k).unwrap(), w.sub(n * k, n * k).unwrap());
-    let g = Gemm::new(m, n, k, Transpose::No, Transpose::Yes).accumulate();
-    t.gpu
-        .gemm_pair(g, [c0, c1], [x, x], [w0, w1])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let got = t.get_bf16(out);
-    for (i, at) in [0, m * n + gap].into_iter().enumerate() {
-        let weights = &w_host[i * n * k..(i + 1) * n * k];
-        let want = host_product(g, &x_host, weights, &out_host[at..at + m * n]);
-        assert_close("gemm pair", &got[at..at + m * n], &want, BF16_TOLERANCE);
-    }
-    assert_eq!(got[m * n..m * n + gap], out_host[m * n..m * n + gap]);
-    let refused = t.gpu.gemm_pair(g, [c1, c0], [x, x], [w0, w1]);
-    assert!(refused.is_err(), "a pair whose second slice starts first");
-}
-
-#[test]
 fn gpu_rmsnorm_forward_matches_the_cpu() {
     let Some(mut t) = TestGpu::open("gpu_rmsnorm_forward_matches_the_cpu", 64 << 20) else {
         return;

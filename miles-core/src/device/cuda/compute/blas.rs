@@ -260,42 +260,6 @@ pub(super) fn op(t: Transpose) -> sys::cublasOperation_t {
 }
 
 impl Gpu {
-    /// Two products of shape `g` in one launch, `c[i] = op(a[i]) op(b[i])` (with `g`'s alpha
-    /// and beta): an operand that is one slice for both is read twice, two slices of one buffer
-    /// (the second after the first) are the batch's two matrices. Where one product's output
-    /// keeps few multiprocessors busy, two side by side keep twice as many.
-    ///
-    /// # Errors
-    /// [`DeviceError::OutOfRange`] when a pair's second slice starts before its first; as
-    /// [`gemm`](Self::gemm).
-    pub fn gemm_pair<C: GemmOutput>(
-        &self,
-        g: Gemm,
-        c: [GpuSlice<C>; 2],
-        a: [GpuSlice<bf16>; 2],
-        b: [GpuSlice<bf16>; 2],
-    ) -> Result<(), DeviceError> {
-        fn span<T: GpuElement>(
-            [x, y]: [GpuSlice<T>; 2],
-        ) -> Result<(usize, GpuSlice<T>), DeviceError> {
-            if x.address() == y.address() && x.len() == y.len() {
-                return Ok((0, x));
-            }
-            let both = x.through(&y)?;
-            let stride = both.len() - y.len();
-            if x.len() != y.len() || stride < x.len() {
-                return Err(DeviceError::ShapeMismatch {
-                    what: "gemm pair (two slices of one length, the second after the first)",
-                    expected: x.len(),
-                    actual: y.len(),
-                });
-            }
-            Ok((stride, both))
-        }
-        let ((sc, c), (sa, a), (sb, b)) = (span(c)?, span(a)?, span(b)?);
-        self.gemm(g.batched(2, sa, sb, sc), c, a, b)
-    }
-
     /// Queues the row-major product `g` of bf16 `a` and `b` into `c` (fp32 or bf16), accumulating
     /// in fp32, with cuBLAS's own pick of algorithm.
     ///

@@ -126,28 +126,6 @@ impl<T: GpuElement> GpuSlice<T> {
         }
     }
 
-    /// From this slice's first element through `last`'s last: two slices of one buffer, `last`
-    /// not starting before this one, as the one operand of a product batched over both.
-    ///
-    /// # Errors
-    /// [`DeviceError::OutOfRange`] when `last` starts before this slice or not a whole
-    /// number of elements after it.
-    pub fn through(&self, last: &GpuSlice<T>) -> Result<GpuSlice<T>, DeviceError> {
-        let size = std::mem::size_of::<T>() as u64;
-        match last.addr.checked_sub(self.addr) {
-            Some(gap) if gap.is_multiple_of(size) => Ok(GpuSlice {
-                addr: self.addr,
-                len: (gap / size) as usize + last.len,
-                element: PhantomData,
-            }),
-            _ => Err(DeviceError::OutOfRange {
-                offset: last.addr.wrapping_sub(self.addr) as usize,
-                len: last.len,
-                range_len: self.len,
-            }),
-        }
-    }
-
     /// The same bytes as elements of `U` (one scratch serving buffers of several types).
     ///
     /// # Errors
