@@ -18,10 +18,11 @@ mod nccl;
 mod staging;
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, PushKernelArg, sys};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaStream, sys};
 use half::bf16;
 
 pub use blas::{Gemm, GemmOutput, Transpose};
@@ -517,17 +518,48 @@ impl Gpu {
                 )
                 .map_err(cuda("cuFuncSetAttribute"))?;
         }
-        let mut builder = self.stream.launch_builder(function);
-        for arg in args {
-            arg.push(&mut builder);
-        }
+        let mut params: Vec<*mut c_void> = args.iter().map(|arg| arg.param()).collect();
+        // Programmatic dependent launch: the kernel may be scheduled before the one ahead of
+        // it on the stream has finished; its first statement waits for that one
+        // ([`GRID_BEGIN`], which `compile` checks every kernel starts with).
+        // SAFETY: a plain integer field of the attribute's union, the rest zeroed.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let launch = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: 1,
+        };
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("cuCtxSetCurrent"))?;
         // SAFETY: every kernel of the program takes exactly the arguments its wrapper in
-        // `crate::ops::gpu` passes, in order and of the same C types (u64 for pointers); the
-        // pointers are views of device memory (a kernel that strays faults on the GPU, not on
-        // the host).
-        unsafe { builder.launch(config) }
-            .map(drop)
-            .map_err(cuda("cuLaunchKernel"))
+        // `crate::ops::gpu` passes, in order and of the same C types (u64 for pointers), and
+        // `params` points at them for the length of the call; the pointers are views of device
+        // memory (a kernel that strays faults on the GPU, not on the host).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &launch,
+                function.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(cuda("cuLaunchKernelEx"))
     }
 }
 
@@ -552,15 +584,43 @@ impl std::fmt::Debug for GpuGraph {
 // `&self` on one thread at a time) or drops it.
 unsafe impl Send for GpuGraph {}
 
-/// A kernel argument: a plain value pushed by reference.
+/// A kernel argument: a plain value passed by reference.
 pub(crate) trait KernelArg {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>);
+    /// The address of the value, as the launch's parameter array holds it.
+    fn param(&self) -> *mut c_void;
 }
 
 impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
-    fn push<'a>(&'a self, builder: &mut cudarc::driver::LaunchArgs<'a>) {
-        builder.arg(self);
+    fn param(&self) -> *mut c_void {
+        std::ptr::from_ref(self).cast_mut().cast()
     }
+}
+
+/// What every kernel's body starts with: the prelude's [`GRID_PRELUDE`] function.
+const GRID_BEGIN: &str = "grid_begin();";
+
+/// Put ahead of every program. Kernels are launched with programmatic dependent launch
+/// (Hopper): the driver may schedule a kernel's blocks while the kernel ahead of it on the
+/// stream still runs, so each kernel first waits for that kernel to finish and its writes to be
+/// visible, and touches no memory before; then it lets the kernel behind it be scheduled, whose
+/// blocks take what room this one's leave and wait in their turn. Kernels of the libraries
+/// (cuBLAS, NCCL) are launched as before and wait for the whole of the one ahead.
+const GRID_PRELUDE: &str = r#"
+__device__ __forceinline__ void grid_begin() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+"#;
+
+/// The first kernel of `source` whose body does not start with [`GRID_BEGIN`]: its text from
+/// `__global__` to the body's brace.
+fn kernel_without_grid_begin(source: &str) -> Option<&str> {
+    source.match_indices("__global__").find_map(|(at, _)| {
+        let rest = &source[at..];
+        let open = rest.find('{')?;
+        let body = rest[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+        (!body.starts_with(GRID_BEGIN)).then(|| rest[..open].trim_end())
+    })
 }
 
 /// Compiles `program` to PTX for [`ARCH`].
@@ -574,7 +634,21 @@ pub fn compile(program: &KernelProgram) -> Result<cudarc::nvrtc::Ptx, DeviceErro
         name: Some(format!("{}.cu", program.name)),
         ..Default::default()
     };
-    let source = program.sources.concat() + COPY_SOURCE;
+    let source = [GRID_PRELUDE]
+        .iter()
+        .chain(program.sources)
+        .chain([&COPY_SOURCE])
+        .copied()
+        .collect::<String>();
+    if let Some(kernel) = kernel_without_grid_begin(&source) {
+        return Err(DeviceError::Cuda {
+            call: "nvrtcCompileProgram",
+            message: format!(
+                "kernel `{kernel}` of {} does not start with `{GRID_BEGIN}`, which every kernel must (it is launched before the kernel ahead of it has finished)",
+                program.name
+            ),
+        });
+    }
     cudarc::nvrtc::compile_ptx_with_opts(source, options).map_err(|error| {
         let message = match &error {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
@@ -594,5 +668,34 @@ fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DeviceErr
     move |error| DeviceError::Cuda {
         call,
         message: error.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{GRID_PRELUDE, kernel_without_grid_begin};
+    use crate::ops::gpu::PROGRAM;
+
+    #[test]
+    fn every_kernel_of_the_program_starts_with_grid_begin() {
+        let source: String = PROGRAM.sources.concat() + super::COPY_SOURCE;
+        assert_eq!(kernel_without_grid_begin(&source), None);
+    }
+
+    #[test]
+    fn a_kernel_touching_memory_before_grid_begin_is_named() {
+        let good =
+            "extern \"C\" __global__ void a(float* x) {\n    grid_begin();\n    x[0] = 1.0f;\n}\n";
+        let macro_kernel = "#define K(N) extern \"C\" __global__ void k_##N(float* x) { \\\n        grid_begin(); \\\n    }\n";
+        let bad = "extern \"C\" __global__ void __launch_bounds__(128)\n    b(float* x) {\n    x[0] = 1.0f;\n    grid_begin();\n}\n";
+        assert_eq!(
+            kernel_without_grid_begin(&(GRID_PRELUDE.to_owned() + good)),
+            None
+        );
+        assert_eq!(kernel_without_grid_begin(macro_kernel), None);
+        assert_eq!(
+            kernel_without_grid_begin(&(good.to_owned() + bad)),
+            Some("__global__ void __launch_bounds__(128)\n    b(float* x)")
+        );
     }
 }

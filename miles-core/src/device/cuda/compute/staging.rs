@@ -29,6 +29,7 @@ pub(super) const COPY_KERNEL: &str = "miles_copy_bytes";
 pub(super) const COPY_SOURCE: &str = r#"
 extern "C" __global__ void miles_copy_bytes(
     unsigned char* __restrict__ dst, const unsigned char* __restrict__ src, unsigned long long n) {
+    grid_begin();
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     unsigned long long head = 0;

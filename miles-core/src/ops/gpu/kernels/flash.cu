@@ -449,6 +449,7 @@ __device__ void flash_dkv_tiles(float* dk_part, float* dv_part, const bf16* q, c
 // heads summed in order, rounded once. One thread an output value.
 extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* dk_part, const float* dv_part,
                                             long long rows, int H, int KH, int D) {
+    grid_begin();
     const int group = H / KH;
     const long long total = rows * KH * D;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
@@ -469,12 +470,14 @@ extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* dk_
     extern "C" __global__ void __launch_bounds__(128)                                              \
         flash_forward_##DP(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,     \
                            int T, int H, int KH, int D, float scale_log2) {                        \
+        grid_begin();                                                                              \
         flash_forward_tile<DP>(out, lse, q, k, v, T, H, KH, D, scale_log2);                        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                              \
         flash_backward_dq_##DP(bf16* dq, float* delta, const bf16* q, const bf16* k,               \
                                const bf16* v, const bf16* o, const bf16* dout, const float* lse,   \
                                int T, int H, int KH, int D, float scale_log2, float scale) {       \
+        grid_begin();                                                                              \
         flash_dq_tile<DP>(dq, delta, q, k, v, o, dout, lse, T, H, KH, D, scale_log2, scale);       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                              \
@@ -482,6 +485,7 @@ extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* dk_
                                 const bf16* v, const bf16* dout, const float* lse,                 \
                                 const float* delta, int T, int H, int KH, int D, float scale_log2, \
                                 float scale) {                                                     \
+        grid_begin();                                                                              \
         flash_dkv_tiles<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, T, H, KH, D, scale_log2,  \
                             scale);                                                                \
     }

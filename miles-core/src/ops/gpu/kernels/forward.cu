@@ -3,6 +3,7 @@
 
 // out[i] = bf16(x[i]), i < n.
 extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* x, long long n) {
+    grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         out[i] = f2bf(x[i]);
@@ -11,6 +12,7 @@ extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* x, long long
 
 // out[i] = float(x[i]), i < n.
 extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* x, long long n) {
+    grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         out[i] = bf2f(x[i]);
@@ -19,6 +21,7 @@ extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* x, long long
 
 // out[i] += x[i], i < n, in fp32.
 extern "C" __global__ void add_f32(float* out, const float* x, long long n) {
+    grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         out[i] += x[i];
@@ -28,6 +31,7 @@ extern "C" __global__ void add_f32(float* out, const float* x, long long n) {
 // out (n, c) = table[ids[row]] (rows of c); one block a row.
 extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids, const bf16* table,
                                              int c) {
+    grid_begin();
     const long long row = blockIdx.x;
     const bf16* src = table + (long long)ids[row] * c;
     bf16* dst = out + row * c;
@@ -56,6 +60,7 @@ __device__ __forceinline__ void rmsnorm_scale_row(bf16* o, const bf16* xr, const
 // out may be x (each thread writes only the values it alone reads after the block's sum).
 extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w,
                                            int c, float eps) {
+    grid_begin();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     const bf16* xr = x + row * c;
@@ -134,6 +139,7 @@ __device__ __forceinline__ void add_partials8(float* f, float& ss, bf16* xr, uin
 extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS)
     residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts, long long rows,
                      const bf16* w, int c, float eps) {
+    grid_begin();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     bf16* xr = x + row * c;
@@ -185,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS)
 // x (rows, c) += b (c) on every row, elementwise over the n = rows * c values (the q, k and v
 // biases).
 extern "C" __global__ void bias_add(bf16* x, const bf16* b, long long n, int c) {
+    grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % c]));
@@ -216,12 +223,14 @@ __device__ __forceinline__ void rope_rows(bf16* x, const unsigned int* positions
 
 extern "C" __global__ void rope_forward(bf16* x, const unsigned int* positions, const float* cos_t,
                                         const float* sin_t, long long n, int heads, int d) {
+    grid_begin();
     rope_rows(x, positions, cos_t, sin_t, n, heads, d, false);
 }
 
 // out = silu(gate) * up, elementwise over n values.
 extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf16* up, long long n,
                                           int wide) {
+    grid_begin();
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
     if (wide) {
@@ -246,6 +255,7 @@ extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf1
 // divided; with `wide` (f a multiple of 8, both buffers 16-byte aligned) each thread takes 8
 // columns at a time.
 extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, int f, int wide) {
+    grid_begin();
     const int step = wide ? 8 : 1;
     for (long long row = blockIdx.y; row < n; row += gridDim.y) {
         const bf16* g = gu + row * 2 * f;
@@ -269,6 +279,7 @@ extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, i
 
 // x += y, elementwise over n values (the residual stream); with `wide`, 8 at a time.
 extern "C" __global__ void residual_add(bf16* x, const bf16* y, long long n, int wide) {
+    grid_begin();
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
     if (wide) {

@@ -335,6 +335,7 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
                              const unsigned int* positions, long long n, int heads, int kv_heads, \
                              int d, int layer, int layers, int block_size, int max_blocks,        \
                              float scale_log2) {                                                  \
+        grid_begin();                                                                             \
         paged_attention_tile<DP, false>(out, q, cache, tables, seq_rows, positions, heads,        \
                                         kv_heads, d, layer, layers, block_size, max_blocks,       \
                                         scale_log2, PagedNew{});                                  \
@@ -357,6 +358,7 @@ PAGED_ATTENTION(128)
                           const unsigned int* positions, long long n, int heads, int kv_heads,    \
                           int d, float eps, int layer, int layers, int block_size,                \
                           int max_blocks, long long num_blocks, float scale_log2) {               \
+        grid_begin();                                                                             \
         const PagedNew fresh{cache, qkv, bias, q_norm, k_norm, cos_t, sin_t, slots, eps,          \
                              num_blocks};                                                         \
         paged_attention_tile<DP, true>(out, nullptr, cache, tables, seq_rows, positions, heads,   \
@@ -383,6 +385,7 @@ extern "C" __global__ void qkv_rotary_cache(bf16* q_out, bf16* cache, const bf16
                                             const unsigned int* slots, long long n, int heads,
                                             int kv_heads, int d, float eps, int layer, int layers,
                                             int block_size, long long num_blocks) {
+    grid_begin();
     __shared__ bf16 rows[PAGED_WARPS][PAGED_MAX_D];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long item = (long long)blockIdx.x * PAGED_WARPS + warp;

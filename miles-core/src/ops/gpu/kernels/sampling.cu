@@ -6,7 +6,8 @@
 //     either cut stay in); the draw walks the kept tokens in id order to u * (kept mass);
 //   - u is 53 bits of SplitMix64 over (seed, prompt, sample, token index), the host's
 //     `draw_uniform`;
-//   - the log-prob is of the temperature-scaled distribution before the cuts.
+//   - the log-prob is of the temperature-scaled distribution before the cuts (without cuts,
+//     the row's mass is the walk's kept mass: one pass less).
 // The cuts are found by bisection over an order-preserving 32-bit key of the logits (32 block
 // reductions each), so nothing is sorted and nothing of the row is written. The draw's walk
 // goes by warps: each owns a run of ids, read 32 at a time.
@@ -117,6 +118,7 @@ __device__ double mass_from(const float* x, int vocab, float m, float t, unsigne
 extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, const float* logits,
                                        const unsigned int* draws, const unsigned int* rule,
                                        int vocab) {
+    grid_begin();
     const float temperature = __uint_as_float(rule[0]), top_p = __uint_as_float(rule[1]);
     const int top_k = (int)rule[2];
     const unsigned long long seed = (unsigned long long)rule[3] | ((unsigned long long)rule[4] << 32);
@@ -155,9 +157,14 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     }
     const float m = best;
 
+    // The row's mass, for the log-prob. A draw without cuts keeps every token, so its walk's
+    // kept mass is the row's: no pass of its own then.
+    const bool cut = (top_k > 0 && top_k < vocab) || top_p < 1.0f;
     double sum = 0.0;
-    each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf((v - m) / t); });
-    sum = block_sum_double(sum, dscratch);
+    if (temperature <= 0.0f || cut) {
+        each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf((v - m) / t); });
+        sum = block_sum_double(sum, dscratch);
+    }
 
     int pick = index;
     if (temperature > 0.0f) {
@@ -194,6 +201,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
             if (lane >= o) through += add;
         }
         const double total = __shfl_sync(0xffffffffu, through, 31);
+        if (!cut) sum = total;
         const double after = __shfl_sync(0xffffffffu, through, warp);
         const double ahead = __shfl_sync(0xffffffffu, through, max(warp - 1, 0));
         const double before = warp > 0 ? ahead : 0.0;

@@ -31,6 +31,7 @@
 // write). The weight's gradient, a column sum over the rows, is column_partials' work.
 extern "C" __global__ void rmsnorm_backward(bf16* dx, const bf16* dout, const bf16* x,
                                            const bf16* w, const float* rstd, int c) {
+    grid_begin();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     const bf16* xr = x + row * c;
@@ -85,6 +86,7 @@ extern "C" __global__ void rmsnorm_backward(bf16* dx, const bf16* dout, const bf
 extern "C" __global__ void column_partials(float* partial, const bf16* a, const bf16* b,
                                            const float* scale, long long rows, int cols,
                                            long long rows_per_chunk) {
+    grid_begin();
     __shared__ float sums[COLUMN_ROWS][33];
     const int j = blockIdx.x * 32 + threadIdx.x;
     const long long first = (long long)blockIdx.y * rows_per_chunk;
@@ -109,6 +111,7 @@ extern "C" __global__ void column_partials(float* partial, const bf16* a, const 
 
 // out[j] += sum over k < chunks, in order, of partial[k * cols + j]; one thread a column.
 extern "C" __global__ void column_reduce(float* out, const float* partial, int chunks, int cols) {
+    grid_begin();
     for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < cols;
          j += (long long)gridDim.x * blockDim.x) {
         float t = 0.0f;
@@ -121,6 +124,7 @@ extern "C" __global__ void column_reduce(float* out, const float* partial, int c
 extern "C" __global__ void rope_backward(bf16* dx, const unsigned int* positions,
                                          const float* cos_t, const float* sin_t, long long n,
                                          int heads, int d) {
+    grid_begin();
     rope_rows(dx, positions, cos_t, sin_t, n, heads, d, true);
 }
 
@@ -140,6 +144,7 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float d, float* dg
 // multiple of 8, every buffer 16-byte aligned) a thread takes 8 values at a time, in registers.
 extern "C" __global__ void swiglu_backward(bf16* gate, bf16* up, bf16* dout, long long n,
                                            int wide) {
+    grid_begin();
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
     if (wide) {
@@ -172,6 +177,7 @@ extern "C" __global__ void swiglu_backward(bf16* gate, bf16* up, bf16* dout, lon
 extern "C" __global__ void embedding_backward(float* dtable, const bf16* dout,
                                               const unsigned int* ids, const unsigned int* order,
                                               const unsigned int* starts, int c) {
+    grid_begin();
     const unsigned int first = starts[blockIdx.x], end = starts[blockIdx.x + 1];
     const int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (first == end || j >= c) return;
@@ -200,6 +206,7 @@ __device__ __forceinline__ void online_add(float x, float* m, float* s) {
 extern "C" __global__ void crossentropy(float* logprobs, bf16* dlogits, const float* logits,
                                         const unsigned int* targets, const float* weights, int v,
                                         float normaliser) {
+    grid_begin();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     const float* x = logits + row * v;
@@ -246,6 +253,7 @@ extern "C" __global__ void crossentropy(float* logprobs, bf16* dlogits, const fl
 // partial[block] = the sum of x^2 over the block's grid-stride elements. The grid and block are
 // fixed (the wrapper's SQUARE_BLOCKS), so every run adds in the same order.
 extern "C" __global__ void square_partials(float* partial, const float* x, long long n) {
+    grid_begin();
     __shared__ float scratch[32];
     float s = 0.0f;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
@@ -258,6 +266,7 @@ extern "C" __global__ void square_partials(float* partial, const float* x, long 
 
 // acc[0] += the sum of partial[0 .. count), count <= blockDim.x; one block.
 extern "C" __global__ void sum_partials(float* acc, const float* partial, int count) {
+    grid_begin();
     __shared__ float scratch[32];
     const float v = (int)threadIdx.x < count ? partial[threadIdx.x] : 0.0f;
     const float s = block_sum(v, scratch);
@@ -304,6 +313,7 @@ extern "C" __global__ void adamw_update(float* master, bf16* params, float* m, f
                                         const float* grads, long long n, float step_size,
                                         float bias2_sqrt, float decay, float beta1, float beta2,
                                         float eps, float grad_scale) {
+    grid_begin();
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
     const bool wide = aligned16(master) && aligned16(m) && aligned16(v) && aligned16(grads) &&
@@ -344,6 +354,7 @@ extern "C" __global__ void adamw_update_bf16_moments(float* master, bf16* params
                                                      float step_size, float bias2_sqrt,
                                                      float decay, float beta1, float beta2,
                                                      float eps, float grad_scale) {
+    grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         float mi = bf2f(m[i]), vi = bf2f(v[i]);
@@ -363,6 +374,7 @@ extern "C" __global__ void adamw_update_f16_moments(float* master, bf16* params,
                                                     float step_size, float bias2_sqrt,
                                                     float decay, float beta1, float beta2,
                                                     float eps, float grad_scale) {
+    grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         float mi = h2f(m[i]), vi = h2f(v[i]);
