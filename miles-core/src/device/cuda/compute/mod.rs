@@ -600,15 +600,14 @@ impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
 const GRID_BEGIN: &str = "grid_begin();";
 
 /// Put ahead of every program. Kernels are launched with programmatic dependent launch
-/// (Hopper): the driver may schedule a kernel's blocks while the kernel ahead of it on the
-/// stream still runs, so each kernel first waits for that kernel to finish and its writes to be
-/// visible, and touches no memory before; then it lets the kernel behind it be scheduled, whose
-/// blocks take what room this one's leave and wait in their turn. Kernels of the libraries
-/// (cuBLAS, NCCL) are launched as before and wait for the whole of the one ahead.
+/// (Hopper): the driver may schedule a kernel's blocks before the kernel ahead of it on the
+/// stream has finished, so each kernel first waits for that kernel to finish and its writes to
+/// be visible, and touches no memory before. A kernel never lets the one behind it start early
+/// (`griddepcontrol.launch_dependents`): with that, a training step at 1B took 2% longer on an
+/// H100, where waiting alone made it about 1% shorter (bench/RESULTS.md, round 32).
 const GRID_PRELUDE: &str = r#"
 __device__ __forceinline__ void grid_begin() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 "#;
 
