@@ -114,7 +114,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         prompt_data.as_ref(),
         eval_data.as_ref(),
     );
-    let engine = build_engine(&settings, &model, positions)?;
     let job = match &env {
         Some(env) => {
             let Some(gpu) = crate::gpu::training_gpu_for(settings.device)? else {
@@ -150,6 +149,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let critic = build_critic(&settings, tokenizer.pad(), critic_comms)?;
+    // The engine last: its cache takes `--rollout-mem-fraction` of what the trainers left free.
+    // Built first, its cache would take that share of the whole device and leave the trainers
+    // too little to be built beside it (a 1B run on an 80 GB GPU, bench/RESULTS.md round 32).
+    let engine = build_engine(&settings, &model, positions)?;
     if let Some(gpu) = crate::gpu::gpu_for(settings.device)? {
         // What this process may hold on its gpu: what is free and what its trainer and engine
         // hold already (another process's memory does not count).
