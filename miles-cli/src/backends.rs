@@ -93,8 +93,8 @@ fn fsdp(
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
         Some(gpu) => {
-            let data = comms.and_then(|comms| comms.data);
-            Box::new(miles_fsdp::gpu_trainer(gpu, settings, data).map_err(refused)?)
+            let (data, behind) = comms.map_or((None, None), |comms| (comms.data, comms.behind));
+            Box::new(miles_fsdp::gpu_trainer(gpu, settings, (data, behind)).map_err(refused)?)
         }
         None => Box::new(miles_fsdp::FsdpBackend::from_settings(settings).map_err(refused)?),
     })

@@ -305,9 +305,9 @@ const CASES: &[(&str, &str, Expect)] = &[
         Expect::Invalid(&["rule10:--device"]),
     ),
     (
-        "gradient sums behind the backward pass with fsdp",
+        "gathers ahead and gradient sums behind the passes with fsdp",
         "overlap_grad_reduce = true\ndevice = \"cuda\"\ndata_parallel_size = 2\ntrain_backend = \"fsdp\"",
-        Expect::Invalid(&["rule10:--train-backend"]),
+        Expect::Valid(|s| assert!(s.overlap_grad_reduce)),
     ),
     (
         "gradient sums behind the backward pass with tensor parallelism",

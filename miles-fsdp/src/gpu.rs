@@ -6,7 +6,10 @@
 //!   gathered before it runs, its gradients summed into their owners' blocks as soon as its
 //!   backward pass is done, and each rank updates its block. In ZeRO's terms that is stage 3;
 //!   with `--grad-reduce-in-bf16` the weights and gradients stay whole and the gradients are
-//!   reduce-scattered in bf16 (stage 1).
+//!   reduce-scattered in bf16 (stage 1). With `--overlap-grad-reduce` the layers' gathers and
+//!   the gradients' sums run on a second communicator and stream: each layer's weights are
+//!   gathered a layer ahead of the pass that reads them, and each unit's gradients summed
+//!   while the backward pass computes the next layers'.
 //! - On one GPU, `--fsdp-cpu-offload` without `--offload-train` keeps the optimizer state and
 //!   its step on the host (the trainer's `optimizer_on_host`).
 //! - Saved in core's optimizer files, gathered to rank 0, so a GPU checkpoint loads on the CPU
@@ -34,19 +37,31 @@ pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
 /// with `group`, this process's rank of a data-parallel job over one GPU a process, keeping
-/// its block of the optimizer state.
+/// its block of the optimizer state; with `behind` too (`--overlap-grad-reduce`: a second
+/// communicator over the same ranks, on a stream of its own), a fully sharded rank gathers
+/// each layer's weights a layer ahead of the passes and sums its gradients behind the
+/// backward pass on it.
 ///
 /// # Errors
-/// [`BackendError::Settings`] for native CPU offload with optimizer streaming; as
-/// [`GpuBackend::on_ranks`] (which refuses tensor parallelism, a data-parallel size other than
-/// the group's, and optimizer streaming over several ranks).
+/// [`BackendError::Settings`] for native CPU offload with optimizer streaming, or `behind`
+/// without `group`; as [`GpuBackend::on_ranks`] (which refuses tensor parallelism, a
+/// data-parallel size other than the group's, and optimizer streaming over several ranks).
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,
-    group: Option<NcclComm>,
+    (group, behind): (Option<NcclComm>, Option<NcclComm>),
 ) -> Result<FsdpGpu, BackendError> {
     check_gpu_settings(settings)?;
-    GpuBackend::on_ranks(gpu, settings, group)
+    match (group, behind) {
+        (Some(group), Some(behind)) => {
+            GpuBackend::on_ranks_with_sums_behind(gpu, settings, group, behind)
+        }
+        (group, None) => GpuBackend::on_ranks(gpu, settings, group),
+        (None, Some(_)) => Err(BackendError::Settings {
+            backend: NAME,
+            reason: "--overlap-grad-reduce gathers and sums over data-parallel ranks; add --data-parallel-size N with N processes, or drop it".into(),
+        }),
+    }
 }
 
 /// The settings [`gpu_trainer`] refuses beyond [`GpuBackend::on_ranks`]'s, checked before
@@ -101,11 +116,13 @@ mod tests {
         let Some([first, second]) = two_gpus(test) else {
             return;
         };
-        let id = NcclComm::unique_id().unwrap();
-        let alone = Arc::clone(&first);
-        follows_one_gpu(&alone, [first, second], move |rank, gpu| {
-            NcclComm::new(Arc::clone(gpu), id, rank, 2).unwrap()
-        });
+        for ahead in [false, true] {
+            let ids = [0, 1].map(|_| NcclComm::unique_id().unwrap());
+            let pair = [Arc::clone(&first), Arc::clone(&second)];
+            follows_one_gpu(&first, pair, ahead, move |rank, gpu, which| {
+                NcclComm::new(Arc::clone(gpu), ids[which], rank, 2).unwrap()
+            });
+        }
     }
 
     #[test]
@@ -115,23 +132,27 @@ mod tests {
         let Some(gpu) = one_gpu(test) else {
             return;
         };
-        let ranks = [0, 1].map(|_| Arc::new(gpu.with_own_stream().unwrap()));
-        let exchange = HostExchange::new(2);
-        follows_one_gpu(&gpu, ranks, move |rank, gpu| {
-            HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchange))
-        });
+        for ahead in [false, true] {
+            let ranks = [0, 1].map(|_| Arc::new(gpu.with_own_stream().unwrap()));
+            let exchanges = [0, 1].map(|_| HostExchange::new(2));
+            follows_one_gpu(&gpu, ranks, ahead, move |rank, gpu, which| {
+                HostCollectives::new(Arc::clone(gpu), rank, 2, Arc::clone(&exchanges[which]))
+            });
+        }
     }
 
-    /// Two fsdp ranks on `gpus` (their collectives from `comm`), each on half of a batch,
-    /// against one GPU (`alone`) on the whole: fully sharded (half the optimizer state and the
-    /// gradients' block a rank), the same weights exported at the start and by both ranks
-    /// after 3 steps with an offload cycle, losses following one GPU's, and a checkpoint
+    /// Two fsdp ranks on `gpus` (their collectives from `comm(rank, gpu, 0)`), each on half of
+    /// a batch, against one GPU (`alone`) on the whole: fully sharded (half the optimizer state
+    /// and the gradients' block a rank), the same weights exported at the start and by both
+    /// ranks after 3 steps with an offload cycle, losses following one GPU's, and a checkpoint
     /// written by rank 0 with rank 1 assisting that loads on one GPU with the same weights,
-    /// step and next loss.
+    /// step and next loss. With `ahead` (`--overlap-grad-reduce`), the layers are gathered
+    /// ahead and the gradients summed behind on `comm(rank, stream, 1)`, a stream of its own.
     fn follows_one_gpu<C: Collectives + 'static>(
         alone: &Arc<Gpu>,
         gpus: [Arc<Gpu>; 2],
-        comm: impl Fn(usize, &Arc<Gpu>) -> C + Send + Sync + 'static,
+        ahead: bool,
+        comm: impl Fn(usize, &Arc<Gpu>, usize) -> C + Send + Sync + 'static,
     ) {
         let whole = backend_batch(41, 259, 0..4, 1);
         let dir = tempfile::tempdir().unwrap();
@@ -150,10 +171,21 @@ mod tests {
                 let (comm, dir) = (Arc::clone(&comm), dir.path().to_path_buf());
                 std::thread::spawn(move || {
                     let part = backend_batch(41, 259, rank * 2..rank * 2 + 2, 2);
-                    let group = comm(rank, &gpu);
-                    let mut backend = FsdpGpu::on_ranks(gpu, &settings(2), Some(group)).unwrap();
+                    let group = comm(rank, &gpu, 0);
+                    let mut backend = if ahead {
+                        let stream = Arc::new(gpu.with_own_stream().unwrap());
+                        let behind = comm(rank, &stream, 1);
+                        let settings = Settings {
+                            overlap_grad_reduce: true,
+                            ..settings(2)
+                        };
+                        FsdpGpu::on_ranks_with_sums_behind(gpu, &settings, group, behind).unwrap()
+                    } else {
+                        FsdpGpu::on_ranks(gpu, &settings(2), Some(group)).unwrap()
+                    };
                     let shard = backend.trainer().shard();
                     assert!(shard.split_grads && shard.split_weights, "{shard:?}");
+                    assert_eq!(shard.reduce_behind, ahead, "{shard:?}");
                     let start = exported(&mut backend);
                     let mut losses = Vec::new();
                     for step in 1..=3 {
@@ -190,6 +222,7 @@ mod tests {
             );
         }
         let losses: Vec<Vec<f32>> = ranks.iter().map(|r| r.1.clone()).collect();
+        eprintln!("fully sharded pair, layers gathered ahead: {ahead}");
         gpu_testing::assert_pair_follows("fully sharded data-parallel", &losses, &one_losses);
         let loading = Settings {
             load: Some(dir.path().to_path_buf()),

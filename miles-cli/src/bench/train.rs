@@ -85,7 +85,8 @@ pub struct BenchTrainArgs {
     pub fully_shard: bool,
     /// With several processes, data parallel: split the gradients too and sum each layer's
     /// on a second communicator and stream while the backward pass goes on (ZeRO stage 2, as
-    /// Megatron's `--overlap-grad-reduce`).
+    /// Megatron's `--overlap-grad-reduce`); with `--fully-shard`, gather each layer's weights
+    /// there too, a layer ahead of the passes.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
     /// On cuda: also say where each timed step's time went (the passes, the group's gradient
@@ -167,13 +168,10 @@ pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
         .into());
     }
     if args.overlap_grad_reduce
-        && (args.device != BenchDevice::Cuda
-            || args.tensor_parallel
-            || args.grad_reduce_in_bf16
-            || args.fully_shard)
+        && (args.device != BenchDevice::Cuda || args.tensor_parallel || args.grad_reduce_in_bf16)
     {
         return Err(BadSettings(
-            "--overlap-grad-reduce sums data parallelism's split gradients in fp32 behind the backward pass, the bf16 weights whole; add --device cuda and drop --tensor-parallel, --grad-reduce-in-bf16 and --fully-shard, or drop it".into(),
+            "--overlap-grad-reduce sums data parallelism's split gradients in fp32 behind the backward pass; add --device cuda and drop --tensor-parallel and --grad-reduce-in-bf16, or drop it".into(),
         )
         .into());
     }

@@ -304,6 +304,8 @@ pub fn run_ranks(args: &BenchTrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
         layout.len(),
         if args.tensor_parallel {
             "tensor"
+        } else if args.fully_shard && args.overlap_grad_reduce {
+            "data (fully sharded, each layer's weights gathered a layer ahead and its gradients summed behind the backward pass)"
         } else if args.fully_shard {
             "data (fully sharded: optimizer state, gradients and bf16 weights split)"
         } else if args.overlap_grad_reduce {
@@ -462,6 +464,8 @@ fn data_parallel_rank(
     let tokens = part.batch * part.seq;
     let split = if args.grad_reduce_in_bf16 {
         DataParallelSplit::OptimizerReducedInBf16
+    } else if args.fully_shard && args.overlap_grad_reduce {
+        DataParallelSplit::FullAhead
     } else if args.fully_shard {
         DataParallelSplit::Full
     } else if args.overlap_grad_reduce {

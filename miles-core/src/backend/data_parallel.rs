@@ -189,6 +189,10 @@ pub enum DataParallelSplit {
     /// Its block of the optimizer state, the gradients and the bf16 weights (ZeRO stage 3,
     /// fsdp's).
     Full,
+    /// As [`Full`](Self::Full), each layer's weights gathered a layer ahead of the passes and
+    /// each unit's gradients summed behind the backward pass, on a second communicator (fsdp
+    /// with `--overlap-grad-reduce`).
+    FullAhead,
 }
 
 /// A data-parallel rank on `gpu`, rank `comm.rank()` of `comm`'s group, from the full weights
@@ -196,7 +200,8 @@ pub enum DataParallelSplit {
 /// [`standalone_gpu_trainer`] trainer with activations for `max_batch_tokens` tokens (this
 /// rank's part of a batch) keeping its blocks as `split` says, joined to a
 /// [`DataParallelGroup`]; `behind` is the second communicator of
-/// [`DataParallelSplit::GradientsBehind`] (on a stream of its own of `gpu`).
+/// [`DataParallelSplit::GradientsBehind`] and [`DataParallelSplit::FullAhead`] (on a stream of
+/// its own of `gpu`).
 ///
 /// # Errors
 /// [`BackendError::Model`] when the trainer cannot be built, `comm` is on another GPU, or
@@ -209,8 +214,14 @@ pub fn data_parallel_gpu_trainer(
     max_batch_tokens: usize,
     split: DataParallelSplit,
 ) -> Result<GpuTrainer, BackendError> {
-    let full = split == DataParallelSplit::Full;
-    let sums_behind = split == DataParallelSplit::GradientsBehind;
+    let full = matches!(
+        split,
+        DataParallelSplit::Full | DataParallelSplit::FullAhead
+    );
+    let sums_behind = matches!(
+        split,
+        DataParallelSplit::GradientsBehind | DataParallelSplit::FullAhead
+    );
     let shard = OptimizerShard {
         bf16_reduce: split == DataParallelSplit::OptimizerReducedInBf16,
         split_grads: full || sums_behind,
@@ -337,7 +348,7 @@ mod tests {
     };
 
     /// The ways a split pair is tested.
-    const SPLIT_WAYS: [Way; 12] = [
+    const SPLIT_WAYS: [Way; 15] = [
         STAGE_1,
         Way {
             bf16_reduce: true,
@@ -385,6 +396,21 @@ mod tests {
             behind: true,
             family: "qwen3",
             ..STAGE_1
+        },
+        // The layers' gathers a layer ahead and the sums behind, on the second communicator.
+        Way {
+            behind: true,
+            ..STAGE_3
+        },
+        Way {
+            behind: true,
+            on_host: true,
+            ..STAGE_3
+        },
+        Way {
+            behind: true,
+            family: "qwen3",
+            ..STAGE_3
         },
     ];
 

@@ -193,11 +193,12 @@ impl<F: OptimizerFiles> GpuBackend<F> {
     /// As [`on_ranks`](Self::on_ranks) over `comm`'s ranks, with `behind` (a second
     /// communicator over the same ranks, on a stream of its own of `gpu`) summing the
     /// gradients behind the backward pass (`--overlap-grad-reduce`): each rank keeps its block
-    /// of the gradients too ([`OptimizerShard::reduce_behind`]).
+    /// of the gradients too ([`OptimizerShard::reduce_behind`]); fully sharded (fsdp), it
+    /// gathers each layer's weights there too, a layer ahead of the passes.
     ///
     /// # Errors
     /// As [`on_ranks`](Self::on_ranks); [`BackendError::Model`] for a `behind` over other
-    /// ranks or on the trainer's own stream, or with fsdp's full sharding.
+    /// ranks or on the trainer's own stream.
     pub fn on_ranks_with_sums_behind<C: Collectives + 'static>(
         gpu: Arc<Gpu>,
         settings: &Settings,

@@ -175,10 +175,10 @@ pub enum SettingsError {
         /// The data-parallel size.
         ranks: usize,
     },
-    /// Rule 10: gradients summed behind the backward pass where no data-parallel Megatron
-    /// trainer on GPUs sums them.
+    /// Rule 10: gradients summed behind the backward pass where no data-parallel trainer on
+    /// GPUs sums them.
     #[error(
-        "--overlap-grad-reduce sums the gradients of megatron's data-parallel gpus in fp32 behind the backward pass ({why}); drop it, or {fix}"
+        "--overlap-grad-reduce sums the gradients of data-parallel gpus in fp32 behind the backward pass ({why}); drop it, or {fix}"
     )]
     OverlapGradReduce {
         /// What stands in the way.

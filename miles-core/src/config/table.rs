@@ -377,7 +377,7 @@ settings_table! {
         Value data_parallel_size: usize = 1, "N", "Run", Range::Between(1.0, 1024.0);
         /// Reduce the data-parallel gradients in bf16, half the bytes (on cuda)
         Switch grad_reduce_in_bf16: bool = false, "", "Run", Range::Any;
-        /// Sum the data-parallel gradients behind the backward pass, each rank keeping its block of them (megatron on cuda)
+        /// Sum the data-parallel gradients behind the backward pass, each rank keeping its block of them; with fsdp also gather each layer's weights a layer ahead (on cuda)
         Switch overlap_grad_reduce: bool = false, "", "Run", Range::Any;
         /// Fraction of device memory the rollout engine may take
         Value rollout_mem_fraction: f64 = 0.8, "F", "Run", Range::AboveUpTo(0.0, 1.0);

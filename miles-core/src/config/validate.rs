@@ -128,11 +128,6 @@ pub(crate) fn validate(s: &Settings) -> Vec<SettingsError> {
                 ),
                 "add --device cuda and --data-parallel-size N with N processes",
             ))
-        } else if s.train_backend != TrainBackendKind::Megatron {
-            Some((
-                "fsdp shards its weights fully and sums its gradients in line".into(),
-                "use --train-backend megatron",
-            ))
         } else if s.tensor_model_parallel_size > 1 || s.grad_reduce_in_bf16 {
             Some((
                 "not with tensor parallelism or --grad-reduce-in-bf16".into(),

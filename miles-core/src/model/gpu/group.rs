@@ -373,7 +373,9 @@ impl SplitGrads<'_> {
 /// ([`OptimizerShard::split_weights`]): the edges' units gathered into `units` once (the
 /// embedding's at the start, the tail's after it, [`gather_edges`](Self::gather_edges)), and
 /// each layer's after them when fetched, from the ranks whose blocks hold its pieces
-/// ([`TrainerGroup::broadcast_bf16`]); this rank's block is `own`.
+/// ([`TrainerGroup::broadcast_bf16`]); this rank's block is `own`. With `ahead`, the layers
+/// are gathered on that communicator's stream into two slots in turn, the layer the passes
+/// fetch next while the current one runs ([`LayerSlots`]).
 pub(super) struct SplitWeights<'a> {
     pub group: &'a dyn TrainerGroup,
     pub shard: OptimizerShard,
@@ -383,33 +385,53 @@ pub(super) struct SplitWeights<'a> {
     pub units: GpuSlice<bf16>,
     /// The edge units (`weights::edge_units`): the embedding's and the tail's.
     pub edges: [Range<usize>; 2],
+    /// The first layer's unit; every layer's is as long, one after another.
+    pub first_layer: Range<usize>,
+    /// The layers.
+    pub layers: usize,
+    /// The communicator and stream the layers are gathered ahead on, if they are.
+    pub ahead: Option<&'a GroupComm>,
+    /// What the two slots hold, where the layers are gathered ahead, and the fence after each
+    /// slot's last gather.
+    pub slots: RefCell<(LayerSlots, [Option<Fence>; 2])>,
 }
 
 impl SplitWeights<'_> {
     /// Gathers the edges' weights, which stay in place for the passes. Collective.
     pub(super) fn gather_edges(&self) -> Result<(), ModelError> {
         for unit in &self.edges {
-            self.gather(unit, self.place(unit)?)?;
+            self.gather(unit, self.edge_place(unit), |send, recv, owner| {
+                self.group.broadcast_bf16(send, recv, owner)
+            })?;
         }
         Ok(())
     }
 
-    /// Where `unit` lies in `units`: the embedding's first, the tail's after it, a layer's
-    /// after both.
-    fn place(&self, unit: &Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
-        let [embedding, tail] = &self.edges;
-        let at = if unit == embedding {
+    /// Where edge `unit` lies in `units`: the embedding's first, the tail's after it.
+    fn edge_place(&self, unit: &Range<usize>) -> usize {
+        if *unit == self.edges[0] {
             0
-        } else if unit == tail {
-            embedding.len()
         } else {
-            embedding.len() + tail.len()
-        };
-        Ok(self.units.sub(at, unit.len())?)
+            self.edges[0].len()
+        }
     }
 
-    /// `unit`'s weights into `into`, a piece from each rank whose block holds one.
-    fn gather(&self, unit: &Range<usize>, into: GpuSlice<bf16>) -> Result<(), ModelError> {
+    /// Where a layer in `slot` lies in `units`: after both edges.
+    fn layer_place(&self, slot: usize) -> Result<GpuSlice<bf16>, ModelError> {
+        let len = self.first_layer.len();
+        let at = self.edges[0].len() + self.edges[1].len() + slot * len;
+        Ok(self.units.sub(at, len)?)
+    }
+
+    /// `unit`'s weights into `units` at `at`, a piece from each rank whose block holds one,
+    /// each moved by `broadcast(send, recv, owner)`.
+    fn gather(
+        &self,
+        unit: &Range<usize>,
+        at: usize,
+        broadcast: impl Fn(GpuSlice<bf16>, GpuSlice<bf16>, usize) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let into = self.units.sub(at, unit.len())?;
         let start = self.shard.start(self.params);
         for (owner, piece) in self.shard.owners(unit.clone(), self.params) {
             let recv = into.sub(piece.start - unit.start, piece.len())?;
@@ -418,19 +440,111 @@ impl SplitWeights<'_> {
             } else {
                 recv
             };
-            self.group.broadcast_bf16(send, recv, owner)?;
+            broadcast(send, recv, owner)?;
         }
         Ok(())
+    }
+
+    /// Layer `l` into its slot on `ahead`'s stream, once `gpu`'s work queued so far (the
+    /// slot's last reader among it) is done; the slot's fence then follows the gather.
+    fn gather_ahead(
+        &self,
+        gpu: &Gpu,
+        ahead: &GroupComm,
+        l: usize,
+        fences: &mut [Option<Fence>; 2],
+    ) -> Result<(), ModelError> {
+        let len = self.first_layer.len();
+        let unit = self.first_layer.start + l * len..self.first_layer.end + l * len;
+        let at = self.edges[0].len() + self.edges[1].len() + (l % 2) * len;
+        let stream = ahead.gpu();
+        stream.wait_for(&gpu.record_fence()?)?;
+        let comm = ahead.lock();
+        let queued = self.gather(&unit, at, |send, recv, owner| {
+            Ok(comm.broadcast_bf16(send, recv, owner)?)
+        });
+        // Whatever was queued, the slot is read only after it.
+        fences[l % 2] = Some(stream.record_fence()?);
+        queued
+    }
+
+    /// Layer `l`'s slot where the layers are gathered ahead on `ahead`: gathered now if no
+    /// slot holds it, the next layer gathered behind it.
+    fn fetch_ahead(
+        &self,
+        gpu: &Gpu,
+        ahead: &GroupComm,
+        l: usize,
+    ) -> Result<GpuSlice<bf16>, ModelError> {
+        let mut slots = self.slots.borrow_mut();
+        let (plan, fences) = &mut *slots;
+        let (now, next) = plan.fetch(l, self.layers);
+        if now {
+            self.gather_ahead(gpu, ahead, l, fences)?;
+        }
+        if let Some(fence) = &fences[l % 2] {
+            gpu.wait_for(fence)?;
+        }
+        if let Some(next) = next {
+            self.gather_ahead(gpu, ahead, next, fences)?;
+        }
+        self.layer_place(l % 2)
     }
 }
 
 impl WeightUnits for SplitWeights<'_> {
-    fn fetch(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
-        let at = self.place(&unit)?;
-        if !self.edges.contains(&unit) {
-            self.gather(&unit, at)?;
+    fn fetch(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<bf16>, ModelError> {
+        if self.edges.contains(&unit) {
+            return Ok(self.units.sub(self.edge_place(&unit), unit.len())?);
         }
-        Ok(at)
+        let l = (unit.start - self.first_layer.start) / self.first_layer.len().max(1);
+        if let Some(ahead) = self.ahead {
+            return self.fetch_ahead(gpu, ahead, l);
+        }
+        let at = self.edges[0].len() + self.edges[1].len();
+        self.gather(&unit, at, |send, recv, owner| {
+            self.group.broadcast_bf16(send, recv, owner)
+        })?;
+        self.layer_place(0)
+    }
+}
+
+/// Which layers the two slots of weights gathered ahead hold (layer `l` in slot `l % 2`), and
+/// which way the passes walk the layers: up in a forward pass, down in a backward one, turning
+/// where a layer is fetched twice in a row (the last layer between a forward and its backward
+/// pass, the first between a backward and the next forward).
+#[derive(Debug, Default)]
+pub(super) struct LayerSlots {
+    held: [Option<usize>; 2],
+    last: Option<usize>,
+    down: bool,
+}
+
+impl LayerSlots {
+    /// For a fetch of layer `l` of `layers`: whether to gather it first (no slot holds it),
+    /// and the layer to gather ahead, the next the passes fetch where no slot holds it (none
+    /// at either end, where the passes turn and fetch `l` again). Both are held from then on.
+    pub(super) fn fetch(&mut self, l: usize, layers: usize) -> (bool, Option<usize>) {
+        self.down = match self.last {
+            Some(p) if p == l => !self.down,
+            Some(p) if p == l + 1 => true,
+            Some(p) if p + 1 == l => false,
+            Some(_) => self.down,
+            None => false,
+        };
+        self.last = Some(l);
+        let now = self.held[l % 2] != Some(l);
+        self.held[l % 2] = Some(l);
+        let next = if self.down {
+            l.checked_sub(1)
+        } else {
+            Some(l + 1).filter(|&n| n < layers)
+        };
+        let ahead = next.filter(|&n| self.held[n % 2] != Some(n));
+        if let Some(n) = ahead {
+            self.held[n % 2] = Some(n);
+        }
+        (now, ahead)
     }
 }
 
@@ -502,8 +616,9 @@ pub struct OptimizerShard {
     /// Split gradients are summed behind the backward pass (`--overlap-grad-reduce`): each
     /// unit's sums run on the group's second communicator and stream
     /// ([`TrainerGroup::behind`]) while the next layers' gradients are computed, the layers
-    /// alternating between two slots of the unit buffer. Needs `split_grads`, not
-    /// `split_weights` (whose gathers run on the first communicator meanwhile).
+    /// alternating between two slots of the unit buffer. With `split_weights`, the layers'
+    /// gathers run there too, each a layer ahead of the pass, into two slots in turn
+    /// ([`SplitWeights`]). Needs `split_grads`.
     pub reduce_behind: bool,
 }
 
@@ -552,16 +667,16 @@ impl OptimizerShard {
     }
 
     /// An error naming what this split cannot do: weights split without the gradients,
-    /// sums behind the pass without split gradients or with split weights, split gradients
-    /// over one rank or reduced in bf16.
+    /// sums behind the pass without split gradients, split gradients over one rank or
+    /// reduced in bf16.
     ///
     /// # Errors
     /// [`ModelError::Config`].
     pub fn check(&self) -> Result<(), ModelError> {
         let refused = if self.split_weights && !self.split_grads {
             "bf16 weights split over a data-parallel group need the gradients split too (OptimizerShard::split_grads)"
-        } else if self.reduce_behind && (!self.split_grads || self.split_weights) {
-            "gradients summed behind the backward pass (--overlap-grad-reduce) need them split and the bf16 weights whole (not fsdp's full sharding)"
+        } else if self.reduce_behind && !self.split_grads {
+            "gradients summed behind the backward pass (--overlap-grad-reduce) need them split (OptimizerShard::split_grads)"
         } else if self.split_grads && (!self.is_split() || self.bf16_reduce) {
             "gradients split over a data-parallel group need the optimizer state split over more than one rank and reduced in fp32; drop --grad-reduce-in-bf16"
         } else {
@@ -621,7 +736,18 @@ mod tests {
             reduce_behind: true,
             ..stage_2
         };
-        for ok in [OptimizerShard::WHOLE, stage_1, stage_2, stage_3, behind] {
+        let stage_3_ahead = OptimizerShard {
+            reduce_behind: true,
+            ..stage_3
+        };
+        for ok in [
+            OptimizerShard::WHOLE,
+            stage_1,
+            stage_2,
+            stage_3,
+            behind,
+            stage_3_ahead,
+        ] {
             ok.check().unwrap();
         }
         for (bad, why) in [
@@ -641,13 +767,6 @@ mod tests {
             ),
             (
                 OptimizerShard {
-                    reduce_behind: true,
-                    ..stage_3
-                },
-                "full sharding",
-            ),
-            (
-                OptimizerShard {
                     bf16_reduce: true,
                     ..stage_2
                 },
@@ -664,6 +783,34 @@ mod tests {
             let err = bad.check().unwrap_err().to_string();
             assert!(err.contains(why), "{bad:?}: {err}");
         }
+    }
+
+    #[test]
+    fn layers_gathered_ahead_follow_the_passes_up_and_down_and_reuse_what_a_slot_holds() {
+        let mut slots = LayerSlots::default();
+        let layers = 4;
+        let mut fetch = |l| slots.fetch(l, layers);
+        // A forward pass: the first layer gathered now, each next one ahead, none past the top.
+        assert_eq!(fetch(0), (true, Some(1)));
+        assert_eq!(fetch(1), (false, Some(2)));
+        assert_eq!(fetch(2), (false, Some(3)));
+        assert_eq!(fetch(3), (false, None));
+        // Its backward pass: the top two layers are still in their slots.
+        assert_eq!(fetch(3), (false, None));
+        assert_eq!(fetch(2), (false, Some(1)));
+        assert_eq!(fetch(1), (false, Some(0)));
+        assert_eq!(fetch(0), (false, None));
+        // The next forward pass turns at the bottom, its first two layers still held.
+        assert_eq!(fetch(0), (false, None));
+        assert_eq!(fetch(1), (false, Some(2)));
+        // A forward pass after another (scoring): the first layer's slot holds layer 2.
+        assert_eq!(fetch(2), (false, Some(3)));
+        assert_eq!(fetch(3), (false, None));
+        assert_eq!(fetch(0), (true, Some(1)));
+        // One layer: always held after the first fetch, nothing ahead.
+        let mut one = LayerSlots::default();
+        assert_eq!(one.fetch(0, 1), (true, None));
+        assert_eq!(one.fetch(0, 1), (false, None));
     }
 
     #[test]

@@ -287,10 +287,12 @@ impl GpuTrainer {
         let n = model.layout().len();
         let padded = shard.padded(n);
         // Split weights: this rank's block, and a unit buffer holding the edges' weights
-        // beside a layer's.
+        // beside a layer's (two where the layers are gathered ahead).
         let (half, weight_unit_bytes) = if shard.split_weights {
             let [embedding, tail] = edge_units(model.layout());
-            let units = embedding.len() + tail.len() + model.layout().layer_range(0).len();
+            // A second layer slot where the layers are gathered ahead.
+            let slots = 1 + usize::from(shard.reduce_behind);
+            let units = embedding.len() + tail.len() + slots * model.layout().layer_range(0).len();
             (
                 shard.block(n) * size_of::<bf16>(),
                 units * size_of::<bf16>(),
@@ -1122,6 +1124,8 @@ impl GpuTrainer {
             passed?;
             finished?;
         }
+        // A layer gathered ahead that no pass read: its bf16 block is rewritten next.
+        self.wait_behind()?;
         Ok(nll)
     }
 
@@ -1155,14 +1159,19 @@ impl GpuTrainer {
         let Some(units) = &self.weight_units else {
             return Ok(None);
         };
-        let n = self.model.layout().len();
+        let layout = self.model.layout();
+        let group = self.group.as_deref().ok_or_else(unjoined)?;
         Ok(Some(SplitWeights {
-            group: self.group.as_deref().ok_or_else(unjoined)?,
+            group,
             shard: self.shard,
-            params: n,
+            params: layout.len(),
             own: self.own_weights()?,
             units: slice(units)?,
-            edges: edge_units(self.model.layout()),
+            edges: edge_units(layout),
+            first_layer: layout.layer_range(0),
+            layers: self.config().num_layers,
+            ahead: group.behind().filter(|_| self.shard.reduce_behind),
+            slots: RefCell::default(),
         }))
     }
 
@@ -1268,6 +1277,7 @@ impl GpuTrainer {
         for _ in micros.len()..passes {
             self.model.pass_without_batch(&self.gpu, &*weights, None)?;
         }
+        self.wait_behind()?;
         Ok((logprobs, nll))
     }
 
