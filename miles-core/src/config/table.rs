@@ -379,7 +379,7 @@ settings_table! {
         Switch grad_reduce_in_bf16: bool = false, "", "Run", Range::Any;
         /// Sum the data-parallel gradients behind the backward pass, each rank keeping its block of them; with fsdp also gather each layer's weights a layer ahead (on cuda)
         Switch overlap_grad_reduce: bool = false, "", "Run", Range::Any;
-        /// Fraction of device memory the rollout engine may take
+        /// Fraction of the device memory left free by the trainers and the engine's weights that the rollout engine's KV cache may take (`miles train` builds the engine after the trainers)
         Value rollout_mem_fraction: f64 = 0.8, "F", "Run", Range::AboveUpTo(0.0, 1.0);
         /// Bytes per bucket of the trainer-to-engine weight update
         Value update_weight_buffer_size: u64 = 512 << 20, "BYTES", "Run",
