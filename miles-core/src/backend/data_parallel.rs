@@ -250,9 +250,9 @@ mod tests {
     use crate::BackupPolicy;
     use crate::device::{Gpu, NcclComm};
     use crate::model::gpu_testing::{
-        Batch, HostCollectives, HostExchange, PARALLEL_STEPS, T, assert_pair_follows, bf16_params,
-        family_params, gentle, losses, losses_alone, manager, one_gpu, spec, tiny, tiny_family,
-        two_gpus,
+        B, Batch, HostCollectives, HostExchange, PARALLEL_STEPS, T, assert_pair_follows,
+        bf16_params, family_params, gentle, losses, losses_alone, manager, one_gpu, spec, tiny,
+        tiny_family, two_gpus,
     };
     use crate::model::{GpuTrainer, GpuTrainerSpec, ModelError, TrainerGroup};
 
@@ -328,6 +328,10 @@ mod tests {
         /// The tiny model's family (`llama`; `qwen2`: biases; `qwen3`: q/k norms, an untied
         /// head, which the fully sharded tail unit then holds).
         family: &'static str,
+        /// A batch of four sequences, three to rank 0 and one to rank 1 (else three, two and
+        /// one): with `split_grads`, rank 1 runs two passes without a batch, whose gathers
+        /// and sums must be rank 0's.
+        uneven: bool,
     }
 
     /// The optimizer state split, the gradients reduce-scattered in fp32, the tiny llama.
@@ -338,6 +342,7 @@ mod tests {
         split_weights: false,
         behind: false,
         family: "llama",
+        uneven: false,
     };
 
     /// The optimizer state, gradients and bf16 weights split.
@@ -348,7 +353,7 @@ mod tests {
     };
 
     /// The ways a split pair is tested.
-    const SPLIT_WAYS: [Way; 15] = [
+    const SPLIT_WAYS: [Way; 16] = [
         STAGE_1,
         Way {
             bf16_reduce: true,
@@ -412,6 +417,11 @@ mod tests {
             family: "qwen3",
             ..STAGE_3
         },
+        Way {
+            behind: true,
+            uneven: true,
+            ..STAGE_3
+        },
     ];
 
     /// Two ranks of a split optimizer state on `gpus`, split `way`, each joined to
@@ -427,7 +437,8 @@ mod tests {
             family => tiny_family(family),
         };
         let params = Arc::new(family_params(&config, 53));
-        let data = Arc::new(Batch::random(54, config.vocab_size));
+        let sequences = if way.uneven { 4 } else { B };
+        let data = Arc::new(Batch::random_of(54, config.vocab_size, sequences, T));
         let alone = losses_alone(&gpus[0], &config, &params, &data);
         let whole = GpuTrainer::new(
             Arc::clone(&gpus[0]),
@@ -463,7 +474,11 @@ mod tests {
                         GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), spec, &params).unwrap();
                     trainer.join(group(rank, &gpu, way.behind)).unwrap();
                     let batch = data.view();
-                    let part = batch.shard(rank, 2).unwrap();
+                    let part = match (way.uneven, rank) {
+                        (true, 0) => batch.sequences(0..3),
+                        (true, _) => batch.sequences(3..4),
+                        (false, _) => batch.shard(rank, 2).unwrap(),
+                    };
                     let mut losses = Vec::new();
                     for step in 1..=PARALLEL_STEPS {
                         losses.push(trainer.train_step(&part, step).unwrap().loss);

@@ -512,7 +512,9 @@ impl WeightUnits for SplitWeights<'_> {
 /// Which layers the two slots of weights gathered ahead hold (layer `l` in slot `l % 2`), and
 /// which way the passes walk the layers: up in a forward pass, down in a backward one, turning
 /// where a layer is fetched twice in a row (the last layer between a forward and its backward
-/// pass, the first between a backward and the next forward).
+/// pass, the first between a backward and the next forward). The trainer starts a new one for
+/// every pass, a micro-batch's or one without a batch, so that every rank gathers the same
+/// layers in the same order whatever passes it runs.
 #[derive(Debug, Default)]
 pub(super) struct LayerSlots {
     held: [Option<usize>; 2],

@@ -1115,8 +1115,11 @@ impl GpuTrainer {
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         self.squared = !micros.is_empty() && self.squares_behind().is_some();
-        let (weights, grads) = (self.weight_units(None)?, self.grad_units(false)?);
+        let grads = self.grad_units(false)?;
         for _ in micros.len()..passes {
+            // Weights of their own for each pass, as each micro-batch's: gathered ahead, every
+            // rank's pass then gathers the same layers.
+            let weights = self.weight_units(None)?;
             let passed = self
                 .model
                 .pass_without_batch(&self.gpu, &*weights, Some(&*grads));
@@ -1273,8 +1276,8 @@ impl GpuTrainer {
             nll += nll_sum(&lp, micro.weights);
             logprobs.extend_from_slice(&lp);
         }
-        let weights = self.weight_units(None)?;
         for _ in micros.len()..passes {
+            let weights = self.weight_units(None)?;
             self.model.pass_without_batch(&self.gpu, &*weights, None)?;
         }
         self.wait_behind()?;
