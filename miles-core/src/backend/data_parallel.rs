@@ -328,8 +328,8 @@ mod tests {
         /// The tiny model's family (`llama`; `qwen2`: biases; `qwen3`: q/k norms, an untied
         /// head, which the fully sharded tail unit then holds).
         family: &'static str,
-        /// A batch of four sequences, three to rank 0 and one to rank 1 (else three, two and
-        /// one): with `split_grads`, rank 1 runs two passes without a batch, whose gathers
+        /// A batch of four sequences, three to rank 0 and one to rank 1 (else three, two to
+        /// rank 0): with `split_grads`, rank 1 runs two passes without a batch, whose gathers
         /// and sums must be rank 0's.
         uneven: bool,
     }

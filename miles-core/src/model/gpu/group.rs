@@ -416,11 +416,16 @@ impl SplitWeights<'_> {
         }
     }
 
-    /// Where a layer in `slot` lies in `units`: after both edges.
+    /// Where a layer in `slot` starts in `units`: after both edges.
+    fn layer_at(&self, slot: usize) -> usize {
+        self.edges[0].len() + self.edges[1].len() + slot * self.first_layer.len()
+    }
+
+    /// The layer in `slot`.
     fn layer_place(&self, slot: usize) -> Result<GpuSlice<bf16>, ModelError> {
-        let len = self.first_layer.len();
-        let at = self.edges[0].len() + self.edges[1].len() + slot * len;
-        Ok(self.units.sub(at, len)?)
+        Ok(self
+            .units
+            .sub(self.layer_at(slot), self.first_layer.len())?)
     }
 
     /// `unit`'s weights into `units` at `at`, a piece from each rank whose block holds one,
@@ -456,11 +461,10 @@ impl SplitWeights<'_> {
     ) -> Result<(), ModelError> {
         let len = self.first_layer.len();
         let unit = self.first_layer.start + l * len..self.first_layer.end + l * len;
-        let at = self.edges[0].len() + self.edges[1].len() + (l % 2) * len;
         let stream = ahead.gpu();
         stream.wait_for(&gpu.record_fence()?)?;
         let comm = ahead.lock();
-        let queued = self.gather(&unit, at, |send, recv, owner| {
+        let queued = self.gather(&unit, self.layer_at(l % 2), |send, recv, owner| {
             Ok(comm.broadcast_bf16(send, recv, owner)?)
         });
         // Whatever was queued, the slot is read only after it.
@@ -501,8 +505,7 @@ impl WeightUnits for SplitWeights<'_> {
         if let Some(ahead) = self.ahead {
             return self.fetch_ahead(gpu, ahead, l);
         }
-        let at = self.edges[0].len() + self.edges[1].len();
-        self.gather(&unit, at, |send, recv, owner| {
+        self.gather(&unit, self.layer_at(0), |send, recv, owner| {
             self.group.broadcast_bf16(send, recv, owner)
         })?;
         self.layer_place(0)

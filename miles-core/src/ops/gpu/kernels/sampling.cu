@@ -159,7 +159,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
 
     // The row's mass, for the log-prob. A draw without cuts keeps every token, so its walk's
     // kept mass is the row's: no pass of its own then.
-    const bool cut = (top_k > 0 && top_k < vocab) || top_p < 1.0f;
+    const bool cut_k = top_k > 0 && top_k < vocab, cut_p = top_p < 1.0f, cut = cut_k || cut_p;
     double sum = 0.0;
     if (temperature <= 0.0f || cut) {
         each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf((v - m) / t); });
@@ -170,8 +170,8 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     if (temperature > 0.0f) {
         unsigned int key = 0;
         const unsigned int top = order_key(m);
-        if (top_k > 0 && top_k < vocab) key = top_k_key(x, vocab, 0, top, (unsigned int)top_k, uscratch);
-        if (top_p < 1.0f) {
+        if (cut_k) key = top_k_key(x, vocab, 0, top, (unsigned int)top_k, uscratch);
+        if (cut_p) {
             const double target = (double)top_p * mass_from(x, vocab, m, t, key, dscratch);
             unsigned int lo = key, hi = top;
             while (lo < hi) {
