@@ -93,8 +93,9 @@ fn fsdp(
 ) -> anyhow::Result<Box<dyn TrainBackend>> {
     Ok(match gpu {
         Some(gpu) => {
-            let (data, behind) = comms.map_or((None, None), |comms| (comms.data, comms.behind));
-            Box::new(miles_fsdp::gpu_trainer(gpu, settings, (data, behind)).map_err(refused)?)
+            // `rank_comms` opens a second communicator only beside the data-parallel one.
+            let comms = comms.and_then(|comms| Some((comms.data?, comms.behind)));
+            Box::new(miles_fsdp::gpu_trainer(gpu, settings, comms).map_err(refused)?)
         }
         None => Box::new(miles_fsdp::FsdpBackend::from_settings(settings).map_err(refused)?),
     })

@@ -36,31 +36,27 @@ impl OptimizerFiles for FsdpFiles {
 pub type FsdpGpu = GpuBackend<FsdpFiles>;
 
 /// The trainer `settings` describe, on `gpu`: the preset, seeded weights, `--load` when given;
-/// with `group`, this process's rank of a data-parallel job over one GPU a process, keeping
-/// its block of the optimizer state; with `behind` too (`--overlap-grad-reduce`: a second
-/// communicator over the same ranks, on a stream of its own), a fully sharded rank gathers
-/// each layer's weights a layer ahead of the passes and sums its gradients behind the
+/// with `comms`, this process's rank of a data-parallel job over one GPU a process (the group's
+/// communicator), keeping its block of the optimizer state; with a second communicator too
+/// (`--overlap-grad-reduce`: over the same ranks, on a stream of its own), a fully sharded rank
+/// gathers each layer's weights a layer ahead of the passes and sums its gradients behind the
 /// backward pass on it.
 ///
 /// # Errors
-/// [`BackendError::Settings`] for native CPU offload with optimizer streaming, or `behind`
-/// without `group`; as [`GpuBackend::on_ranks`] (which refuses tensor parallelism, a
-/// data-parallel size other than the group's, and optimizer streaming over several ranks).
+/// [`BackendError::Settings`] for native CPU offload with optimizer streaming; as
+/// [`GpuBackend::on_ranks`] (which refuses tensor parallelism, a data-parallel size other than
+/// the group's, and optimizer streaming over several ranks).
 pub fn gpu_trainer(
     gpu: Arc<Gpu>,
     settings: &Settings,
-    (group, behind): (Option<NcclComm>, Option<NcclComm>),
+    comms: Option<(NcclComm, Option<NcclComm>)>,
 ) -> Result<FsdpGpu, BackendError> {
     check_gpu_settings(settings)?;
-    match (group, behind) {
-        (Some(group), Some(behind)) => {
+    match comms {
+        Some((group, Some(behind))) => {
             GpuBackend::on_ranks_with_sums_behind(gpu, settings, group, behind)
         }
-        (group, None) => GpuBackend::on_ranks(gpu, settings, group),
-        (None, Some(_)) => Err(BackendError::Settings {
-            backend: NAME,
-            reason: "--overlap-grad-reduce gathers and sums over data-parallel ranks; add --data-parallel-size N with N processes, or drop it".into(),
-        }),
+        comms => GpuBackend::on_ranks(gpu, settings, comms.map(|(group, _)| group)),
     }
 }
 

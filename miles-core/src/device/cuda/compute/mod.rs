@@ -672,8 +672,23 @@ fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DeviceErr
 
 #[cfg(test)]
 mod tests {
-    use super::{GRID_PRELUDE, kernel_without_grid_begin};
+    use super::{GRID_PRELUDE, KernelProgram, compile, kernel_without_grid_begin};
     use crate::ops::gpu::PROGRAM;
+
+    #[test]
+    fn compile_refuses_a_kernel_that_does_not_start_with_grid_begin_naming_it() {
+        // Refused before NVRTC is asked: no library needed.
+        let bad = KernelProgram {
+            name: "bad",
+            sources: &["extern \"C\" __global__ void early(float* x) { x[0] = 1.0f; }\n"],
+            kernels: &[&["early"]],
+        };
+        let err = compile(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("early(float* x)") && err.contains("grid_begin();") && err.contains("bad"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn every_kernel_of_the_program_starts_with_grid_begin() {
