@@ -1,8 +1,10 @@
 //! The GPU transformer's backward pass: the chain rule of the forward pass, op for op as the CPU
-//! [`Transformer::backward`](crate::model::Transformer::backward) runs it, accumulating (`+=`)
-//! fp32 weight gradients in the flat gradient buffer. It starts with the LM head's forward
+//! [`Transformer::backward`](crate::model::Transformer::backward) runs it, writing (a step's
+//! first pass) or adding (`+=`, the rest) fp32 weight gradients in the flat gradient buffer. It starts with the LM head's forward
 //! pass and cross-entropy (a chunk of rows at a time), and recomputes each layer's norm
 //! outputs and swiglu output where they are needed, rather than keeping them.
+
+use std::ops::Range;
 
 use half::bf16;
 
@@ -14,11 +16,13 @@ use super::weights::{Edges, GradUnits, LayerTensors, WeightUnits, edge_units};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{ModelError, ParamKind, TrainBatch};
+use crate::ops::gpu::GradWrite;
 
 /// The backward pass's per-batch scratch (the gradients flowing through one layer), and the
 /// tensor-parallel group they are summed over, if any.
 struct Flow<'a> {
     group: Option<&'a dyn TrainerGroup>,
+    write: GradWrite,          // how the weight gradients meet the units' buffers
     d_res: GpuSlice<bf16>,     // (B, T, C): gradient of the residual stream
     d_ln: GpuSlice<bf16>,      // (B, T, C)
     d_att_out: GpuSlice<bf16>, // (B, T, H*D)
@@ -36,10 +40,12 @@ impl<'a> Flow<'a> {
     fn of(
         acts: &GpuActivations,
         group: Option<&'a dyn TrainerGroup>,
+        write: GradWrite,
     ) -> Result<Flow<'a>, ModelError> {
         let a = acts.layout();
         Ok(Flow {
             group,
+            write,
             d_res: acts.bf(&a.d_residual)?,
             d_ln: acts.bf(&a.d_ln)?,
             d_att_out: acts.bf(&a.d_att_out)?,
@@ -60,16 +66,21 @@ pub(super) fn input_grad(n: usize, inp: usize, out: usize) -> Gemm {
     Gemm::new(n, inp, out, Transpose::No, Transpose::No)
 }
 
-/// `dW (out, in) += dY^T (out, n) X (n, in)`.
-pub(super) fn weight_grad(out: usize, inp: usize, n: usize) -> Gemm {
-    Gemm::new(out, inp, n, Transpose::Yes, Transpose::No).accumulate()
+/// `dW (out, in) += dY^T (out, n) X (n, in)`, or `=` with [`GradWrite::Overwrite`].
+pub(super) fn weight_grad(out: usize, inp: usize, n: usize, write: GradWrite) -> Gemm {
+    let product = Gemm::new(out, inp, n, Transpose::Yes, Transpose::No);
+    match write {
+        GradWrite::Overwrite => product,
+        GradWrite::Add => product.accumulate(),
+    }
 }
 
 impl GpuTransformer {
     /// Queues the backward pass of the last [`forward`](Self::forward) of `batch` on `acts`
-    /// (run in [`ForwardMode::Train`](super::ForwardMode::Train)), accumulating into `grads`
-    /// unit by unit (`+=`: for the whole flat buffer, [`WholeGrads`](super::weights::WholeGrads),
-    /// zero them first for a fresh step); the per-token log-probs are in `acts` after it.
+    /// (run in [`ForwardMode::Train`](super::ForwardMode::Train)), putting the weight gradients
+    /// into `grads` unit by unit as [`GradUnits::write`] says (a step's first pass over the
+    /// whole flat buffer writes them, so nothing zeroes them first; later passes add); the
+    /// per-token log-probs are in `acts` after it.
     /// With `group` (as in [`forward`](Self::forward)), the gradients entering each layer's
     /// two norms go through [`TrainerGroup::sum_row_parallel`].
     ///
@@ -90,7 +101,7 @@ impl GpuTransformer {
         let c = self.config();
         let a = acts.layout();
         let (h, layers) = (c.hidden_size, c.num_layers);
-        let flow = Flow::of(acts, group)?;
+        let flow = Flow::of(acts, group, grads.write())?;
         // The edges first: the head's and final norm's gradients (a tied head's in the
         // embedding's), the embedding's at the end.
         let edge_w = self.edge_weights(gpu, weights)?;
@@ -105,6 +116,7 @@ impl GpuTransformer {
         let head = HeadGrads {
             d_head: edge_dw.tensor(lay, ParamKind::LmHead)?,
             d_lnf: flow.d_ln,
+            write: flow.write,
         };
         let head_weights = edge_w.tensor(lay, ParamKind::LmHead)?;
         self.head_rows(gpu, head_weights, acts, batch.normaliser, Some(&head))?;
@@ -117,6 +129,7 @@ impl GpuTransformer {
             edge_w.tensor(lay, ParamKind::FinalNorm)?,
             acts.f(&a.lnf_rstd)?,
             flow.partials,
+            flow.write,
         )?;
         grads.close(gpu, tail.clone())?;
         for l in (0..layers).rev() {
@@ -127,8 +140,13 @@ impl GpuTransformer {
             self.layer_backward(gpu, &w, &dw, &acts.layer(l, layers)?, &flow, acts)?;
             grads.close(gpu, unit)?;
         }
+        let d_embedding = edge_dw.tensor(lay, ParamKind::Embedding)?;
+        if flow.write == GradWrite::Overwrite && !c.tie_word_embeddings {
+            // The rows of ids the batch lacks get no gradient; a tied head's wrote them all.
+            gpu.zero(d_embedding)?;
+        }
         gpu.embedding_backward(
-            edge_dw.tensor(lay, ParamKind::Embedding)?,
+            d_embedding,
             flow.d_res,
             acts.u(&a.inputs)?,
             acts.u(&a.input_order)?,
@@ -141,7 +159,8 @@ impl GpuTransformer {
     /// A forward pass's unit fetches and, with `grads`, a backward pass's fetches, opens and
     /// closes, in the passes' order, computing nothing: for a rank of a group that splits its
     /// weights or gradients and has fewer micro-batches than its peers, whose gathers and sums
-    /// (collectives) it still takes part in. The gradients it adds are zeros.
+    /// (collectives) it still takes part in. The gradients it adds are zeros (written as zeros
+    /// where `grads` are to be overwritten).
     ///
     /// # Errors
     /// As [`backward`](Self::backward).
@@ -160,14 +179,21 @@ impl GpuTransformer {
             return Ok(());
         };
         self.edge_weights(gpu, weights)?;
+        let open = |unit: Range<usize>| -> Result<(), ModelError> {
+            let opened = grads.open(gpu, unit)?;
+            if grads.write() == GradWrite::Overwrite {
+                gpu.zero(opened)?;
+            }
+            Ok(())
+        };
         let [embedding, tail] = edge_units(lay);
-        grads.open(gpu, embedding.clone())?;
-        grads.open(gpu, tail.clone())?;
+        open(embedding.clone())?;
+        open(tail.clone())?;
         grads.close(gpu, tail)?;
         for l in (0..layers).rev() {
             self.layer_weights(gpu, weights, l)?;
             let unit = lay.layer_range(l);
-            grads.open(gpu, unit.clone())?;
+            open(unit.clone())?;
             grads.close(gpu, unit)?;
         }
         grads.close(gpu, embedding)
@@ -194,12 +220,12 @@ impl GpuTransformer {
         // recomputed, in `flow.sw` for the down product's weight gradient.
         gpu.gemm(input_grad(n, f, h), flow.sw, d_res, w.down)?;
         gpu.swiglu_backward(la.gate, la.up, flow.sw)?;
-        gpu.gemm(weight_grad(h, f, n), dw.down, d_res, flow.sw)?;
+        gpu.gemm(weight_grad(h, f, n, flow.write), dw.down, d_res, flow.sw)?;
         gpu.rmsnorm_forward(flow.ln, None, la.res_mid, w.post_norm, eps)?;
         gpu.gemm(input_grad(n, h, f), flow.d_ln, la.gate, w.gate)?;
         gpu.gemm(input_grad(n, h, f).accumulate(), flow.d_ln, la.up, w.up)?;
-        gpu.gemm(weight_grad(f, h, n), dw.gate, la.gate, flow.ln)?;
-        gpu.gemm(weight_grad(f, h, n), dw.up, la.up, flow.ln)?;
+        gpu.gemm(weight_grad(f, h, n, flow.write), dw.gate, la.gate, flow.ln)?;
+        gpu.gemm(weight_grad(f, h, n, flow.write), dw.up, la.up, flow.ln)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
@@ -209,11 +235,12 @@ impl GpuTransformer {
             w.post_norm,
             la.rstd2,
             flow.partials,
+            flow.write,
         )?;
         // Attention: res_mid = res_in + o(attention(rope(q(ln1)), rope(k(ln1)), v(ln1))), with
         // the biases and q/k norms of the families that have them.
         gpu.gemm(input_grad(n, qd, h), flow.d_att_out, d_res, w.o)?;
-        gpu.gemm(weight_grad(h, qd, n), dw.o, d_res, la.att_out)?;
+        gpu.gemm(weight_grad(h, qd, n, flow.write), dw.o, d_res, la.att_out)?;
         self.attention_backward(gpu, la, flow, acts)?;
         // The gradients of the q and k products' outputs: through the q/k norms when there are.
         let (dq_lin, dk_lin) = match (w.qk_norm, dw.qk_norm) {
@@ -228,6 +255,7 @@ impl GpuTransformer {
                     qn,
                     la.q_rstd,
                     flow.partials,
+                    flow.write,
                 )?;
                 gpu.rmsnorm_backward(
                     flow.d_k_pre,
@@ -237,23 +265,24 @@ impl GpuTransformer {
                     kn,
                     la.k_rstd,
                     flow.partials,
+                    flow.write,
                 )?;
                 (flow.d_q_pre, flow.d_k_pre)
             }
             _ => (flow.d_q, flow.d_k),
         };
         if let Some([d_qb, d_kb, d_vb]) = dw.qkv_bias {
-            gpu.bias_backward(d_qb, dq_lin, flow.partials)?;
-            gpu.bias_backward(d_kb, dk_lin, flow.partials)?;
-            gpu.bias_backward(d_vb, flow.d_v, flow.partials)?;
+            gpu.bias_backward(d_qb, dq_lin, flow.partials, flow.write)?;
+            gpu.bias_backward(d_kb, dk_lin, flow.partials, flow.write)?;
+            gpu.bias_backward(d_vb, flow.d_v, flow.partials, flow.write)?;
         }
         gpu.rmsnorm_forward(flow.ln, None, la.res_in, w.input_norm, eps)?;
         gpu.gemm(input_grad(n, h, qd), flow.d_ln, dq_lin, w.q)?;
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, dk_lin, w.k)?;
         gpu.gemm(input_grad(n, h, kvd).accumulate(), flow.d_ln, flow.d_v, w.v)?;
-        gpu.gemm(weight_grad(qd, h, n), dw.q, dq_lin, flow.ln)?;
-        gpu.gemm(weight_grad(kvd, h, n), dw.k, dk_lin, flow.ln)?;
-        gpu.gemm(weight_grad(kvd, h, n), dw.v, flow.d_v, flow.ln)?;
+        gpu.gemm(weight_grad(qd, h, n, flow.write), dw.q, dq_lin, flow.ln)?;
+        gpu.gemm(weight_grad(kvd, h, n, flow.write), dw.k, dk_lin, flow.ln)?;
+        gpu.gemm(weight_grad(kvd, h, n, flow.write), dw.v, flow.d_v, flow.ln)?;
         sum_over_shards(flow.group, flow.d_ln)?;
         gpu.rmsnorm_backward(
             d_res,
@@ -263,6 +292,7 @@ impl GpuTransformer {
             w.input_norm,
             la.rstd1,
             flow.partials,
+            flow.write,
         )?;
         Ok(())
     }

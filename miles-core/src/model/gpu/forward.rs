@@ -10,6 +10,7 @@ use super::weights::{Edges, LayerTensors, WeightUnits, edge_units, tensor_in};
 use crate::device::{Gemm, Gpu, GpuSlice, Transpose};
 use crate::model::layout::layer_block;
 use crate::model::{LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Transformer};
+use crate::ops::gpu::GradWrite;
 use crate::ops::{AttentionShape, embedding_rows};
 
 /// What a forward pass is for.
@@ -22,11 +23,13 @@ pub enum ForwardMode {
     Train,
 }
 
-/// Where the LM head's backward writes: the head's weight gradient (`+=`) and the gradient of
-/// the final norm's output `(B, T, C)` (overwritten).
+/// Where the LM head's backward writes: the head's weight gradient (as `write` says: the first
+/// block of rows overwrites it or adds, the rest add) and the gradient of the final norm's
+/// output `(B, T, C)` (overwritten).
 pub(super) struct HeadGrads {
     pub d_head: GpuSlice<f32>,
     pub d_lnf: GpuSlice<bf16>,
+    pub write: GradWrite,
 }
 
 /// The Llama decoder on the GPU: config, parameter table and rotary tables; no storage.
@@ -295,7 +298,7 @@ impl GpuTransformer {
     /// The LM head `head` over the final norm's output into fp32 logits and the fused
     /// cross-entropy into the log-probs, [`HEAD_ROWS`] rows at a time; with `grads`, the logit
     /// gradients of [`HEAD_GRAD_ROWS`] rows at a time go back through the head:
-    /// `d_lnf = d_logits W` and `d_head += d_logits^T lnf`.
+    /// `d_lnf = d_logits W` and `d_head (+)= d_logits^T lnf`.
     pub(super) fn head_rows(
         &self,
         gpu: &Gpu,
@@ -350,7 +353,8 @@ impl GpuTransformer {
                     dz,
                     head,
                 )?;
-                gpu.gemm(weight_grad(v, h, block_rows), g.d_head, dz, x)?;
+                let write = if block == 0 { g.write } else { GradWrite::Add };
+                gpu.gemm(weight_grad(v, h, block_rows, write), g.d_head, dz, x)?;
             }
         }
         Ok(())

@@ -21,6 +21,7 @@ use half::bf16;
 use super::weights::{GradUnits, WeightUnits};
 use crate::device::{Collectives, Fence, Gpu, GpuSlice};
 use crate::model::ModelError;
+use crate::ops::gpu::GradWrite;
 
 /// A group's communicator behind a lock (a [`TrainerGroup`] is `Sync` and answers through
 /// `&self`, an NCCL communicator is neither), with the GPU it runs on: what every group holds,
@@ -554,6 +555,12 @@ impl LayerSlots {
 }
 
 impl GradUnits for SplitGrads<'_> {
+    /// A unit's buffer is zeroed as it opens (its pass's sums go out from it), so the kernels
+    /// add.
+    fn write(&self) -> GradWrite {
+        GradWrite::Add
+    }
+
     fn open(&self, gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
         let at = self.place(&unit);
         self.wait(gpu, Some(at))?;

@@ -15,6 +15,7 @@ use crate::memory::{BackupPolicy, MemoryTag, RegionState};
 use crate::model::{
     LlamaConfig, ModelError, ParamKind, ParamLayout, TrainBatch, Trainer, Transformer,
 };
+use crate::ops::gpu::GradWrite;
 use crate::ops::gpu::testing::TestGpu;
 
 /// Loss: bf16 weights, activations and probabilities against fp32 throughout, 2% of it.
@@ -117,7 +118,8 @@ fn forward_and_backward_match_the_cpu_on(
     let batch = data.view();
 
     let (dev_params, _) = t.put_bf16(&params);
-    let dev_grads = t.alloc::<f32>(params.len());
+    // A step's first pass writes every gradient: what the buffer held must not show.
+    let dev_grads = t.put(&vec![f32::NAN; params.len()]);
     let layout = model.activation_layout(batch.batch, batch.seq).unwrap();
     let (bf, fl, ids) = (
         t.alloc(layout.bf16_len()),
@@ -139,7 +141,10 @@ fn forward_and_backward_match_the_cpu_on(
         .backward(
             &t.gpu,
             &WholeWeights(dev_params),
-            &WholeGrads(dev_grads),
+            &WholeGrads {
+                grads: dev_grads,
+                write: GradWrite::Overwrite,
+            },
             &acts,
             &batch,
             None,
@@ -200,7 +205,10 @@ fn gpu_backward_refuses_a_batch_of_another_shape_than_its_activations() {
     let result = model.backward(
         &t.gpu,
         &WholeWeights(dev_params),
-        &WholeGrads(dev_grads),
+        &WholeGrads {
+            grads: dev_grads,
+            write: GradWrite::Add,
+        },
         &acts,
         &other.view(),
         None,

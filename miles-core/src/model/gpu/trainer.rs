@@ -24,7 +24,7 @@ use crate::memory::{
     RegionState,
 };
 use crate::model::{LlamaConfig, ModelError, ParamLayout, StepReport, TrainBatch};
-use crate::ops::gpu::{AdamWStep, GpuMoments, SQUARE_PARTIALS};
+use crate::ops::gpu::{AdamWStep, GpuMoments, GradWrite, SQUARE_PARTIALS};
 use crate::ops::{AdamWConfig, AdamWStepStats, clip_scale};
 use crate::store::StreamStats;
 
@@ -1069,35 +1069,44 @@ impl GpuTrainer {
         Ok(())
     }
 
-    /// Zeroes the gradients, runs forward and backward over each micro-batch; returns the
-    /// summed weighted negative log-probs. Where the weights or gradients are split, every
-    /// rank of the group takes part in as many passes' gathers and sums as the rank with the
-    /// most micro-batches (a rank with fewer adds nothing to the rest). With `update` (an
-    /// optimizer step still running behind), the gradients are zeroed behind it, and the
-    /// first forward pass waits for it a unit at a time, the first backward pass for all of it.
+    /// Runs forward and backward over each micro-batch, the first backward pass writing the
+    /// whole flat gradients and the rest adding to them; returns the summed weighted negative
+    /// log-probs. Where the weights or gradients are split, every rank of the group takes part
+    /// in as many passes' gathers and sums as the rank with the most micro-batches (a rank with
+    /// fewer adds nothing to the rest). Split gradients, and whole ones no pass writes, are
+    /// zeroed first. With `update` (an optimizer step still running behind), that zeroing runs
+    /// behind it, and the first forward pass waits for it a unit at a time, the first backward
+    /// pass for all of it.
     fn accumulate_grads(
         &mut self,
         batch: &TrainBatch<'_>,
         mut update: Option<&mut Update>,
     ) -> Result<f64, ModelError> {
         self.squared = false;
-        let zeros = slice::<f32>(&self.grads)?;
-        match update.as_deref_mut() {
-            Some(update) => update.zero_behind(&self.gpu, zeros)?,
-            None => self.gpu.zero(zeros)?,
-        }
         let micros = micro_batches(batch, self.max_batch_tokens);
-        let mut behind = update.as_deref();
         if let Some(first) = micros.first() {
             // The largest micro-batch's activations, before the group's first collective.
             self.activations_for(first.batch, first.seq)?;
         }
         let passes = self.passes_over_group(micros.len(), self.shard.split_grads)?;
+        if self.units.is_some() || passes == 0 {
+            let zeros = slice::<f32>(&self.grads)?;
+            match update.as_deref_mut() {
+                Some(update) => update.zero_behind(&self.gpu, zeros)?,
+                None => self.gpu.zero(zeros)?,
+            }
+        }
+        let mut behind = update.as_deref();
         let mut nll = 0.0;
         for (i, micro) in micros.iter().enumerate() {
             let acts = self.activations_for(micro.batch, micro.seq)?;
             let last = i + 1 == micros.len();
-            let (weights, grads) = (self.weight_units(behind)?, self.grad_units(last)?);
+            let write = if i == 0 {
+                GradWrite::Overwrite
+            } else {
+                GradWrite::Add
+            };
+            let (weights, grads) = (self.weight_units(behind)?, self.grad_units(write, last)?);
             let group = self.group.as_deref();
             let train = ForwardMode::Train;
             self.model
@@ -1115,7 +1124,13 @@ impl GpuTrainer {
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         self.squared = !micros.is_empty() && self.squares_behind().is_some();
-        let grads = self.grad_units(false)?;
+        // Without a micro-batch of its own, each pass writes zeros.
+        let write = if micros.is_empty() {
+            GradWrite::Overwrite
+        } else {
+            GradWrite::Add
+        };
+        let grads = self.grad_units(write, false)?;
         for _ in micros.len()..passes {
             // Weights of their own for each pass, as each micro-batch's: gathered ahead, every
             // rank's pass then gathers the same layers.
@@ -1188,7 +1203,11 @@ impl GpuTrainer {
     /// pass with the sum of their squares behind it, where [`squares_behind`](Self::squares_behind)
     /// has a stream; the sum zeroed first), or where the gradients are split
     /// ([`OptimizerShard::split_grads`]), the units they accumulate in.
-    fn grad_units(&self, last: bool) -> Result<Box<dyn GradUnits + '_>, ModelError> {
+    fn grad_units(
+        &self,
+        write: GradWrite,
+        last: bool,
+    ) -> Result<Box<dyn GradUnits + '_>, ModelError> {
         let n = self.model.layout().len();
         let Some(units) = &self.units else {
             let whole = slice::<f32>(&self.grads)?.sub(0, n)?;
@@ -1202,9 +1221,13 @@ impl GpuTrainer {
                         stream,
                         sum,
                         partials,
+                        write,
                     })
                 }
-                None => Box::new(WholeGrads(whole)),
+                None => Box::new(WholeGrads {
+                    grads: whole,
+                    write,
+                }),
             });
         };
         let group = self.group.as_deref().ok_or_else(unjoined)?;

@@ -18,7 +18,7 @@ use half::bf16;
 use super::weights::{GradUnits, WeightUnits, edge_units};
 use crate::device::{DeviceError, Fence, Gpu, GpuSlice};
 use crate::model::{ModelError, ParamLayout};
-use crate::ops::gpu::{AdamWStep, GpuMoments};
+use crate::ops::gpu::{AdamWStep, GpuMoments, GradWrite};
 
 /// What an AdamW step reads and writes, each laid out as the whole model.
 pub(super) struct AdamWBuffers {
@@ -147,9 +147,15 @@ pub(super) struct SquaredGrads<'a> {
     pub sum: GpuSlice<f32>,
     /// `ops::gpu::SQUARE_PARTIALS` elements of scratch.
     pub partials: GpuSlice<f32>,
+    /// As [`WholeGrads::write`](super::weights::WholeGrads).
+    pub write: GradWrite,
 }
 
 impl GradUnits for SquaredGrads<'_> {
+    fn write(&self) -> GradWrite {
+        self.write
+    }
+
     fn open(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
         Ok(self.whole.sub(unit.start, unit.len())?)
     }

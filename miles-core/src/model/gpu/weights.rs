@@ -9,12 +9,18 @@ use half::bf16;
 
 use crate::device::{DeviceError, Gpu, GpuElement, GpuSlice};
 use crate::model::{ModelError, ParamKind, ParamLayout};
+use crate::ops::gpu::GradWrite;
 
-/// Where the backward pass accumulates (`+=`) the weight gradients, a unit at a time: a unit is
-/// a range of the flat parameters (a layer's, the embedding's, the final norm's with an
-/// untied head's), opened before its gradients are computed and closed once they are
-/// complete for the pass. At most two units are open at once (the edges' at the start).
+/// Where the backward pass puts the weight gradients, a unit at a time: a unit is a range of
+/// the flat parameters (a layer's, the embedding's, the final norm's with an untied head's),
+/// opened before its gradients are computed and closed once they are complete for the pass.
+/// At most two units are open at once (the edges' at the start).
 pub trait GradUnits {
+    /// How the pass puts the gradients of every unit it opens: [`GradWrite::Add`] to what they
+    /// hold (`+=`), or [`GradWrite::Overwrite`] where they hold nothing of the step yet (the
+    /// pass then writes every parameter of each unit, so they need no zeroing first).
+    fn write(&self) -> GradWrite;
+
     /// Where the gradients of `unit` accumulate: `unit.len()` elements laid out as the flat
     /// buffer's `unit`.
     ///
@@ -60,12 +66,22 @@ impl WeightUnits for WholeWeights {
     }
 }
 
-/// The gradients in one flat buffer laid out as the whole model, accumulating over passes.
-pub struct WholeGrads(pub GpuSlice<f32>);
+/// The gradients in one flat buffer laid out as the whole model: written by a step's first
+/// pass, added to by the rest.
+pub struct WholeGrads {
+    /// The flat fp32 gradients, `ParamLayout::len` of them.
+    pub grads: GpuSlice<f32>,
+    /// Whether the pass writes them (a step's first) or adds to them.
+    pub write: GradWrite,
+}
 
 impl GradUnits for WholeGrads {
+    fn write(&self) -> GradWrite {
+        self.write
+    }
+
     fn open(&self, _gpu: &Gpu, unit: Range<usize>) -> Result<GpuSlice<f32>, ModelError> {
-        Ok(self.0.sub(unit.start, unit.len())?)
+        Ok(self.grads.sub(unit.start, unit.len())?)
     }
 
     fn close(&self, _gpu: &Gpu, _unit: Range<usize>) -> Result<(), ModelError> {

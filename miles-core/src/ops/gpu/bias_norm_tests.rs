@@ -6,8 +6,8 @@
 
 use half::bf16;
 
-use super::COLUMN_SUM_CHUNKS;
 use super::testing::{TestGpu, assert_close};
+use super::{COLUMN_SUM_CHUNKS, GradWrite};
 use crate::device::DeviceError;
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{bias_backward, bias_forward, rmsnorm_backward, rmsnorm_forward};
@@ -98,8 +98,11 @@ fn gpu_bias_backward_adds_the_cpu_column_sums_and_repeats_bit_for_bit() {
         let (dout, dout_host) = t.put_bf16(&seeded(seed, rows * c));
         let start = seeded(seed + 1, c);
         let (first, second) = (t.put(&start), t.put(&start));
-        ok(t.gpu.bias_backward(first, dout, partials));
-        ok(t.gpu.bias_backward(second, dout, partials));
+        let written = t.put(&vec![f32::NAN; c]);
+        ok(t.gpu.bias_backward(first, dout, partials, GradWrite::Add));
+        ok(t.gpu.bias_backward(second, dout, partials, GradWrite::Add));
+        ok(t.gpu
+            .bias_backward(written, dout, partials, GradWrite::Overwrite));
         let mut want = start.clone();
         bias_backward(&mut want, &dout_host);
         let got = t.get(first);
@@ -109,18 +112,35 @@ fn gpu_bias_backward_adds_the_cpu_column_sums_and_repeats_bit_for_bit() {
             &want,
             SUM_TOLERANCE,
         );
+        let mut want_written = vec![0.0; c];
+        bias_backward(&mut want_written, &dout_host);
+        assert_close(
+            &format!("bias backward over {rows} rows (=, over NaNs)"),
+            &t.get(written),
+            &want_written,
+            SUM_TOLERANCE,
+        );
         assert_eq!(
             bits(&got),
             bits(&t.get(second)),
             "bias backward over {rows} rows differs between two runs"
         );
     }
+    // No rows: their sum is zero, written over what the gradient held or added to it.
+    let (none, _) = t.put_bf16(&[]);
+    let start = seeded(110, c);
+    let (kept, written) = (t.put(&start), t.put(&start));
+    ok(t.gpu.bias_backward(kept, none, partials, GradWrite::Add));
+    ok(t.gpu
+        .bias_backward(written, none, partials, GradWrite::Overwrite));
+    assert_eq!(bits(&t.get(kept)), bits(&start), "no rows added nothing");
+    assert_eq!(t.get(written), vec![0.0; c], "no rows wrote zeros");
     let (dout, _) = t.put_bf16(&seeded(111, 300 * c));
     let dbias = t.alloc::<f32>(c);
     let short = t.alloc::<f32>(COLUMN_SUM_CHUNKS * c - 1);
     assert!(
         matches!(
-            t.gpu.bias_backward(dbias, dout, short),
+            t.gpu.bias_backward(dbias, dout, short, GradWrite::Add),
             Err(DeviceError::ShapeMismatch { .. })
         ),
         "partials smaller than COLUMN_SUM_CHUNKS x columns are refused"
@@ -150,9 +170,18 @@ fn gpu_per_head_rmsnorm_backward_matches_the_cpu_and_its_weight_gradient_repeats
     rmsnorm_forward(&mut normed, &mut rstd_host, &x_host, &w_host, 1e-6);
     let rstd = t.put(&rstd_host);
     let partials = t.alloc::<f32>(COLUMN_SUM_CHUNKS * d);
-    ok(t.gpu.rmsnorm_backward(dx, dw, dout, x, w, rstd, partials));
     ok(t.gpu
-        .rmsnorm_backward(dx_again, dw_again, dout, x, w, rstd, partials));
+        .rmsnorm_backward(dx, dw, dout, x, w, rstd, partials, GradWrite::Add));
+    ok(t.gpu.rmsnorm_backward(
+        dx_again,
+        dw_again,
+        dout,
+        x,
+        w,
+        rstd,
+        partials,
+        GradWrite::Add,
+    ));
     let mut want_dw = dw_start.clone();
     rmsnorm_backward(
         &mut want_dx,

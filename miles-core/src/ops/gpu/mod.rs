@@ -36,7 +36,7 @@ use std::sync::Arc;
 pub use flash::FLASH_MAX_HEAD_DIM;
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
-pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, SQUARE_PARTIALS};
+pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, GradWrite, SQUARE_PARTIALS};
 
 use crate::device::{CudaDevice, DeviceError, Gpu, KernelProgram, LaunchConfig};
 

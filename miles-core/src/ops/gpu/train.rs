@@ -124,6 +124,18 @@ impl GpuMoments {
     }
 }
 
+/// How a gradient kernel meets what its output holds: [`Add`](Self::Add) to it (`+=`, a pass
+/// after the first of a step, or a unit shared by several tensors' kernels), or
+/// [`Overwrite`](Self::Overwrite) it (`=`, the first pass of a step, so that nothing has to
+/// zero the gradients first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradWrite {
+    /// `=`: what the output held does not count.
+    Overwrite,
+    /// `+=`.
+    Add,
+}
+
 /// The operands of a column sum: `a (rows, cols)`, optionally times `b (rows, cols)`
 /// elementwise and each row times `scale (rows)`.
 struct ColumnTerms {
@@ -135,8 +147,8 @@ struct ColumnTerms {
 impl Gpu {
     /// Backward of [`Gpu::rmsnorm_forward`] over rows of `w.len()` channels (a layer's norm, or
     /// the per-head norm of queries or keys over rows of one head's `D` channels): `dx += d(x)`
-    /// (bf16) and `dw += d(w)` (fp32) from `dout`, the forward's input `x`, weight `w` and saved
-    /// `rstd`. `dw` is summed over the rows in a fixed order, without atomics, so that it repeats
+    /// (bf16) and `dw += d(w)` (fp32; `=` with [`GradWrite::Overwrite`]) from `dout`, the
+    /// forward's input `x`, weight `w` and saved `rstd`. `dw` is summed over the rows in a fixed order, without atomics, so that it repeats
     /// bit for bit; `partials` is fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * w.len()`
     /// elements.
     ///
@@ -152,6 +164,7 @@ impl Gpu {
         w: GpuSlice<bf16>,
         rstd: GpuSlice<f32>,
         partials: GpuSlice<f32>,
+        write: GradWrite,
     ) -> Result<(), DeviceError> {
         let c = w.len();
         dw.expect_len("rmsnorm dw", c)?;
@@ -160,31 +173,30 @@ impl Gpu {
         dout.expect_len("rmsnorm dout", x.len())?;
         rstd.expect_len("rmsnorm rstd", rows)?;
         let c32 = as_i32("rmsnorm width", c)?;
-        if rows == 0 {
-            return Ok(());
+        if rows > 0 {
+            self.launch(
+                "rmsnorm_backward",
+                per_row(rows, ROW_THREADS),
+                &[
+                    &dx.address(),
+                    &dout.address(),
+                    &x.address(),
+                    &w.address(),
+                    &rstd.address(),
+                    &c32,
+                ],
+            )?;
         }
-        self.launch(
-            "rmsnorm_backward",
-            per_row(rows, ROW_THREADS),
-            &[
-                &dx.address(),
-                &dout.address(),
-                &x.address(),
-                &w.address(),
-                &rstd.address(),
-                &c32,
-            ],
-        )?;
         let terms = ColumnTerms {
             a: dout,
             b: Some(x),
             scale: Some(rstd),
         };
-        self.column_sums(dw, terms, rows, partials)
+        self.column_sums(dw, terms, rows, partials, write)
     }
 
     /// Backward of [`Gpu::bias_add`]: `dbias (C) +=` the sum of the rows of `dout (N, C)`
-    /// (fp32), in a fixed order without atomics, so that it repeats bit for bit. `partials` is
+    /// (fp32; `=` with [`GradWrite::Overwrite`]), in a fixed order without atomics, so that it repeats bit for bit. `partials` is
     /// fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * C` elements.
     ///
     /// # Errors
@@ -194,6 +206,7 @@ impl Gpu {
         dbias: GpuSlice<f32>,
         dout: GpuSlice<bf16>,
         partials: GpuSlice<f32>,
+        write: GradWrite,
     ) -> Result<(), DeviceError> {
         let rows = rows_of("bias dout", dout.len(), dbias.len())?;
         let terms = ColumnTerms {
@@ -201,17 +214,19 @@ impl Gpu {
             b: None,
             scale: None,
         };
-        self.column_sums(dbias, terms, rows, partials)
+        self.column_sums(dbias, terms, rows, partials, write)
     }
 
-    /// `out (cols) +=` the column sums of `terms` over `rows` rows: [`COLUMN_SUM_CHUNKS`]
-    /// chunks of rows summed into `partials`, then the chunks added in order.
+    /// `out (cols) +=` (or `=`, as `write` says) the column sums of `terms` over `rows` rows:
+    /// [`COLUMN_SUM_CHUNKS`] chunks of rows summed into `partials`, then the chunks added in
+    /// order.
     fn column_sums(
         &self,
         out: GpuSlice<f32>,
         terms: ColumnTerms,
         rows: usize,
         partials: GpuSlice<f32>,
+        write: GradWrite,
     ) -> Result<(), DeviceError> {
         let cols = out.len();
         let n = rows * cols;
@@ -223,7 +238,11 @@ impl Gpu {
             scale.expect_len("column sum row scale", rows)?;
         }
         if rows == 0 || cols == 0 {
-            return Ok(());
+            // A sum over no rows is zero.
+            return match write {
+                GradWrite::Overwrite => self.zero(out),
+                GradWrite::Add => Ok(()),
+            };
         }
         let chunks = COLUMN_SUM_CHUNKS.min(rows);
         if partials.len() < chunks * cols {
@@ -257,7 +276,13 @@ impl Gpu {
         self.launch(
             "column_reduce",
             elementwise(cols),
-            &[&out.address(), &partials.address(), &chunks32, &cols32],
+            &[
+                &out.address(),
+                &partials.address(),
+                &chunks32,
+                &cols32,
+                &i32::from(write == GradWrite::Add),
+            ],
         )
     }
 

@@ -6,7 +6,7 @@
 use half::bf16;
 
 use super::testing::{TestGpu, assert_close};
-use super::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, SQUARE_PARTIALS};
+use super::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, GradWrite, SQUARE_PARTIALS};
 use crate::device::DeviceError;
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{
@@ -70,9 +70,18 @@ fn rmsnorm_backward_case(t: &mut TestGpu, rows: usize, c: usize) {
     let rstd = t.put(&rstd_host);
     let partials = t.alloc::<f32>(COLUMN_SUM_CHUNKS * c);
     let (dx_again, dw_again) = (t.put_bf16(&want_dx).0, t.put(&want_dw));
-    ok(t.gpu.rmsnorm_backward(dx, dw, dout, x, w, rstd, partials));
     ok(t.gpu
-        .rmsnorm_backward(dx_again, dw_again, dout, x, w, rstd, partials));
+        .rmsnorm_backward(dx, dw, dout, x, w, rstd, partials, GradWrite::Add));
+    ok(t.gpu.rmsnorm_backward(
+        dx_again,
+        dw_again,
+        dout,
+        x,
+        w,
+        rstd,
+        partials,
+        GradWrite::Add,
+    ));
     rmsnorm_backward(
         &mut want_dx,
         &mut want_dw,

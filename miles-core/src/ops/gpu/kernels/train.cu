@@ -8,7 +8,8 @@
 // column_partials(float* partial, const bf16* a, const bf16* b_or_null,
 //                 const float* scale_or_null, long long rows, int cols,
 //                 long long rows_per_chunk)       blocks of (32, COLUMN_ROWS): 32 columns, a chunk
-// column_reduce(float* out, const float* partial, int chunks, int cols)      one thread a column
+// column_reduce(float* out, const float* partial, int chunks, int cols, int add)
+//                                                                        one thread a column
 // rope_backward(bf16* dx, const unsigned* positions, const float* cos, const float* sin,
 //               long long n, int heads, int d)                                one block a row
 // swiglu_backward(bf16* gate, bf16* up, bf16* dout, long long n, int wide)
@@ -109,14 +110,16 @@ extern "C" __global__ void column_partials(float* partial, const bf16* a, const 
     }
 }
 
-// out[j] += sum over k < chunks, in order, of partial[k * cols + j]; one thread a column.
-extern "C" __global__ void column_reduce(float* out, const float* partial, int chunks, int cols) {
+// out[j] (+)= sum over k < chunks, in order, of partial[k * cols + j] (added to what out holds
+// with `add`, written over it without); one thread a column.
+extern "C" __global__ void column_reduce(float* out, const float* partial, int chunks, int cols,
+                                         int add) {
     grid_begin();
     for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < cols;
          j += (long long)gridDim.x * blockDim.x) {
         float t = 0.0f;
         for (int k = 0; k < chunks; ++k) t += partial[(long long)k * cols + j];
-        out[j] += t;
+        out[j] = add ? out[j] + t : t;
     }
 }
 
