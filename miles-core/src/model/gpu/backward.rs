@@ -1,8 +1,9 @@
 //! The GPU transformer's backward pass: the chain rule of the forward pass, op for op as the CPU
 //! [`Transformer::backward`](crate::model::Transformer::backward) runs it, writing (a step's
-//! first pass) or adding (`+=`, the rest) fp32 weight gradients in the flat gradient buffer. It starts with the LM head's forward
-//! pass and cross-entropy (a chunk of rows at a time), and recomputes each layer's norm
-//! outputs and swiglu output where they are needed, rather than keeping them.
+//! first pass) or adding (`+=`, the rest) fp32 weight gradients in the flat gradient buffer.
+//! It starts with the LM head's forward pass and cross-entropy (a chunk of rows at a time),
+//! and recomputes each layer's norm outputs and swiglu output where they are needed, rather
+//! than keeping them.
 
 use std::ops::Range;
 

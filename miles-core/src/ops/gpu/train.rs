@@ -148,9 +148,9 @@ impl Gpu {
     /// Backward of [`Gpu::rmsnorm_forward`] over rows of `w.len()` channels (a layer's norm, or
     /// the per-head norm of queries or keys over rows of one head's `D` channels): `dx += d(x)`
     /// (bf16) and `dw += d(w)` (fp32; `=` with [`GradWrite::Overwrite`]) from `dout`, the
-    /// forward's input `x`, weight `w` and saved `rstd`. `dw` is summed over the rows in a fixed order, without atomics, so that it repeats
-    /// bit for bit; `partials` is fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * w.len()`
-    /// elements.
+    /// forward's input `x`, weight `w` and saved `rstd`. `dw` is summed over the rows in a fixed
+    /// order, without atomics, so that it repeats bit for bit; `partials` is fp32 scratch of at
+    /// least [`COLUMN_SUM_CHUNKS`]` * w.len()` elements.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
@@ -196,8 +196,9 @@ impl Gpu {
     }
 
     /// Backward of [`Gpu::bias_add`]: `dbias (C) +=` the sum of the rows of `dout (N, C)`
-    /// (fp32; `=` with [`GradWrite::Overwrite`]), in a fixed order without atomics, so that it repeats bit for bit. `partials` is
-    /// fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * C` elements.
+    /// (fp32; `=` with [`GradWrite::Overwrite`]), in a fixed order without atomics, so that it
+    /// repeats bit for bit. `partials` is fp32 scratch of at least [`COLUMN_SUM_CHUNKS`]` * C`
+    /// elements.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
