@@ -708,8 +708,9 @@ impl GpuTrainer {
 
     /// The fp32 master weights, in [`ParamLayout`](crate::model::ParamLayout) order. With the
     /// optimizer state split over a group, every rank of the group calls it at once (the
-    /// blocks are gathered through the gradients' buffer, which the next step zeroes, or where
-    /// the gradients are split, through their unit buffer).
+    /// blocks are gathered through the gradients' buffer, which the next step's first pass
+    /// writes over (the padding past the parameters gathers the master weights' zeros), or
+    /// where the gradients are split, through their unit buffer).
     ///
     /// # Errors
     /// [`ModelError::Offloaded`]; [`ModelError::Gpu`].
