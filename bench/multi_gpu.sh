@@ -81,7 +81,7 @@ rm -rf "$out/ctrl-c-save"
     --save "$out/ctrl-c-save" >"$out/ctrl_c.log" 2>&1 &
 launcher=$!
 for _ in $(seq "$limit"); do
-    grep -q "step=4" "$out/ctrl_c.log" && break
+    grep -qE "rl step.* step=4$" "$out/ctrl_c.log" && break
     sleep 1
 done
 kill -INT "$launcher"
