@@ -16,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "miles-core/src/ops/gpu"
+COMPUTE = ROOT / "miles-core/src/device/cuda/compute/mod.rs"
 
 
 def main() -> None:
@@ -27,7 +28,11 @@ def main() -> None:
     nvrtc = ctypes.CDLL(args.lib)
     # The sources in the order of `PROGRAM` in ops/gpu/mod.rs.
     names = re.findall(r'include_str!\("kernels/([^"]+)"\)', (GPU / "mod.rs").read_text())
-    source = "".join((GPU / "kernels" / n).read_text() for n in names).encode()
+    # The device module puts its prelude (`grid_begin`) ahead of every program.
+    prelude = re.search(r'const GRID_PRELUDE: &str = r#"(.*?)"#;', COMPUTE.read_text(), re.S)
+    if not prelude:
+        raise SystemExit(f"no GRID_PRELUDE in {COMPUTE}")
+    source = (prelude.group(1) + "".join((GPU / "kernels" / n).read_text() for n in names)).encode()
     program = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(program), source, b"miles_kernels.cu", 0, None, None):
         raise SystemExit("nvrtcCreateProgram failed")
