@@ -56,16 +56,25 @@ __device__ __forceinline__ void a_from_c(unsigned* a, const float* lo, const flo
     a[3] = pack2(hi[2], hi[3]);
 }
 
-// acc (16 x 8N) += A (16 x 16K, fragments a[k]) times X^T, X a row-major tile (stride `sx`)
-// whose rows are the product's columns: B words at X[n*8 + g][k*16 + 2t ...].
+// acc (16 x 8N) += A (16 x 16K, fragments a[k]) times X^T, X a row-major tile in shared memory
+// (stride `sx`, rows 16-byte aligned) whose rows are the product's columns, N even: B words at
+// X[n*8 + g][k*16 + 2t ...], each pair of column tiles' through one ldmatrix.x4 (matrix j of
+// lane l's row: X[n*8 + (j >> 1)*8 + l % 8][k*16 + (j & 1)*8]).
 template <int N, int K>
 __device__ __forceinline__ void mma_xt(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int lane = threadIdx.x & 31, j = lane >> 3;
+    const bf16* row = x + ((j >> 1) * 8 + (lane & 7)) * sx + (j & 1) * 8;
 #pragma unroll
-    for (int n = 0; n < N; n++) {
-        const bf16* p = x + (n * 8 + g) * sx + 2 * t;
+    for (int n = 0; n < N; n += 2) {
 #pragma unroll
-        for (int k = 0; k < K; k++) mma_bf16(acc[n], a[k], word_at(p + k * 16), word_at(p + k * 16 + 8));
+        for (int k = 0; k < K; k++) {
+            unsigned b[4];
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                         : "r"(shared_address(row + n * 8 * sx + k * 16)));
+            mma_bf16(acc[n], a[k], b[0], b[1]);
+            mma_bf16(acc[n + 1], a[k], b[2], b[3]);
+        }
     }
 }
 
