@@ -5,8 +5,6 @@
 //! and recomputes each layer's norm outputs and swiglu output where they are needed, rather
 //! than keeping them.
 
-use std::ops::Range;
-
 use half::bf16;
 
 use super::GpuTransformer;
@@ -160,8 +158,7 @@ impl GpuTransformer {
     /// A forward pass's unit fetches and, with `grads`, a backward pass's fetches, opens and
     /// closes, in the passes' order, computing nothing: for a rank of a group that splits its
     /// weights or gradients and has fewer micro-batches than its peers, whose gathers and sums
-    /// (collectives) it still takes part in. The gradients it adds are zeros (written as zeros
-    /// where `grads` are to be overwritten).
+    /// (collectives) it still takes part in. The gradients it adds are zeros.
     ///
     /// # Errors
     /// As [`backward`](Self::backward).
@@ -180,21 +177,14 @@ impl GpuTransformer {
             return Ok(());
         };
         self.edge_weights(gpu, weights)?;
-        let open = |unit: Range<usize>| -> Result<(), ModelError> {
-            let opened = grads.open(gpu, unit)?;
-            if grads.write() == GradWrite::Overwrite {
-                gpu.zero(opened)?;
-            }
-            Ok(())
-        };
         let [embedding, tail] = edge_units(lay);
-        open(embedding.clone())?;
-        open(tail.clone())?;
+        grads.open(gpu, embedding.clone())?;
+        grads.open(gpu, tail.clone())?;
         grads.close(gpu, tail)?;
         for l in (0..layers).rev() {
             self.layer_weights(gpu, weights, l)?;
             let unit = lay.layer_range(l);
-            open(unit.clone())?;
+            grads.open(gpu, unit.clone())?;
             grads.close(gpu, unit)?;
         }
         grads.close(gpu, embedding)

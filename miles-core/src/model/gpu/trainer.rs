@@ -1125,13 +1125,9 @@ impl GpuTrainer {
             nll += nll_sum(&self.model.logprobs(&self.gpu, &acts)?, micro.weights);
         }
         self.squared = !micros.is_empty() && self.squares_behind().is_some();
-        // Without a micro-batch of its own, each pass writes zeros.
-        let write = if micros.is_empty() {
-            GradWrite::Overwrite
-        } else {
-            GradWrite::Add
-        };
-        let grads = self.grad_units(write, false)?;
+        // Passes beyond this rank's micro-batches run only where the gradients are split,
+        // whose units are zeroed as they open: the passes add nothing.
+        let grads = self.grad_units(GradWrite::Add, false)?;
         for _ in micros.len()..passes {
             // Weights of their own for each pass, as each micro-batch's: gathered ahead, every
             // rank's pass then gathers the same layers.
