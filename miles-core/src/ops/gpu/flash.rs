@@ -2,11 +2,11 @@
 //! own rows (q `(B, T, H, D)`, k and v `(B, T, K, D)`) in tiles of 64 positions on the tensor
 //! cores, keeping per row only the log-sum-exp of its scores for the backward pass, which
 //! recomputes the probabilities. No `(T, T)` matrix is written and no gradient is summed with
-//! an atomic, so a backward pass repeats bit for bit.
+//! an atomic (a block sums its key tile's k and v gradients over the query group's heads in
+//! registers), so a backward pass repeats bit for bit.
 
 use half::bf16;
 
-use super::elementwise;
 use super::elementwise::as_i32;
 use crate::device::{DeviceError, Gpu, GpuSlice, LaunchConfig};
 use crate::ops::AttentionShape;
@@ -17,9 +17,8 @@ const PADDED: [usize; 4] = [16, 32, 64, 128];
 /// The largest head dim the training attention takes.
 pub const FLASH_MAX_HEAD_DIM: usize = PADDED[PADDED.len() - 1];
 
-/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`], then the sum
-/// of the dkv kernel's partials.
-pub(super) const KERNELS: [&str; 13] = [
+/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`].
+pub(super) const KERNELS: [&str; 12] = [
     "flash_forward_16",
     "flash_backward_dq_16",
     "flash_backward_dkv_16",
@@ -32,7 +31,6 @@ pub(super) const KERNELS: [&str; 13] = [
     "flash_forward_128",
     "flash_backward_dq_128",
     "flash_backward_dkv_128",
-    "flash_dkv_reduce",
 ];
 
 /// Positions of a tile (`FA_TILE`).
@@ -90,11 +88,11 @@ impl Checked {
         (TILE * (PADDED[self.instance] + 8) * 2) as u32
     }
 
-    /// A grid of `tiles` blocks for each query head of each sequence, with `shared` bytes of
-    /// shared memory.
-    fn launch(s: AttentionShape, tiles: usize, shared: u32) -> LaunchConfig {
+    /// A grid of `tiles` blocks for each of `heads` heads of each sequence, with `shared`
+    /// bytes of shared memory.
+    fn launch(s: AttentionShape, tiles: usize, heads: usize, shared: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (tiles as u32, s.heads as u32, s.batch as u32),
+            grid_dim: (tiles as u32, heads as u32, s.batch as u32),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         }
@@ -149,7 +147,12 @@ impl Gpu {
         let scale_log2 = c.scale * std::f32::consts::LOG2_E;
         self.launch(
             c.kernel(0),
-            Checked::launch(shape, shape.seq.div_ceil(TILE), FORWARD_TILES * c.tile()),
+            Checked::launch(
+                shape,
+                shape.seq.div_ceil(TILE),
+                shape.heads,
+                FORWARD_TILES * c.tile(),
+            ),
             &[
                 &out.address(),
                 &lse.address(),
@@ -167,8 +170,7 @@ impl Gpu {
 
     /// The gradients of [`Gpu::flash_attention_forward`]: `dq`, `dk`, `dv` (bf16, overwritten;
     /// dk and dv summed over each key/value head's query group) from `dout`, the forward's
-    /// inputs, its `out` and `lse`. Scratch: `delta (B, H, T)` (`rowsum(dout * out)`) and
-    /// `partials (2, B, T, H, D)` (each query head's share of dk, then of dv, in fp32).
+    /// inputs, its `out` and `lse`. Scratch: `delta (B, H, T)` (`rowsum(dout * out)`).
     ///
     /// # Errors
     /// As [`Gpu::flash_attention_forward`].
@@ -176,7 +178,7 @@ impl Gpu {
     pub fn flash_attention_backward(
         &self,
         [dq, dk, dv]: [GpuSlice<bf16>; 3],
-        [delta, partials]: [GpuSlice<f32>; 2],
+        delta: GpuSlice<f32>,
         [q, k, v]: [GpuSlice<bf16>; 3],
         out: GpuSlice<bf16>,
         dout: GpuSlice<bf16>,
@@ -203,11 +205,9 @@ impl Gpu {
         }
         lse.expect_len("attention lse", rows)?;
         delta.expect_len("attention delta", rows)?;
-        partials.expect_len("attention dk and dv partials", 2 * q_len)?;
         if rows == 0 {
             return Ok(());
         }
-        let (dk_part, dv_part) = (partials.sub(0, q_len)?, partials.sub(q_len, q_len)?);
         let [t, h, kh, d] = c.ints;
         let scale_log2 = c.scale * std::f32::consts::LOG2_E;
         self.launch(
@@ -215,6 +215,7 @@ impl Gpu {
             Checked::launch(
                 shape,
                 shape.seq.div_ceil(TILE),
+                shape.heads,
                 BACKWARD_TILES * c.tile() + ROW_BYTES,
             ),
             &[
@@ -234,17 +235,18 @@ impl Gpu {
                 &c.scale,
             ],
         )?;
-        // A block takes two key tiles, one near each end of the sequence.
+        // A block takes two key tiles, one near each end of the sequence, of one kv head.
         self.launch(
             c.kernel(2),
             Checked::launch(
                 shape,
                 shape.seq.div_ceil(2 * TILE),
+                shape.kv_heads,
                 BACKWARD_TILES * c.tile() + 2 * ROW_BYTES,
             ),
             &[
-                &dk_part.address(),
-                &dv_part.address(),
+                &dk.address(),
+                &dv.address(),
                 &q.address(),
                 &k.address(),
                 &v.address(),
@@ -257,21 +259,6 @@ impl Gpu {
                 &d,
                 &scale_log2,
                 &c.scale,
-            ],
-        )?;
-        let rows64 = (shape.batch * shape.seq) as i64;
-        self.launch(
-            "flash_dkv_reduce",
-            elementwise(kv_len),
-            &[
-                &dk.address(),
-                &dv.address(),
-                &dk_part.address(),
-                &dv_part.address(),
-                &rows64,
-                &h,
-                &kh,
-                &d,
             ],
         )
     }

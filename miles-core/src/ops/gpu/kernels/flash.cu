@@ -5,11 +5,10 @@
 //
 // The forward pass writes the output and each row's log-sum-exp (in base 2, of the scores
 // times log2(e) / sqrt(D)). The backward pass recomputes the probabilities from it in two
-// kernels and a sum, none with an atomic, so gradients repeat bit for bit: `flash_backward_dq`
-// (one block per 64 queries of a head; it also writes delta = rowsum(dO * O)),
-// `flash_backward_dkv` (a block per two tiles of 64 keys and one query head, walking the
-// queries at or after them, into fp32 partials per query head) and `flash_dkv_reduce` (each
-// kv head's gradient, its group's partials summed in order).
+// kernels, neither with an atomic, so gradients repeat bit for bit: `flash_backward_dq`
+// (one block per 64 queries of a head; it also writes delta = rowsum(dO * O)) and
+// `flash_backward_dkv` (a block per two tiles of 64 keys and one kv head, walking the queries
+// at or after them of each query head of its group in order, summing in registers).
 // The tiles a loop walks are double-buffered: the next one is copied in (cp.async, where rows
 // are 16-byte aligned) while the tensor cores work on this one.
 //
@@ -32,20 +31,19 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned word_at(const bf16* p) { return *(const unsigned*)p; }
-
 __device__ __forceinline__ unsigned shared_address(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// The A fragment of rows r0..r0+15, columns c0..c0+15 of a row-major tile of stride `sd`.
+// The A fragment of rows r0..r0+15, columns c0..c0+15 of a row-major tile in shared memory of
+// stride `sd` (rows 16-byte aligned), through one ldmatrix.x4 (matrix j of lane l's row:
+// X[r0 + (j & 1)*8 + l % 8][c0 + (j >> 1)*8]).
 __device__ __forceinline__ void a_frag(unsigned* a, const bf16* x, int sd, int r0, int c0) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    const bf16* p = x + (r0 + g) * sd + c0 + 2 * t;
-    a[0] = word_at(p);
-    a[1] = word_at(p + 8 * sd);
-    a[2] = word_at(p + 8);
-    a[3] = word_at(p + 8 * sd + 8);
+    const int lane = threadIdx.x & 31, j = lane >> 3;
+    const bf16* p = x + (r0 + (j & 1) * 8 + (lane & 7)) * sd + c0 + (j >> 1) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(shared_address(p)));
 }
 
 // The A fragment of a 16 x 16 block from two C fragments (columns 0..7 and 8..15), rounded.
@@ -349,33 +347,14 @@ __device__ void load_query_tiles(bf16* qs, bf16* ds, float* rows, const bf16* q,
     }
 }
 
-// Writes a warp's 16 rows of fp32 partial gradients (times `scale`) to part (B, T, H, D) at
-// query head hq.
+// The dk and dv of key tile kt, from the queries at or after its keys of every query head of
+// kv head kvh's group (the heads in order, each walking its query tiles in order), written as
+// bf16: one sum in registers, so no partials and no atomics.
 template <int DP>
-__device__ void store_partial(float* part, const float (*acc)[4], float scale, int b, int T, int H,
-                              int hq, int D, int r0) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int row = r0 + g + 8 * half;
-        if (row >= T) continue;
-        float* dst = part + ((size_t)(b * T + row) * H + hq) * D;
-#pragma unroll
-        for (int n = 0; n < DP / 8; n++) {
-            const int c = n * 8 + 2 * t;
-            if (c < D) dst[c] = acc[n][2 * half] * scale;
-            if (c + 1 < D) dst[c + 1] = acc[n][2 * half + 1] * scale;
-        }
-    }
-}
-
-// The dk and dv of key tile kt that query head hq's queries give (those at or after the keys),
-// as fp32 partials; `flash_dkv_reduce` sums a group's heads.
-template <int DP>
-__device__ void flash_dkv_key_tile(float* dk_part, float* dv_part, const bf16* q, const bf16* k,
-                                   const bf16* v, const bf16* dout, const float* lse,
-                                   const float* delta, int b, int kt, int hq, int T, int H, int KH,
-                                   int D, float scale_log2, float scale) {
+__device__ void flash_dkv_key_tile(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
+                                   const bf16* dout, const float* lse, const float* delta, int b,
+                                   int kt, int kvh, int T, int H, int KH, int D, float scale_log2,
+                                   float scale) {
     constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD;
     extern __shared__ uint4 fa_shared[];
     bf16* ks = (bf16*)fa_shared;
@@ -383,38 +362,45 @@ __device__ void flash_dkv_key_tile(float* dk_part, float* dv_part, const bf16* q
     bf16* qs = vs + TILE;     // two buffers each of q and dO
     bf16* ds = qs + 2 * TILE;
     float* rows = (float*)(ds + 2 * TILE);  // per buffer: lse, then delta, of its queries
-    const int kvh = hq / (H / KH), warp = threadIdx.x >> 5, k0 = kt * FA_TILE, wr = warp * 16;
+    const int group = H / KH, warp = threadIdx.x >> 5, k0 = kt * FA_TILE, wr = warp * 16;
     const bool v8 = D % 8 == 0, vq = v8 && aligned16(q), vd = v8 && aligned16(dout);
-    const int items = (T + FA_TILE - 1) / FA_TILE - kt;
     __syncthreads();  // the block's previous key tile is done with every buffer
     load_tile<DP>(ks, k, b, T, KH, kvh, D, k0, v8 && aligned16(k));
     load_tile<DP>(vs, v, b, T, KH, kvh, D, k0, v8 && aligned16(v));
-    load_query_tiles<DP>(qs, ds, rows, q, dout, lse, delta, b, T, H, D, hq, k0, vq, vd);
+    load_query_tiles<DP>(qs, ds, rows, q, dout, lse, delta, b, T, H, D, kvh * group, k0, vq, vd);
     commit_tiles();
     float gk[DP / 8][4] = {}, gv[DP / 8][4] = {};
     unsigned ka[KD][4], va[KD][4];
-    for (int i = 0; i < items; i++) {
-        const int buf = i & 1, q0 = k0 + i * FA_TILE;
+    // Item i is query tile q0 of a head; next_q0 of next_hq is copied in while it runs.
+    const int items = group * ((T + FA_TILE - 1) / FA_TILE - kt);
+    int q0 = k0, next_q0 = k0, next_hq = kvh * group;
+    for (int i = 0; i < items; i++, q0 = next_q0) {
+        const int buf = i & 1;
+        next_q0 += FA_TILE;
+        if (next_q0 >= T) {
+            next_q0 = k0;
+            next_hq++;
+        }
         if (i + 1 < items) {
             load_query_tiles<DP>(qs + (buf ^ 1) * TILE, ds + (buf ^ 1) * TILE,
                                  rows + (buf ^ 1) * 2 * FA_TILE, q, dout, lse, delta, b, T, H, D,
-                                 hq, q0 + FA_TILE, vq, vd);
+                                 next_hq, next_q0, vq, vd);
         }
         commit_tiles();
         wait_tiles(1);
         __syncthreads();
-        if (i == 0 || DP > 64) {  // at 128, kept in registers they would spill
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) {
-                a_frag(ka[kk], ks, SD, wr, kk * 16);
-                a_frag(va[kk], vs, SD, wr, kk * 16);
-            }
-        }
+        // At 128 the k and v fragments are read again for each tile, one set live at a time:
+        // kept in registers they would spill.
+        const bool frags = i == 0 || DP > 64;
         const bf16* qb = qs + buf * TILE;
         const bf16* db = ds + buf * TILE;
         const float* rb = rows + buf * 2 * FA_TILE;
         float s[8][4] = {}, dp[8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < KD && frags; kk++) a_frag(ka[kk], ks, SD, wr, kk * 16);
         mma_xt<8, KD>(s, ka, qb, SD);
+#pragma unroll
+        for (int kk = 0; kk < KD && frags; kk++) a_frag(va[kk], vs, SD, wr, kk * 16);
         mma_xt<8, KD>(dp, va, db, SD);
 #pragma unroll
         for (int n = 0; n < 8; n++)
@@ -435,43 +421,22 @@ __device__ void flash_dkv_key_tile(float* dk_part, float* dv_part, const bf16* q
         mma_x<DP / 8, 4>(gk, dsa, qb, SD);
         __syncthreads();
     }
-    store_partial<DP>(dk_part, gk, scale, b, T, H, hq, D, k0 + wr);
-    store_partial<DP>(dv_part, gv, 1.0f, b, T, H, hq, D, k0 + wr);
+    store_rows<DP>(dk, gk, scale, scale, b, T, KH, kvh, D, k0 + wr);
+    store_rows<DP>(dv, gv, 1.0f, 1.0f, b, T, KH, kvh, D, k0 + wr);
 }
 
-// Grid (ceil(tiles / 2), H, B): key tiles x and tiles - 1 - x (one walks many query tiles, the
-// other few, so every block does the same work), for one query head.
+// Grid (ceil(tiles / 2), KH, B): key tiles x and tiles - 1 - x (one walks many query tiles, the
+// other few, so every block does the same work), for one kv head.
 template <int DP>
-__device__ void flash_dkv_tiles(float* dk_part, float* dv_part, const bf16* q, const bf16* k,
-                                const bf16* v, const bf16* dout, const float* lse, const float* delta,
-                                int T, int H, int KH, int D, float scale_log2, float scale) {
+__device__ void flash_dkv_tiles(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
+                                const bf16* dout, const float* lse, const float* delta, int T, int H,
+                                int KH, int D, float scale_log2, float scale) {
     const int tiles = (T + FA_TILE - 1) / FA_TILE, first = blockIdx.x, last = tiles - 1 - blockIdx.x;
-    flash_dkv_key_tile<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, blockIdx.z, first, blockIdx.y,
-                           T, H, KH, D, scale_log2, scale);
+    flash_dkv_key_tile<DP>(dk, dv, q, k, v, dout, lse, delta, blockIdx.z, first, blockIdx.y, T, H,
+                           KH, D, scale_log2, scale);
     if (last != first) {
-        flash_dkv_key_tile<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, blockIdx.z, last,
-                               blockIdx.y, T, H, KH, D, scale_log2, scale);
-    }
-}
-
-// dk and dv (B, T, KH, D) from the fp32 partials of each query head (B, T, H, D): the group's
-// heads summed in order, rounded once. One thread an output value.
-extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* dk_part, const float* dv_part,
-                                            long long rows, int H, int KH, int D) {
-    grid_begin();
-    const int group = H / KH;
-    const long long total = rows * KH * D;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long d = i % D, kvh = (i / D) % KH, row = i / ((long long)D * KH);
-        const long long first = (row * H + kvh * group) * D + d;
-        float sk = 0.0f, sv = 0.0f;
-        for (int j = 0; j < group; j++) {
-            sk += dk_part[first + (long long)j * D];
-            sv += dv_part[first + (long long)j * D];
-        }
-        dk[i] = f2bf(sk);
-        dv[i] = f2bf(sv);
+        flash_dkv_key_tile<DP>(dk, dv, q, k, v, dout, lse, delta, blockIdx.z, last, blockIdx.y, T,
+                               H, KH, D, scale_log2, scale);
     }
 }
 
@@ -490,13 +455,11 @@ extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* dk_
         flash_dq_tile<DP>(dq, delta, q, k, v, o, dout, lse, T, H, KH, D, scale_log2, scale);       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                              \
-        flash_backward_dkv_##DP(float* dk_part, float* dv_part, const bf16* q, const bf16* k,      \
-                                const bf16* v, const bf16* dout, const float* lse,                 \
-                                const float* delta, int T, int H, int KH, int D, float scale_log2, \
-                                float scale) {                                                     \
+        flash_backward_dkv_##DP(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,   \
+                                const bf16* dout, const float* lse, const float* delta, int T,     \
+                                int H, int KH, int D, float scale_log2, float scale) {             \
         grid_begin();                                                                              \
-        flash_dkv_tiles<DP>(dk_part, dv_part, q, k, v, dout, lse, delta, T, H, KH, D, scale_log2,  \
-                            scale);                                                                \
+        flash_dkv_tiles<DP>(dk, dv, q, k, v, dout, lse, delta, T, H, KH, D, scale_log2, scale);    \
     }
 
 FLASH_KERNELS(16)
