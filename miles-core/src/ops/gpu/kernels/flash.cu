@@ -177,6 +177,27 @@ __device__ __forceinline__ float quad_sum(float v) {
 __device__ __forceinline__ int c_row(int j) { return ((threadIdx.x & 31) >> 2) + (j >= 2 ? 8 : 0); }
 __device__ __forceinline__ int c_col(int n, int j) { return n * 8 + 2 * (threadIdx.x & 3) + (j & 1); }
 
+// 2^x, flushing results below the normal range to 0: one instruction (exp2f adds the subnormal
+// range's scaling around it).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Sets to -inf the scores of a warp's 16 x 64 block (C fragments; rows from position row0,
+// columns from col0) that causality hides: a key past its query, and with `rows_are_keys` a
+// query at or past T too. Only the tiles on the diagonal (and the last) need it.
+__device__ __forceinline__ void mask_causal(float (*s)[4], int row0, int col0, int T, bool rows_are_keys) {
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int row = row0 + c_row(j), col = col0 + c_col(n, j);
+            if (rows_are_keys ? row > col || col >= T : col > row) s[n][j] = NEG_INF;
+        }
+}
+
 // Grid (T/64 query tiles, H, B); the last query tiles (the most keys) first.
 template <int DP>
 __device__ void flash_forward_tile(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
@@ -212,20 +233,18 @@ __device__ void flash_forward_tile(bf16* out, float* lse, const bf16* q, const b
         }
         float s[8][4] = {};
         mma_xt<8, KD>(s, qa, ks + buf * TILE, SD);
+        if (kt == qt) mask_causal(s, q0 + wr, kt * FA_TILE, T, false);
+        // m is in the scaled units (scale_log2 > 0, so the max commutes with the scaling).
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int key = kt * FA_TILE + c_col(n, j), query = q0 + wr + c_row(j);
-                s[n][j] = key <= query ? s[n][j] * scale_log2 : NEG_INF;
-                mx[j >> 1] = fmaxf(mx[j >> 1], s[n][j]);
-            }
+            for (int j = 0; j < 4; j++) mx[j >> 1] = fmaxf(mx[j >> 1], s[n][j]);
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const float next = fmaxf(m[r], quad_max(mx[r]));
-            alpha[r] = exp2f(m[r] - next);
+            const float next = fmaxf(m[r], quad_max(mx[r]) * scale_log2);
+            alpha[r] = exp2_ftz(m[r] - next);
             m[r] = next;
             l[r] *= alpha[r];
         }
@@ -233,7 +252,7 @@ __device__ void flash_forward_tile(bf16* out, float* lse, const bf16* q, const b
         for (int n = 0; n < 8; n++)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                s[n][j] = exp2f(s[n][j] - m[j >> 1]);
+                s[n][j] = exp2_ftz(fmaf(s[n][j], scale_log2, -m[j >> 1]));
                 l[j >> 1] += s[n][j];
             }
 #pragma unroll
@@ -315,12 +334,12 @@ __device__ void flash_dq_tile(bf16* dq, float* delta, const bf16* q, const bf16*
         float s[8][4] = {}, dp[8][4] = {};
         mma_xt<8, KD>(s, qa, ks + buf * TILE, SD);
         mma_xt<8, KD>(dp, da, vs + buf * TILE, SD);
+        if (kt == qt) mask_causal(s, q0 + wr, kt * FA_TILE, T, false);
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int key = kt * FA_TILE + c_col(n, j), query = q0 + wr + c_row(j);
-                const float p = key <= query ? exp2f(s[n][j] * scale_log2 - lse_r[j >> 1]) : 0.0f;
+                const float p = exp2_ftz(fmaf(s[n][j], scale_log2, -lse_r[j >> 1]));
                 s[n][j] = p * (dp[n][j] - delta_r[j >> 1]);
             }
         unsigned dsa[4][4];
@@ -402,12 +421,13 @@ __device__ void flash_dkv_key_tile(bf16* dk, bf16* dv, const bf16* q, const bf16
 #pragma unroll
         for (int kk = 0; kk < KD && frags; kk++) a_frag(va[kk], vs, SD, wr, kk * 16);
         mma_xt<8, KD>(dp, va, db, SD);
+        if (q0 == k0 || q0 + FA_TILE > T) mask_causal(s, k0 + wr, q0, T, true);
 #pragma unroll
         for (int n = 0; n < 8; n++)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int col = c_col(n, j), key = k0 + wr + c_row(j), query = q0 + col;
-                const float p = key <= query && query < T ? exp2f(s[n][j] * scale_log2 - rb[col]) : 0.0f;
+                const int col = c_col(n, j);
+                const float p = exp2_ftz(fmaf(s[n][j], scale_log2, -rb[col]));
                 s[n][j] = p;
                 dp[n][j] = p * (dp[n][j] - rb[FA_TILE + col]);
             }
