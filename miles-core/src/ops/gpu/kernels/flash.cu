@@ -22,6 +22,7 @@
 // words of X^T; the B words of X itself come through ldmatrix.trans.
 
 #define FA_TILE 64
+#define FA_THREADS 128  // a block: 4 warps (flash.rs's THREADS)
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile(
@@ -100,20 +101,23 @@ __device__ __forceinline__ void mma_x(float (*acc)[4], const unsigned (*a)[4], c
 // Starts copying rows row0.. (64 of them) of head `h` of x (B, T, NH, D) into tile[64][DP + 8],
 // zero past T and past D: with cp.async where `vec` (rows 16-byte aligned, D a multiple of 8),
 // else with plain loads and stores. Either way the tile is whole once the block has waited
-// (`wait_tiles`) and synchronised.
+// (`wait_tiles`) and synchronised. A thread copies the same 8 columns of every STEP-th row.
 template <int DP>
 __device__ void load_tile(bf16* tile, const bf16* x, int b, int T, int NH, int h, int D, int row0,
                           bool vec) {
-    constexpr int SD = DP + 8, CH = DP / 8;
-    for (int i = threadIdx.x; i < FA_TILE * CH; i += blockDim.x) {
-        const int r = i / CH, d0 = (i % CH) * 8, t = row0 + r;
-        const bool inside = t < T && d0 < D;
-        // Outside, cp.async reads nothing (source size 0) but still takes a valid address.
-        const bf16* src = inside ? x + ((size_t)(b * T + t) * NH + h) * D + d0 : x;
+    constexpr int SD = DP + 8, CH = DP / 8, STEP = FA_THREADS / CH;
+    const int r0 = threadIdx.x / CH, d0 = (threadIdx.x % CH) * 8;
+    const bf16* first = x + ((size_t)(b * T + row0 + r0) * NH + h) * D + d0;
+#pragma unroll
+    for (int i = 0; i < FA_TILE / STEP; i++) {
+        const int r = r0 + i * STEP;
+        const bf16* src = first + (size_t)i * STEP * NH * D;
         bf16* dst = tile + r * SD + d0;
+        const bool inside = row0 + r < T && d0 < D;
         if (vec) {
+            // Outside, cp.async reads nothing (source size 0) but still takes a valid address.
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
-                         "l"(src), "r"(inside ? 16 : 0));
+                         "l"(inside ? src : x), "r"(inside ? 16 : 0));
             continue;
         }
         unsigned e[4] = {0, 0, 0, 0};
@@ -461,20 +465,20 @@ __device__ void flash_dkv_tiles(bf16* dk, bf16* dv, const bf16* q, const bf16* k
 }
 
 #define FLASH_KERNELS(DP)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128)                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                              \
         flash_forward_##DP(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,     \
                            int T, int H, int KH, int D, float scale_log2) {                        \
         grid_begin();                                                                              \
         flash_forward_tile<DP>(out, lse, q, k, v, T, H, KH, D, scale_log2);                        \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128)                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                              \
         flash_backward_dq_##DP(bf16* dq, float* delta, const bf16* q, const bf16* k,               \
                                const bf16* v, const bf16* o, const bf16* dout, const float* lse,   \
                                int T, int H, int KH, int D, float scale_log2, float scale) {       \
         grid_begin();                                                                              \
         flash_dq_tile<DP>(dq, delta, q, k, v, o, dout, lse, T, H, KH, D, scale_log2, scale);       \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128)                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                              \
         flash_backward_dkv_##DP(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,   \
                                 const bf16* dout, const float* lse, const float* delta, int T,     \
                                 int H, int KH, int D, float scale_log2, float scale) {             \
