@@ -36,7 +36,7 @@ pub(super) const KERNELS: [&str; 12] = [
 /// Positions of a tile (`FA_TILE`).
 const TILE: usize = 64;
 
-/// A block's threads: 4 warps of 16 rows each.
+/// A block's threads: 4 warps (`FA_THREADS`).
 const THREADS: u32 = 128;
 
 /// The checked shape of one call: the kernels' instance, their integer arguments and the
@@ -88,6 +88,16 @@ impl Checked {
         (TILE * (PADDED[self.instance] + 8) * 2) as u32
     }
 
+    /// Query rows of a forward block (`Forward<DP>::ROWS`): each warp two row tiles of 16 up
+    /// to head dim 64, one at 128.
+    fn forward_rows(&self) -> usize {
+        if PADDED[self.instance] <= 64 {
+            2 * TILE
+        } else {
+            TILE
+        }
+    }
+
     /// A grid of `tiles` blocks for each of `heads` heads of each sequence, with `shared`
     /// bytes of shared memory.
     fn launch(s: AttentionShape, tiles: usize, heads: usize, shared: u32) -> LaunchConfig {
@@ -102,10 +112,11 @@ impl Checked {
 /// `lse` and `delta`'s floats of one tile's queries.
 const ROW_BYTES: u32 = (2 * TILE * 4) as u32;
 
-/// Shared memory tiles of each kernel: the forward's q and two buffers each of k and v; the
-/// dq kernel's q and dO and two buffers each of k and v (and one tile's rows); the dkv
-/// kernel's k and v and two buffers each of q and dO (and two tiles' rows).
-const FORWARD_TILES: u32 = 5;
+/// Shared memory tiles of each kernel: the forward's two buffers each of k and v (and its
+/// queries' `forward_rows / 64` tiles); the dq kernel's q and dO and two buffers each of k and
+/// v (and one tile's rows); the dkv kernel's k and v and two buffers each of q and dO (and two
+/// tiles' rows).
+const FORWARD_KV_TILES: u32 = 4;
 const BACKWARD_TILES: u32 = 6;
 
 /// Elements of q (and of out, dout, dq), of k (and v, dk, dv), and rows of lse (and delta).
@@ -149,9 +160,9 @@ impl Gpu {
             c.kernel(0),
             Checked::launch(
                 shape,
-                shape.seq.div_ceil(TILE),
+                shape.seq.div_ceil(c.forward_rows()),
                 shape.heads,
-                FORWARD_TILES * c.tile(),
+                (FORWARD_KV_TILES + (c.forward_rows() / TILE) as u32) * c.tile(),
             ),
             &[
                 &out.address(),

@@ -55,12 +55,14 @@ __device__ __forceinline__ void a_from_c(unsigned* a, const float* lo, const flo
     a[3] = pack2(hi[2], hi[3]);
 }
 
-// acc (16 x 8N) += A (16 x 16K, fragments a[k]) times X^T, X a row-major tile in shared memory
-// (stride `sx`, rows 16-byte aligned) whose rows are the product's columns, N even: B words at
-// X[n*8 + g][k*16 + 2t ...], each pair of column tiles' through one ldmatrix.x4 (matrix j of
-// lane l's row: X[n*8 + (j >> 1)*8 + l % 8][k*16 + (j & 1)*8]).
-template <int N, int K>
-__device__ __forceinline__ void mma_xt(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
+// acc (M row tiles of 16 x 8N) += A (M row tiles of 16 x 16K, fragments a[m][k]) times X^T, X
+// a row-major tile in shared memory (stride `sx`, rows 16-byte aligned) whose rows are the
+// product's columns, N even: B words at X[n*8 + g][k*16 + 2t ...], each pair of column tiles'
+// through one ldmatrix.x4 (matrix j of lane l's row: X[n*8 + (j >> 1)*8 + l % 8][k*16 + (j &
+// 1)*8]) and used for every row tile.
+template <int M, int N, int K>
+__device__ __forceinline__ void mma_xt_rows(float (*acc)[N][4], const unsigned (*a)[K][4], const bf16* x,
+                                            int sx) {
     const int lane = threadIdx.x & 31, j = lane >> 3;
     const bf16* row = x + ((j >> 1) * 8 + (lane & 7)) * sx + (j & 1) * 8;
 #pragma unroll
@@ -71,17 +73,28 @@ __device__ __forceinline__ void mma_xt(float (*acc)[4], const unsigned (*a)[4], 
             asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                          : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                          : "r"(shared_address(row + n * 8 * sx + k * 16)));
-            mma_bf16(acc[n], a[k], b[0], b[1]);
-            mma_bf16(acc[n + 1], a[k], b[2], b[3]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                mma_bf16(acc[m][n], a[m][k], b[0], b[1]);
+                mma_bf16(acc[m][n + 1], a[m][k], b[2], b[3]);
+            }
         }
     }
 }
 
-// acc (16 x 8N) += A (16 x 16K) times X, X a row-major tile (stride `sx`) whose rows are the
-// product's inner dimension: each pair of column tiles' B words through one ldmatrix.x4.trans
-// (matrix j of lane l's row: X[k*16 + (j & 1)*8 + l % 8][n*8 + (j >> 1)*8]).
+// mma_xt_rows of one row tile.
 template <int N, int K>
-__device__ __forceinline__ void mma_x(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
+__device__ __forceinline__ void mma_xt(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
+    mma_xt_rows<1, N, K>((float(*)[N][4])acc, (const unsigned(*)[K][4])a, x, sx);
+}
+
+// acc (M row tiles of 16 x 8N) += A (M row tiles of 16 x 16K) times X, X a row-major tile
+// (stride `sx`) whose rows are the product's inner dimension: each pair of column tiles' B
+// words through one ldmatrix.x4.trans (matrix j of lane l's row: X[k*16 + (j & 1)*8 + l %
+// 8][n*8 + (j >> 1)*8]), used for every row tile.
+template <int M, int N, int K>
+__device__ __forceinline__ void mma_x_rows(float (*acc)[N][4], const unsigned (*a)[K][4], const bf16* x,
+                                           int sx) {
     const int lane = threadIdx.x & 31, j = lane >> 3;
     const bf16* row = x + ((j & 1) * 8 + (lane & 7)) * sx + (j >> 1) * 8;
 #pragma unroll
@@ -92,10 +105,19 @@ __device__ __forceinline__ void mma_x(float (*acc)[4], const unsigned (*a)[4], c
             asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                          : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                          : "r"(shared_address(row + k * 16 * sx + n * 8)));
-            mma_bf16(acc[n], a[k], b[0], b[1]);
-            mma_bf16(acc[n + 1], a[k], b[2], b[3]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                mma_bf16(acc[m][n], a[m][k], b[0], b[1]);
+                mma_bf16(acc[m][n + 1], a[m][k], b[2], b[3]);
+            }
         }
     }
+}
+
+// mma_x_rows of one row tile.
+template <int N, int K>
+__device__ __forceinline__ void mma_x(float (*acc)[4], const unsigned (*a)[4], const bf16* x, int sx) {
+    mma_x_rows<1, N, K>((float(*)[N][4])acc, (const unsigned(*)[K][4])a, x, sx);
 }
 
 // Starts copying rows row0.. (64 of them) of head `h` of x (B, T, NH, D) into tile[64][DP + 8],
@@ -202,79 +224,108 @@ __device__ __forceinline__ void mask_causal(float (*s)[4], int row0, int col0, i
         }
 }
 
-// Grid (T/64 query tiles, H, B); the last query tiles (the most keys) first.
+// Query rows of a forward block: 4 warps of FORWARD_M row tiles of 16, each B fragment read
+// once for all of a warp's row tiles. Two where the registers allow (head dims up to 64), one at
+// 128 (flash.rs's `forward_rows`).
+template <int DP>
+struct Forward {
+    static constexpr int M = DP <= 64 ? 2 : 1;
+    static constexpr int ROWS = 4 * 16 * M;
+};
+
+// Grid (T/ROWS query blocks, H, B); the last query blocks (the most keys) first.
 template <int DP>
 __device__ void flash_forward_tile(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                                    int T, int H, int KH, int D, float scale_log2) {
-    constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD;
+    constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD, M = Forward<DP>::M;
     extern __shared__ uint4 fa_shared[];
-    bf16* qs = (bf16*)fa_shared;
-    bf16* ks = qs + TILE;  // two buffers each of k and v
+    bf16* qs = (bf16*)fa_shared;  // M tiles of 64 queries
+    bf16* ks = qs + M * TILE;     // two buffers each of k and v
     bf16* vs = ks + 2 * TILE;
-    const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int qb = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KH), warp = threadIdx.x >> 5;
-    const int q0 = qt * FA_TILE, wr = warp * 16;
+    const int q0 = qb * Forward<DP>::ROWS, wr = warp * 16 * M, first = q0 + wr;
+    const int last_kt = min(q0 + Forward<DP>::ROWS - 1, T - 1) / FA_TILE;
     const bool v8 = D % 8 == 0, vk = v8 && aligned16(k), vv = v8 && aligned16(v);
-    load_tile<DP>(qs, q, b, T, H, h, D, q0, v8 && aligned16(q));
+#pragma unroll
+    for (int i = 0; i < M; i++) {
+        load_tile<DP>(qs + i * TILE, q, b, T, H, h, D, q0 + i * FA_TILE, v8 && aligned16(q));
+    }
     load_tile<DP>(ks, k, b, T, KH, kvh, D, 0, vk);
     load_tile<DP>(vs, v, b, T, KH, kvh, D, 0, vv);
     commit_tiles();
-    float o[DP / 8][4] = {};
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    unsigned qa[KD][4];
-    for (int kt = 0; kt <= qt; kt++) {
-        const int buf = kt & 1;
-        if (kt < qt) {
-            load_tile<DP>(ks + (buf ^ 1) * TILE, k, b, T, KH, kvh, D, (kt + 1) * FA_TILE, vk);
-            load_tile<DP>(vs + (buf ^ 1) * TILE, v, b, T, KH, kvh, D, (kt + 1) * FA_TILE, vv);
+    float o[M][DP / 8][4] = {};
+    float m[M][2], l[M][2] = {};
+    unsigned qa[M][KD][4];
+#pragma unroll
+    for (int i = 0; i < M; i++) m[i][0] = m[i][1] = NEG_INF;
+    for (int kt = 0; kt <= last_kt; kt++) {
+        const int buf = kt & 1, k0 = kt * FA_TILE;
+        if (kt < last_kt) {
+            load_tile<DP>(ks + (buf ^ 1) * TILE, k, b, T, KH, kvh, D, k0 + FA_TILE, vk);
+            load_tile<DP>(vs + (buf ^ 1) * TILE, v, b, T, KH, kvh, D, k0 + FA_TILE, vv);
         }
         commit_tiles();
         wait_tiles(1);
         __syncthreads();
         if (kt == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KD; kk++) a_frag(qa[kk], qs, SD, wr, kk * 16);
+            for (int i = 0; i < M; i++)
+#pragma unroll
+                for (int kk = 0; kk < KD; kk++) a_frag(qa[i][kk], qs, SD, wr + 16 * i, kk * 16);
         }
-        float s[8][4] = {};
-        mma_xt<8, KD>(s, qa, ks + buf * TILE, SD);
-        if (kt == qt) mask_causal(s, q0 + wr, kt * FA_TILE, T, false);
-        // m is in the scaled units (scale_log2 > 0, so the max commutes with the scaling).
-        float mx[2] = {NEG_INF, NEG_INF};
+        // A warp whose rows all come before the tile's keys skips it (warp-uniform); a tile
+        // reaching past the warp's first row is masked. Every row of a warp that runs sees
+        // the tile's first key (k0 <= first), so its max is finite from the first tile on.
+        if (k0 <= first + 16 * M - 1) {
+            float s[M][8][4] = {};
+            mma_xt_rows<M, 8, KD>(s, qa, ks + buf * TILE, SD);
+            unsigned pa[M][4][4];
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+            for (int i = 0; i < M; i++) {
+                if (k0 + FA_TILE - 1 > first) mask_causal(s[i], first + 16 * i, k0, T, false);
+                // m is in the scaled units (scale_log2 > 0: the max commutes with the scaling).
+                float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-            for (int j = 0; j < 4; j++) mx[j >> 1] = fmaxf(mx[j >> 1], s[n][j]);
-        float alpha[2];
+                for (int n = 0; n < 8; n++)
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const float next = fmaxf(m[r], quad_max(mx[r]) * scale_log2);
-            alpha[r] = exp2_ftz(m[r] - next);
-            m[r] = next;
-            l[r] *= alpha[r];
-        }
+                    for (int j = 0; j < 4; j++) mx[j >> 1] = fmaxf(mx[j >> 1], s[i][n][j]);
+                float alpha[2];
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+                for (int r = 0; r < 2; r++) {
+                    const float next = fmaxf(m[i][r], quad_max(mx[r]) * scale_log2);
+                    alpha[r] = exp2_ftz(m[i][r] - next);
+                    m[i][r] = next;
+                    l[i][r] *= alpha[r];
+                }
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                s[n][j] = exp2_ftz(fmaf(s[n][j], scale_log2, -m[j >> 1]));
-                l[j >> 1] += s[n][j];
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        s[i][n][j] = exp2_ftz(fmaf(s[i][n][j], scale_log2, -m[i][j >> 1]));
+                        l[i][j >> 1] += s[i][n][j];
+                    }
+#pragma unroll
+                for (int n = 0; n < DP / 8; n++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) o[i][n][j] *= alpha[j >> 1];
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) a_from_c(pa[i][kk], s[i][2 * kk], s[i][2 * kk + 1]);
             }
-#pragma unroll
-        for (int n = 0; n < DP / 8; n++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) o[n][j] *= alpha[j >> 1];
-        unsigned pa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) a_from_c(pa[kk], s[2 * kk], s[2 * kk + 1]);
-        mma_x<DP / 8, 4>(o, pa, vs + buf * TILE, SD);
+            mma_x_rows<M, DP / 8, 4>(o, pa, vs + buf * TILE, SD);
+        }
         __syncthreads();
     }
-    const float la = quad_sum(l[0]), lb = quad_sum(l[1]);
-    store_rows<DP>(out, o, 1.0f / la, 1.0f / lb, b, T, H, h, D, q0 + wr);
-    if ((threadIdx.x & 3) == 0) {
-        const int ra = q0 + wr + c_row(0), rb = ra + 8;
-        if (ra < T) lse[((size_t)b * H + h) * T + ra] = m[0] + log2f(la);
-        if (rb < T) lse[((size_t)b * H + h) * T + rb] = m[1] + log2f(lb);
+#pragma unroll
+    for (int i = 0; i < M; i++) {
+        const float la = quad_sum(l[i][0]), lb = quad_sum(l[i][1]);
+        const int r0 = first + 16 * i;
+        store_rows<DP>(out, o[i], 1.0f / la, 1.0f / lb, b, T, H, h, D, r0);
+        if ((threadIdx.x & 3) == 0) {
+            const int ra = r0 + c_row(0), rb = ra + 8;
+            if (ra < T) lse[((size_t)b * H + h) * T + ra] = m[i][0] + log2f(la);
+            if (rb < T) lse[((size_t)b * H + h) * T + rb] = m[i][1] + log2f(lb);
+        }
     }
 }
 
