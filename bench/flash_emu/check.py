@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Runs the training attention's CUDA kernels (miles-core/src/ops/gpu/kernels/flash.cu) on the CPU
+and checks them against a float64 reference: a way to test a change to them where no GPU is.
+
+The kernels' inline assembly (mma.sync, ldmatrix, cp.async, ex2) is rewritten into calls of
+cuda_on_cpu.hpp, which gives the same fragments to the same lanes as the PTX ISA says; the
+result is compiled with g++ and run on shapes that reach every head-dim instance, partial tiles,
+head dims that are not a multiple of 8 and query groups of 1 to 4. It checks the kernels' logic
+(indices, masks, tiles, sums), not their speed or the hardware's rounding. Prints "skipped" and
+exits 0 where g++ is missing.
+
+  python3 bench/flash_emu/check.py            # every shape
+  python3 bench/flash_emu/check.py 1 200 8 2 64   # one shape: B T H KH D
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+KERNELS = ROOT / "miles-core/src/ops/gpu/kernels"
+BUILD = ROOT / "target/flash-emu"
+
+# B, T, H, KH, D: every padded head dim, T on and off tile edges, groups of 1 to 4.
+SHAPES = [
+    (1, 70, 2, 1, 64),
+    (2, 130, 4, 2, 64),
+    (1, 200, 4, 2, 64),
+    (1, 128, 2, 1, 64),
+    (2, 67, 4, 4, 40),
+    (1, 130, 2, 1, 128),
+    (1, 100, 2, 1, 16),
+    (1, 90, 3, 1, 32),
+    (1, 5, 2, 1, 12),
+    (1, 1, 2, 1, 64),
+]
+
+# (pattern, replacement) over flash.cu: each inline assembly statement it holds.
+REWRITES = [
+    (r'asm volatile\(\s*"mma\.sync.*?\);', "emu_mma(c, a, b0, b1);"),
+    (
+        r'asm volatile\("ldmatrix\.sync\.aligned\.m8n8\.x4(\.trans)?\.shared\.b16 \{%0,%1,%2,%3\}, \[%4\];\\n"'
+        r'\s*:\s*"=r"\((.*?)\),\s*"=r"\((.*?)\),\s*"=r"\((.*?)\),\s*"=r"\((.*?)\)\s*:\s*"r"\((.*?)\)\);',
+        lambda m: "emu_ldmatrix({}, &({}), &({}), &({}), &({}), {});".format(
+            "true" if m.group(1) else "false", *m.group(2, 3, 4, 5, 6)
+        ),
+    ),
+    (
+        r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;\\n" ::"r"\((.*?)\),'
+        r'\s*"l"\((.*?)\),\s*"r"\((.*?)\)\);',
+        r"emu_cp_async(\1, \2, \3);",
+    ),
+    (r'asm volatile\("cp\.async\.(commit_group|wait_group \d);\\n" ::\);', ";"),
+    (r'asm\("ex2\.approx\.ftz\.f32 %0, %1;" : "=f"\((\w+)\) : "f"\((\w+)\)\);', r"\1 = emu_ex2_ftz(\2);"),
+    (r"extern __shared__ uint4 fa_shared\[\];", "uint4* fa_shared = (uint4*)emu_smem;"),
+]
+
+
+def build() -> Path:
+    source = (KERNELS / "flash.cu").read_text()
+    for pattern, replacement in REWRITES:
+        source = re.sub(pattern, replacement, source, flags=re.S)
+    left = [line.strip() for line in source.splitlines() if "asm" in line]
+    if left:
+        raise SystemExit(f"flash.cu has inline assembly check.py does not rewrite: {left}")
+    BUILD.mkdir(parents=True, exist_ok=True)
+    program = BUILD / "flash_emu.cpp"
+    program.write_text(
+        '#include "cuda_on_cpu.hpp"\n'
+        + (KERNELS / "common.cuh").read_text()
+        + source
+        + '\n#include "check.cpp"\n'
+    )
+    binary = BUILD / "flash_emu"
+    subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-iquote", str(HERE), str(program), "-o", str(binary)],
+        check=True,
+    )
+    return binary
+
+
+def main() -> None:
+    if shutil.which("g++") is None:
+        print("flash kernels on the CPU: skipped (no g++)")
+        return
+    shapes = [tuple(int(a) for a in sys.argv[1:6])] if len(sys.argv) > 1 else SHAPES
+    binary = build()
+    failed = []
+    for shape in shapes:
+        run = subprocess.run([str(binary), *map(str, shape)], capture_output=True, text=True)
+        verdict = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else f"exit {run.returncode}"
+        print(f"B T H KH D = {' '.join(map(str, shape))}: {verdict}")
+        if run.returncode:
+            print(run.stdout + run.stderr)
+            failed.append(shape)
+    if failed:
+        raise SystemExit(f"flash kernels on the CPU: {len(failed)} of {len(shapes)} shapes failed: {failed}")
+    print(f"flash kernels on the CPU: {len(shapes)} shapes match the float64 reference")
+
+
+if __name__ == "__main__":
+    main()
