@@ -302,7 +302,7 @@ impl GpuTransformer {
         let a = acts.layout();
         gpu.flash_attention_backward(
             [flow.d_q, flow.d_k, flow.d_v],
-            acts.f(&a.delta)?,
+            [acts.f(&a.delta)?, acts.kv_partials()?],
             [la.q, la.k, la.v],
             la.att_out,
             flow.d_att_out,

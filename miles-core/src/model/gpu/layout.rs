@@ -5,16 +5,17 @@
 //! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout) in what a
 //! layer keeps for the backward pass:
 //! - attention is the flash kernels' (`ops::gpu::flash`), so a layer keeps no probabilities,
-//!   only each row's log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` is
-//!   scratch;
+//!   only each row's log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` and each
+//!   query head's fp32 share of the k and v gradients are scratch;
 //! - the two norms' outputs and the swiglu output are recomputed in the backward pass (the
 //!   same kernels, so the same bits) into one layer's scratch, and the swiglu backward writes
 //!   the gate and up gradients over the kept gate and up;
 //! - the LM head's logits are computed [`HEAD_ROWS`] rows at a time and their bf16 gradient
 //!   kept for [`HEAD_GRAD_ROWS`] rows before the head's backward products take them, so
 //!   both are scratch of that many rows, never `(B, T, V)`;
-//! - the swiglu output and the head's logits are never needed at once, so they share one
-//!   scratch at the start of the bf16 buffer, viewed as fp32 for the logits.
+//! - the swiglu output, the attention backward's k and v partials and the head's logits are
+//!   never needed at once, so they share one scratch at the start of the bf16 buffer, viewed
+//!   as fp32 where they are.
 
 use std::ops::Range;
 
@@ -31,10 +32,11 @@ pub struct GpuActivationLayout {
     pub(super) batch: usize,
     pub(super) seq: usize,
     // bf16 buffer.
-    /// The shared scratch, in bf16 elements: [`GpuActivations::swiglu`] and
-    /// [`GpuActivations::head_logits`] are its views.
+    /// The shared scratch, in bf16 elements: [`GpuActivations::swiglu`],
+    /// [`GpuActivations::kv_partials`] and [`GpuActivations::head_logits`] are its views.
     pub(super) scratch: Range<usize>,
     swiglu_len: usize,
+    kv_partials_len: usize,
     logits_len: usize,
     logit_grads_len: usize,
     pub(super) residual: Range<usize>,     // (L+1, B, T, C)
@@ -134,10 +136,12 @@ impl GpuActivationLayout {
         let mut f32s = Cursor(0);
         let mut u32s = Cursor(0);
         let (logits_len, logit_grads_len) = (n.min(HEAD_ROWS) * v, n.min(HEAD_GRAD_ROWS) * v);
-        let swiglu_len = n * f;
-        // In bf16 elements: the swiglu output, the fp32 logits and their bf16 gradient; rounded
-        // to 16 bytes for the ranges after it.
-        let scratch_len = swiglu_len.max(2 * logits_len + logit_grads_len);
+        let (swiglu_len, kv_partials_len) = (n * f, 2 * n * qd);
+        // In bf16 elements: the swiglu output, the fp32 partials, the fp32 logits and their
+        // bf16 gradient; rounded to 16 bytes for the ranges after it.
+        let scratch_len = swiglu_len
+            .max(2 * kv_partials_len)
+            .max(2 * logits_len + logit_grads_len);
         let scratch = b.take(scratch_len.next_multiple_of(8));
         let residual = b.take((l + 1) * n * h);
         let q = b.take(l * n * qd);
@@ -183,6 +187,7 @@ impl GpuActivationLayout {
             seq,
             scratch,
             swiglu_len,
+            kv_partials_len,
             logits_len,
             logit_grads_len,
             residual,
@@ -348,6 +353,12 @@ impl GpuActivations {
             .sub(0, self.layout.swiglu_len)
     }
 
+    /// The attention backward's fp32 k and v partials `(2, B, T, H, D)` (the shared scratch).
+    pub(super) fn kv_partials(&self) -> Result<GpuSlice<f32>, DeviceError> {
+        let scratch = self.bf(&self.layout.scratch)?.reinterpret::<f32>()?;
+        scratch.sub(0, self.layout.kv_partials_len)
+    }
+
     /// The LM head's fp32 logits `(rows, V)` for up to [`HEAD_ROWS`] rows and their bf16
     /// gradient for up to [`HEAD_GRAD_ROWS`] rows, after them (the shared scratch).
     pub(super) fn head_logits(&self) -> Result<(GpuSlice<f32>, GpuSlice<bf16>), DeviceError> {
@@ -479,7 +490,7 @@ mod tests {
         assert_eq!(long.logit_grads_len, HEAD_GRAD_ROWS * c.vocab_size);
         for l in [&a, &long] {
             let bytes = 2 * l.scratch.len();
-            assert!(bytes >= 2 * l.swiglu_len);
+            assert!(bytes >= 2 * l.swiglu_len && bytes >= 4 * l.kv_partials_len);
             assert!(
                 bytes >= 4 * l.logits_len + 2 * l.logit_grads_len,
                 "fp32 logits, then their bf16 gradient"

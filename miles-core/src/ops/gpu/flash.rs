@@ -3,10 +3,12 @@
 //! cores, keeping per row only the log-sum-exp of its scores for the backward pass, which
 //! recomputes the probabilities. No `(T, T)` matrix is written and no gradient is summed with
 //! an atomic (a block sums its key tile's k and v gradients over the query group's heads in
-//! registers), so a backward pass repeats bit for bit.
+//! registers, or over a piece of them into fp32 partials summed in order where the grid would
+//! leave multiprocessors idle), so a backward pass repeats bit for bit.
 
 use half::bf16;
 
+use super::elementwise;
 use super::elementwise::as_i32;
 use crate::device::{DeviceError, Gpu, GpuSlice, LaunchConfig};
 use crate::ops::AttentionShape;
@@ -17,8 +19,9 @@ const PADDED: [usize; 4] = [16, 32, 64, 128];
 /// The largest head dim the training attention takes.
 pub const FLASH_MAX_HEAD_DIM: usize = PADDED[PADDED.len() - 1];
 
-/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`].
-pub(super) const KERNELS: [&str; 12] = [
+/// The kernels of `kernels/flash.cu`: forward, dq, dkv for each of [`PADDED`], then the sum
+/// of the dkv kernel's partials.
+pub(super) const KERNELS: [&str; 13] = [
     "flash_forward_16",
     "flash_backward_dq_16",
     "flash_backward_dkv_16",
@@ -31,6 +34,7 @@ pub(super) const KERNELS: [&str; 12] = [
     "flash_forward_128",
     "flash_backward_dq_128",
     "flash_backward_dkv_128",
+    "flash_dkv_reduce",
 ];
 
 /// Positions of a tile (`FA_TILE`).
@@ -181,22 +185,49 @@ impl Gpu {
 
     /// The gradients of [`Gpu::flash_attention_forward`]: `dq`, `dk`, `dv` (bf16, overwritten;
     /// dk and dv summed over each key/value head's query group) from `dout`, the forward's
-    /// inputs, its `out` and `lse`. Scratch: `delta (B, H, T)` (`rowsum(dout * out)`).
+    /// inputs, its `out` and `lse`. Scratch: `delta (B, H, T)` (`rowsum(dout * out)`) and
+    /// `partials`, `2 B T H D` floats (where the dk/dv blocks split their groups, their fp32
+    /// shares, [`dkv_split`]).
     ///
     /// # Errors
     /// As [`Gpu::flash_attention_forward`].
     #[allow(clippy::too_many_arguments)]
     pub fn flash_attention_backward(
         &self,
-        [dq, dk, dv]: [GpuSlice<bf16>; 3],
-        delta: GpuSlice<f32>,
-        [q, k, v]: [GpuSlice<bf16>; 3],
+        grads: [GpuSlice<bf16>; 3],
+        scratch: [GpuSlice<f32>; 2],
+        inputs: [GpuSlice<bf16>; 3],
         out: GpuSlice<bf16>,
         dout: GpuSlice<bf16>,
         lse: GpuSlice<f32>,
         shape: AttentionShape,
     ) -> Result<(), DeviceError> {
+        let split = dkv_split(shape, self.multiprocessors());
+        self.flash_backward_split(grads, scratch, inputs, [out, dout], lse, shape, split)
+    }
+
+    /// [`Gpu::flash_attention_backward`] with each dk/dv block's query group in `split` pieces
+    /// (a divisor of the group).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn flash_backward_split(
+        &self,
+        [dq, dk, dv]: [GpuSlice<bf16>; 3],
+        [delta, partials]: [GpuSlice<f32>; 2],
+        [q, k, v]: [GpuSlice<bf16>; 3],
+        [out, dout]: [GpuSlice<bf16>; 2],
+        lse: GpuSlice<f32>,
+        shape: AttentionShape,
+        split: usize,
+    ) -> Result<(), DeviceError> {
         let c = Checked::of(shape)?;
+        let group = shape.heads / shape.kv_heads;
+        if split == 0 || !group.is_multiple_of(split) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "attention dk/dv pieces of a query group (a divisor of it)",
+                expected: group,
+                actual: split,
+            });
+        }
         let (q_len, kv_len, rows) = lengths(shape);
         for (what, x) in [
             ("attention dq", dq),
@@ -216,6 +247,7 @@ impl Gpu {
         }
         lse.expect_len("attention lse", rows)?;
         delta.expect_len("attention delta", rows)?;
+        partials.expect_len("attention dk and dv partials", 2 * q_len)?;
         if rows == 0 {
             return Ok(());
         }
@@ -246,18 +278,22 @@ impl Gpu {
                 &c.scale,
             ],
         )?;
-        // A block takes two key tiles, one near each end of the sequence, of one kv head.
+        // A block takes two key tiles, one near each end of the sequence, of one piece of a kv
+        // head's query group.
+        let split32 = as_i32("attention dk/dv pieces", split)?;
         self.launch(
             c.kernel(2),
             Checked::launch(
                 shape,
                 shape.seq.div_ceil(2 * TILE),
-                shape.kv_heads,
+                shape.kv_heads * split,
                 BACKWARD_TILES * c.tile() + 2 * ROW_BYTES,
             ),
             &[
                 &dk.address(),
                 &dv.address(),
+                &partials.address(),
+                &split32,
                 &q.address(),
                 &k.address(),
                 &v.address(),
@@ -271,6 +307,36 @@ impl Gpu {
                 &scale_log2,
                 &c.scale,
             ],
+        )?;
+        if split == 1 {
+            return Ok(());
+        }
+        let n = kv_len as i64;
+        self.launch(
+            "flash_dkv_reduce",
+            elementwise(kv_len),
+            &[
+                &dk.address(),
+                &dv.address(),
+                &partials.address(),
+                &split32,
+                &n,
+            ],
         )
     }
+}
+
+/// Pieces a dk/dv block's query group is split into: 1 (each kv head's gradients summed in
+/// registers and written once) where the grid of two key tiles a kv head already gives every
+/// one of the `multiprocessors` a block (two fit one at head dim 64, so such a grid is one wave
+/// of equal blocks or more), else the fewest (a divisor of the group) that do, or the whole
+/// group (one query head a block), each piece's share then summed from fp32 partials. Not
+/// tuned on a GPU yet.
+pub(super) fn dkv_split(s: AttentionShape, multiprocessors: usize) -> usize {
+    let group = s.heads / s.kv_heads.max(1);
+    let blocks = s.seq.div_ceil(2 * TILE) * s.kv_heads * s.batch;
+    (1..=group)
+        .filter(|pieces| group.is_multiple_of(*pieces))
+        .find(|pieces| blocks * pieces >= multiprocessors)
+        .unwrap_or(group)
 }

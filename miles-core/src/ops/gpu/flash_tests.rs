@@ -9,6 +9,7 @@ use std::process::Command;
 
 use half::bf16;
 
+use super::flash::dkv_split;
 use super::testing::{TestGpu, assert_close};
 use crate::device::{DeviceError, GpuSlice};
 use crate::ops::testing::seeded_vec as seeded;
@@ -94,6 +95,11 @@ impl Case {
 
     /// The forward pass's output and log-sum-exp, then the backward's dq, dk, dv.
     fn run(&self, t: &mut TestGpu) -> [Vec<f32>; 5] {
+        self.run_split(t, None)
+    }
+
+    /// As [`Case::run`], the dk/dv blocks' query groups in `split` pieces where given.
+    fn run_split(&self, t: &mut TestGpu, split: Option<usize>) -> [Vec<f32>; 5] {
         let s = self.s;
         let n = s.batch * s.seq;
         let (qd, kvd) = (n * s.heads * s.head_dim, n * s.kv_heads * s.head_dim);
@@ -104,9 +110,28 @@ impl Case {
             t.alloc::<f32>(s.batch * s.heads * s.seq),
         );
         let (dq, dk, dv) = (t.alloc::<bf16>(qd), t.alloc(kvd), t.alloc(kvd));
+        let partials = t.alloc::<f32>(2 * qd);
         ok(t.gpu.flash_attention_forward(out, lse, [q, k, v], s));
-        ok(t.gpu
-            .flash_attention_backward([dq, dk, dv], delta, [q, k, v], out, dout, lse, s));
+        ok(match split {
+            None => t.gpu.flash_attention_backward(
+                [dq, dk, dv],
+                [delta, partials],
+                [q, k, v],
+                out,
+                dout,
+                lse,
+                s,
+            ),
+            Some(split) => t.gpu.flash_backward_split(
+                [dq, dk, dv],
+                [delta, partials],
+                [q, k, v],
+                [out, dout],
+                lse,
+                s,
+                split,
+            ),
+        });
         [
             t.get_bf16(out),
             t.get(lse),
@@ -251,6 +276,65 @@ fn gpu_flash_attention_backward_matches_a_float64_reference_on_small_shapes() {
                 "{name} of {s:?}: {worst} > 2% of {top}"
             );
         }
+    }
+}
+
+#[test]
+fn dk_dv_blocks_split_their_query_group_only_where_the_grid_leaves_multiprocessors_idle() {
+    // The 1B preset's heads (32 query, 8 kv) on an H100's 132 multiprocessors: issue 24's
+    // shapes fill it with whole groups; one sequence of 2048 needs halves, of 512 single heads.
+    for (batch, seq, pieces) in [
+        (8, 512, 1),
+        (2, 2048, 1),
+        (1, 4096, 1),
+        (1, 2048, 2),
+        (1, 512, 4),
+    ] {
+        assert_eq!(
+            dkv_split(shape(batch, seq, 32, 8, 64), 132),
+            pieces,
+            "{batch} x {seq}"
+        );
+    }
+    // Pieces divide the group: of 6, 3 where 2 would leave multiprocessors idle and 3 does not.
+    assert_eq!(dkv_split(shape(1, 256, 6, 1, 64), 6), 3);
+    assert_eq!(dkv_split(shape(1, 64, 6, 6, 64), 132), 1);
+}
+
+#[test]
+fn gpu_flash_attention_dk_dv_agree_with_the_cpu_in_every_split_of_the_query_group() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_flash_attention_dk_dv_agree_with_the_cpu_in_every_split_of_the_query_group",
+        ARENA,
+    ) else {
+        return;
+    };
+    let s = shape(2, 130, 8, 2, 64);
+    let case = Case::new(&mut t, s, 130, 0);
+    let want = float64_attention(s, &case.host);
+    for split in [1, 2, 4] {
+        let [_, _, _, dk, dv] = case.run_split(&mut t, Some(split));
+        for (name, got, want) in [("dk", &dk, &want[2]), ("dv", &dv, &want[3])] {
+            let top = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(&g, w)| (f64::from(g) - w).abs())
+                .fold(0.0f64, f64::max);
+            assert!(
+                worst <= 2e-2 * top,
+                "{name} in {split} pieces: {worst} > 2% of {top}"
+            );
+        }
+    }
+    let [q, k, v, dout] = case.dev;
+    let f = t.alloc::<f32>(1);
+    match t
+        .gpu
+        .flash_backward_split([q, k, v], [f, f], [q, k, v], [q, dout], f, s, 3)
+    {
+        Err(DeviceError::ShapeMismatch { what, .. }) => assert!(what.contains("pieces"), "{what}"),
+        other => panic!("3 pieces of a group of 4: {other:?}"),
     }
 }
 

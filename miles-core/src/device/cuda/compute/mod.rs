@@ -195,6 +195,8 @@ pub struct Gpu {
     blas: blas::Blas,
     lt: lt::Lt,
     device: Arc<CudaDevice>,
+    /// The GPU's streaming multiprocessors.
+    multiprocessors: usize,
     /// The mapped host buffer of staged uploads and downloads, made at the first, grown as
     /// needed.
     staging: Mutex<StagingSlot>,
@@ -224,6 +226,9 @@ impl Gpu {
         let ptx = compile(program)?;
         let context = CudaContext::new(device.ordinal() as usize).map_err(cuda("cuCtxRetain"))?;
         let stream = new_stream(&context, Priority::Compute)?;
+        let multiprocessors = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda("cuDeviceGetAttribute"))?;
         let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
         let kernels = program
             .kernels
@@ -250,6 +255,7 @@ impl Gpu {
             blas,
             lt,
             device,
+            multiprocessors: multiprocessors.max(1) as usize,
             staging: Mutex::new(StagingSlot::default()),
         })
     }
@@ -286,6 +292,7 @@ impl Gpu {
             stream,
             kernels: self.kernels.clone(),
             device: Arc::clone(&self.device),
+            multiprocessors: self.multiprocessors,
             staging: Mutex::new(StagingSlot::default()),
         })
     }
@@ -293,6 +300,11 @@ impl Gpu {
     /// The device whose memory the tensors live in.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
+    }
+
+    /// The GPU's streaming multiprocessors: what a kernel's grid must fill.
+    pub fn multiprocessors(&self) -> usize {
+        self.multiprocessors
     }
 
     /// The compute stream, for libraries (NCCL) that queue on it.

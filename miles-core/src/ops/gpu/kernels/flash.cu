@@ -8,7 +8,8 @@
 // kernels, neither with an atomic, so gradients repeat bit for bit: `flash_backward_dq`
 // (one block per 64 queries of a head; it also writes delta = rowsum(dO * O)) and
 // `flash_backward_dkv` (a block per two tiles of 64 keys and one kv head, walking the queries
-// at or after them of each query head of its group in order, summing in registers).
+// at or after them of each query head of its group in order, summing in registers; where that
+// grid is small, a block per piece of the group, whose fp32 partials `flash_dkv_reduce` sums).
 // The tiles a loop walks are double-buffered: the next one is copied in (cp.async, where rows
 // are 16-byte aligned) while the tensor cores work on this one.
 //
@@ -421,14 +422,36 @@ __device__ void load_query_tiles(bf16* qs, bf16* ds, float* rows, const bf16* q,
     }
 }
 
-// The dk and dv of key tile kt, from the queries at or after its keys of every query head of
-// kv head kvh's group (the heads in order, each walking its query tiles in order), written as
-// bf16: one sum in registers, so no partials and no atomics.
+// Writes a warp's 16 rows of fp32 partial gradients (times `scale`) to part (B, T, KH, D) at kv
+// head kvh.
 template <int DP>
-__device__ void flash_dkv_key_tile(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
-                                   const bf16* dout, const float* lse, const float* delta, int b,
-                                   int kt, int kvh, int T, int H, int KH, int D, float scale_log2,
-                                   float scale) {
+__device__ void store_partial(float* part, const float (*acc)[4], float scale, int b, int T, int KH,
+                              int kvh, int D, int r0) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int row = r0 + g + 8 * half;
+        if (row >= T) continue;
+        float* dst = part + ((size_t)(b * T + row) * KH + kvh) * D;
+#pragma unroll
+        for (int n = 0; n < DP / 8; n++) {
+            const int c = n * 8 + 2 * t;
+            if (c < D) dst[c] = acc[n][2 * half] * scale;
+            if (c + 1 < D) dst[c + 1] = acc[n][2 * half + 1] * scale;
+        }
+    }
+}
+
+// The dk and dv of key tile kt from the queries at or after its keys of piece `piece` of kv head
+// kvh's query group (split into `split` pieces of consecutive heads; the heads in order, each
+// walking its query tiles in order), summed in registers. One piece (split 1) is the whole
+// group: written as bf16. Otherwise as fp32 partials at part (2, split, B, T, KH, D), which
+// `flash_dkv_reduce` sums in order. No atomics either way.
+template <int DP>
+__device__ void flash_dkv_key_tile(bf16* dk, bf16* dv, float* part, int split, const bf16* q,
+                                   const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+                                   const float* delta, int b, int kt, int kvh, int piece, int T,
+                                   int H, int KH, int D, float scale_log2, float scale) {
     constexpr int SD = DP + 8, KD = DP / 16, TILE = FA_TILE * SD;
     extern __shared__ uint4 fa_shared[];
     bf16* ks = (bf16*)fa_shared;
@@ -436,18 +459,19 @@ __device__ void flash_dkv_key_tile(bf16* dk, bf16* dv, const bf16* q, const bf16
     bf16* qs = vs + TILE;     // two buffers each of q and dO
     bf16* ds = qs + 2 * TILE;
     float* rows = (float*)(ds + 2 * TILE);  // per buffer: lse, then delta, of its queries
-    const int group = H / KH, warp = threadIdx.x >> 5, k0 = kt * FA_TILE, wr = warp * 16;
+    const int heads = H / KH / split, first_hq = (kvh * split + piece) * heads;
+    const int warp = threadIdx.x >> 5, k0 = kt * FA_TILE, wr = warp * 16;
     const bool v8 = D % 8 == 0, vq = v8 && aligned16(q), vd = v8 && aligned16(dout);
     __syncthreads();  // the block's previous key tile is done with every buffer
     load_tile<DP>(ks, k, b, T, KH, kvh, D, k0, v8 && aligned16(k));
     load_tile<DP>(vs, v, b, T, KH, kvh, D, k0, v8 && aligned16(v));
-    load_query_tiles<DP>(qs, ds, rows, q, dout, lse, delta, b, T, H, D, kvh * group, k0, vq, vd);
+    load_query_tiles<DP>(qs, ds, rows, q, dout, lse, delta, b, T, H, D, first_hq, k0, vq, vd);
     commit_tiles();
     float gk[DP / 8][4] = {}, gv[DP / 8][4] = {};
     unsigned ka[KD][4], va[KD][4];
     // Item i is query tile q0 of a head; next_q0 of next_hq is copied in while it runs.
-    const int items = group * ((T + FA_TILE - 1) / FA_TILE - kt);
-    int q0 = k0, next_q0 = k0, next_hq = kvh * group;
+    const int items = heads * ((T + FA_TILE - 1) / FA_TILE - kt);
+    int q0 = k0, next_q0 = k0, next_hq = first_hq;
     for (int i = 0; i < items; i++, q0 = next_q0) {
         const int buf = i & 1;
         next_q0 += FA_TILE;
@@ -496,45 +520,72 @@ __device__ void flash_dkv_key_tile(bf16* dk, bf16* dv, const bf16* q, const bf16
         mma_x<DP / 8, 4>(gk, dsa, qb, SD);
         __syncthreads();
     }
-    store_rows<DP>(dk, gk, scale, scale, b, T, KH, kvh, D, k0 + wr);
-    store_rows<DP>(dv, gv, 1.0f, 1.0f, b, T, KH, kvh, D, k0 + wr);
+    if (split == 1) {
+        store_rows<DP>(dk, gk, scale, scale, b, T, KH, kvh, D, k0 + wr);
+        store_rows<DP>(dv, gv, 1.0f, 1.0f, b, T, KH, kvh, D, k0 + wr);
+        return;
+    }
+    const size_t n = (size_t)gridDim.z * T * KH * D;
+    store_partial<DP>(part + piece * n, gk, scale, b, T, KH, kvh, D, k0 + wr);
+    store_partial<DP>(part + (split + piece) * n, gv, 1.0f, b, T, KH, kvh, D, k0 + wr);
 }
 
-// Grid (ceil(tiles / 2), KH, B): key tiles x and tiles - 1 - x (one walks many query tiles, the
-// other few, so every block does the same work), for one kv head.
+// Grid (ceil(tiles / 2), KH * split, B): key tiles x and tiles - 1 - x (one walks many query
+// tiles, the other few, so every block does the same work), for one piece of a kv head's group.
 template <int DP>
-__device__ void flash_dkv_tiles(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,
-                                const bf16* dout, const float* lse, const float* delta, int T, int H,
-                                int KH, int D, float scale_log2, float scale) {
+__device__ void flash_dkv_tiles(bf16* dk, bf16* dv, float* part, int split, const bf16* q,
+                                const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+                                const float* delta, int T, int H, int KH, int D, float scale_log2,
+                                float scale) {
     const int tiles = (T + FA_TILE - 1) / FA_TILE, first = blockIdx.x, last = tiles - 1 - blockIdx.x;
-    flash_dkv_key_tile<DP>(dk, dv, q, k, v, dout, lse, delta, blockIdx.z, first, blockIdx.y, T, H,
-                           KH, D, scale_log2, scale);
+    const int kvh = blockIdx.y / split, piece = blockIdx.y % split;
+    flash_dkv_key_tile<DP>(dk, dv, part, split, q, k, v, dout, lse, delta, blockIdx.z, first, kvh,
+                           piece, T, H, KH, D, scale_log2, scale);
     if (last != first) {
-        flash_dkv_key_tile<DP>(dk, dv, q, k, v, dout, lse, delta, blockIdx.z, last, blockIdx.y, T,
-                               H, KH, D, scale_log2, scale);
+        flash_dkv_key_tile<DP>(dk, dv, part, split, q, k, v, dout, lse, delta, blockIdx.z, last, kvh,
+                               piece, T, H, KH, D, scale_log2, scale);
+    }
+}
+
+// dk and dv (n values each, as (B, T, KH, D)) from the dk/dv kernel's `split` fp32 partials of
+// each (part (2, split, n)), summed in order and rounded once. One thread a value.
+extern "C" __global__ void flash_dkv_reduce(bf16* dk, bf16* dv, const float* part, int split,
+                                            long long n) {
+    grid_begin();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float sk = 0.0f, sv = 0.0f;
+        for (int j = 0; j < split; j++) {
+            sk += part[j * n + i];
+            sv += part[(split + j) * n + i];
+        }
+        dk[i] = f2bf(sk);
+        dv[i] = f2bf(sv);
     }
 }
 
 #define FLASH_KERNELS(DP)                                                                          \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                       \
         flash_forward_##DP(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,     \
                            int T, int H, int KH, int D, float scale_log2) {                        \
         grid_begin();                                                                              \
         flash_forward_tile<DP>(out, lse, q, k, v, T, H, KH, D, scale_log2);                        \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                       \
         flash_backward_dq_##DP(bf16* dq, float* delta, const bf16* q, const bf16* k,               \
                                const bf16* v, const bf16* o, const bf16* dout, const float* lse,   \
                                int T, int H, int KH, int D, float scale_log2, float scale) {       \
         grid_begin();                                                                              \
         flash_dq_tile<DP>(dq, delta, q, k, v, o, dout, lse, T, H, KH, D, scale_log2, scale);       \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                              \
-        flash_backward_dkv_##DP(bf16* dk, bf16* dv, const bf16* q, const bf16* k, const bf16* v,   \
-                                const bf16* dout, const float* lse, const float* delta, int T,     \
-                                int H, int KH, int D, float scale_log2, float scale) {             \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                       \
+        flash_backward_dkv_##DP(bf16* dk, bf16* dv, float* part, int split, const bf16* q,         \
+                                const bf16* k, const bf16* v, const bf16* dout, const float* lse,  \
+                                const float* delta, int T, int H, int KH, int D, float scale_log2, \
+                                float scale) {                                                     \
         grid_begin();                                                                              \
-        flash_dkv_tiles<DP>(dk, dv, q, k, v, dout, lse, delta, T, H, KH, D, scale_log2, scale);    \
+        flash_dkv_tiles<DP>(dk, dv, part, split, q, k, v, dout, lse, delta, T, H, KH, D,          \
+                            scale_log2, scale);                                                    \
     }
 
 FLASH_KERNELS(16)
