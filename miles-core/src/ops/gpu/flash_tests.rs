@@ -241,6 +241,17 @@ fn float64_attention(s: AttentionShape, [q, k, v, dout]: &[Vec<f32>; 4]) -> [Vec
     [out, dq, dk, dv]
 }
 
+/// The largest difference of `got` from `want`, and `want`'s largest magnitude.
+fn worst_and_largest(got: &[f32], want: &[f64]) -> (f64, f64) {
+    let top = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(&g, w)| (f64::from(g) - w).abs())
+        .fold(0.0f64, f64::max);
+    (worst, top)
+}
+
 #[test]
 fn gpu_flash_attention_backward_matches_a_float64_reference_on_small_shapes() {
     let Some(mut t) = TestGpu::open(
@@ -264,12 +275,7 @@ fn gpu_flash_attention_backward_matches_a_float64_reference_on_small_shapes() {
         ] {
             // Within 2% of the tensor's largest value: the small gradients are not waved
             // through by a floor of 1.
-            let top = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(&g, w)| (f64::from(g) - w).abs())
-                .fold(0.0f64, f64::max);
+            let (worst, top) = worst_and_largest(got, want);
             eprintln!("{name} of {s:?}: worst {worst:.3e} of largest {top:.3e}");
             assert!(
                 top > 0.0 && worst <= 2e-2 * top,
@@ -315,12 +321,7 @@ fn gpu_flash_attention_dk_dv_agree_with_the_cpu_in_every_split_of_the_query_grou
     for split in [1, 2, 4] {
         let [_, _, _, dk, dv] = case.run_split(&mut t, Some(split));
         for (name, got, want) in [("dk", &dk, &want[2]), ("dv", &dv, &want[3])] {
-            let top = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(&g, w)| (f64::from(g) - w).abs())
-                .fold(0.0f64, f64::max);
+            let (worst, top) = worst_and_largest(got, want);
             assert!(
                 worst <= 2e-2 * top,
                 "{name} in {split} pieces: {worst} > 2% of {top}"
