@@ -5,8 +5,8 @@
 //! It differs from the CPU's [`ActivationLayout`](crate::model::ActivationLayout) in what a
 //! layer keeps for the backward pass:
 //! - attention is the flash kernels' (`ops::gpu::flash`), so a layer keeps no probabilities,
-//!   only each row's log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` and each
-//!   query head's fp32 share of the k and v gradients are scratch;
+//!   only each row's log-sum-exp `(B, H, T)`; the backward pass's `rowsum(dO * O)` and the
+//!   k and v gradients' fp32 partials (where its blocks split their query groups) are scratch;
 //! - the two norms' outputs and the swiglu output are recomputed in the backward pass (the
 //!   same kernels, so the same bits) into one layer's scratch, and the swiglu backward writes
 //!   the gate and up gradients over the kept gate and up;

@@ -220,14 +220,6 @@ impl Gpu {
         split: usize,
     ) -> Result<(), DeviceError> {
         let c = Checked::of(shape)?;
-        let group = shape.heads / shape.kv_heads;
-        if split == 0 || !group.is_multiple_of(split) {
-            return Err(DeviceError::ShapeMismatch {
-                what: "attention dk/dv pieces of a query group (a divisor of it)",
-                expected: group,
-                actual: split,
-            });
-        }
         let (q_len, kv_len, rows) = lengths(shape);
         for (what, x) in [
             ("attention dq", dq),
@@ -250,6 +242,14 @@ impl Gpu {
         partials.expect_len("attention dk and dv partials", 2 * q_len)?;
         if rows == 0 {
             return Ok(());
+        }
+        let group = shape.heads / shape.kv_heads;
+        if split == 0 || !group.is_multiple_of(split) {
+            return Err(DeviceError::ShapeMismatch {
+                what: "attention dk/dv pieces of a query group (a divisor of it)",
+                expected: group,
+                actual: split,
+            });
         }
         let [t, h, kh, d] = c.ints;
         let scale_log2 = c.scale * std::f32::consts::LOG2_E;
@@ -331,7 +331,9 @@ impl Gpu {
 /// one of the `multiprocessors` a block (two fit one at head dim 64, so such a grid is one wave
 /// of equal blocks or more), else the fewest (a divisor of the group) that do, or the whole
 /// group (one query head a block), each piece's share then summed from fp32 partials. Not
-/// tuned on a GPU yet.
+/// tuned on a GPU yet. The pieces change how dk and dv are summed, so their bits depend on the
+/// multiprocessor count: the same on every run and every replica of one kind of GPU, not
+/// across kinds (an H100 SXM's 132 against a PCIe card's 114, or a MIG slice).
 pub(super) fn dkv_split(s: AttentionShape, multiprocessors: usize) -> usize {
     let group = s.heads / s.kv_heads.max(1);
     let blocks = s.seq.div_ceil(2 * TILE) * s.kv_heads * s.batch;

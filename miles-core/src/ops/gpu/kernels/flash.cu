@@ -225,7 +225,7 @@ __device__ __forceinline__ void mask_causal(float (*s)[4], int row0, int col0, i
         }
 }
 
-// Query rows of a forward block: 4 warps of FORWARD_M row tiles of 16, each B fragment read
+// Query rows of a forward block: 4 warps of M row tiles of 16, each B fragment read
 // once for all of a warp's row tiles. Two where the registers allow (head dims up to 64), one at
 // 128 (flash.rs's `forward_rows`).
 template <int DP>
