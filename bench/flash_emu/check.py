@@ -2,7 +2,7 @@
 """Runs the training attention's CUDA kernels (miles-core/src/ops/gpu/kernels/flash.cu) on the CPU
 and checks them against a float64 reference: a way to test a change to them where no GPU is.
 
-The kernels' inline assembly (mma.sync, ldmatrix, cp.async, ex2) is rewritten into calls of
+The kernels' inline assembly (mma.sync, ldmatrix, cp.async, ex2, cvt) is rewritten into calls of
 cuda_on_cpu.hpp, which gives the same fragments to the same lanes as the PTX ISA says; the
 result is compiled with g++ and run on shapes that reach every head-dim instance, partial tiles,
 head dims that are not a multiple of 8 and query groups of 1 to 4. It checks the kernels' logic
@@ -56,6 +56,11 @@ REWRITES = [
     ),
     (r'asm volatile\("cp\.async\.(commit_group|wait_group \d);\\n" ::\);', ";"),
     (r'asm\("ex2\.approx\.ftz\.f32 %0, %1;" : "=f"\((\w+)\) : "f"\((\w+)\)\);', r"\1 = emu_ex2_ftz(\2);"),
+    # cvt.rn.bf16x2.f32 d, hi, lo: pack2's rounding (to nearest even).
+    (
+        r'asm\("cvt\.rn\.bf16x2\.f32 %0, %1, %2;" : "=r"\((\w+)\) : "f"\((\w+)\), "f"\((\w+)\)\);',
+        r"\1 = pack2(\3, \2);",
+    ),
     (r"extern __shared__ uint4 fa_shared\[\];", "uint4* fa_shared = (uint4*)emu_smem;"),
 ]
 
