@@ -7,11 +7,23 @@ NVRTC comes from the `nvidia-cuda-nvrtc` wheel; `.ci/run` unpacks one under targ
 
   python3 bench/nvrtc_check.py                       # PTX for compute_90, errors and warnings
   python3 bench/nvrtc_check.py --arch sm_90 --kernels flash   # registers and spills of flash_*
+  python3 bench/nvrtc_check.py --arch sm_90 --kernels flash_forward_64 --loops   # and its loops
+
+--loops disassembles the machine code (nvdisasm, from the `nvidia-cuda-nvdisasm` wheel:
+  python3 -m pip download --no-deps --dest target/ci-nvdisasm nvidia-cuda-nvdisasm
+  python3 -m zipfile -e target/ci-nvdisasm/nvidia_cuda_nvdisasm-*.whl target/ci-nvdisasm
+) and prints each kernel's instructions and its largest loop's, by opcode: a kernel's main loop,
+counted statically (every branch of its body, taken or not), to compare two versions of a kernel
+where no GPU is. Static counts are not time: what runs, and how it overlaps, only a GPU says.
 """
 
 import argparse
+import collections
 import ctypes
 import re
+import shutil
+import stat
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +36,15 @@ def main() -> None:
     parser.add_argument("--lib", default=str(ROOT / "target/ci-nvrtc/nvidia/cu13/lib/libnvrtc.so.13"))
     parser.add_argument("--arch", default="compute_90", help="compute_90 (PTX) or sm_90 (with ptxas' report)")
     parser.add_argument("--kernels", default="", help="with sm_90: report only kernels whose name contains this")
+    parser.add_argument("--loops", action="store_true", help="with sm_90: each kernel's largest loop, by opcode")
+    parser.add_argument(
+        "--nvdisasm",
+        default=str(ROOT / "target/ci-nvdisasm/nvidia/cu13/bin/nvdisasm"),
+        help="nvdisasm for --loops (else the one on PATH)",
+    )
     args = parser.parse_args()
+    if args.loops and not args.arch.startswith("sm_"):
+        raise SystemExit("--loops needs machine code: add --arch sm_90")
     nvrtc = ctypes.CDLL(args.lib)
     # The sources in the order of `PROGRAM` in ops/gpu/mod.rs.
     names = re.findall(r'include_str!\("kernels/([^"]+)"\)', (GPU / "mod.rs").read_text())
@@ -55,7 +75,56 @@ def main() -> None:
         elif not report and not entry and "ptxas" not in line and line.strip():
             print(line)
     print(f"{len(names)} sources, nvrtcCompileProgram status {status}")
-    raise SystemExit(1 if status else 0)
+    if status:
+        raise SystemExit(1)
+    if args.loops:
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(program, cubin)
+        print_loops(cubin.raw, nvdisasm_path(args.nvdisasm), args.kernels)
+
+
+def nvdisasm_path(given: str) -> str:
+    """The nvdisasm to run: `given` (made executable: wheels unpack without the bit), else PATH's."""
+    path = Path(given)
+    if path.is_file():
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+        return str(path)
+    found = shutil.which("nvdisasm")
+    if not found:
+        raise SystemExit(f"no nvdisasm at {given} or on PATH: see this script's header for the wheel")
+    return found
+
+
+def print_loops(cubin: bytes, nvdisasm: str, kernels: str) -> None:
+    """Each kernel's static instructions, and its largest loop's (from a label to the furthest
+    branch back to it) by opcode."""
+    out = ROOT / "target/nvrtc-check"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.cubin").write_bytes(cubin)
+    sass = subprocess.run([nvdisasm, str(out / "kernels.cubin")], capture_output=True, text=True, check=True).stdout
+    sections = re.split(r"\n\s*\.section\s+\.text\.(\w+),", sass)
+    for name, body in sorted(zip(sections[1::2], sections[2::2])):
+        if kernels not in name:
+            continue
+        code, labels = [], {}
+        for line in body.splitlines():
+            label = re.match(r"\s*\.(L_x_\d+):", line)
+            if label:
+                labels[label.group(1)] = len(code)
+            instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+            if instruction:
+                code.append(instruction.group(1).strip())
+        loops = [
+            (labels[target.group(1)], at)
+            for at, text in enumerate(code)
+            if (target := re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)) and labels.get(target.group(1), at + 1) <= at
+        ]
+        first, last = max(loops, key=lambda loop: loop[1] - loop[0], default=(0, len(code) - 1))
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in code[first : last + 1])
+        top = ", ".join(f"{op} {count}" for op, count in ops.most_common(12))
+        print(f"{name}: {len(code)} instructions; largest loop {last - first + 1}: {top}")
 
 
 if __name__ == "__main__":
