@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Runs the training attention's CUDA kernels (miles-core/src/ops/gpu/kernels/flash.cu) on the CPU
-and checks them against a float64 reference: a way to test a change to them where no GPU is.
+"""Runs the attention's CUDA kernels on the CPU and checks them against a float64 reference: the
+training attention (miles-core/src/ops/gpu/kernels/flash.cu: forward, dq, dk/dv) and the
+engine's paged attention and decode step (kernels/paged.cu), a way to test a change to them
+where no GPU is.
 
-The kernels' inline assembly (mma.sync, ldmatrix, cp.async, ex2, cvt) is rewritten into calls of
+Their inline assembly (mma.sync, ldmatrix, cp.async, ex2, cvt) is rewritten into calls of
 cuda_on_cpu.hpp, which gives the same fragments to the same lanes as the PTX ISA says; the
 result is compiled with g++ and run on shapes that reach every head-dim instance, partial tiles,
-head dims that are not a multiple of 8 and query groups of 1 to 4. It checks the kernels' logic
-(indices, masks, tiles, sums), not their speed or the hardware's rounding. Prints "skipped" and
-exits 0 where g++ is missing.
+head dims that are not a multiple of 8, query groups of 1 to 4 and cache blocks of several
+sizes. It checks the kernels' logic (indices, masks, tiles, sums, block tables), not their speed
+or the hardware's rounding. Prints "skipped" and exits 0 where g++ is missing.
 
-  python3 bench/flash_emu/check.py            # every shape
-  python3 bench/flash_emu/check.py 1 200 8 2 64   # one shape: B T H KH D
+  python3 bench/attention_emu/check.py                          # every shape
+  python3 bench/attention_emu/check.py flash 1 200 8 2 64       # one: B T H KH D
+  python3 bench/attention_emu/check.py paged 2 100 8 2 64 16    # one: B T H KH D, block size P
 """
 
 import re
@@ -22,21 +25,27 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 KERNELS = ROOT / "miles-core/src/ops/gpu/kernels"
-BUILD = ROOT / "target/flash-emu"
+BUILD = ROOT / "target/attention-emu"
 
-# B, T, H, KH, D: every padded head dim, T on and off tile edges, groups of 1 to 4 (dk and dv
-# in every number of pieces dividing the group).
+# flash: B, T, H, KH, D: every padded head dim, T on and off tile edges, groups of 1 to 4 (dk and
+# dv in every number of pieces dividing the group). paged: and the cache's block size; a group of
+# 12 takes two blocks a kv head (8 query heads a block).
 SHAPES = [
-    (1, 70, 2, 1, 64),
-    (2, 130, 4, 2, 64),
-    (1, 200, 4, 1, 64),
-    (1, 128, 2, 1, 64),
-    (2, 67, 4, 4, 40),
-    (1, 130, 2, 1, 128),
-    (1, 100, 2, 1, 16),
-    (1, 90, 3, 1, 32),
-    (1, 5, 2, 1, 12),
-    (1, 1, 2, 1, 64),
+    ("flash", 1, 70, 2, 1, 64),
+    ("flash", 2, 130, 4, 2, 64),
+    ("flash", 1, 200, 4, 1, 64),
+    ("flash", 1, 128, 2, 1, 64),
+    ("flash", 2, 67, 4, 4, 40),
+    ("flash", 1, 130, 2, 1, 128),
+    ("flash", 1, 100, 2, 1, 16),
+    ("flash", 1, 90, 3, 1, 32),
+    ("flash", 1, 5, 2, 1, 12),
+    ("flash", 1, 1, 2, 1, 64),
+    ("paged", 2, 70, 4, 2, 64, 16),
+    ("paged", 1, 130, 12, 1, 32, 64),
+    ("paged", 2, 40, 2, 1, 128, 8),
+    ("paged", 1, 65, 2, 2, 16, 32),
+    ("paged", 3, 1, 2, 1, 64, 16),
 ]
 
 # (pattern, replacement) over flash.cu: each inline assembly statement it holds.
@@ -61,26 +70,26 @@ REWRITES = [
         r'asm\("cvt\.rn\.bf16x2\.f32 %0, %1, %2;" : "=r"\((\w+)\) : "f"\((\w+)\), "f"\((\w+)\)\);',
         r"\1 = pack2(\3, \2);",
     ),
-    (r"extern __shared__ uint4 fa_shared\[\];", "uint4* fa_shared = (uint4*)emu_smem;"),
+    (r"extern __shared__ uint4 (\w+)\[\];", r"uint4* \1 = (uint4*)emu_smem;"),
 ]
 
 
 def build() -> Path:
-    source = (KERNELS / "flash.cu").read_text()
+    source = (KERNELS / "flash.cu").read_text() + (KERNELS / "paged.cu").read_text()
     for pattern, replacement in REWRITES:
         source = re.sub(pattern, replacement, source, flags=re.S)
     left = [line.strip() for line in source.splitlines() if "asm" in line]
     if left:
-        raise SystemExit(f"flash.cu has inline assembly check.py does not rewrite: {left}")
+        raise SystemExit(f"the kernels have inline assembly check.py does not rewrite: {left}")
     BUILD.mkdir(parents=True, exist_ok=True)
-    program = BUILD / "flash_emu.cpp"
+    program = BUILD / "attention_emu.cpp"
     program.write_text(
         '#include "cuda_on_cpu.hpp"\n'
         + (KERNELS / "common.cuh").read_text()
         + source
         + '\n#include "check.cpp"\n'
     )
-    binary = BUILD / "flash_emu"
+    binary = BUILD / "attention_emu"
     subprocess.run(
         ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-iquote", str(HERE), str(program), "-o", str(binary)],
         check=True,
@@ -90,21 +99,21 @@ def build() -> Path:
 
 def main() -> None:
     if shutil.which("g++") is None:
-        print("flash kernels on the CPU: skipped (no g++)")
+        print("attention kernels on the CPU: skipped (no g++)")
         return
-    shapes = [tuple(int(a) for a in sys.argv[1:6])] if len(sys.argv) > 1 else SHAPES
+    shapes = [(sys.argv[1], *map(int, sys.argv[2:]))] if len(sys.argv) > 1 else SHAPES
     binary = build()
     failed = []
     for shape in shapes:
         run = subprocess.run([str(binary), *map(str, shape)], capture_output=True, text=True)
         verdict = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else f"exit {run.returncode}"
-        print(f"B T H KH D = {' '.join(map(str, shape))}: {verdict}")
+        print(f"{' '.join(map(str, shape))}: {verdict}")
         if run.returncode:
             print(run.stdout + run.stderr)
             failed.append(shape)
     if failed:
-        raise SystemExit(f"flash kernels on the CPU: {len(failed)} of {len(shapes)} shapes failed: {failed}")
-    print(f"flash kernels on the CPU: {len(shapes)} shapes match the float64 reference")
+        raise SystemExit(f"attention kernels on the CPU: {len(failed)} of {len(shapes)} shapes failed: {failed}")
+    print(f"attention kernels on the CPU: {len(shapes)} shapes match the float64 reference")
 
 
 if __name__ == "__main__":
