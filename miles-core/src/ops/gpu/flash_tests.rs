@@ -1,11 +1,8 @@
 //! The training attention's tests: forward and backward against the CPU attention
 //! (`crate::ops`) on bf16-rounded inputs, the backward against a float64 reference, repeats bit
 //! for bit, and its refusals. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test -p
-//! miles-core flash`; elsewhere they skip, but for the kernels' run on the CPU
-//! (`bench/flash_emu/check.py`).
-
-use std::path::Path;
-use std::process::Command;
+//! miles-core flash`; elsewhere they skip (`ops::gpu::tests` runs the kernels on the CPU through
+//! `bench/attention_emu/check.py`).
 
 use half::bf16;
 
@@ -15,30 +12,6 @@ use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{AttentionShape, attention_backward, attention_forward};
 
 const ARENA: usize = 64 << 20;
-
-/// The kernels compiled for the CPU against an emulation of the instructions they use
-/// (`bench/flash_emu/check.py`), against a float64 reference: their indices, masks, tiles and
-/// sums checked where no GPU is. Skipped without python3 (and by check.py without g++).
-#[test]
-fn flash_kernels_run_on_the_cpu_match_a_float64_reference() {
-    let check = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/flash_emu/check.py");
-    let run = match Command::new("python3").arg(&check).output() {
-        Ok(run) => run,
-        Err(e) => {
-            eprintln!(
-                "skipped flash_kernels_run_on_the_cpu_match_a_float64_reference: python3: {e}"
-            );
-            return;
-        }
-    };
-    let report = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{report}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    eprintln!("{report}");
-}
 
 /// bf16 probabilities through fp32 products, each result rounded to bf16 (and dk, dv summed
 /// over a query group in fp32 before their one rounding): 2%.

@@ -1,7 +1,11 @@
 //! Kernel tests: each against the CPU implementation (`crate::ops`) on seeded random inputs
 //! rounded to bf16, within bf16 tolerance. On a GPU machine: `MILES_TEST_DEVICE=cuda cargo test
 //! -p miles-core ops::gpu -- --test-threads=1`; elsewhere they skip, except the compile check,
-//! which needs only NVRTC (`libnvrtc.so.13` on the library path).
+//! which needs only NVRTC (`libnvrtc.so.13` on the library path), and the attention kernels'
+//! run on the CPU, which needs g++.
+
+use std::path::Path;
+use std::process::Command;
 
 use super::testing::{TestGpu, assert_close};
 use super::*;
@@ -28,6 +32,32 @@ fn kernels_compile_with_nvrtc_for_hopper() {
             "kernel {name} is missing from the ptx"
         );
     }
+}
+
+/// The attention kernels (training's flash forward and backward, the engine's paged attention
+/// and decode step) compiled for the CPU against an emulation of the instructions they use
+/// (`bench/attention_emu/check.py`), against a float64 reference: their indices, masks, tiles,
+/// sums and block tables checked where no GPU is. Skipped without python3 (and by check.py
+/// without g++).
+#[test]
+fn attention_kernels_run_on_the_cpu_match_a_float64_reference() {
+    let check = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/attention_emu/check.py");
+    let run = match Command::new("python3").arg(&check).output() {
+        Ok(run) => run,
+        Err(e) => {
+            eprintln!(
+                "skipped attention_kernels_run_on_the_cpu_match_a_float64_reference: python3: {e}"
+            );
+            return;
+        }
+    };
+    let report = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{report}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    eprintln!("{report}");
 }
 
 const TRANSPOSES: [(Transpose, Transpose); 4] = [

@@ -1,5 +1,5 @@
-// CUDA on the CPU, for `check.py`: the features kernels/flash.cu uses, so that its kernels run
-// as plain C++. A block's threads are OS threads; a warp's collective instructions (ldmatrix,
+// CUDA on the CPU, for `check.py`: the features kernels/flash.cu and kernels/paged.cu use, so
+// that their attention kernels run as plain C++. A block's threads are OS threads; a warp's collective instructions (ldmatrix,
 // mma.sync, shfl) exchange through the warp's scratch, one barrier each; cp.async copies at
 // once. check.py rewrites the kernels' inline assembly into the emu_ functions below.
 #include <barrier>
@@ -18,7 +18,9 @@
 #define __device__ static inline
 #define __forceinline__
 #define __global__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
+// Static shared arrays become each thread's own: only qkv_rotary_cache has one, and it is not run.
+#define __shared__
 
 struct dim3e { unsigned x = 0, y = 0, z = 0; };
 thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
@@ -57,6 +59,8 @@ thread_local unsigned emu_collectives;  // a lane's collective instructions so f
 static inline Warp& my_warp() { return *emu_block->warps[threadIdx.x >> 5]; }
 static inline Scratch& next_scratch() { return my_warp().turn[emu_collectives++ & 1]; }
 static inline void __syncthreads() { emu_block->bar.arrive_and_wait(); }
+static inline void __syncwarp() { my_warp().bar.arrive_and_wait(); }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 
 static inline float __shfl_xor_sync(unsigned, float v, int m) {
     Scratch& w = next_scratch();
