@@ -36,9 +36,9 @@ fn kernels_compile_with_nvrtc_for_hopper() {
 
 /// The attention kernels (training's flash forward and backward, the engine's paged attention
 /// and decode step) compiled for the CPU against an emulation of the instructions they use
-/// (`bench/attention_emu/check.py`), against a float64 reference: their indices, masks, tiles, sums
-/// and block tables checked where no GPU is. Skipped without python3 (and by check.py without
-/// g++).
+/// (`bench/attention_emu/check.py`), against a float64 reference: their indices, masks, tiles,
+/// sums and block tables checked where no GPU is. Skipped without python3 (and by check.py
+/// without g++).
 #[test]
 fn attention_kernels_run_on_the_cpu_match_a_float64_reference() {
     let check = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/attention_emu/check.py");
