@@ -27,8 +27,9 @@ ROOT = HERE.parent.parent
 KERNELS = ROOT / "miles-core/src/ops/gpu/kernels"
 BUILD = ROOT / "target/attention-emu"
 
-# flash: B, T, H, KH, D: every padded head dim, T on and off tile edges, groups of 1 to 4. paged: and the cache's block size; a group of
-# 12 takes two blocks a kv head (8 query heads a block).
+# flash: B, T, H, KH, D: every padded head dim, T on and off tile edges, groups of 1 to 4.
+# paged: and the cache's block size; a group of 12 takes two blocks a kv head (8 query heads a
+# block).
 SHAPES = [
     ("flash", 1, 70, 2, 1, 64),
     ("flash", 2, 130, 4, 2, 64),
