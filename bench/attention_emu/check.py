@@ -9,7 +9,8 @@ cuda_on_cpu.hpp, which gives the same fragments to the same lanes as the PTX ISA
 result is compiled with g++ and run on shapes that reach every head-dim instance, partial tiles,
 head dims that are not a multiple of 8, query groups of 1 to 4 and cache blocks of several
 sizes. It checks the kernels' logic (indices, masks, tiles, sums, block tables), not their speed
-or the hardware's rounding. Prints "skipped" and exits 0 where g++ is missing.
+or the hardware's rounding. Prints "skipped" and exits 0 where g++ is missing or too old for
+C++20's <barrier> (GCC 11).
 
   python3 bench/attention_emu/check.py                          # every shape
   python3 bench/attention_emu/check.py flash 1 200 8 2 64       # one: B T H KH D
@@ -97,9 +98,23 @@ def build() -> Path:
     return binary
 
 
+def cxx20_barrier() -> bool:
+    """Whether g++ compiles C++20's std::barrier, which the emulation's warps and blocks wait on."""
+    BUILD.mkdir(parents=True, exist_ok=True)
+    probe = BUILD / "probe.cpp"
+    probe.write_text("#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n")
+    run = subprocess.run(
+        ["g++", "-std=c++20", "-pthread", str(probe), "-o", str(BUILD / "probe")], capture_output=True
+    )
+    return run.returncode == 0
+
+
 def main() -> None:
     if shutil.which("g++") is None:
         print("attention kernels on the CPU: skipped (no g++)")
+        return
+    if not cxx20_barrier():
+        print("attention kernels on the CPU: skipped (g++ without C++20's <barrier>; GCC 11 or later has it)")
         return
     shapes = [(sys.argv[1], *map(int, sys.argv[2:]))] if len(sys.argv) > 1 else SHAPES
     binary = build()
