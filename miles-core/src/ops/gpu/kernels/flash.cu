@@ -14,13 +14,14 @@
 // are 16-byte aligned) while the tensor cores work on this one.
 //
 // Head dims are padded with zeros in shared memory to DP, 16, 32, 64 or 128 (one instance of
-// each kernel per DP). A block is 4 warps, each owning 16 rows of the block's tile.
+// each kernel per DP). A block is 4 warps, each owning 16 rows of the block's tile (in the
+// forward up to DP 64, two tiles of 16 rows: 128 queries a block).
 //
 // Fragments (PTX ISA, mma.m16n8k16 with .bf16): lane = 4 g + t. A (16 x 16, row major) is 4
 // words: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..). B (16 x 8, column major) is 2
 // words: rows 2t..2t+1 and 2t+8..2t+9 of column g. C (16 x 8 fp32) is (g, 2t), (g, 2t+1),
 // (g+8, 2t), (g+8, 2t+1). A row-major tile X[r][SD] gives A words at X[r][c..c+1] and the B
-// words of X^T; the B words of X itself come through ldmatrix.trans.
+// words of X^T (both through ldmatrix); the B words of X itself come through ldmatrix.trans.
 
 #define FA_TILE 64
 #define FA_THREADS 128  // a block: 4 warps (flash.rs's THREADS)
