@@ -49,7 +49,7 @@ SHAPES = [
     ("paged", 3, 1, 2, 1, 64, 16),
 ]
 
-# (pattern, replacement) over flash.cu: each inline assembly statement it holds.
+# (pattern, replacement) over flash.cu and paged.cu: each form of inline assembly they hold.
 REWRITES = [
     (r'asm volatile\(\s*"mma\.sync.*?\);', "emu_mma(c, a, b0, b1);"),
     (
