@@ -36,7 +36,7 @@ static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4);
 // an instruction suffices (a lane writes one while the slowest may still read the other, and
 // cannot write that one again before every lane has passed the next barrier).
 struct Scratch {
-    unsigned words[32][8];
+    unsigned words[32][6];  // a lane's mma operands: A (4 words), then B (2)
     float f[32];
     const unsigned char* addr[32];
 };
