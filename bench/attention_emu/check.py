@@ -66,17 +66,17 @@ REWRITES = [
     ),
     (r'asm volatile\("cp\.async\.(commit_group|wait_group \d);\\n" ::\);', ";"),
     (r'asm\("ex2\.approx\.ftz\.f32 %0, %1;" : "=f"\((\w+)\) : "f"\((\w+)\)\);', r"\1 = emu_ex2_ftz(\2);"),
-    # cvt.rn.bf16x2.f32 d, hi, lo: pack2's rounding (to nearest even).
+    # cvt.rn.bf16x2.f32 d, hi, lo: f2bf's rounding (to nearest even) of both.
     (
         r'asm\("cvt\.rn\.bf16x2\.f32 %0, %1, %2;" : "=r"\((\w+)\) : "f"\((\w+)\), "f"\((\w+)\)\);',
-        r"\1 = pack2(\3, \2);",
+        r"\1 = (unsigned)f2bf(\3) | ((unsigned)f2bf(\2) << 16);",
     ),
     (r"extern __shared__ uint4 (\w+)\[\];", r"uint4* \1 = (uint4*)emu_smem;"),
 ]
 
 
 def build() -> Path:
-    source = (KERNELS / "flash.cu").read_text() + (KERNELS / "paged.cu").read_text()
+    source = "".join((KERNELS / name).read_text() for name in ("common.cuh", "flash.cu", "paged.cu"))
     for pattern, replacement in REWRITES:
         source = re.sub(pattern, replacement, source, flags=re.S)
     left = [line.strip() for line in source.splitlines() if "asm" in line]
@@ -86,7 +86,6 @@ def build() -> Path:
     program = BUILD / "attention_emu.cpp"
     program.write_text(
         '#include "cuda_on_cpu.hpp"\n'
-        + (KERNELS / "common.cuh").read_text()
         + source
         + '\n#include "check.cpp"\n'
     )

@@ -504,10 +504,17 @@ impl Gpu {
         params.expect_len("adamw params", n)?;
         grads.expect_len("adamw grads", n)?;
         let (kernel, m, v) = moments.check(n)?;
+        // The fp32 kernel takes four elements a thread (and strides over the grid where its
+        // arrays are not aligned for that): a thread an element would leave 3/4 of the blocks
+        // idle.
+        let threads = match moments {
+            GpuMoments::Fp32(..) => n.div_ceil(4),
+            GpuMoments::Bf16(..) | GpuMoments::Fp16(..) => n,
+        };
         let n64 = n as i64;
         self.launch(
             kernel,
-            elementwise(n),
+            elementwise(threads),
             &[
                 &master.address(),
                 &params.address(),

@@ -23,9 +23,19 @@ __device__ __forceinline__ bf16 f2bf(float f) {
 __device__ __forceinline__ float bf_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
-// Two floats rounded to bf16 (as f2bf) in one word, `lo` first in memory.
+// Two floats rounded to nearest even as bf16 in one word, `lo` first in memory, in one
+// instruction: f2bf's bits for every value but NaN (the canonical one, whatever the payload).
+__device__ __forceinline__ unsigned int cvt_pack2(float lo, float hi) {
+    unsigned int w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+}
+
+// Two floats rounded to bf16 (as f2bf, NaN payloads kept) in one word, `lo` first in memory:
+// the instruction, and f2bf's integer steps only for a NaN.
 __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+    if (lo != lo || hi != hi) return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+    return cvt_pack2(lo, hi);
 }
 
 // The 8 bf16 of a 16-byte word as floats, in memory order.

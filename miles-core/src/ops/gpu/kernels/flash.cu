@@ -49,14 +49,6 @@ __device__ __forceinline__ void a_frag(unsigned* a, const bf16* x, int sd, int r
                  : "r"(shared_address(p)));
 }
 
-// Two floats rounded to nearest even as bf16 in one word, `lo` first in memory: pack2's
-// result for every value but NaN (the canonical one, whatever the payload), in one instruction.
-__device__ __forceinline__ unsigned cvt_pack2(float lo, float hi) {
-    unsigned w;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
-    return w;
-}
-
 // The A fragment of a 16 x 16 block from two C fragments (columns 0..7 and 8..15), rounded.
 __device__ __forceinline__ void a_from_c(unsigned* a, const float* lo, const float* hi) {
     a[0] = cvt_pack2(lo[0], lo[1]);
