@@ -90,16 +90,16 @@ pub struct GpuActivationLayout {
     u32_len: usize,
 }
 
-/// Rows of the LM head's fp32 logits computed at a time (256 rows of a 128,256-token
-/// vocabulary: 125 MiB, where a batch of 4096 tokens would need 2 GiB).
-pub const HEAD_ROWS: usize = 256;
+/// Rows of the LM head's fp32 logits computed at a time (512 rows of a 128,256-token
+/// vocabulary: 250 MiB, where a batch of 4096 tokens would need 2 GiB).
+pub const HEAD_ROWS: usize = 512;
 
 /// Rows of the logits' bf16 gradient kept for the head's backward products (1024 rows of a
 /// 128,256-token vocabulary: 250 MiB). The head's weight gradient adds them in one product
 /// whose inner dimension is these rows: it reads and writes the fp32 `(V, C)` gradient once
 /// for them, so the fewer the products the less of that traffic (2 GiB a product for a 1B
 /// model), which a product over few rows is bound by.
-pub const HEAD_GRAD_ROWS: usize = 4 * HEAD_ROWS;
+pub const HEAD_GRAD_ROWS: usize = 2 * HEAD_ROWS;
 
 /// Hands out consecutive ranges of one buffer.
 struct Cursor(usize);
