@@ -102,7 +102,7 @@ pub enum TorchLeg {
     Eager,
     /// Eager with PyTorch's fused attention.
     Sdpa,
-    /// `torch.compile` of the model with sdpa and `AdamW(fused=True)`.
+    /// `torch.compile` of the model and its loss with sdpa and `AdamW(fused=True)`.
     Compiled,
 }
 

@@ -1,9 +1,9 @@
 //! `miles bench train --device cuda`: the GPU trainer's forward + backward + AdamW tokens/s next
 //! to PyTorch on the same shapes (fp32 master weights, bf16 autocast) run in the same call:
 //! eager with matmul-softmax-matmul attention (`eager`, the same arithmetic as ours), eager with
-//! PyTorch's fused attention (`sdpa`), and `torch.compile` with sdpa and `AdamW(fused=True)`;
-//! each with model TFLOP/s, MFU against the H200's dense bf16 rate and peak device memory.
-//! With several processes
+//! PyTorch's fused attention (`sdpa`), and `torch.compile` of the model with its loss, sdpa and
+//! `AdamW(fused=True)`; each with model TFLOP/s, MFU against the H200's dense bf16 rate and peak
+//! device memory. With several processes
 //! (`--nproc-per-node`, or a launcher), data parallelism over their GPUs against one GPU.
 
 use std::io::Write;
@@ -178,7 +178,7 @@ pub fn run(args: &BenchTrainArgs) -> anyhow::Result<()> {
     for torch in eager?.into_iter().chain(compiled) {
         let attn = torch["attn"].as_str().unwrap_or("?").to_string();
         let mode = if torch["compiled"].as_bool() == Some(true) {
-            "torch.compile + AdamW(fused=True)"
+            "torch.compile (model and loss) + AdamW(fused=True)"
         } else {
             "eager"
         };
