@@ -15,7 +15,11 @@
 //!   both are scratch of that many rows, never `(B, T, V)`;
 //! - the swiglu output, the attention backward's k and v partials and the head's logits are
 //!   never needed at once, so they share one scratch at the start of the bf16 buffer, viewed
-//!   as fp32 where they are.
+//!   as fp32 where they are;
+//! - a layout may keep the gate and up outputs of its first layer only
+//!   ([`GpuActivationLayout::lending_gate_up`]): the other layers' lie elsewhere, handed to
+//!   [`GpuActivations::with_gate_up_homes`] (the trainer lends each the gradients of the layer
+//!   before it, which a step of one pass leaves unwritten until that layer's backward).
 
 use std::ops::Range;
 
@@ -23,7 +27,7 @@ use half::bf16;
 
 use crate::device::{DeviceError, GpuElement, GpuSlice};
 use crate::model::layout::layer_block;
-use crate::model::{LlamaConfig, ModelError, TrainBatch};
+use crate::model::{LlamaConfig, ModelError, ParamLayout, TrainBatch};
 use crate::ops::gpu::COLUMN_SUM_CHUNKS;
 
 /// Where each activation of one batch shape lives, in elements of its type's buffer.
@@ -31,6 +35,11 @@ use crate::ops::gpu::COLUMN_SUM_CHUNKS;
 pub struct GpuActivationLayout {
     pub(super) batch: usize,
     pub(super) seq: usize,
+    /// The model's layers.
+    layers: usize,
+    /// The first layers whose gate and up outputs this layout holds: all of them, or one
+    /// where the others lie elsewhere ([`GpuActivationLayout::lending_gate_up`]).
+    gate_up_layers: usize,
     // bf16 buffer.
     /// The shared scratch, in bf16 elements: [`GpuActivations::swiglu`],
     /// [`GpuActivations::kv_partials`] and [`GpuActivations::head_logits`] are its views.
@@ -47,8 +56,8 @@ pub struct GpuActivationLayout {
     pub(super) k_pre: Range<usize>,        // (L, B, T, K*D) before the k norm (q/k norms only)
     pub(super) att_out: Range<usize>,      // (L, B, T, H*D)
     pub(super) residual_mid: Range<usize>, // (L, B, T, C)
-    pub(super) gate: Range<usize>,         // (L, B, T, F)
-    pub(super) up: Range<usize>,           // (L, B, T, F)
+    pub(super) gate: Range<usize>,         // (gate_up_layers, B, T, F)
+    pub(super) up: Range<usize>,           // (gate_up_layers, B, T, F)
     pub(super) lnf: Range<usize>,          // (B, T, C)
     /// A norm's output `(B, T, C)`: the layer's ln1 then ln2 in the forward pass, their
     /// recomputation in the backward pass.
@@ -101,6 +110,31 @@ pub const HEAD_ROWS: usize = 512;
 /// model), which a product over few rows is bound by.
 pub const HEAD_GRAD_ROWS: usize = 2 * HEAD_ROWS;
 
+/// Where a step of one pass keeps the gate and up outputs of layers `1..layers` (each
+/// `gate_up_len` bf16 elements, the two halves 16-byte aligned): the fp32 gradients of the
+/// layer before, in `params`. Layer `l - 1`'s gradients are read by the optimizer step before
+/// the next forward pass reaches layer `l` (the update runs in layer order, and each layer's
+/// forward pass waits for its own), and written by layer `l - 1`'s backward pass, after layer
+/// `l`'s has read the gate and up. `None` where some layer's gradients are too short or
+/// misaligned for them.
+pub(super) fn gate_up_home_ranges(
+    params: &ParamLayout,
+    layers: usize,
+    gate_up_len: usize,
+) -> Option<Vec<Range<usize>>> {
+    // Two bf16 elements an fp32 gradient; each half starts on a 16-byte word.
+    let half = gate_up_len / 2;
+    if !half.is_multiple_of(8) {
+        return None;
+    }
+    (1..layers)
+        .map(|l| {
+            let grads = params.layer_range(l - 1);
+            (grads.start.is_multiple_of(4) && 2 * grads.len() >= gate_up_len).then_some(grads)
+        })
+        .collect()
+}
+
 /// Hands out consecutive ranges of one buffer.
 struct Cursor(usize);
 
@@ -116,6 +150,16 @@ impl GpuActivationLayout {
     /// The layout for `batch` sequences of `seq` positions under `c` (sizes unchecked: the
     /// model's [`activation_layout`](super::GpuTransformer::activation_layout) checks them).
     pub(super) fn new(c: &LlamaConfig, batch: usize, seq: usize) -> GpuActivationLayout {
+        GpuActivationLayout::keeping_gate_up(c, batch, seq, c.num_layers)
+    }
+
+    /// As [`new`](Self::new), holding the gate and up outputs of the first layer only: the
+    /// others' `(B, T, F)` pairs are handed to [`GpuActivations::with_gate_up_homes`].
+    pub(super) fn lending_gate_up(c: &LlamaConfig, batch: usize, seq: usize) -> Self {
+        GpuActivationLayout::keeping_gate_up(c, batch, seq, c.num_layers.min(1))
+    }
+
+    fn keeping_gate_up(c: &LlamaConfig, batch: usize, seq: usize, kept: usize) -> Self {
         let n = batch * seq;
         let (l, h, f, v) = (
             c.num_layers,
@@ -151,8 +195,8 @@ impl GpuActivationLayout {
         let k_pre = b.take(qk * l * n * kvd);
         let att_out = b.take(l * n * qd);
         let residual_mid = b.take(l * n * h);
-        let gate = b.take(l * n * f);
-        let up = b.take(l * n * f);
+        let gate = b.take(kept * n * f);
+        let up = b.take(kept * n * f);
         let lnf = b.take(n * h);
         let ln = b.take(n * h);
         let d_residual = b.take(n * h);
@@ -185,6 +229,8 @@ impl GpuActivationLayout {
         GpuActivationLayout {
             batch,
             seq,
+            layers: l,
+            gate_up_layers: kept,
             scratch,
             swiglu_len,
             kv_partials_len,
@@ -266,6 +312,16 @@ impl GpuActivationLayout {
             + self.u32_len * std::mem::size_of::<u32>()
     }
 
+    /// Layers whose gate and up outputs lie outside this layout's buffers.
+    pub fn lent_gate_up_layers(&self) -> usize {
+        self.layers - self.gate_up_layers
+    }
+
+    /// Elements of one layer's gate and up outputs together: `2 B T F`.
+    pub fn gate_up_len(&self) -> usize {
+        2 * self.gate.len() / self.gate_up_layers.max(1)
+    }
+
     /// Whether buffers of this layout's lengths hold one of `other`'s.
     pub fn holds(&self, other: &GpuActivationLayout) -> bool {
         self.bf16_len >= other.bf16_len
@@ -281,6 +337,8 @@ pub struct GpuActivations {
     bf16: GpuSlice<bf16>,
     f32: GpuSlice<f32>,
     u32: GpuSlice<u32>,
+    /// The gate and up outputs `(2, B, T, F)` of each layer past the layout's own.
+    gate_up_homes: Vec<GpuSlice<bf16>>,
 }
 
 impl GpuActivations {
@@ -309,7 +367,42 @@ impl GpuActivations {
             f32: f32.sub(0, layout.f32_len)?,
             u32: u32.sub(0, layout.u32_len)?,
             layout,
+            gate_up_homes: Vec::new(),
         })
+    }
+
+    /// These activations with the gate and up outputs of the layers past the layout's own
+    /// (one slice a layer, in order, each at least [`GpuActivationLayout::gate_up_len`] long)
+    /// in `homes`, which must be free from the layer's forward pass to its backward pass.
+    ///
+    /// # Errors
+    /// [`ModelError::BufferLength`] for a missing or short home.
+    pub(super) fn with_gate_up_homes(
+        mut self,
+        homes: Vec<GpuSlice<bf16>>,
+    ) -> Result<GpuActivations, ModelError> {
+        let (want, need) = (self.layout.lent_gate_up_layers(), self.layout.gate_up_len());
+        if homes.len() != want {
+            return Err(ModelError::BufferLength {
+                buffer: "gpu activations' gate and up homes (one a lent layer)",
+                len: homes.len(),
+                need: want,
+            });
+        }
+        self.gate_up_homes = homes
+            .into_iter()
+            .map(|home| {
+                if home.len() < need {
+                    return Err(ModelError::BufferLength {
+                        buffer: "gpu activations (a gate and up home)",
+                        len: home.len(),
+                        need,
+                    });
+                }
+                Ok(home.sub(0, need)?)
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(self)
     }
 
     /// The layout.
@@ -379,6 +472,24 @@ impl GpuActivations {
     pub(super) fn layer(&self, l: usize, layers: usize) -> Result<LayerActs, DeviceError> {
         let a = &self.layout;
         let per = |r: &Range<usize>| layer_block(r, l, layers);
+        let (gate, up) = match l.checked_sub(a.gate_up_layers) {
+            None => (
+                self.bf(&layer_block(&a.gate, l, a.gate_up_layers))?,
+                self.bf(&layer_block(&a.up, l, a.gate_up_layers))?,
+            ),
+            Some(lent) => {
+                let home = self
+                    .gate_up_homes
+                    .get(lent)
+                    .ok_or(DeviceError::ShapeMismatch {
+                        what: "gpu activations' gate and up homes (one a lent layer)",
+                        expected: a.lent_gate_up_layers(),
+                        actual: self.gate_up_homes.len(),
+                    })?;
+                let half = a.gate_up_len() / 2;
+                (home.sub(0, half)?, home.sub(half, half)?)
+            }
+        };
         Ok(LayerActs {
             res_in: self.bf(&layer_block(&a.residual, l, layers + 1))?,
             rstd1: self.f(&per(&a.ln1_rstd))?,
@@ -393,8 +504,8 @@ impl GpuActivations {
             att_out: self.bf(&per(&a.att_out))?,
             res_mid: self.bf(&per(&a.residual_mid))?,
             rstd2: self.f(&per(&a.ln2_rstd))?,
-            gate: self.bf(&per(&a.gate))?,
-            up: self.bf(&per(&a.up))?,
+            gate,
+            up,
             res_out: self.bf(&layer_block(&a.residual, l + 1, layers + 1))?,
         })
     }
@@ -432,12 +543,52 @@ mod tests {
     fn gpu_activation_layout_tiles_each_buffer_without_gaps() {
         let qwen3 = crate::model::family_tests::family_config("qwen3");
         for c in [LlamaConfig::preset("small").unwrap(), qwen3] {
-            tiles_without_gaps(&c);
+            tiles_without_gaps(&c, GpuActivationLayout::new(&c, 3, 17));
+            tiles_without_gaps(&c, GpuActivationLayout::lending_gate_up(&c, 3, 17));
         }
     }
 
-    fn tiles_without_gaps(c: &LlamaConfig) {
-        let a = GpuActivationLayout::new(c, 3, 17);
+    #[test]
+    fn a_lending_layout_keeps_the_first_layers_gate_and_up_and_is_smaller_by_the_rest() {
+        let c = LlamaConfig::preset("small").unwrap();
+        let (own, lending) = (
+            GpuActivationLayout::new(&c, 3, 17),
+            GpuActivationLayout::lending_gate_up(&c, 3, 17),
+        );
+        let pair = 2 * 3 * 17 * c.intermediate_size;
+        assert_eq!((own.gate_up_len(), lending.gate_up_len()), (pair, pair));
+        assert_eq!(own.lent_gate_up_layers(), 0);
+        assert_eq!(lending.lent_gate_up_layers(), c.num_layers - 1);
+        assert_eq!(
+            own.bf16_len() - lending.bf16_len(),
+            (c.num_layers - 1) * pair
+        );
+        assert!(own.holds(&lending) && !lending.holds(&own));
+    }
+
+    #[test]
+    fn gate_and_up_homes_are_the_gradients_of_the_layer_before_where_they_fit() {
+        let c = LlamaConfig::preset("small").unwrap();
+        let params = ParamLayout::new(&c);
+        let per_layer = params.layer_range(0).len();
+        // One layer's gradients hold `2 * per_layer` bf16 elements.
+        let fits = (2 * per_layer / 16) * 16;
+        let homes = gate_up_home_ranges(&params, c.num_layers, fits).unwrap();
+        assert_eq!(homes.len(), c.num_layers - 1);
+        for (l, home) in homes.iter().enumerate() {
+            assert_eq!(*home, params.layer_range(l), "layer {}'s home", l + 1);
+            assert_eq!(home.start % 4, 0, "16-byte aligned");
+        }
+        assert_eq!(gate_up_home_ranges(&params, c.num_layers, fits + 16), None);
+        assert_eq!(
+            gate_up_home_ranges(&params, c.num_layers, 24),
+            None,
+            "halves of 12 elements are not 16-byte words"
+        );
+        assert_eq!(gate_up_home_ranges(&params, 1, 16), Some(Vec::new()));
+    }
+
+    fn tiles_without_gaps(c: &LlamaConfig, a: GpuActivationLayout) {
         let mut bf = [
             &a.scratch,
             &a.residual,
@@ -469,6 +620,8 @@ mod tests {
         });
         assert_eq!(end, a.bf16_len());
         let n = 3 * 17;
+        let kept = c.num_layers - a.lent_gate_up_layers();
+        assert_eq!(a.gate.len(), kept * n * c.intermediate_size);
         let qk = usize::from(c.qk_norm);
         assert_eq!(a.q_pre.len(), qk * c.num_layers * n * c.q_dim());
         assert_eq!(a.q_rstd.len(), qk * c.num_layers * n * c.num_heads);
@@ -499,7 +652,11 @@ mod tests {
         }
         assert_eq!(a.f32_inputs.end, a.f32_len());
         assert_eq!(a.u32_len(), 5 * n + 1);
-        let smaller = GpuActivationLayout::new(c, 2, 17);
+        let smaller = if a.lent_gate_up_layers() > 0 {
+            GpuActivationLayout::lending_gate_up(c, 2, 17)
+        } else {
+            GpuActivationLayout::new(c, 2, 17)
+        };
         assert!(a.holds(&smaller) && !smaller.holds(&a));
     }
 }

@@ -116,43 +116,7 @@ fn forward_and_backward_match_the_cpu_on(
     let params = family_params(&config, 21);
     let data = Batch::random_of(22, config.vocab_size, batch, seq);
     let batch = data.view();
-
-    let (dev_params, _) = t.put_bf16(&params);
-    // A step's first pass writes every gradient: what the buffer held must not show.
-    let dev_grads = t.put(&vec![f32::NAN; params.len()]);
-    let layout = model.activation_layout(batch.batch, batch.seq).unwrap();
-    let (bf, fl, ids) = (
-        t.alloc(layout.bf16_len()),
-        t.alloc(layout.f32_len()),
-        t.alloc(layout.u32_len()),
-    );
-    let acts = GpuActivations::new(layout, bf, fl, ids).unwrap();
-    model
-        .forward(
-            &t.gpu,
-            &WholeWeights(dev_params),
-            &acts,
-            &batch,
-            ForwardMode::Train,
-            None,
-        )
-        .unwrap();
-    model
-        .backward(
-            &t.gpu,
-            &WholeWeights(dev_params),
-            &WholeGrads {
-                grads: dev_grads,
-                write: GradWrite::Overwrite,
-            },
-            &acts,
-            &batch,
-            None,
-        )
-        .unwrap();
-    let logprobs = model.logprobs(&t.gpu, &acts).unwrap();
-    let loss = GpuTransformer::loss(&logprobs, &batch);
-    let grads = t.get(dev_grads);
+    let (logprobs, loss, grads) = model_pass(&mut t, &model, &params, &batch);
 
     let al = cpu.activation_layout(batch.batch, batch.seq).unwrap();
     let mut cpu_acts = vec![0.0; al.len()];
@@ -174,6 +138,89 @@ fn forward_and_backward_match_the_cpu_on(
         GRAD_COSINE,
         GRAD_NORM_TOLERANCE,
     );
+}
+
+/// The log-probs, loss and gradients of one forward and backward pass of `model` on the bf16
+/// rounding of `params`, over activations of their own.
+fn model_pass(
+    t: &mut TestGpu,
+    model: &GpuTransformer,
+    params: &[f32],
+    batch: &TrainBatch<'_>,
+) -> (Vec<f32>, f32, Vec<f32>) {
+    let (dev_params, _) = t.put_bf16(params);
+    // A step's first pass writes every gradient: what the buffer held must not show.
+    let dev_grads = t.put(&vec![f32::NAN; params.len()]);
+    let layout = model.activation_layout(batch.batch, batch.seq).unwrap();
+    let (bf, fl, ids) = (
+        t.alloc(layout.bf16_len()),
+        t.alloc(layout.f32_len()),
+        t.alloc(layout.u32_len()),
+    );
+    let acts = GpuActivations::new(layout, bf, fl, ids).unwrap();
+    let weights = WholeWeights(dev_params);
+    model
+        .forward(&t.gpu, &weights, &acts, batch, ForwardMode::Train, None)
+        .unwrap();
+    let grads = WholeGrads {
+        grads: dev_grads,
+        write: GradWrite::Overwrite,
+    };
+    model
+        .backward(&t.gpu, &weights, &grads, &acts, batch, None)
+        .unwrap();
+    let logprobs = model.logprobs(&t.gpu, &acts).unwrap();
+    let loss = GpuTransformer::loss(&logprobs, batch);
+    (logprobs, loss, t.get(dev_grads))
+}
+
+/// A step of one pass keeps the gate and up outputs of every layer past the first in the
+/// gradients of the layer before (`gate_up_home_ranges`); its loss and gradients are those of
+/// the model over activations of its own, bit for bit. (The next steps' forward passes write
+/// those homes while the optimizer step behind them reads the gradients: the test of the
+/// optimizer in line or behind covers that race.)
+#[test]
+fn gpu_trainer_lending_gate_and_up_to_the_gradients_gives_the_bits_of_activations_of_their_own() {
+    let test = "gpu_trainer_lending_gate_and_up_to_the_gradients_gives_the_bits_of_activations_of_their_own";
+    let Some(mut t) = TestGpu::open(test, 64 << 20) else {
+        return;
+    };
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let mut runs = Vec::new();
+    for config in [tiny(), tiny_family("qwen3")] {
+        let model = GpuTransformer::new(config.clone());
+        let homes = layout::gate_up_home_ranges(
+            model.layout(),
+            config.num_layers,
+            2 * B * T * config.intermediate_size,
+        );
+        assert!(
+            homes.is_some_and(|h| h.len() == config.num_layers - 1),
+            "the test's batch must fit the gradients"
+        );
+        let params = family_params(&config, 91);
+        let data = Batch::random(92, config.vocab_size);
+        let (_, loss, grads) = model_pass(&mut t, &model, &params, &data.view());
+        runs.push((config, params, data, loss, grads));
+    }
+    let gpu = Arc::new(t.gpu);
+    for (config, params, data, loss, grads) in runs {
+        let family = config.family.model_type();
+        let mut trainer =
+            GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params).unwrap();
+        let got = trainer.compute_grads(&data.view()).unwrap();
+        assert_eq!(
+            got.to_bits(),
+            loss.to_bits(),
+            "{family}: loss {got} vs {loss}"
+        );
+        let differ = bits(&trainer.grads().unwrap())
+            .iter()
+            .zip(bits(&grads))
+            .filter(|(a, b)| **a != *b)
+            .count();
+        assert_eq!(differ, 0, "{family}: {differ} gradients differ");
+    }
 }
 
 #[test]

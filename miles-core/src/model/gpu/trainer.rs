@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::forward::nll_sum;
 use super::group::{SplitGrads, SplitWeights};
+use super::layout::gate_up_home_ranges;
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
 use super::update::{AdamWBuffers, SquaredGrads, Update, UpdatingWeights, backward_units};
@@ -1085,9 +1086,11 @@ impl GpuTrainer {
     ) -> Result<f64, ModelError> {
         self.squared = false;
         let micros = micro_batches(batch, self.max_batch_tokens);
+        // A step of one pass lends layers their gate and up outputs' home in the gradients.
+        let lend = micros.len() == 1;
         if let Some(first) = micros.first() {
             // The largest micro-batch's activations, before the group's first collective.
-            self.activations_for(first.batch, first.seq)?;
+            self.activations_for(first.batch, first.seq, lend)?;
         }
         let passes = self.passes_over_group(micros.len(), self.shard.split_grads)?;
         if self.units.is_some() || passes == 0 {
@@ -1100,7 +1103,7 @@ impl GpuTrainer {
         let mut behind = update.as_deref();
         let mut nll = 0.0;
         for (i, micro) in micros.iter().enumerate() {
-            let acts = self.activations_for(micro.batch, micro.seq)?;
+            let acts = self.activations_for(micro.batch, micro.seq, lend)?;
             let last = i + 1 == micros.len();
             let write = if i == 0 {
                 GradWrite::Overwrite
@@ -1282,12 +1285,12 @@ impl GpuTrainer {
         let mut nll = 0.0;
         let micros = micro_batches(batch, self.max_batch_tokens);
         if let Some(first) = micros.first() {
-            self.activations_for(first.batch, first.seq)?;
+            self.activations_for(first.batch, first.seq, false)?;
         }
         let passes = self.passes_over_group(micros.len(), false)?;
         let mut behind = update;
         for micro in &micros {
-            let acts = self.activations_for(micro.batch, micro.seq)?;
+            let acts = self.activations_for(micro.batch, micro.seq, false)?;
             let weights = self.weight_units(behind.take())?;
             let (score, group) = (ForwardMode::Score, self.group.as_deref());
             self.model
@@ -1446,8 +1449,21 @@ impl GpuTrainer {
 
     /// Activations for `batch` sequences of `seq` positions: views of the current buffers when
     /// they are large enough, else of new ones.
-    fn activations_for(&mut self, batch: usize, seq: usize) -> Result<GpuActivations, ModelError> {
-        let layout = self.model.activation_layout(batch, seq)?;
+    fn activations_for(
+        &mut self,
+        batch: usize,
+        seq: usize,
+        lend: bool,
+    ) -> Result<GpuActivations, ModelError> {
+        let mut layout = self.model.activation_layout(batch, seq)?;
+        let homes = if lend {
+            self.gate_up_homes(batch, seq)?
+        } else {
+            None
+        };
+        if homes.is_some() {
+            layout = self.model.activation_layout_lending(batch, seq)?;
+        }
         let fits = self
             .acts
             .as_ref()
@@ -1476,12 +1492,42 @@ impl GpuTrainer {
                 "gpu activations are not allocated".into(),
             ));
         };
-        GpuActivations::new(
+        let acts = GpuActivations::new(
             layout,
             slice(&bufs.bf16)?,
             slice(&bufs.f32)?,
             slice(&bufs.u32)?,
-        )
+        )?;
+        match homes {
+            Some(homes) => acts.with_gate_up_homes(homes),
+            None => Ok(acts),
+        }
+    }
+
+    /// Where the gate and up outputs of layers past the first live in a training pass that is
+    /// its step's only one ([`gate_up_home_ranges`]: each in the gradients of the layer
+    /// before), or `None` where they cannot: gradients split over a group (a unit buffer
+    /// accumulates them), or too short for the batch.
+    fn gate_up_homes(
+        &self,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Option<Vec<GpuSlice<bf16>>>, ModelError> {
+        if self.shard.split_grads || self.units.is_some() {
+            return Ok(None);
+        }
+        let c = self.model.config();
+        let gate_up_len = 2 * batch * seq * c.intermediate_size;
+        let Some(ranges) = gate_up_home_ranges(self.model.layout(), c.num_layers, gate_up_len)
+        else {
+            return Ok(None);
+        };
+        let grads = slice::<f32>(&self.grads)?;
+        let homes = ranges
+            .iter()
+            .map(|r| grads.sub(r.start, r.len())?.reinterpret::<bf16>())
+            .collect::<Result<_, DeviceError>>()?;
+        Ok(Some(homes))
     }
 
     /// Writes the master weights `params` (to the device, or through the stream to disk) and
