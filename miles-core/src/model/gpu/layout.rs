@@ -195,6 +195,7 @@ impl GpuActivationLayout {
         let k_pre = b.take(qk * l * n * kvd);
         let att_out = b.take(l * n * qd);
         let residual_mid = b.take(l * n * h);
+        // Side by side: a one-layer layout's pair is one slice.
         let gate = b.take(kept * n * f);
         let up = b.take(kept * n * f);
         let lnf = b.take(n * h);
@@ -422,6 +423,20 @@ impl GpuActivations {
             )));
         }
         Ok(())
+    }
+
+    /// These activations of a lending layout with every lent layer's gate and up outputs
+    /// over the first layer's, for a pass no backward pass follows (each layer reads its own
+    /// right after writing them).
+    ///
+    /// # Errors
+    /// As [`with_gate_up_homes`](Self::with_gate_up_homes).
+    pub(super) fn sharing_first_gate_up(self) -> Result<GpuActivations, ModelError> {
+        let a = &self.layout;
+        // The kept layer's gate and up lie side by side.
+        let first = self.bf(&(a.gate.start..a.up.end))?;
+        let homes = vec![first; a.lent_gate_up_layers()];
+        self.with_gate_up_homes(homes)
     }
 
     /// The bf16 activation at `r`.

@@ -176,7 +176,8 @@ fn model_pass(
 
 /// A step of one pass keeps the gate and up outputs of every layer past the first in the
 /// gradients of the layer before (`gate_up_home_ranges`); its loss and gradients are those of
-/// the model over activations of its own, bit for bit. (The next steps' forward passes write
+/// the model over activations of its own, bit for bit; a scoring pass, whose layers share the
+/// first layer's, gives its log-probs. (The next steps' forward passes write
 /// those homes while the optimizer step behind them reads the gradients: the test of the
 /// optimizer in line or behind covers that race.)
 #[test]
@@ -200,11 +201,11 @@ fn gpu_trainer_lending_gate_and_up_to_the_gradients_gives_the_bits_of_activation
         );
         let params = family_params(&config, 91);
         let data = Batch::random(92, config.vocab_size);
-        let (_, loss, grads) = model_pass(&mut t, &model, &params, &data.view());
-        runs.push((config, params, data, loss, grads));
+        let (logprobs, loss, grads) = model_pass(&mut t, &model, &params, &data.view());
+        runs.push((config, params, data, logprobs, loss, grads));
     }
     let gpu = Arc::new(t.gpu);
-    for (config, params, data, loss, grads) in runs {
+    for (config, params, data, logprobs, loss, grads) in runs {
         let family = config.family.model_type();
         let mut trainer =
             GpuTrainer::new(Arc::clone(&gpu), manager(&gpu), gentle(config), &params).unwrap();
@@ -214,12 +215,28 @@ fn gpu_trainer_lending_gate_and_up_to_the_gradients_gives_the_bits_of_activation
             loss.to_bits(),
             "{family}: loss {got} vs {loss}"
         );
-        let differ = bits(&trainer.grads().unwrap())
-            .iter()
-            .zip(bits(&grads))
-            .filter(|(a, b)| **a != *b)
-            .count();
-        assert_eq!(differ, 0, "{family}: {differ} gradients differ");
+        let differing = |trainer: &GpuTrainer| {
+            bits(&trainer.grads().unwrap())
+                .iter()
+                .zip(bits(&grads))
+                .filter(|(a, b)| **a != *b)
+                .count()
+        };
+        assert_eq!(differing(&trainer), 0, "{family}: gradients differ");
+        // Scoring writes every layer's gate and up over the first layer's, and leaves the
+        // gradients alone.
+        let (scored, _) = trainer.logprobs(&data.view()).unwrap();
+        assert_within(
+            &format!("{family}: scored log-probs"),
+            &scored,
+            &logprobs,
+            1e-2,
+        );
+        assert_eq!(
+            differing(&trainer),
+            0,
+            "{family}: scoring changed the gradients"
+        );
     }
 }
 

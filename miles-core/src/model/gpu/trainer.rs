@@ -135,6 +135,18 @@ impl HostOptimizer {
     }
 }
 
+/// Where a pass keeps the gate and up outputs of the layers past the first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GateUp {
+    /// In the activations, each layer's own.
+    Own,
+    /// In the gradients of the layer before, where they fit ([`gate_up_home_ranges`]): a
+    /// training step of one pass.
+    InGradients,
+    /// Over the first layer's: a scoring pass, which no backward pass follows.
+    Shared,
+}
+
 /// The activation buffers: allocated for one batch shape, reused for every shape they hold.
 struct ActivationBuffers {
     capacity: GpuActivationLayout,
@@ -1086,11 +1098,15 @@ impl GpuTrainer {
     ) -> Result<f64, ModelError> {
         self.squared = false;
         let micros = micro_batches(batch, self.max_batch_tokens);
-        // A step of one pass lends layers their gate and up outputs' home in the gradients.
-        let lend = micros.len() == 1;
+        // A step of one pass keeps layers' gate and up outputs in the gradients.
+        let gate_up = if micros.len() == 1 {
+            GateUp::InGradients
+        } else {
+            GateUp::Own
+        };
         if let Some(first) = micros.first() {
             // The largest micro-batch's activations, before the group's first collective.
-            self.activations_for(first.batch, first.seq, lend)?;
+            self.activations_for(first.batch, first.seq, gate_up)?;
         }
         let passes = self.passes_over_group(micros.len(), self.shard.split_grads)?;
         if self.units.is_some() || passes == 0 {
@@ -1103,7 +1119,7 @@ impl GpuTrainer {
         let mut behind = update.as_deref();
         let mut nll = 0.0;
         for (i, micro) in micros.iter().enumerate() {
-            let acts = self.activations_for(micro.batch, micro.seq, lend)?;
+            let acts = self.activations_for(micro.batch, micro.seq, gate_up)?;
             let last = i + 1 == micros.len();
             let write = if i == 0 {
                 GradWrite::Overwrite
@@ -1285,12 +1301,12 @@ impl GpuTrainer {
         let mut nll = 0.0;
         let micros = micro_batches(batch, self.max_batch_tokens);
         if let Some(first) = micros.first() {
-            self.activations_for(first.batch, first.seq, false)?;
+            self.activations_for(first.batch, first.seq, GateUp::Shared)?;
         }
         let passes = self.passes_over_group(micros.len(), false)?;
         let mut behind = update;
         for micro in &micros {
-            let acts = self.activations_for(micro.batch, micro.seq, false)?;
+            let acts = self.activations_for(micro.batch, micro.seq, GateUp::Shared)?;
             let weights = self.weight_units(behind.take())?;
             let (score, group) = (ForwardMode::Score, self.group.as_deref());
             self.model
@@ -1453,17 +1469,17 @@ impl GpuTrainer {
         &mut self,
         batch: usize,
         seq: usize,
-        lend: bool,
+        gate_up: GateUp,
     ) -> Result<GpuActivations, ModelError> {
-        let mut layout = self.model.activation_layout(batch, seq)?;
-        let homes = if lend {
-            self.gate_up_homes(batch, seq)?
-        } else {
-            None
+        let homes = match gate_up {
+            GateUp::InGradients => self.gate_up_homes(batch, seq)?,
+            GateUp::Own | GateUp::Shared => None,
         };
-        if homes.is_some() {
-            layout = self.model.activation_layout_lending(batch, seq)?;
-        }
+        let layout = if homes.is_some() || matches!(gate_up, GateUp::Shared) {
+            self.model.activation_layout_lending(batch, seq)?
+        } else {
+            self.model.activation_layout(batch, seq)?
+        };
         let fits = self
             .acts
             .as_ref()
@@ -1498,9 +1514,10 @@ impl GpuTrainer {
             slice(&bufs.f32)?,
             slice(&bufs.u32)?,
         )?;
-        match homes {
-            Some(homes) => acts.with_gate_up_homes(homes),
-            None => Ok(acts),
+        match (homes, gate_up) {
+            (Some(homes), _) => acts.with_gate_up_homes(homes),
+            (None, GateUp::Shared) => acts.sharing_first_gate_up(),
+            (None, _) => Ok(acts),
         }
     }
 
