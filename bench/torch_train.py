@@ -4,7 +4,7 @@ preset's config.json) trained with forward + backward + AdamW, fp32 master weigh
 bf16 autocast for the compute, on the same batch of B sequences of T tokens. Eager by default;
 `--compile` runs the model and its cross-entropy under one `torch.compile` (so the fp32 logits of
 the loss need not be stored whole) with `AdamW(fused=True)`: the setup a user tuning PyTorch
-would pick. Compiling the loss with the model made this baseline 2-3% faster and 1.3 GiB
+would pick. Compiling the loss with the model made this baseline 2.4-3.4% faster and 1.35 GiB
 smaller at 1B than compiling the model alone (bench/RESULTS.md round 36).
 
 Prints one JSON object: tokens/s over the timed steps (after untimed warm-up steps, which also

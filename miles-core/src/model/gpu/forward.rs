@@ -74,24 +74,6 @@ impl GpuTransformer {
         Ok(GpuActivationLayout::new(self.config(), batch, seq))
     }
 
-    /// As [`activation_layout`](Self::activation_layout), keeping the gate and up outputs of
-    /// the first layer only ([`GpuActivationLayout::lending_gate_up`]).
-    ///
-    /// # Errors
-    /// As [`activation_layout`](Self::activation_layout).
-    pub(super) fn activation_layout_lending(
-        &self,
-        batch: usize,
-        seq: usize,
-    ) -> Result<GpuActivationLayout, ModelError> {
-        self.model.activation_layout(batch, seq)?;
-        Ok(GpuActivationLayout::lending_gate_up(
-            self.config(),
-            batch,
-            seq,
-        ))
-    }
-
     /// Checks `batch` as the CPU model does: sizes, lengths, normaliser, and every token id
     /// inside the vocabulary.
     ///

@@ -581,6 +581,70 @@ mod tests {
         assert!(own.holds(&lending) && !lending.holds(&own));
     }
 
+    /// Device slices at made-up addresses: the views are address arithmetic only.
+    fn fake<T: GpuElement>(start: u64, len: usize) -> GpuSlice<T> {
+        let bytes = len * std::mem::size_of::<T>();
+        GpuSlice::of(crate::device::AddressRange { start, len: bytes }).unwrap()
+    }
+
+    #[test]
+    fn lent_layers_find_their_gate_and_up_in_their_homes_or_an_error_naming_them() {
+        let c = LlamaConfig::preset("small").unwrap();
+        let (layers, pair) = (c.num_layers, 2 * 3 * 17 * c.intermediate_size);
+        let layout = GpuActivationLayout::lending_gate_up(&c, 3, 17);
+        let acts = || {
+            let l = layout.clone();
+            let (bf, fl, ids) = (l.bf16_len(), l.f32_len(), l.u32_len());
+            GpuActivations::new(l, fake(1 << 30, bf), fake(2 << 30, fl), fake(3 << 30, ids))
+                .unwrap()
+        };
+        assert!(
+            matches!(
+                acts().layer(1, layers),
+                Err(DeviceError::ShapeMismatch { .. })
+            ),
+            "a lent layer without a home"
+        );
+        let homes: Vec<GpuSlice<bf16>> = (0..layers - 1)
+            .map(|l| fake((4 << 30) + (l as u64) * (1 << 24), pair))
+            .collect();
+        let missing = acts().with_gate_up_homes(homes[1..].to_vec());
+        assert!(
+            matches!(missing, Err(ModelError::BufferLength { need, .. }) if need == layers - 1)
+        );
+        let mut short = homes.clone();
+        short[0] = fake(4 << 30, pair - 8);
+        let short = acts().with_gate_up_homes(short);
+        assert!(matches!(short, Err(ModelError::BufferLength { need, .. }) if need == pair));
+
+        let lent = acts().with_gate_up_homes(homes.clone()).unwrap();
+        let first = lent.layer(0, layers).unwrap();
+        assert_eq!(
+            first.gate.address(),
+            (1 << 30) + 2 * layout.gate.start as u64
+        );
+        for (l, home) in homes.iter().enumerate() {
+            let la = lent.layer(l + 1, layers).unwrap();
+            assert_eq!(
+                (la.gate.address(), la.gate.len()),
+                (home.address(), pair / 2)
+            );
+            assert_eq!(
+                la.up.address(),
+                home.address() + pair as u64,
+                "after the gate"
+            );
+        }
+        let shared = acts().sharing_first_gate_up().unwrap();
+        for l in 1..layers {
+            let la = shared.layer(l, layers).unwrap();
+            assert_eq!(
+                (la.gate.address(), la.up.address()),
+                (first.gate.address(), first.up.address())
+            );
+        }
+    }
+
     #[test]
     fn gate_and_up_homes_are_the_gradients_of_the_layer_before_where_they_fit() {
         let c = LlamaConfig::preset("small").unwrap();

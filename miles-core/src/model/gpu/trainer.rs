@@ -1475,11 +1475,10 @@ impl GpuTrainer {
             GateUp::InGradients => self.gate_up_homes(batch, seq)?,
             GateUp::Own | GateUp::Shared => None,
         };
-        let layout = if homes.is_some() || matches!(gate_up, GateUp::Shared) {
-            self.model.activation_layout_lending(batch, seq)?
-        } else {
-            self.model.activation_layout(batch, seq)?
-        };
+        let mut layout = self.model.activation_layout(batch, seq)?;
+        if homes.is_some() || gate_up == GateUp::Shared {
+            layout = GpuActivationLayout::lending_gate_up(self.model.config(), batch, seq);
+        }
         let fits = self
             .acts
             .as_ref()
