@@ -103,12 +103,12 @@ pub struct GpuActivationLayout {
 /// vocabulary: 250 MiB, where a batch of 4096 tokens would need 2 GiB).
 pub const HEAD_ROWS: usize = 512;
 
-/// Rows of the logits' bf16 gradient kept for the head's backward products (1024 rows of a
-/// 128,256-token vocabulary: 250 MiB). The head's weight gradient adds them in one product
+/// Rows of the logits' bf16 gradient kept for the head's backward products (2048 rows of a
+/// 128,256-token vocabulary: 500 MiB). The head's weight gradient adds them in one product
 /// whose inner dimension is these rows: it reads and writes the fp32 `(V, C)` gradient once
 /// for them, so the fewer the products the less of that traffic (2 GiB a product for a 1B
 /// model), which a product over few rows is bound by.
-pub const HEAD_GRAD_ROWS: usize = 2 * HEAD_ROWS;
+pub const HEAD_GRAD_ROWS: usize = 4 * HEAD_ROWS;
 
 /// Where a step of one pass keeps the gate and up outputs of layers `1..layers` (each
 /// `gate_up_len` bf16 elements, the two halves 16-byte aligned): the fp32 gradients of the
@@ -717,7 +717,7 @@ mod tests {
             (n * c.vocab_size, n * c.vocab_size),
             "fewer rows than HEAD_ROWS: all of them"
         );
-        let long = GpuActivationLayout::new(c, 6, 200);
+        let long = GpuActivationLayout::new(c, 12, 200);
         assert_eq!(long.logits_len, HEAD_ROWS * c.vocab_size);
         assert_eq!(long.logit_grads_len, HEAD_GRAD_ROWS * c.vocab_size);
         for l in [&a, &long] {

@@ -296,16 +296,16 @@ fn gpu_forward_and_backward_match_the_cpu_over_several_head_chunks_in_one_block(
     );
 }
 
-/// 1200 rows: the LM head's logits in chunks, its backward products over two blocks of their
+/// 2400 rows: the LM head's logits in chunks, its backward products over two blocks of their
 /// gradients, the second one short (one short chunk).
 #[test]
 fn gpu_forward_and_backward_match_the_cpu_over_several_head_chunks() {
-    const { assert!(1200 > layout::HEAD_GRAD_ROWS && 1200 < 2 * layout::HEAD_GRAD_ROWS) };
-    const { assert!((1200 - layout::HEAD_GRAD_ROWS) < layout::HEAD_ROWS) };
+    const { assert!(2400 > layout::HEAD_GRAD_ROWS && 2400 < 2 * layout::HEAD_GRAD_ROWS) };
+    const { assert!((2400 - layout::HEAD_GRAD_ROWS) < layout::HEAD_ROWS) };
     forward_and_backward_match_the_cpu_on(
         "gpu_forward_and_backward_match_the_cpu_over_several_head_chunks",
         tiny(),
-        6,
+        12,
         200,
     );
 }
