@@ -1471,14 +1471,17 @@ impl GpuTrainer {
         seq: usize,
         gate_up: GateUp,
     ) -> Result<GpuActivations, ModelError> {
+        let own = self.model.activation_layout(batch, seq)?;
+        let lending = GpuActivationLayout::lending_gate_up(self.model.config(), batch, seq);
         let homes = match gate_up {
-            GateUp::InGradients => self.gate_up_homes(batch, seq)?,
+            GateUp::InGradients => self.gate_up_homes(lending.gate_up_len())?,
             GateUp::Own | GateUp::Shared => None,
         };
-        let mut layout = self.model.activation_layout(batch, seq)?;
-        if homes.is_some() || gate_up == GateUp::Shared {
-            layout = GpuActivationLayout::lending_gate_up(self.model.config(), batch, seq);
-        }
+        let layout = if homes.is_some() || gate_up == GateUp::Shared {
+            lending
+        } else {
+            own
+        };
         let fits = self
             .acts
             .as_ref()
@@ -1523,19 +1526,13 @@ impl GpuTrainer {
     /// Where the gate and up outputs of layers past the first live in a training pass that is
     /// its step's only one ([`gate_up_home_ranges`]: each in the gradients of the layer
     /// before), or `None` where they cannot: gradients split over a group (a unit buffer
-    /// accumulates them), or too short for the batch.
-    fn gate_up_homes(
-        &self,
-        batch: usize,
-        seq: usize,
-    ) -> Result<Option<Vec<GpuSlice<bf16>>>, ModelError> {
+    /// accumulates them), or too short for a layer's `gate_up_len` elements.
+    fn gate_up_homes(&self, gate_up_len: usize) -> Result<Option<Vec<GpuSlice<bf16>>>, ModelError> {
         if self.shard.split_grads || self.units.is_some() {
             return Ok(None);
         }
-        let c = self.model.config();
-        let gate_up_len = 2 * batch * seq * c.intermediate_size;
-        let Some(ranges) = gate_up_home_ranges(self.model.layout(), c.num_layers, gate_up_len)
-        else {
+        let layers = self.model.config().num_layers;
+        let Some(ranges) = gate_up_home_ranges(self.model.layout(), layers, gate_up_len) else {
             return Ok(None);
         };
         let grads = slice::<f32>(&self.grads)?;
