@@ -2,7 +2,8 @@
 //! decode batch, a training micro-batch), each timed through cuBLAS's own pick
 //! (`cublasGemmEx`, what the trainer and the engine call through `Gpu::gemm`) and through
 //! every algorithm cuBLASLt's heuristic offers for the shape, with the weights' bytes per
-//! second and whether each output has the same bits as cuBLAS's. Every time is the best of
+//! second and whether each output has the same bits as cuBLAS's; at decode rows (at most 128)
+//! also through miles' own warpgroup-MMA product (`Gpu::decode_product`) in a few tilings. Every time is the best of
 //! several replays of a CUDA graph of `--reps` products, so the host's launch cost is not in
 //! it; the products cycle through enough copies of the weight (at least 128 MiB of them) that
 //! each reads its weight from device memory, as a decode step does, not from the 50 MB L2.
@@ -18,6 +19,7 @@ use miles_core::device::{
     Device, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose,
 };
 use miles_core::model::LlamaConfig;
+use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
 use miles_core::{BackupPolicy, Buffer, DeviceChoice, ManagerSettings, MemoryManager, MemoryTag};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -113,11 +115,25 @@ fn values(seed: u64, len: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
-/// How the product is queued: cuBLAS's own pick ([`Gpu::gemm`]) or a cuBLASLt algorithm.
+/// How the product is queued: cuBLAS's own pick ([`Gpu::gemm`]), a cuBLASLt algorithm, or
+/// miles' decode product ([`Gpu::decode_product`]) in blocks of `block` columns, its output
+/// bf16 (`slices` 0) or fp32 slices along k.
 #[derive(Clone, Copy)]
 enum Route<'a> {
     Blas,
     Lt(&'a GemmAlgo),
+    Wgmma { block: usize, slices: usize },
+}
+
+/// The decode product's tilings timed for a product: bf16 out where cuBLAS writes bf16 and
+/// does not add, fp32 slices where it adds (the decode step sums them with the residual) or
+/// writes fp32.
+fn tilings(p: &Product) -> &'static [(usize, usize)] {
+    match (p.accumulate, p.fp32_out) {
+        (false, false) => &[(128, 0), (64, 0)],
+        (true, _) => &[(64, 4), (64, 2), (128, 4), (64, 8)],
+        (false, true) => &[(128, 1), (64, 1)],
+    }
 }
 
 /// Bytes of weight copies the timed products cycle through: more than the H200's L2.
@@ -125,6 +141,9 @@ const COLD_BYTES: usize = 128 << 20;
 
 struct Operands<C> {
     y: GpuSlice<C>,
+    /// The decode product's outputs: bf16, or up to 8 fp32 slices.
+    narrow: GpuSlice<bf16>,
+    wide: GpuSlice<f32>,
     x: GpuSlice<bf16>,
     /// Copies of one weight; the output check uses the first.
     w: Vec<GpuSlice<bf16>>,
@@ -143,6 +162,14 @@ impl<C: GemmOutput + Default + PartialEq> Operands<C> {
         match route {
             Route::Blas => gpu.gemm(g, self.y, self.x, w),
             Route::Lt(algo) => gpu.gemm_with(g, algo, self.y, self.x, w),
+            Route::Wgmma { block, slices } => {
+                let out = if slices == 0 {
+                    ProductOut::Bf16(self.narrow)
+                } else {
+                    ProductOut::Partials(self.wide.sub(0, slices * g.m * g.n)?)
+                };
+                gpu.decode_product(out, self.x, w, g.k, block)
+            }
         }
     }
 
@@ -215,7 +242,7 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
 }
 
 /// The timings of one product at `rows`, as printed lines.
-fn shape<C: GemmOutput + Default + PartialEq + FromF32>(
+fn shape<C: GemmOutput + Default + PartialEq + OutputValue>(
     gpu: &Gpu,
     p: &Product,
     rows: usize,
@@ -227,11 +254,13 @@ fn shape<C: GemmOutput + Default + PartialEq + FromF32>(
     }
     let weight_bytes = p.out * p.inp * 2;
     let copies = COLD_BYTES.div_ceil(weight_bytes).max(1);
-    let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * size_of::<C>();
+    let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * (size_of::<C>() + 2 + 32);
     let device = Arc::clone(gpu.device()) as Arc<dyn Device>;
-    let mut arena = Arena::new(device, bytes + (copies + 2) * 256)?;
+    let mut arena = Arena::new(device, bytes + (copies + 4) * 256)?;
     let ops = Operands {
         y: arena.take::<C>(rows * p.out)?,
+        narrow: arena.take::<bf16>(rows * p.out)?,
+        wide: arena.take::<f32>(8 * rows * p.out)?,
         x: arena.take::<bf16>(rows * p.inp)?,
         w: (0..copies)
             .map(|_| arena.take::<bf16>(p.out * p.inp))
@@ -276,23 +305,75 @@ fn shape<C: GemmOutput + Default + PartialEq + FromF32>(
             algo.describe()
         );
     }
+    if rows <= DECODE_PRODUCT_MAX_ROWS {
+        for &(block, slices) in tilings(p) {
+            let route = Route::Wgmma { block, slices };
+            ops.queue(gpu, g, route, 0)?;
+            // Its output against cuBLAS's where both are the whole product.
+            let error = if p.accumulate {
+                String::from("(slices not compared)")
+            } else {
+                let got: Vec<f32> = if slices == 0 {
+                    gpu_values(gpu, ops.narrow)?
+                } else {
+                    gpu_values(gpu, ops.wide.sub(0, rows * p.out)?)?
+                };
+                let scale = reference.iter().map(|v| v.to_f32().abs()).fold(0.0, f32::max);
+                let worst = got
+                    .iter()
+                    .zip(&reference)
+                    .map(|(a, b)| (a - b.to_f32()).abs())
+                    .fold(0.0, f32::max);
+                format!("largest difference from cublas {:.1e} of {scale:.1e}", worst)
+            };
+            let t = ops.seconds(gpu, g, route, args)?;
+            let out = if slices == 0 {
+                "bf16 out".to_string()
+            } else {
+                format!("{slices} fp32 slices")
+            };
+            lines += &format!(
+                "  wgmma    {:>8.1} us  {:>5.2}x cublas  {:>5.0} GB/s  blocks of {block} columns, {out}; {error}\n",
+                t * 1e6,
+                blas / t,
+                weight_gb / t,
+            );
+        }
+    }
     Ok(lines)
 }
 
-/// The outputs' starting values from fp32.
-trait FromF32 {
-    fn from_f32(v: f32) -> Self;
+/// The values of `slice` as f32.
+fn gpu_values<T: GpuElement + Default + OutputValue>(
+    gpu: &Gpu,
+    slice: GpuSlice<T>,
+) -> anyhow::Result<Vec<f32>> {
+    let mut out = vec![T::default(); slice.len()];
+    gpu.download(&mut out, slice)?;
+    Ok(out.into_iter().map(OutputValue::to_f32).collect())
 }
 
-impl FromF32 for f32 {
+/// The outputs' values to and from fp32.
+trait OutputValue {
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl OutputValue for f32 {
     fn from_f32(v: f32) -> f32 {
         v
     }
+    fn to_f32(self) -> f32 {
+        self
+    }
 }
 
-impl FromF32 for bf16 {
+impl OutputValue for bf16 {
     fn from_f32(v: f32) -> bf16 {
         bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
     }
 }
 

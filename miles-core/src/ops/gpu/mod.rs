@@ -17,6 +17,7 @@ mod paged;
 #[cfg(test)]
 #[allow(clippy::panic, clippy::print_stderr)]
 mod paged_tests;
+mod product;
 mod sampling;
 #[cfg(any(test, feature = "testing"))]
 #[allow(clippy::panic, clippy::print_stderr)]
@@ -35,6 +36,7 @@ use std::sync::Arc;
 
 pub use flash::FLASH_MAX_HEAD_DIM;
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
+pub use product::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
 pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, GradWrite, SQUARE_PARTIALS};
 
@@ -50,6 +52,7 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         include_str!("kernels/flash.cu"),
         include_str!("kernels/paged.cu"),
         include_str!("kernels/sampling.cu"),
+        include_str!("kernels/product.cu"),
     ],
     kernels: &[
         &FORWARD_KERNELS,
@@ -57,6 +60,7 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         &flash::KERNELS,
         &paged::KERNELS,
         &sampling::KERNELS,
+        &product::KERNELS,
     ],
 };
 

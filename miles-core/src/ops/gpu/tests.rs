@@ -11,7 +11,7 @@ use super::testing::{TestGpu, assert_close};
 use super::*;
 use half::bf16;
 
-use crate::device::{Gemm, GpuSlice, Transpose, compile};
+use crate::device::{DeviceError, Gemm, GpuSlice, Transpose, compile};
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{RopeTable, rmsnorm_forward, rope_forward, swiglu_forward};
 
@@ -556,4 +556,62 @@ fn gpu_a_capture_takes_only_its_own_stream_while_another_thread_queues_on_a_stre
         &want,
         BF16_TOLERANCE,
     );
+}
+
+#[test]
+fn gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices",
+        64 << 20,
+    ) else {
+        return;
+    };
+    // (rows, columns, k, block columns, slices): past the ring's stages (6 of 128 columns, 8
+    // of 64), rows short of the two warpgroups', one row.
+    for (m, n, k, block, slices) in [
+        (128, 256, 2048, 128, 1),
+        (77, 192, 384, 64, 1),
+        (1, 128, 256, 128, 1),
+        (128, 128, 2048, 64, 2),
+        (100, 256, 512, 128, 8),
+        (3, 64, 1024, 64, 4),
+    ] {
+        let (x, x_host) = t.put_bf16(&seeded(11, m * k));
+        let (w, w_host) = t.put_bf16(&seeded(12, n * k));
+        let g = Gemm::new(m, n, k, Transpose::No, Transpose::Yes);
+        let zeros = vec![0.0; m * n];
+        let what = format!("decode product {m} x {n} x {k}, blocks of {block}, {slices} slices");
+        if slices == 1 {
+            let y = t.alloc::<bf16>(m * n);
+            t.gpu
+                .decode_product(ProductOut::Bf16(y), x, w, k, block)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let want = host_product(g, &x_host, &w_host, &zeros);
+            assert_close(&what, &t.get_bf16(y), &want, BF16_TOLERANCE);
+        } else {
+            let y = t.alloc::<f32>(slices * m * n);
+            t.gpu
+                .decode_product(ProductOut::Partials(y), x, w, k, block)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let got = t.get(y);
+            let part = k / slices;
+            for (s, got) in got.chunks(m * n).enumerate() {
+                let want = host_product_over(g, &x_host, &w_host, &zeros, s * part..(s + 1) * part);
+                assert_close(&format!("{what}, slice {s}"), got, &want, 1e-4);
+            }
+        }
+    }
+    let (x, w) = (t.alloc::<bf16>(129 * 64), t.alloc::<bf16>(64 * 64));
+    let y = t.alloc::<bf16>(129 * 64);
+    let short = |len| x.sub(0, len).unwrap_or_else(|e| panic!("{e}"));
+    for (x, k, block) in [
+        (x, 64, 64),
+        (short(100 * 64), 64, 96),
+        (short(96 * 64), 96, 64),
+    ] {
+        assert!(matches!(
+            t.gpu.decode_product(ProductOut::Bf16(y), x, w, k, block),
+            Err(DeviceError::ShapeMismatch { .. })
+        ));
+    }
 }

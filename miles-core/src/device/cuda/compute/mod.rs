@@ -1,4 +1,4 @@
-//! GPU compute handles: a program of kernels compiled at start-up by NVRTC (for `compute_90`),
+//! GPU compute handles: a program of kernels compiled at start-up by NVRTC (for `compute_90a`),
 //! matrix products through cuBLAS, NCCL, all queued on one compute stream of the device's primary
 //! context. The kernels themselves and their typed launch wrappers live in
 //! [`crate::ops::gpu`]; this module holds the raw launch, copies and library calls.
@@ -16,6 +16,7 @@ mod blas;
 mod lt;
 mod nccl;
 mod staging;
+mod tma;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -29,13 +30,15 @@ pub use blas::{Gemm, GemmOutput, Transpose};
 pub use cudarc::driver::LaunchConfig;
 pub use lt::GemmAlgo;
 pub use nccl::{Collectives, ID_BYTES, NcclComm};
+pub use tma::{TILE_COLUMNS, TensorMap};
 
 use self::staging::{COPY_KERNEL, COPY_SOURCE, STAGED_MAX_BYTES, StagingSlot};
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
-/// The architecture kernels are compiled for: Hopper (H100, H200).
-const ARCH: &str = "compute_90";
+/// The architecture kernels are compiled for: Hopper (H100, H200), with its warpgroup MMA and
+/// tensor memory accelerator (the `a` features).
+const ARCH: &str = "compute_90a";
 
 /// A program of CUDA C++ kernels: compiled as one translation unit, each named kernel looked up
 /// once when a [`Gpu`] starts.

@@ -34,10 +34,6 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
 // The A fragment of rows r0..r0+15, columns c0..c0+15 of a row-major tile in shared memory of
 // stride `sd` (rows 16-byte aligned), through one ldmatrix.x4 (matrix j of lane l's row:
 // X[r0 + (j & 1)*8 + l % 8][c0 + (j >> 1)*8]).
