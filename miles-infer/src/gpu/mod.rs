@@ -41,7 +41,8 @@ mod scratch;
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, Transpose};
+use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, TILE_COLUMNS, Transpose};
+use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
@@ -164,6 +165,8 @@ pub(crate) struct GpuModel {
     graphs: Vec<Option<GpuGraph>>,
     /// Graphs captured in the model's life.
     captures: usize,
+    /// Decode products through miles' own kernel (`Gpu::decode_product`) where they fit it.
+    own_products: bool,
 }
 
 impl GpuModel {
@@ -230,6 +233,7 @@ impl GpuModel {
             step,
             graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
             captures: 0,
+            own_products: std::env::var_os("MILES_EXP_WGMMA").is_some(),
         })
     }
 
@@ -457,7 +461,7 @@ impl GpuModel {
                 k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
                 eps,
             };
-            g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
+            self.product(qkv, ln, self.fused(&QKV, l)?, (n, qd + 2 * kvd, h), 64)?;
             if n == r {
                 // One token a sequence: the queries never leave the attention's kernel.
                 g.paged_decode_attention(att, cache, &self.shape, l, &heads, (&places, &tokens))?;
@@ -467,7 +471,7 @@ impl GpuModel {
             }
             let post_attention = w(ParamKind::PostAttentionNorm)?;
             self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
-            g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
+            self.product(gate_up, ln, self.fused(&GATE_UP, l)?, (n, 2 * f, h), 128)?;
             g.swiglu_rows(act, gate_up, f)?;
             let next = if l + 1 < c.num_layers {
                 self.weight(ParamKind::InputNorm, l + 1)?
@@ -481,12 +485,12 @@ impl GpuModel {
         let rows_ln = s.rows_ln.sub(0, r * h)?;
         g.embedding_forward(rows_ln, logit_rows, ln, h)?; // (R, C)
         let logits = s.logits.sub(0, r * c.vocab_size)?; // (R, V) fp32
-        g.gemm(
-            linear(r, c.vocab_size, h),
-            logits,
-            rows_ln,
-            self.weight(ParamKind::LmHead, 0)?,
-        )
+        let head = self.weight(ParamKind::LmHead, 0)?;
+        if self.own_product_fits(rows_ln, head, (r, c.vocab_size, h), 128) {
+            g.decode_product(ProductOut::Partials(logits), rows_ln, head, h, 128)
+        } else {
+            g.gemm(linear(r, c.vocab_size, h), logits, rows_ln, head)
+        }
     }
 
     /// Queues `x += inp W^T` for the product `weight (C, K)` of `inp (n, K)`, then `ln =
@@ -511,12 +515,53 @@ impl GpuModel {
         if n <= SPLIT_ROWS {
             let parts = split_of(k);
             let partials = s.partials.sub(0, parts * n * h)?;
-            g.gemm(product.split_k(parts), partials, inp, weight)?;
+            if self.own_product_fits(inp, weight, (n, h, k / parts), 64) {
+                g.decode_product(ProductOut::Partials(partials), inp, weight, k, 64)?;
+            } else {
+                g.gemm(product.split_k(parts), partials, inp, weight)?;
+            }
             g.residual_rmsnorm(ln, x, partials, norm, eps)
         } else {
             g.gemm(product.accumulate(), x, inp, weight)?;
             g.rmsnorm_forward(ln, None, x, norm, eps)
         }
+    }
+
+    /// Queues `y = inp W^T` (bf16) for `weight (out, k)` and `n` rows of `inp`: through
+    /// miles' decode product in blocks of `block` columns where it fits
+    /// ([`Self::own_product_fits`]), else cuBLAS.
+    fn product(
+        &self,
+        y: GpuSlice<bf16>,
+        inp: GpuSlice<bf16>,
+        weight: GpuSlice<bf16>,
+        (n, out, k): (usize, usize, usize),
+        block: usize,
+    ) -> Result<(), DeviceError> {
+        if self.own_product_fits(inp, weight, (n, out, k), block) {
+            self.gpu.decode_product(ProductOut::Bf16(y), inp, weight, k, block)
+        } else {
+            let g = Gemm::new(n, out, k, Transpose::No, Transpose::Yes);
+            self.gpu.gemm(g, y, inp, weight)
+        }
+    }
+
+    /// Whether a product of `n` rows, `out` columns in blocks of `block` and an inner
+    /// dimension (of each slice) `k` runs through miles' decode product: where it is on, the
+    /// rows at most [`DECODE_PRODUCT_MAX_ROWS`], `k` whole tiles and the operands 16-byte
+    /// aligned (the tensor memory accelerator's rule).
+    fn own_product_fits(
+        &self,
+        inp: GpuSlice<bf16>,
+        weight: GpuSlice<bf16>,
+        (n, out, k): (usize, usize, usize),
+        block: usize,
+    ) -> bool {
+        self.own_products
+            && n <= DECODE_PRODUCT_MAX_ROWS
+            && k.is_multiple_of(TILE_COLUMNS)
+            && out.is_multiple_of(block)
+            && (inp.address() | weight.address()).is_multiple_of(16)
     }
 
     /// Runs `pass` and its `draws` over `s` as queued kernels.
