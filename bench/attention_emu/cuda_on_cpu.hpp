@@ -137,6 +137,7 @@ static inline float emu_ex2_ftz(float x) {
 }
 
 static inline void grid_begin() {}
+static inline void grid_release() {}
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
 

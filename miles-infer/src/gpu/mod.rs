@@ -461,7 +461,7 @@ impl GpuModel {
                 k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
                 eps,
             };
-            self.product(qkv, ln, self.fused(&QKV, l)?, (n, qd + 2 * kvd, h), 64)?;
+            g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
             if n == r {
                 // One token a sequence: the queries never leave the attention's kernel.
                 g.paged_decode_attention(att, cache, &self.shape, l, &heads, (&places, &tokens))?;
@@ -471,7 +471,7 @@ impl GpuModel {
             }
             let post_attention = w(ParamKind::PostAttentionNorm)?;
             self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
-            self.product(gate_up, ln, self.fused(&GATE_UP, l)?, (n, 2 * f, h), 128)?;
+            g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
             g.swiglu_rows(act, gate_up, f)?;
             let next = if l + 1 < c.num_layers {
                 self.weight(ParamKind::InputNorm, l + 1)?
@@ -524,25 +524,6 @@ impl GpuModel {
         } else {
             g.gemm(product.accumulate(), x, inp, weight)?;
             g.rmsnorm_forward(ln, None, x, norm, eps)
-        }
-    }
-
-    /// Queues `y = inp W^T` (bf16) for `weight (out, k)` and `n` rows of `inp`: through
-    /// miles' decode product in blocks of `block` columns where it fits
-    /// ([`Self::own_product_fits`]), else cuBLAS.
-    fn product(
-        &self,
-        y: GpuSlice<bf16>,
-        inp: GpuSlice<bf16>,
-        weight: GpuSlice<bf16>,
-        (n, out, k): (usize, usize, usize),
-        block: usize,
-    ) -> Result<(), DeviceError> {
-        if self.own_product_fits(inp, weight, (n, out, k), block) {
-            self.gpu.decode_product(ProductOut::Bf16(y), inp, weight, k, block)
-        } else {
-            let g = Gemm::new(n, out, k, Transpose::No, Transpose::Yes);
-            self.gpu.gemm(g, y, inp, weight)
         }
     }
 

@@ -614,6 +614,9 @@ impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
 /// What every kernel's body starts with: the prelude's [`GRID_PRELUDE`] function.
 const GRID_BEGIN: &str = "grid_begin();";
 
+/// Or this, in a kernel that reads only what no kernel writes before it calls `grid_begin()`.
+const GRID_BEGIN_LATER: &str = "grid_begin_later();";
+
 /// Put ahead of every program. Kernels are launched with programmatic dependent launch
 /// (Hopper): the driver may schedule a kernel's blocks before the kernel ahead of it on the
 /// stream has finished, so each kernel first waits for that kernel to finish and its writes to
@@ -624,6 +627,14 @@ const GRID_PRELUDE: &str = r#"
 __device__ __forceinline__ void grid_begin() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
+// Lets the kernel behind this one start before this one ends: only in the kernels a decode
+// product follows, which fetches its weights (written by no kernel) while they run.
+__device__ __forceinline__ void grid_release() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Opens a kernel that reads nothing before it calls grid_begin() itself but what no kernel
+// writes (a decode product's weights).
+__device__ __forceinline__ void grid_begin_later() {}
 "#;
 
 /// The first kernel of `source` whose body does not start with [`GRID_BEGIN`]: its text from
@@ -633,7 +644,8 @@ fn kernel_without_grid_begin(source: &str) -> Option<&str> {
         let rest = &source[at..];
         let open = rest.find('{')?;
         let body = rest[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-        (!body.starts_with(GRID_BEGIN)).then(|| rest[..open].trim_end())
+        (!body.starts_with(GRID_BEGIN) && !body.starts_with(GRID_BEGIN_LATER))
+            .then(|| rest[..open].trim_end())
     })
 }
 

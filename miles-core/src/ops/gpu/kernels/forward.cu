@@ -256,6 +256,7 @@ extern "C" __global__ void swiglu_forward(bf16* out, const bf16* gate, const bf1
 // columns at a time.
 extern "C" __global__ void swiglu_rows(bf16* out, const bf16* gu, long long n, int f, int wide) {
     grid_begin();
+    grid_release();
     const int step = wide ? 8 : 1;
     for (long long row = blockIdx.y; row < n; row += gridDim.y) {
         const bf16* g = gu + row * 2 * f;

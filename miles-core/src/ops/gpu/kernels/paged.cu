@@ -359,6 +359,7 @@ PAGED_ATTENTION(128)
                           int d, float eps, int layer, int layers, int block_size,                \
                           int max_blocks, long long num_blocks, float scale_log2) {               \
         grid_begin();                                                                             \
+        grid_release();                                                                           \
         const PagedNew fresh{cache, qkv, bias, q_norm, k_norm, cos_t, sin_t, slots, eps,          \
                              num_blocks};                                                         \
         paged_attention_tile<DP, true>(out, nullptr, cache, tables, seq_rows, positions, heads,   \

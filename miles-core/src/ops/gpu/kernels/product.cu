@@ -152,9 +152,20 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
     __syncthreads();
     if (group == 0) {
         if (threadIdx.x == 0) {
-            for (int t = 0; t < k_tiles; t++) {
+            // The first stages' weights before the kernel ahead has finished (no kernel writes
+            // them), x once it has.
+            const int ahead = k_tiles < STAGES ? k_tiles : STAGES;
+            for (int t = 0; t < ahead; t++) {
+                barrier_expect_bytes(&full[t], STAGE);
+                tma_load(ring + t * STAGE + X_BYTES, wmap, &full[t], (k0 + t) * 64, n0);
+            }
+            grid_begin();
+            for (int t = 0; t < ahead; t++) {
+                tma_load(ring + t * STAGE, xmap, &full[t], (k0 + t) * 64, 0);
+            }
+            for (int t = ahead; t < k_tiles; t++) {
                 const int s = t % STAGES;
-                if (t >= STAGES) barrier_wait(&empty[s], ((t / STAGES) - 1) & 1);
+                barrier_wait(&empty[s], ((t / STAGES) - 1) & 1);
                 barrier_expect_bytes(&full[s], STAGE);
                 tma_load(ring + s * STAGE, xmap, &full[s], (k0 + t) * 64, 0);
                 tma_load(ring + s * STAGE + X_BYTES, wmap, &full[s], (k0 + t) * 64, n0);
@@ -179,6 +190,8 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
         // Each of the eight multiplying warps hands the stage back once its part is done.
         if (threadIdx.x % 32 == 0) barrier_arrive(&empty[s]);
     }
+    // Nothing is written before the kernel ahead has finished.
+    grid_begin();
     // The accumulator fragment: warp q of the group holds rows 16q + lane / 4 (and 8 below), at
     // columns 8j + 2 (lane % 4) and the next, of each 8-column block j.
     const int lane = threadIdx.x % 32, q = (threadIdx.x % 128) / 32;
@@ -203,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     decode_product_64(const __grid_constant__ TensorMap wmap,
                       const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
                       int n, int k_tiles) {
-    grid_begin();
+    grid_begin_later();
     product_body<64>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
 
@@ -211,6 +224,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     decode_product_128(const __grid_constant__ TensorMap wmap,
                        const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
                        int n, int k_tiles) {
-    grid_begin();
+    grid_begin_later();
     product_body<128>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
