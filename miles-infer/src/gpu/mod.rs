@@ -42,9 +42,9 @@ use std::sync::Arc;
 
 use half::bf16;
 use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, TILE_COLUMNS, Transpose};
-use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
+use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
 use miles_core::ops::gpu::{
     DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, RULE_WORDS, SampleRule,
     TokenPlaces,
@@ -90,6 +90,30 @@ fn split_of(k: usize) -> usize {
         .rev()
         .find(|&p| k.is_multiple_of(8 * p) && k / p >= SPLIT_MIN_INNER)
         .unwrap_or(1)
+}
+
+/// Columns a block of miles' decode product takes in the split o and down products (64: four
+/// slices of the 1B's then fill 128 blocks) and in the LM head (`bench gemm`, bench/RESULTS.md
+/// round 38).
+const OWN_SPLIT_COLUMNS: usize = 64;
+const OWN_HEAD_COLUMNS: usize = 128;
+
+/// Whether a product of `n` rows, `out` columns in blocks of `block` and inner dimension `k`
+/// runs through miles' decode product (`Gpu::decode_product`) rather than cuBLAS: at most
+/// [`DECODE_PRODUCT_MAX_ROWS`] rows, `k` whole tiles, `out` whole blocks, the operands 16-byte
+/// aligned (the tensor memory accelerator's rule). Where it runs after `paged_decode` or
+/// `swiglu_rows`, which let it start early, it fetches its first weights while they finish
+/// (bench/RESULTS.md round 38); the q/k/v and gate/up products stay cuBLAS's, faster there.
+fn own_product_fits(
+    inp: GpuSlice<bf16>,
+    weight: GpuSlice<bf16>,
+    (n, out, k): (usize, usize, usize),
+    block: usize,
+) -> bool {
+    n <= DECODE_PRODUCT_MAX_ROWS
+        && k.is_multiple_of(TILE_COLUMNS)
+        && out.is_multiple_of(block)
+        && (inp.address() | weight.address()).is_multiple_of(16)
 }
 
 /// Bytes of one weight or cache element (bf16).
@@ -165,8 +189,6 @@ pub(crate) struct GpuModel {
     graphs: Vec<Option<GpuGraph>>,
     /// Graphs captured in the model's life.
     captures: usize,
-    /// Decode products through miles' own kernel (`Gpu::decode_product`) where they fit it.
-    own_products: bool,
 }
 
 impl GpuModel {
@@ -233,7 +255,6 @@ impl GpuModel {
             step,
             graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
             captures: 0,
-            own_products: std::env::var_os("MILES_EXP_WGMMA").is_some(),
         })
     }
 
@@ -486,8 +507,14 @@ impl GpuModel {
         g.embedding_forward(rows_ln, logit_rows, ln, h)?; // (R, C)
         let logits = s.logits.sub(0, r * c.vocab_size)?; // (R, V) fp32
         let head = self.weight(ParamKind::LmHead, 0)?;
-        if self.own_product_fits(rows_ln, head, (r, c.vocab_size, h), 128) {
-            g.decode_product(ProductOut::Partials(logits), rows_ln, head, h, 128)
+        if own_product_fits(rows_ln, head, (r, c.vocab_size, h), OWN_HEAD_COLUMNS) {
+            g.decode_product(
+                ProductOut::Partials(logits),
+                rows_ln,
+                head,
+                h,
+                OWN_HEAD_COLUMNS,
+            )
         } else {
             g.gemm(linear(r, c.vocab_size, h), logits, rows_ln, head)
         }
@@ -513,36 +540,32 @@ impl GpuModel {
         let (x, ln) = (s.x.sub(0, n * h)?, s.ln.sub(0, n * h)?);
         let product = Gemm::new(n, h, k, Transpose::No, Transpose::Yes);
         if n <= SPLIT_ROWS {
-            let parts = split_of(k);
-            let partials = s.partials.sub(0, parts * n * h)?;
-            if self.own_product_fits(inp, weight, (n, h, k / parts), 64) {
-                g.decode_product(ProductOut::Partials(partials), inp, weight, k, 64)?;
+            if own_product_fits(inp, weight, (n, h, k), OWN_SPLIT_COLUMNS) {
+                // Slices of whole tiles, as many as divide k's, up to MAX_SPLIT.
+                let tiles = k / TILE_COLUMNS;
+                let parts = (1..=MAX_SPLIT)
+                    .rev()
+                    .find(|&p| tiles.is_multiple_of(p))
+                    .unwrap_or(1);
+                let partials = s.partials.sub(0, parts * n * h)?;
+                g.decode_product(
+                    ProductOut::Partials(partials),
+                    inp,
+                    weight,
+                    k,
+                    OWN_SPLIT_COLUMNS,
+                )?;
+                g.residual_rmsnorm(ln, x, partials, norm, eps)
             } else {
+                let parts = split_of(k);
+                let partials = s.partials.sub(0, parts * n * h)?;
                 g.gemm(product.split_k(parts), partials, inp, weight)?;
+                g.residual_rmsnorm(ln, x, partials, norm, eps)
             }
-            g.residual_rmsnorm(ln, x, partials, norm, eps)
         } else {
             g.gemm(product.accumulate(), x, inp, weight)?;
             g.rmsnorm_forward(ln, None, x, norm, eps)
         }
-    }
-
-    /// Whether a product of `n` rows, `out` columns in blocks of `block` and an inner
-    /// dimension (of each slice) `k` runs through miles' decode product: where it is on, the
-    /// rows at most [`DECODE_PRODUCT_MAX_ROWS`], `k` whole tiles and the operands 16-byte
-    /// aligned (the tensor memory accelerator's rule).
-    fn own_product_fits(
-        &self,
-        inp: GpuSlice<bf16>,
-        weight: GpuSlice<bf16>,
-        (n, out, k): (usize, usize, usize),
-        block: usize,
-    ) -> bool {
-        self.own_products
-            && n <= DECODE_PRODUCT_MAX_ROWS
-            && k.is_multiple_of(TILE_COLUMNS)
-            && out.is_multiple_of(block)
-            && (inp.address() | weight.address()).is_multiple_of(16)
     }
 
     /// Runs `pass` and its `draws` over `s` as queued kernels.
