@@ -15,9 +15,13 @@
 //! (the final norm after the last layer) follows; then the LM head (fp32 logits) for the rows
 //! that need logits only: the last token of each sequence. In a pass of at most `SPLIT_ROWS`
 //! tokens (a decode step of up to that many sequences, or a short prefill) the o and down
-//! products run as slices of their inner dimension (`Gemm::split_k`) whose fp32 partials the
-//! norm's kernel adds into the residual stream (`residual_rmsnorm`); in a wider one they add
-//! into it themselves (beta 1). A decode step then draws each sequence's next token on the
+//! products run as slices of their inner dimension whose fp32 partials the norm's kernel adds
+//! into the residual stream (`residual_rmsnorm`); in a wider one they add into it themselves
+//! (beta 1). Those split products and the LM head run on miles' own Hopper kernel
+//! (`Gpu::decode_product`, warpgroup MMA fed by the tensor memory accelerator) where the shapes
+//! fit it, and the attention and SwiGLU kernels ahead of them let them start early, so they
+//! fetch their first weights while those finish; the q/k/v and gate/up products, and every
+//! product of a wider pass, are cuBLAS's. A decode step then draws each sequence's next token on the
 //! device (the `sample_rows` kernel), so only token ids and log-probs come back; a prefill
 //! brings its prompts' rows of logits back (once per prompt: its samples draw from them
 //! later). A fence on every buffer the pass used lets the memory manager pause the tags
@@ -44,10 +48,9 @@ use half::bf16;
 use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, TILE_COLUMNS, Transpose};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
-use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
 use miles_core::ops::gpu::{
-    DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, RULE_WORDS, SampleRule,
-    TokenPlaces,
+    DECODE_PRODUCT_MAX_ROWS, DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, ProductOut,
+    QkvHeads, RULE_WORDS, SampleRule, TokenPlaces,
 };
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
@@ -92,11 +95,22 @@ fn split_of(k: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// Columns a block of miles' decode product takes in the split o and down products (64: four
-/// slices of the 1B's then fill 128 blocks) and in the LM head (`bench gemm`, bench/RESULTS.md
-/// round 38).
+/// Columns a block of miles' decode product takes in the split o and down products: 64, so
+/// that four slices of the 1B's fill 128 blocks (`bench gemm`, bench/RESULTS.md round 38).
 const OWN_SPLIT_COLUMNS: usize = 64;
+
+/// Columns a block of miles' decode product takes in the LM head (`bench gemm`, round 38).
 const OWN_HEAD_COLUMNS: usize = 128;
+
+/// Slices of a split product on miles' decode product of inner dimension `k` (whole tiles):
+/// the most, up to [`MAX_SPLIT`], that divide its tiles.
+fn own_split_of(k: usize) -> usize {
+    let tiles = k / TILE_COLUMNS;
+    (1..=MAX_SPLIT)
+        .rev()
+        .find(|&p| tiles.is_multiple_of(p))
+        .unwrap_or(1)
+}
 
 /// Whether a product of `n` rows, `out` columns in blocks of `block` and inner dimension `k`
 /// runs through miles' decode product (`Gpu::decode_product`) rather than cuBLAS: at most
@@ -522,8 +536,9 @@ impl GpuModel {
 
     /// Queues `x += inp W^T` for the product `weight (C, K)` of `inp (n, K)`, then `ln =
     /// rmsnorm(x)` with `norm`. A pass of at most [`SPLIT_ROWS`] rows splits the product along
-    /// `K` ([`split_of`]) and adds its partials in the norm's kernel; a wider one adds the
-    /// product into `x` (beta 1) and norms after.
+    /// `K` ([`own_split_of`] on miles' decode product where it fits, else [`split_of`] on
+    /// cuBLAS) and adds its partials in the norm's kernel; a wider one adds the product into
+    /// `x` (beta 1) and norms after.
     fn add_then_norm(
         &self,
         s: &Scratch,
@@ -540,28 +555,16 @@ impl GpuModel {
         let (x, ln) = (s.x.sub(0, n * h)?, s.ln.sub(0, n * h)?);
         let product = Gemm::new(n, h, k, Transpose::No, Transpose::Yes);
         if n <= SPLIT_ROWS {
-            if own_product_fits(inp, weight, (n, h, k), OWN_SPLIT_COLUMNS) {
-                // Slices of whole tiles, as many as divide k's, up to MAX_SPLIT.
-                let tiles = k / TILE_COLUMNS;
-                let parts = (1..=MAX_SPLIT)
-                    .rev()
-                    .find(|&p| tiles.is_multiple_of(p))
-                    .unwrap_or(1);
-                let partials = s.partials.sub(0, parts * n * h)?;
-                g.decode_product(
-                    ProductOut::Partials(partials),
-                    inp,
-                    weight,
-                    k,
-                    OWN_SPLIT_COLUMNS,
-                )?;
-                g.residual_rmsnorm(ln, x, partials, norm, eps)
+            let own = own_product_fits(inp, weight, (n, h, k), OWN_SPLIT_COLUMNS);
+            let parts = if own { own_split_of(k) } else { split_of(k) };
+            let partials = s.partials.sub(0, parts * n * h)?;
+            if own {
+                let out = ProductOut::Partials(partials);
+                g.decode_product(out, inp, weight, k, OWN_SPLIT_COLUMNS)?;
             } else {
-                let parts = split_of(k);
-                let partials = s.partials.sub(0, parts * n * h)?;
                 g.gemm(product.split_k(parts), partials, inp, weight)?;
-                g.residual_rmsnorm(ln, x, partials, norm, eps)
             }
+            g.residual_rmsnorm(ln, x, partials, norm, eps)
         } else {
             g.gemm(product.accumulate(), x, inp, weight)?;
             g.rmsnorm_forward(ln, None, x, norm, eps)

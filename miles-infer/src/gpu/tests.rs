@@ -683,3 +683,11 @@ fn products_split_into_whole_words_of_at_least_the_least_slice() {
         assert_eq!(super::split_of(k), parts, "k = {k}");
     }
 }
+
+#[test]
+fn own_products_split_into_whole_tiles() {
+    // The 1B preset's o and down, the tiny preset's (one tile, two), three tiles.
+    for (k, parts) in [(2048, 4), (8192, 4), (64, 1), (128, 2), (192, 3)] {
+        assert_eq!(super::own_split_of(k), parts, "k = {k}");
+    }
+}

@@ -4,7 +4,10 @@
 // sums (residual_rmsnorm). A block owns PRODUCT_BN (64 or 128) columns of y and one slice of k:
 // warpgroup 0's first thread fetches k tiles of 64 of x (all 128 rows, zeros past m) and of w
 // into a ring of stages through TMA (128-byte swizzle); warpgroups 1 and 2 multiply rows 0..63
-// and 64..127 of x by the stage's w as each arrives and hand the stage back.
+// and 64..127 of x by the stage's w as each arrives and hand the stage back. The weights of the
+// first stages are fetched before the kernel waits for the one ahead of it (no kernel writes
+// weights), so where that one lets it start early (paged_decode, swiglu_rows: grid_release)
+// they arrive while it finishes.
 
 // A TMA descriptor (CUtensorMap): 128 opaque bytes the host encodes, passed by value.
 struct __align__(64) TensorMap {
