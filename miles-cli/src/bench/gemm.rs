@@ -318,13 +318,16 @@ fn shape<C: GemmOutput + Default + PartialEq + OutputValue>(
                 } else {
                     gpu_values(gpu, ops.wide.sub(0, rows * p.out)?)?
                 };
-                let scale = reference.iter().map(|v| v.to_f32().abs()).fold(0.0, f32::max);
+                let scale = reference
+                    .iter()
+                    .map(|v| v.to_f32().abs())
+                    .fold(0.0, f32::max);
                 let worst = got
                     .iter()
                     .zip(&reference)
                     .map(|(a, b)| (a - b.to_f32()).abs())
                     .fold(0.0, f32::max);
-                format!("largest difference from cublas {:.1e} of {scale:.1e}", worst)
+                format!("largest difference from cublas {worst:.1e} of {scale:.1e}")
             };
             let t = ops.seconds(gpu, g, route, args)?;
             let out = if slices == 0 {
