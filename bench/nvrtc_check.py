@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Compiles miles' CUDA kernel program with NVRTC on a machine without a GPU, as the engine does
-at start-up (compute_90 PTX), or to sm_90 machine code with ptxas' report of each kernel's
+at start-up (compute_90a PTX), or to sm_90a machine code with ptxas' report of each kernel's
 registers, stack and spills: check kernels here before spending device time.
 
 NVRTC comes from the `nvidia-cuda-nvrtc` wheel; `.ci/run` unpacks one under target/ci-nvrtc.
 
-  python3 bench/nvrtc_check.py                       # PTX for compute_90, errors and warnings
-  python3 bench/nvrtc_check.py --arch sm_90 --kernels flash   # registers and spills of flash_*
-  python3 bench/nvrtc_check.py --arch sm_90 --kernels flash_forward_64 --loops   # and its loops
+  python3 bench/nvrtc_check.py                       # PTX for compute_90a, errors and warnings
+  python3 bench/nvrtc_check.py --arch sm_90a --kernels flash   # registers and spills of flash_*
+  python3 bench/nvrtc_check.py --arch sm_90a --kernels flash_forward_64 --loops   # and its loops
 
 --loops disassembles the machine code (nvdisasm, from the `nvidia-cuda-nvdisasm` wheel:
   python3 -m pip download --no-deps --dest target/ci-nvdisasm nvidia-cuda-nvdisasm
@@ -34,9 +34,9 @@ COMPUTE = ROOT / "miles-core/src/device/cuda/compute/mod.rs"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lib", default=str(ROOT / "target/ci-nvrtc/nvidia/cu13/lib/libnvrtc.so.13"))
-    parser.add_argument("--arch", default="compute_90", help="compute_90 (PTX) or sm_90 (with ptxas' report)")
-    parser.add_argument("--kernels", default="", help="with sm_90: report only kernels whose name contains this")
-    parser.add_argument("--loops", action="store_true", help="with sm_90: each kernel's largest loop, by opcode")
+    parser.add_argument("--arch", default="compute_90a", help="compute_90a (PTX) or sm_90a (with ptxas' report)")
+    parser.add_argument("--kernels", default="", help="with sm_90a: report only kernels whose name contains this")
+    parser.add_argument("--loops", action="store_true", help="with sm_90a: each kernel's largest loop, by opcode")
     parser.add_argument(
         "--nvdisasm",
         default=str(ROOT / "target/ci-nvdisasm/nvidia/cu13/bin/nvdisasm"),
@@ -44,7 +44,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.loops and not args.arch.startswith("sm_"):
-        raise SystemExit("--loops needs machine code: add --arch sm_90")
+        raise SystemExit("--loops needs machine code: add --arch sm_90a")
     nvrtc = ctypes.CDLL(args.lib)
     # The sources in the order of `PROGRAM` in ops/gpu/mod.rs.
     names = re.findall(r'include_str!\("kernels/([^"]+)"\)', (GPU / "mod.rs").read_text())
