@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Compiles miles' CUDA kernel program with NVRTC on a machine without a GPU, as the engine does
-at start-up (compute_90a PTX), or to sm_90a machine code with ptxas' report of each kernel's
-registers, stack and spills: check kernels here before spending device time.
+"""Compiles miles' CUDA kernels with NVRTC on a machine without a GPU, as the engine does at
+start-up (PTX; the default compute_90a takes both programs, PROGRAM and HOPPER_PROGRAM, as one),
+or to sm_90a machine code with ptxas' report of each kernel's registers, stack and spills: check
+kernels here before spending device time.
 
 NVRTC comes from the `nvidia-cuda-nvrtc` wheel; `.ci/run` unpacks one under target/ci-nvrtc.
 
@@ -47,7 +48,8 @@ def main() -> None:
         raise SystemExit("--loops needs machine code: add --arch sm_90a")
     nvrtc = ctypes.CDLL(args.lib)
     # The sources in the order of `PROGRAM` in ops/gpu/mod.rs.
-    names = re.findall(r'include_str!\("kernels/([^"]+)"\)', (GPU / "mod.rs").read_text())
+    # Both programs' sources (PROGRAM's and HOPPER_PROGRAM's), each file once.
+    names = list(dict.fromkeys(re.findall(r'include_str!\("kernels/([^"]+)"\)', (GPU / "mod.rs").read_text())))
     # The device module puts its prelude (`grid_begin`) ahead of every program.
     prelude = re.search(r'const GRID_PRELUDE: &str = r#"(.*?)"#;', COMPUTE.read_text(), re.S)
     if not prelude:

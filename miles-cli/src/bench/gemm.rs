@@ -3,10 +3,11 @@
 //! (`cublasGemmEx`, what the trainer and the engine call through `Gpu::gemm`) and through
 //! every algorithm cuBLASLt's heuristic offers for the shape, with the weights' bytes per
 //! second and whether each output has the same bits as cuBLAS's; at decode rows (at most 128)
-//! also through miles' own warpgroup-MMA product (`Gpu::decode_product`) in a few tilings. Every time is the best of
-//! several replays of a CUDA graph of `--reps` products, so the host's launch cost is not in
-//! it; the products cycle through enough copies of the weight (at least 128 MiB of them) that
-//! each reads its weight from device memory, as a decode step does, not from the 50 MB L2.
+//! also, on Hopper, through miles' own warpgroup-MMA product (`Gpu::decode_product`) in a few
+//! tilings. Every time is the best of several replays of a CUDA graph of `--reps` products, so
+//! the host's launch cost is not in it; the products cycle through enough copies of the weight
+//! (at least 128 MiB of them) that each reads its weight from device memory, as a decode step
+//! does, not from the 50 MB L2.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -305,7 +306,7 @@ fn shape<C: GemmOutput + Default + PartialEq + OutputValue>(
             algo.describe()
         );
     }
-    if rows <= DECODE_PRODUCT_MAX_ROWS {
+    if rows <= DECODE_PRODUCT_MAX_ROWS && gpu.has_decode_product() {
         for &(block, slices) in tilings(p) {
             let route = Route::Wgmma { block, slices };
             ops.queue(gpu, g, route, 0)?;

@@ -113,18 +113,20 @@ fn own_split_of(k: usize) -> usize {
 }
 
 /// Whether a product of `n` rows, `out` columns in blocks of `block` and inner dimension `k`
-/// runs through miles' decode product (`Gpu::decode_product`) rather than cuBLAS: at most
+/// runs through miles' decode product (`Gpu::decode_product`) rather than cuBLAS: on Hopper, at most
 /// [`DECODE_PRODUCT_MAX_ROWS`] rows, `k` whole tiles, `out` whole blocks, the operands 16-byte
 /// aligned (the tensor memory accelerator's rule). Where it runs after `paged_decode` or
 /// `swiglu_rows`, which let it start early, it fetches its first weights while they finish
 /// (bench/RESULTS.md round 38); the q/k/v and gate/up products stay cuBLAS's, faster there.
 fn own_product_fits(
+    gpu: &Gpu,
     inp: GpuSlice<bf16>,
     weight: GpuSlice<bf16>,
     (n, out, k): (usize, usize, usize),
     block: usize,
 ) -> bool {
-    n <= DECODE_PRODUCT_MAX_ROWS
+    gpu.has_decode_product()
+        && n <= DECODE_PRODUCT_MAX_ROWS
         && k.is_multiple_of(TILE_COLUMNS)
         && out.is_multiple_of(block)
         && (inp.address() | weight.address()).is_multiple_of(16)
@@ -521,7 +523,7 @@ impl GpuModel {
         g.embedding_forward(rows_ln, logit_rows, ln, h)?; // (R, C)
         let logits = s.logits.sub(0, r * c.vocab_size)?; // (R, V) fp32
         let head = self.weight(ParamKind::LmHead, 0)?;
-        if own_product_fits(rows_ln, head, (r, c.vocab_size, h), OWN_HEAD_COLUMNS) {
+        if own_product_fits(g, rows_ln, head, (r, c.vocab_size, h), OWN_HEAD_COLUMNS) {
             g.decode_product(
                 ProductOut::Partials(logits),
                 rows_ln,
@@ -555,7 +557,7 @@ impl GpuModel {
         let (x, ln) = (s.x.sub(0, n * h)?, s.ln.sub(0, n * h)?);
         let product = Gemm::new(n, h, k, Transpose::No, Transpose::Yes);
         if n <= SPLIT_ROWS {
-            let own = own_product_fits(inp, weight, (n, h, k), OWN_SPLIT_COLUMNS);
+            let own = own_product_fits(g, inp, weight, (n, h, k), OWN_SPLIT_COLUMNS);
             let parts = if own { own_split_of(k) } else { split_of(k) };
             let partials = s.partials.sub(0, parts * n * h)?;
             if own {

@@ -52,7 +52,6 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         include_str!("kernels/flash.cu"),
         include_str!("kernels/paged.cu"),
         include_str!("kernels/sampling.cu"),
-        include_str!("kernels/product.cu"),
     ],
     kernels: &[
         &FORWARD_KERNELS,
@@ -60,8 +59,20 @@ pub const PROGRAM: KernelProgram = KernelProgram {
         &flash::KERNELS,
         &paged::KERNELS,
         &sampling::KERNELS,
-        &product::KERNELS,
     ],
+    hopper_only: false,
+};
+
+/// The kernels only Hopper runs (warpgroup MMA, the tensor memory accelerator): the decode
+/// product. Absent on other GPUs, where the engine's products stay cuBLAS's.
+pub const HOPPER_PROGRAM: KernelProgram = KernelProgram {
+    name: "miles_hopper_kernels",
+    sources: &[
+        include_str!("kernels/common.cuh"),
+        include_str!("kernels/product.cu"),
+    ],
+    kernels: &[&product::KERNELS],
+    hopper_only: true,
 };
 
 /// The kernels of `kernels/forward.cu`.
@@ -79,12 +90,13 @@ const FORWARD_KERNELS: [&str; 11] = [
     "residual_add",
 ];
 
-/// GPU compute on `device` with the transformer's kernels ([`PROGRAM`]).
+/// GPU compute on `device` with the transformer's kernels ([`PROGRAM`], and on Hopper
+/// [`HOPPER_PROGRAM`]).
 ///
 /// # Errors
 /// As [`Gpu::new`].
 pub fn open_gpu(device: Arc<CudaDevice>) -> Result<Gpu, DeviceError> {
-    Gpu::new(device, &PROGRAM)
+    Gpu::new(device, &[&PROGRAM, &HOPPER_PROGRAM])
 }
 
 /// A launch of one thread per element over `n` elements, in blocks of 256, at most 65535 *

@@ -28,6 +28,11 @@ pub enum ProductOut {
 }
 
 impl Gpu {
+    /// Whether [`Gpu::decode_product`] runs here: on Hopper only.
+    pub fn has_decode_product(&self) -> bool {
+        KERNELS.iter().all(|name| self.has_kernel(name))
+    }
+
     /// `out = x w^T` for `x (m, k)`, `m` from 1 to [`DECODE_PRODUCT_MAX_ROWS`], and `w (n,
     /// k)`, each block `block_columns` (64 or 128) columns of `out`.
     ///

@@ -24,13 +24,16 @@ fn kernels_compile_with_nvrtc_for_hopper() {
         eprintln!("skipping kernels_compile_with_nvrtc_for_hopper: {why}");
         return;
     }
-    let ptx = compile(&PROGRAM).unwrap_or_else(|e| panic!("{e}"));
-    let text = ptx.to_src();
-    for name in PROGRAM.kernels.iter().flat_map(|group| group.iter()) {
-        assert!(
-            text.contains(&format!(".entry {name}(")),
-            "kernel {name} is missing from the ptx"
-        );
+    for program in [PROGRAM, HOPPER_PROGRAM] {
+        let ptx = compile(&program).unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for name in program.kernels.iter().flat_map(|group| group.iter()) {
+            assert!(
+                text.contains(&format!(".entry {name}(")),
+                "kernel {name} is missing from {}'s ptx",
+                program.name
+            );
+        }
     }
 }
 
@@ -566,6 +569,12 @@ fn gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices() {
     ) else {
         return;
     };
+    if !t.gpu.has_decode_product() {
+        eprintln!(
+            "skipped gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices: not a Hopper GPU"
+        );
+        return;
+    }
     // (rows, columns, k, block columns, slices): past the ring's stages (6 of 128 columns, 8
     // of 64), rows short of the two warpgroups', one row.
     for (m, n, k, block, slices) in [

@@ -1,4 +1,5 @@
-//! GPU compute handles: a program of kernels compiled at start-up by NVRTC (for `compute_90a`),
+//! GPU compute handles: programs of kernels compiled at start-up by NVRTC (for `compute_90`, and
+//! on a Hopper GPU a program for `compute_90a`),
 //! matrix products through cuBLAS, NCCL, all queued on one compute stream of the device's primary
 //! context. The kernels themselves and their typed launch wrappers live in
 //! [`crate::ops::gpu`]; this module holds the raw launch, copies and library calls.
@@ -36,9 +37,13 @@ use self::staging::{COPY_KERNEL, COPY_SOURCE, STAGED_MAX_BYTES, StagingSlot};
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
-/// The architecture kernels are compiled for: Hopper (H100, H200), with its warpgroup MMA and
-/// tensor memory accelerator (the `a` features).
-const ARCH: &str = "compute_90a";
+/// The architecture kernels are compiled for: Hopper (H100, H200), as PTX that newer GPUs
+/// compile too.
+const ARCH: &str = "compute_90";
+
+/// The architecture of a [`KernelProgram::hopper_only`] program: Hopper's own features (warpgroup
+/// MMA, the tensor memory accelerator), which no other GPU runs.
+const HOPPER_ARCH: &str = "compute_90a";
 
 /// A program of CUDA C++ kernels: compiled as one translation unit, each named kernel looked up
 /// once when a [`Gpu`] starts.
@@ -50,6 +55,9 @@ pub struct KernelProgram {
     pub sources: &'static [&'static str],
     /// Every `extern "C"` kernel the program defines, in groups (one a source file, say).
     pub kernels: &'static [&'static [&'static str]],
+    /// Compiled for [`HOPPER_ARCH`] and loaded only on a GPU of compute capability 9.0;
+    /// elsewhere its kernels are absent ([`Gpu::has_kernel`]).
+    pub hopper_only: bool,
 }
 
 /// Element types a [`GpuSlice`] may hold.
@@ -215,43 +223,55 @@ impl std::fmt::Debug for Gpu {
 }
 
 impl Gpu {
-    /// Compute on `device`'s GPU: compiles `program` with NVRTC, loads its kernels, and opens
+    /// Compute on `device`'s GPU: compiles `programs` with NVRTC (a
+    /// [`KernelProgram::hopper_only`] one only on a Hopper GPU), loads their kernels, and opens
     /// cuBLAS on a new compute stream.
     ///
     /// # Errors
     /// [`DeviceError::CudaUnavailable`] when NVRTC or cuBLAS cannot be loaded;
     /// [`DeviceError::Cuda`] with the compiler's log when the kernels do not compile.
-    pub fn new(device: Arc<CudaDevice>, program: &KernelProgram) -> Result<Gpu, DeviceError> {
+    pub fn new(device: Arc<CudaDevice>, programs: &[&KernelProgram]) -> Result<Gpu, DeviceError> {
         for library in ["nvrtc", "cublas", "cublasLt"] {
             crate::device::probe::cudarc_library_ready(library)
                 .map_err(DeviceError::CudaUnavailable)?;
         }
-        let ptx = compile(program)?;
         let context = CudaContext::new(device.ordinal() as usize).map_err(cuda("cuCtxRetain"))?;
         let stream = new_stream(&context, Priority::Compute)?;
-        let multiprocessors = context
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(cuda("cuDeviceGetAttribute"))?;
-        let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
-        let kernels = program
-            .kernels
-            .iter()
-            .flat_map(|group| group.iter())
-            .chain([&COPY_KERNEL])
-            .map(|&name| {
-                module
+        let attribute = |what| {
+            context
+                .attribute(what)
+                .map_err(cuda("cuDeviceGetAttribute"))
+        };
+        let multiprocessors =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let hopper = (
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ) == (9, 0);
+        let mut kernels = HashMap::new();
+        for (i, program) in programs.iter().enumerate() {
+            if program.hopper_only && !hopper {
+                continue;
+            }
+            let ptx = compile(program)?;
+            let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
+            // Every program carries the copy kernel; the first one's is used.
+            let copy = (i == 0).then_some(&COPY_KERNEL);
+            for &name in program
+                .kernels
+                .iter()
+                .flat_map(|group| group.iter())
+                .chain(copy)
+            {
+                let function = module
                     .load_function(name)
-                    .map(|function| (name, function))
-                    .map_err(cuda("cuModuleGetFunction"))
-            })
-            .collect::<Result<HashMap<_, _>, _>>()?;
+                    .map_err(cuda("cuModuleGetFunction"))?;
+                kernels.insert(name, function);
+            }
+        }
         let blas = blas::Blas::new(&stream)?;
         let lt = lt::Lt::new(&stream)?;
-        tracing::info!(
-            kernels = kernels.len(),
-            arch = ARCH,
-            "compiled the gpu kernels"
-        );
+        tracing::info!(kernels = kernels.len(), hopper, "compiled the gpu kernels");
         Ok(Gpu {
             stream,
             kernels,
@@ -508,6 +528,12 @@ impl Gpu {
         graph.graph.launch().map_err(cuda("cuGraphLaunch"))
     }
 
+    /// Whether `name` was compiled and loaded here (a [`KernelProgram::hopper_only`] kernel is
+    /// not, on another GPU).
+    pub fn has_kernel(&self, name: &str) -> bool {
+        self.kernels.contains_key(name)
+    }
+
     fn kernel(&self, name: &'static str) -> Result<&CudaFunction, DeviceError> {
         self.kernels.get(name).ok_or_else(|| DeviceError::Cuda {
             call: "cuModuleGetFunction",
@@ -649,13 +675,17 @@ fn kernel_without_grid_begin(source: &str) -> Option<&str> {
     })
 }
 
-/// Compiles `program` to PTX for [`ARCH`].
+/// Compiles `program` to PTX for [`ARCH`] ([`HOPPER_ARCH`] where it is Hopper's only).
 ///
 /// # Errors
 /// [`DeviceError::Cuda`] with the compiler's log.
 pub fn compile(program: &KernelProgram) -> Result<cudarc::nvrtc::Ptx, DeviceError> {
     let options = cudarc::nvrtc::CompileOptions {
-        arch: Some(ARCH),
+        arch: Some(if program.hopper_only {
+            HOPPER_ARCH
+        } else {
+            ARCH
+        }),
         options: vec!["--std=c++17".into()],
         name: Some(format!("{}.cu", program.name)),
         ..Default::default()
@@ -700,7 +730,7 @@ fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> DeviceErr
 #[cfg(test)]
 mod tests {
     use super::{GRID_PRELUDE, KernelProgram, compile, kernel_without_grid_begin};
-    use crate::ops::gpu::PROGRAM;
+    use crate::ops::gpu::{HOPPER_PROGRAM, PROGRAM};
 
     #[test]
     fn compile_refuses_a_kernel_that_does_not_start_with_grid_begin_naming_it() {
@@ -709,6 +739,7 @@ mod tests {
             name: "bad",
             sources: &["extern \"C\" __global__ void early(float* x) { x[0] = 1.0f; }\n"],
             kernels: &[&["early"]],
+            hopper_only: false,
         };
         let err = compile(&bad).unwrap_err().to_string();
         assert!(
@@ -718,9 +749,11 @@ mod tests {
     }
 
     #[test]
-    fn every_kernel_of_the_program_starts_with_grid_begin() {
-        let source: String = PROGRAM.sources.concat() + super::COPY_SOURCE;
-        assert_eq!(kernel_without_grid_begin(&source), None);
+    fn every_kernel_of_the_programs_starts_with_grid_begin() {
+        for program in [PROGRAM, HOPPER_PROGRAM] {
+            let source: String = program.sources.concat() + super::COPY_SOURCE;
+            assert_eq!(kernel_without_grid_begin(&source), None, "{}", program.name);
+        }
     }
 
     #[test]
