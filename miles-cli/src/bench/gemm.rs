@@ -255,7 +255,9 @@ fn shape<C: GemmOutput + Default + PartialEq + OutputValue>(
     }
     let weight_bytes = p.out * p.inp * 2;
     let copies = COLD_BYTES.div_ceil(weight_bytes).max(1);
-    let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * (size_of::<C>() + 2 + 32);
+    // y, the decode product's bf16 output and its up to 8 fp32 slices.
+    let out_bytes = size_of::<C>() + size_of::<bf16>() + 8 * size_of::<f32>();
+    let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * out_bytes;
     let device = Arc::clone(gpu.device()) as Arc<dyn Device>;
     let mut arena = Arena::new(device, bytes + (copies + 4) * 256)?;
     let ops = Operands {

@@ -624,3 +624,46 @@ fn gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices() {
         ));
     }
 }
+
+#[test]
+fn gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit",
+        16 << 20,
+    ) else {
+        return;
+    };
+    if !t.gpu.has_decode_product() {
+        eprintln!(
+            "skipped gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit: not a Hopper GPU"
+        );
+        return;
+    }
+    let refused = |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::ShapeMismatch { .. }));
+    let (x, w) = (t.alloc::<bf16>(8 * 192), t.alloc::<bf16>(64 * 192));
+    let (short, slices) = (t.alloc::<bf16>(8 * 64 - 8), t.alloc::<f32>(2 * 8 * 64));
+    let g = &t.gpu;
+    // An output one row short; two slices of k's three tiles.
+    assert!(refused(g.decode_product(
+        ProductOut::Bf16(short),
+        x,
+        w,
+        192,
+        64
+    )));
+    assert!(refused(g.decode_product(
+        ProductOut::Partials(slices),
+        x,
+        w,
+        192,
+        64
+    )));
+    // Tensor maps: rows not whole 16-byte words, a box of no rows or too many, an address off
+    // 16 bytes.
+    let off = w.sub(1, 64 * 64).unwrap_or_else(|e| panic!("{e}"));
+    assert!(refused(g.tensor_map(w, 12, 64).map(drop)));
+    assert!(refused(g.tensor_map(w, 192, 0).map(drop)));
+    assert!(refused(g.tensor_map(w, 192, 257).map(drop)));
+    assert!(refused(g.tensor_map(off, 64, 64).map(drop)));
+    assert!(g.tensor_map(w, 192, 256).is_ok());
+}

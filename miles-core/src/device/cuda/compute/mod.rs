@@ -249,14 +249,14 @@ impl Gpu {
             attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ) == (9, 0);
         let mut kernels = HashMap::new();
-        for (i, program) in programs.iter().enumerate() {
+        for program in programs {
             if program.hopper_only && !hopper {
                 continue;
             }
             let ptx = compile(program)?;
             let module = context.load_module(ptx).map_err(cuda("cuModuleLoadData"))?;
-            // Every program carries the copy kernel; the first one's is used.
-            let copy = (i == 0).then_some(&COPY_KERNEL);
+            // Every program carries the copy kernel; the first one loaded gives it.
+            let copy = (!kernels.contains_key(COPY_KERNEL)).then_some(&COPY_KERNEL);
             for &name in program
                 .kernels
                 .iter()

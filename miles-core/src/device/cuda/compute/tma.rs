@@ -75,7 +75,7 @@ impl Gpu {
         self.stream
             .context()
             .bind_to_thread()
-            .map_err(super::cuda("cuCtxSetCurrent"))?;
+            .map_err(cuda("cuCtxSetCurrent"))?;
         let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
         // SAFETY: every array holds the rank's (2) entries, the strides rank - 1; `map` is
         // written whole by a successful call and read only then; the address is the matrix's
