@@ -102,6 +102,10 @@ const OWN_SPLIT_COLUMNS: usize = 64;
 /// Columns a block of miles' decode product takes in the LM head (`bench gemm`, round 38).
 const OWN_HEAD_COLUMNS: usize = 128;
 
+/// Columns of the gate/up weight a block of miles' decode product ending in SwiGLU takes: 64
+/// of gate and the same 64 of up.
+const OWN_SWIGLU_COLUMNS: usize = 128;
+
 /// Slices of a split product on miles' decode product of inner dimension `k` (whole tiles):
 /// the most, up to [`MAX_SPLIT`], that divide its tiles.
 fn own_split_of(k: usize) -> usize {
@@ -508,8 +512,13 @@ impl GpuModel {
             }
             let post_attention = w(ParamKind::PostAttentionNorm)?;
             self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
-            g.gemm(linear(n, 2 * f, h), gate_up, ln, self.fused(&GATE_UP, l)?)?;
-            g.swiglu_rows(act, gate_up, f)?;
+            let gate_up_w = self.fused(&GATE_UP, l)?;
+            if own_product_fits(g, ln, gate_up_w, (n, 2 * f, h), OWN_SWIGLU_COLUMNS) {
+                g.decode_product(ProductOut::Swiglu(act), ln, gate_up_w, h, OWN_SWIGLU_COLUMNS)?;
+            } else {
+                g.gemm(linear(n, 2 * f, h), gate_up, ln, gate_up_w)?;
+                g.swiglu_rows(act, gate_up, f)?;
+            }
             let next = if l + 1 < c.num_layers {
                 self.weight(ParamKind::InputNorm, l + 1)?
             } else {

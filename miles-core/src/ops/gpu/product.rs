@@ -1,18 +1,26 @@
 //! Products of the decode step on Hopper's warpgroup MMA (`kernels/product.cu`): `y = x w^T`
 //! for at most [`DECODE_PRODUCT_MAX_ROWS`] rows of `x`, each block a slice of `y`'s columns
-//! (and of `k`) streamed through shared memory by the tensor memory accelerator.
+//! (and of `k`) streamed through shared memory by the tensor memory accelerator; the MLP's
+//! gate/up product may end in its SwiGLU.
 
 use half::bf16;
 
 use crate::device::{DeviceError, Gpu, GpuSlice, LaunchConfig, TILE_COLUMNS};
 
-pub(super) const KERNELS: [&str; 2] = ["decode_product_64", "decode_product_128"];
+pub(super) const KERNELS: [&str; 3] = [
+    "decode_product_64",
+    "decode_product_128",
+    "decode_product_swiglu",
+];
 
 /// Most rows of `x` a decode product takes (the kernel's two warpgroups of 64).
 pub const DECODE_PRODUCT_MAX_ROWS: usize = 128;
 
 /// Bytes of a block's ring of stages (`PRODUCT_RING_BYTES` in the kernel).
 const RING_BYTES: u32 = 192 * 1024;
+
+/// Columns of `w` a swiglu block takes: 64 rows of gate and the same of up.
+const SWIGLU_BLOCK_COLUMNS: usize = 128;
 
 /// Threads of a block: a warpgroup fetching, two multiplying.
 const THREADS: u32 = 384;
@@ -25,6 +33,10 @@ pub enum ProductOut {
     /// `y` split along `k` into `len / (m n)` slices: their fp32 partial products
     /// `(slices, m, n)`, to be summed in order by the kernel after (`residual_rmsnorm`).
     Partials(GpuSlice<f32>),
+    /// Where `w`'s rows are gate's then up's `(2 f, k)`: `silu(g) u`, `(m, f)` in bf16, of `g`
+    /// and `u` rounded to bf16 (`y` in bf16, then [`Gpu::swiglu_rows`]). Blocks of 128
+    /// columns: 64 of gate and the same 64 of up.
+    Swiglu(GpuSlice<bf16>),
 }
 
 impl Gpu {
@@ -34,7 +46,8 @@ impl Gpu {
     }
 
     /// `out = x w^T` for `x (m, k)`, `m` from 1 to [`DECODE_PRODUCT_MAX_ROWS`], and `w (n,
-    /// k)`, each block `block_columns` (64 or 128) columns of `out`.
+    /// k)`, each block `block_columns` (64 or 128; 128 for [`ProductOut::Swiglu`]) columns of
+    /// `w`'s rows.
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`] naming what does not fit: `k` not whole tiles of
@@ -66,10 +79,18 @@ impl Gpu {
         if !(1..=DECODE_PRODUCT_MAX_ROWS).contains(&m) {
             return Err(shape("decode product rows", DECODE_PRODUCT_MAX_ROWS, m));
         }
-        let kernel = match block_columns {
-            64 => "decode_product_64",
-            128 => "decode_product_128",
-            other => {
+        let kernel = match (out, block_columns) {
+            (ProductOut::Swiglu(_), SWIGLU_BLOCK_COLUMNS) => "decode_product_swiglu",
+            (ProductOut::Swiglu(_), other) => {
+                return Err(shape(
+                    "decode product swiglu block columns",
+                    SWIGLU_BLOCK_COLUMNS,
+                    other,
+                ));
+            }
+            (_, 64) => "decode_product_64",
+            (_, 128) => "decode_product_128",
+            (_, other) => {
                 return Err(shape(
                     "decode product block columns (64 or 128)",
                     128,
@@ -94,6 +115,10 @@ impl Gpu {
                     super::rows_of("decode product partials (whole slices)", y.len(), m * n)?;
                 (y.address(), slices, 1)
             }
+            ProductOut::Swiglu(y) => {
+                y.expect_len("decode product swiglu output", m * n / 2)?;
+                (y.address(), 1, 0)
+            }
         };
         let tiles = k / TILE_COLUMNS;
         if slices == 0 || !tiles.is_multiple_of(slices) {
@@ -110,9 +135,15 @@ impl Gpu {
                 (address % 16) as usize,
             ));
         }
-        let w_map = self.tensor_map(w, k, block_columns as u32)?;
+        // A swiglu block fetches its gate and up rows as two boxes of half its columns, and
+        // writes half as many columns as `w` has rows.
+        let (box_rows, columns) = match out {
+            ProductOut::Swiglu(_) => (block_columns / 2, n / 2),
+            _ => (block_columns, n),
+        };
+        let w_map = self.tensor_map(w, k, box_rows as u32)?;
         let x_map = self.tensor_map(x, k, DECODE_PRODUCT_MAX_ROWS as u32)?;
-        let (m32, n32) = (m as i32, n as i32);
+        let (m32, n32) = (m as i32, columns as i32);
         let k_tiles = (tiles / slices) as i32;
         self.launch(
             kernel,

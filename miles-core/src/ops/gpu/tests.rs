@@ -626,6 +626,50 @@ fn gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices() {
 }
 
 #[test]
+fn gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit() {
+    let Some(mut t) = TestGpu::open(
+        "gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit",
+        64 << 20,
+    ) else {
+        return;
+    };
+    if !t.gpu.has_decode_product() {
+        eprintln!(
+            "skipped gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit: not a Hopper GPU"
+        );
+        return;
+    }
+    // (rows, f, k): the engine's gate/up shape past the ring, rows short of a warpgroup, one
+    // block.
+    for (m, f, k) in [(128, 192, 2048), (77, 128, 384), (1, 64, 128)] {
+        let (x, x_host) = t.put_bf16(&seeded(21, m * k));
+        let (w, w_host) = t.put_bf16(&seeded(22, 2 * f * k));
+        let what = format!("decode product swiglu {m} x {f} x {k}");
+        let y = t.alloc::<bf16>(m * f);
+        t.gpu
+            .decode_product(ProductOut::Swiglu(y), x, w, k, 128)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (gate_up, apart) = (t.alloc::<bf16>(m * 2 * f), t.alloc::<bf16>(m * f));
+        t.gpu
+            .decode_product(ProductOut::Bf16(gate_up), x, w, k, 128)
+            .and_then(|()| t.gpu.swiglu_rows(apart, gate_up, f))
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let got = t.get_bf16(y);
+        assert_close(&what, &got, &t.get_bf16(apart), 0.0);
+        let g = Gemm::new(m, 2 * f, k, Transpose::No, Transpose::Yes);
+        let product = host_product(g, &x_host, &w_host, &vec![0.0; m * 2 * f]);
+        let rounded = |v: f32| bf16::from_f32(v).to_f32();
+        let (gate, up): (Vec<f32>, Vec<f32>) = product
+            .chunks_exact(2 * f)
+            .flat_map(|row| (0..f).map(move |j| (rounded(row[j]), rounded(row[f + j]))))
+            .unzip();
+        let mut want = vec![0.0; m * f];
+        swiglu_forward(&mut want, &gate, &up);
+        assert_close(&format!("{what} against the host"), &got, &want, BF16_TOLERANCE);
+    }
+}
+
+#[test]
 fn gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit() {
     let Some(mut t) = TestGpu::open(
         "gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit",
@@ -642,6 +686,7 @@ fn gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit() {
     let refused = |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::ShapeMismatch { .. }));
     let (x, w) = (t.alloc::<bf16>(8 * 192), t.alloc::<bf16>(64 * 192));
     let (short, slices) = (t.alloc::<bf16>(8 * 64 - 8), t.alloc::<f32>(2 * 8 * 64));
+    let (gate_up, long) = (t.alloc::<bf16>(128 * 192), t.alloc::<bf16>(8 * 128));
     let g = &t.gpu;
     // An output one row short; two slices of k's three tiles.
     assert!(refused(g.decode_product(
@@ -657,6 +702,21 @@ fn gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit() {
         w,
         192,
         64
+    )));
+    // SwiGLU: blocks of 64, an output as long as the product's.
+    assert!(refused(g.decode_product(
+        ProductOut::Swiglu(short),
+        x,
+        w,
+        192,
+        64
+    )));
+    assert!(refused(g.decode_product(
+        ProductOut::Swiglu(long),
+        x,
+        gate_up,
+        192,
+        128
     )));
     // Tensor maps: rows not whole 16-byte words, a box of no rows or too many, an address off
     // 16 bytes.

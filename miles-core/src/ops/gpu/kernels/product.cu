@@ -1,7 +1,9 @@
 // Decode-step products on Hopper's warpgroup MMA (wgmma) with the tensor memory accelerator
 // (TMA): y (m <= 128, n) = x (m, k) w (n, k)^T, bf16 in, fp32 accumulate; out either bf16 (m, n)
 // or, split along k into `gridDim.y` slices, fp32 partials (slices, m, n) that the kernel after
-// sums (residual_rmsnorm). A block owns PRODUCT_BN (64 or 128) columns of y and one slice of k:
+// sums (residual_rmsnorm), or, where w is gate's rows then up's (2f, k), swiglu's bf16 (m, f):
+// silu(g) u of g and u rounded to bf16, as swiglu_rows computes it after a bf16 product.
+// A block owns 64 or 128 columns of y (64 of gate and the same 64 of up) and one slice of k:
 // warpgroup 0's first thread fetches k tiles of 64 of x (all 128 rows, zeros past m) and of w
 // into a ring of stages through TMA (128-byte swizzle); warpgroups 1 and 2 multiply rows 0..63
 // and 64..127 of x by the stage's w as each arrives and hand the stage back. The weights of the
@@ -129,8 +131,10 @@ __device__ __forceinline__ void wgmma_tile<128>(float (&d)[64], unsigned long lo
 }
 
 // The product's body (see the top of this file). `k_tiles`: tiles of 64 of k in one slice;
-// `out_f32`: write the fp32 partials of slice blockIdx.y, else bf16.
-template <int BN>
+// `out_f32`: write the fp32 partials of slice blockIdx.y, else bf16; `n`: y's columns. With
+// SWIGLU (BN 128), w's rows 64 b.. (gate) and n + 64 b.. (up) make block b's tile, its map's box
+// 64 rows.
+template <int BN, bool SWIGLU>
 __device__ __forceinline__ void product_body(const TensorMap* wmap, const TensorMap* xmap,
                                              void* out, int out_f32, int m, int n, int k_tiles) {
     constexpr int X_BYTES = 128 * 64 * 2;
@@ -143,8 +147,17 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
     unsigned long long* full = (unsigned long long*)(ring + STAGES * STAGE);
     unsigned long long* empty = full + STAGES;
     const int group = threadIdx.x / 128;
-    const int n0 = blockIdx.x * BN;
+    const int n0 = blockIdx.x * (SWIGLU ? 64 : BN);
     const int k0 = blockIdx.y * k_tiles;
+    // Tile t of w (all BN rows) into `dst`, counted on `bar`.
+    auto fetch_w = [&](unsigned char* dst, unsigned long long* bar, int t) {
+        if constexpr (SWIGLU) {
+            tma_load(dst, wmap, bar, (k0 + t) * 64, n0);
+            tma_load(dst + 64 * 128, wmap, bar, (k0 + t) * 64, n + n0);
+        } else {
+            tma_load(dst, wmap, bar, (k0 + t) * 64, n0);
+        }
+    };
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             barrier_init(&full[s], 1);
@@ -160,7 +173,7 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
             const int ahead = k_tiles < STAGES ? k_tiles : STAGES;
             for (int t = 0; t < ahead; t++) {
                 barrier_expect_bytes(&full[t], STAGE);
-                tma_load(ring + t * STAGE + X_BYTES, wmap, &full[t], (k0 + t) * 64, n0);
+                fetch_w(ring + t * STAGE + X_BYTES, &full[t], t);
             }
             grid_begin();
             for (int t = 0; t < ahead; t++) {
@@ -171,7 +184,7 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
                 barrier_wait(&empty[s], ((t / STAGES) - 1) & 1);
                 barrier_expect_bytes(&full[s], STAGE);
                 tma_load(ring + s * STAGE, xmap, &full[s], (k0 + t) * 64, 0);
-                tma_load(ring + s * STAGE + X_BYTES, wmap, &full[s], (k0 + t) * 64, n0);
+                fetch_w(ring + s * STAGE + X_BYTES, &full[s], t);
             }
         }
         return;
@@ -199,18 +212,37 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
     // columns 8j + 2 (lane % 4) and the next, of each 8-column block j.
     const int lane = threadIdx.x % 32, q = (threadIdx.x % 128) / 32;
     const int r0 = half * 64 + q * 16 + lane / 4, r1 = r0 + 8;
+    if constexpr (SWIGLU) {
+        // Gate's column c of the block is accumulator column c, up's c + 64: fragment j + 8.
+        unsigned* p = (unsigned*)out;
 #pragma unroll
-    for (int j = 0; j < BN / 8; j++) {
-        const int col = n0 + j * 8 + (lane % 4) * 2;
-        if (out_f32) {
-            float* p = (float*)out + (long long)blockIdx.y * m * n;
-            if (r0 < m) *(float2*)&p[(long long)r0 * n + col] = make_float2(d[4 * j], d[4 * j + 1]);
-            if (r1 < m)
-                *(float2*)&p[(long long)r1 * n + col] = make_float2(d[4 * j + 2], d[4 * j + 3]);
-        } else {
-            unsigned* p = (unsigned*)out;
-            if (r0 < m) p[((long long)r0 * n + col) / 2] = pack2(d[4 * j], d[4 * j + 1]);
-            if (r1 < m) p[((long long)r1 * n + col) / 2] = pack2(d[4 * j + 2], d[4 * j + 3]);
+        for (int j = 0; j < 8; j++) {
+            const int col = n0 + j * 8 + (lane % 4) * 2;
+            float y[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float g = bf2f(f2bf(d[4 * j + i])), u = bf2f(f2bf(d[4 * (j + 8) + i]));
+                y[i] = g / (1.0f + __expf(-g)) * u;
+            }
+            if (r0 < m) p[((long long)r0 * n + col) / 2] = pack2(y[0], y[1]);
+            if (r1 < m) p[((long long)r1 * n + col) / 2] = pack2(y[2], y[3]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const int col = n0 + j * 8 + (lane % 4) * 2;
+            if (out_f32) {
+                float* p = (float*)out + (long long)blockIdx.y * m * n;
+                if (r0 < m)
+                    *(float2*)&p[(long long)r0 * n + col] = make_float2(d[4 * j], d[4 * j + 1]);
+                if (r1 < m)
+                    *(float2*)&p[(long long)r1 * n + col] =
+                        make_float2(d[4 * j + 2], d[4 * j + 3]);
+            } else {
+                unsigned* p = (unsigned*)out;
+                if (r0 < m) p[((long long)r0 * n + col) / 2] = pack2(d[4 * j], d[4 * j + 1]);
+                if (r1 < m) p[((long long)r1 * n + col) / 2] = pack2(d[4 * j + 2], d[4 * j + 3]);
+            }
         }
     }
 }
@@ -220,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                       const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
                       int n, int k_tiles) {
     grid_begin_later();
-    product_body<64>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
+    product_body<64, false>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1)
@@ -228,5 +260,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                        const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
                        int n, int k_tiles) {
     grid_begin_later();
-    product_body<128>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
+    product_body<128, false>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    decode_product_swiglu(const __grid_constant__ TensorMap wmap,
+                          const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
+                          int n, int k_tiles) {
+    grid_begin_later();
+    product_body<128, true>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
