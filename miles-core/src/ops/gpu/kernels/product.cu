@@ -8,8 +8,8 @@
 // into a ring of stages through TMA (128-byte swizzle); warpgroups 1 and 2 multiply rows 0..63
 // and 64..127 of x by the stage's w as each arrives and hand the stage back. The weights of the
 // first stages are fetched before the kernel waits for the one ahead of it (no kernel writes
-// weights), so where that one lets it start early (paged_decode, swiglu_rows: grid_release)
-// they arrive while it finishes.
+// weights), so where that one lets it start early (paged_decode, swiglu_rows and the SwiGLU
+// product itself: grid_release) they arrive while it finishes.
 
 // A TMA descriptor (CUtensorMap): 128 opaque bytes the host encodes, passed by value.
 struct __align__(64) TensorMap {
@@ -268,5 +268,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                           const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
                           int n, int k_tiles) {
     grid_begin_later();
+    // The down product behind it fetches its first weights on the SMs this one leaves.
+    grid_release();
     product_body<128, true>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
