@@ -646,9 +646,10 @@ const GRID_BEGIN_LATER: &str = "grid_begin_later();";
 /// Put ahead of every program. Kernels are launched with programmatic dependent launch
 /// (Hopper): the driver may schedule a kernel's blocks before the kernel ahead of it on the
 /// stream has finished, so each kernel first waits for that kernel to finish and its writes to
-/// be visible, and touches no memory before. A kernel never lets the one behind it start early
-/// (`griddepcontrol.launch_dependents`): with that, a training step at 1B took 2% longer on an
-/// H100, where waiting alone made it about 1% shorter (bench/RESULTS.md, round 32).
+/// be visible, and touches no memory before. Only the kernels a decode product follows let the
+/// one behind them start early (`grid_release`, `griddepcontrol.launch_dependents`): in every
+/// kernel, a training step at 1B took 2% longer on an H100, where waiting alone made it about
+/// 1% shorter (bench/RESULTS.md, round 32).
 const GRID_PRELUDE: &str = r#"
 __device__ __forceinline__ void grid_begin() {
     asm volatile("griddepcontrol.wait;" ::: "memory");

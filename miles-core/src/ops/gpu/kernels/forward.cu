@@ -140,6 +140,8 @@ extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS)
     residual_rmsnorm(bf16* out, bf16* x, const float* partials, int parts, long long rows,
                      const bf16* w, int c, float eps) {
     grid_begin();
+    // The decode step's SwiGLU product behind it fetches its first weights meanwhile.
+    grid_release();
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     bf16* xr = x + row * c;
