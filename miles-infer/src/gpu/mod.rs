@@ -516,7 +516,13 @@ impl GpuModel {
             self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
             let gate_up_w = self.fused(&GATE_UP, l)?;
             if own_product_fits(g, ln, gate_up_w, (n, 2 * f, h), OWN_SWIGLU_COLUMNS) {
-                g.decode_product(ProductOut::Swiglu(act), ln, gate_up_w, h, OWN_SWIGLU_COLUMNS)?;
+                g.decode_product(
+                    ProductOut::Swiglu(act),
+                    ln,
+                    gate_up_w,
+                    h,
+                    OWN_SWIGLU_COLUMNS,
+                )?;
             } else {
                 g.gemm(linear(n, 2 * f, h), gate_up, ln, gate_up_w)?;
                 g.swiglu_rows(act, gate_up, f)?;

@@ -662,14 +662,24 @@ fn gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit() 
         let product = t.get_bf16(gate_up);
         let g = Gemm::new(m, 2 * f, k, Transpose::No, Transpose::Yes);
         let exact = host_product(g, &x_host, &w_host, &vec![0.0; m * 2 * f]);
-        assert_close(&format!("{what}, product"), &product, &exact, BF16_TOLERANCE);
+        assert_close(
+            &format!("{what}, product"),
+            &product,
+            &exact,
+            BF16_TOLERANCE,
+        );
         let (gate, up): (Vec<f32>, Vec<f32>) = product
             .chunks_exact(2 * f)
             .flat_map(|row| (0..f).map(move |j| (row[j], row[f + j])))
             .unzip();
         let mut want = vec![0.0; m * f];
         swiglu_forward(&mut want, &gate, &up);
-        assert_close(&format!("{what} against the host"), &got, &want, BF16_TOLERANCE);
+        assert_close(
+            &format!("{what} against the host"),
+            &got,
+            &want,
+            BF16_TOLERANCE,
+        );
     }
 }
 
