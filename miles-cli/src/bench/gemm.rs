@@ -4,10 +4,11 @@
 //! every algorithm cuBLASLt's heuristic offers for the shape, with the weights' bytes per
 //! second and whether each output has the same bits as cuBLAS's; at decode rows (at most 128)
 //! also, on Hopper, through miles' own warpgroup-MMA product (`Gpu::decode_product`) in a few
-//! tilings. Every time is the best of several replays of a CUDA graph of `--reps` products, so
-//! the host's launch cost is not in it; the products cycle through enough copies of the weight
-//! (at least 128 MiB of them) that each reads its weight from device memory, as a decode step
-//! does, not from the 50 MB L2.
+//! tilings, and the gate/up product ending in its SwiGLU against cuBLAS's product then
+//! `swiglu_rows`. Every time is the best of several replays of a CUDA graph of `--reps`
+//! products, so the host's launch cost is not in it; the products cycle through enough copies
+//! of the weight (at least 128 MiB of them) that each reads its weight from device memory, as a
+//! decode step does, not from the 50 MB L2.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use miles_core::device::{
     Device, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuSlice, Transpose,
 };
 use miles_core::model::LlamaConfig;
-use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, ProductOut};
+use miles_core::ops::gpu::{DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, ProductOut};
 use miles_core::{BackupPolicy, Buffer, DeviceChoice, ManagerSettings, MemoryManager, MemoryTag};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -48,13 +49,15 @@ pub struct GemmBenchArgs {
     pub replays: usize,
 }
 
-/// One product of the model: `y (rows, out) = x (rows, inp) W^T (+ y)`.
+/// One product of the model: `y (rows, out) = x (rows, inp) W^T (+ y)`; `swiglu`: the MLP's
+/// gate/up product, which the decode step follows with SwiGLU.
 struct Product {
     name: &'static str,
     out: usize,
     inp: usize,
     accumulate: bool,
     fp32_out: bool,
+    swiglu: bool,
 }
 
 fn products(c: &LlamaConfig) -> [Product; 5] {
@@ -65,11 +68,15 @@ fn products(c: &LlamaConfig) -> [Product; 5] {
         inp,
         accumulate,
         fp32_out,
+        swiglu: false,
     };
     [
         p("qkv", c.q_dim() + 2 * c.kv_dim(), h, false, false),
         p("o (+= x)", h, c.q_dim(), true, false),
-        p("gate/up", 2 * f, h, false, false),
+        Product {
+            swiglu: true,
+            ..p("gate/up", 2 * f, h, false, false)
+        },
         p("down (+= x)", h, f, true, false),
         p("lm head (fp32)", c.vocab_size, h, false, true),
     ]
@@ -118,12 +125,15 @@ fn values(seed: u64, len: usize, scale: f32) -> Vec<bf16> {
 
 /// How the product is queued: cuBLAS's own pick ([`Gpu::gemm`]), a cuBLASLt algorithm, or
 /// miles' decode product ([`Gpu::decode_product`]) in blocks of `block` columns, its output
-/// bf16 (`slices` 0) or fp32 slices along k.
+/// bf16 (`slices` 0) or fp32 slices along k; or, for the gate/up product, followed by SwiGLU:
+/// cuBLAS's bf16 product then [`Gpu::swiglu_rows`], or miles' product ending in it
+/// ([`ProductOut::Swiglu`]).
 #[derive(Clone, Copy)]
 enum Route<'a> {
     Blas,
     Lt(&'a GemmAlgo),
     Wgmma { block: usize, slices: usize },
+    Swiglu { own: bool },
 }
 
 /// The decode product's tilings timed for a product: bf16 out where cuBLAS writes bf16 and
@@ -145,6 +155,8 @@ struct Operands<C> {
     /// The decode product's outputs: bf16, or up to 8 fp32 slices.
     narrow: GpuSlice<bf16>,
     wide: GpuSlice<f32>,
+    /// SwiGLU's output, half of y's columns.
+    half: GpuSlice<bf16>,
     x: GpuSlice<bf16>,
     /// Copies of one weight; the output check uses the first.
     w: Vec<GpuSlice<bf16>>,
@@ -171,6 +183,17 @@ impl<C: GemmOutput + Default + PartialEq> Operands<C> {
                 };
                 gpu.decode_product(out, self.x, w, g.k, block)
             }
+            Route::Swiglu { own: false } => {
+                gpu.gemm(g, self.narrow, self.x, w)?;
+                gpu.swiglu_rows(self.half, self.narrow, g.n / 2)
+            }
+            Route::Swiglu { own: true } => gpu.decode_product(
+                ProductOut::Swiglu(self.half),
+                self.x,
+                w,
+                g.k,
+                DECODE_PRODUCT_SWIGLU_COLUMNS,
+            ),
         }
     }
 
@@ -255,15 +278,16 @@ fn shape<C: GemmOutput + Default + PartialEq + OutputValue>(
     }
     let weight_bytes = p.out * p.inp * 2;
     let copies = COLD_BYTES.div_ceil(weight_bytes).max(1);
-    // y, the decode product's bf16 output and its up to 8 fp32 slices.
-    let out_bytes = size_of::<C>() + size_of::<bf16>() + 8 * size_of::<f32>();
+    // y, the decode product's bf16 output, its up to 8 fp32 slices and SwiGLU's half of bf16.
+    let out_bytes = size_of::<C>() + size_of::<bf16>() + 8 * size_of::<f32>() + 1;
     let bytes = rows * p.inp * 2 + copies * weight_bytes + rows * p.out * out_bytes;
     let device = Arc::clone(gpu.device()) as Arc<dyn Device>;
-    let mut arena = Arena::new(device, bytes + (copies + 4) * 256)?;
+    let mut arena = Arena::new(device, bytes + (copies + 5) * 256)?;
     let ops = Operands {
         y: arena.take::<C>(rows * p.out)?,
         narrow: arena.take::<bf16>(rows * p.out)?,
         wide: arena.take::<f32>(8 * rows * p.out)?,
+        half: arena.take::<bf16>(rows * p.out / 2)?,
         x: arena.take::<bf16>(rows * p.inp)?,
         w: (0..copies)
             .map(|_| arena.take::<bf16>(p.out * p.inp))
@@ -345,8 +369,42 @@ fn shape<C: GemmOutput + Default + PartialEq + OutputValue>(
                 weight_gb / t,
             );
         }
+        if p.swiglu {
+            lines += &swiglu_line(gpu, g, &ops, args)?;
+        }
     }
     Ok(lines)
+}
+
+/// The gate/up product followed by SwiGLU, as the decode step runs it: cuBLAS's product then
+/// `swiglu_rows`, against miles' product ending in its SwiGLU, and whether their outputs have
+/// the same bits.
+fn swiglu_line<C: GemmOutput + Default + PartialEq>(
+    gpu: &Gpu,
+    g: Gemm,
+    ops: &Operands<C>,
+    args: &GemmBenchArgs,
+) -> anyhow::Result<String> {
+    let (apart, fused) = (Route::Swiglu { own: false }, Route::Swiglu { own: true });
+    ops.queue(gpu, g, apart, 0)?;
+    let want = gpu_values(gpu, ops.half)?;
+    ops.queue(gpu, g, fused, 0)?;
+    let got = gpu_values(gpu, ops.half)?;
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    let (t_apart, t_fused) = (
+        ops.seconds(gpu, g, apart, args)?,
+        ops.seconds(gpu, g, fused, args)?,
+    );
+    Ok(format!(
+        "  swiglu   {:>8.1} us  {:>5.2}x cublas + swiglu_rows ({:.1} us)  blocks of {DECODE_PRODUCT_SWIGLU_COLUMNS} columns, SwiGLU out; largest difference from cublas + swiglu_rows {worst:.1e}\n",
+        t_fused * 1e6,
+        t_apart / t_fused,
+        t_apart * 1e6,
+    ))
 }
 
 /// The values of `slice` as f32.

@@ -49,8 +49,8 @@ use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, TILE_COLUMN
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
-    DECODE_PRODUCT_MAX_ROWS, DRAW_WORDS, PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, ProductOut,
-    QkvHeads, RULE_WORDS, SampleRule, TokenPlaces,
+    DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, DRAW_WORDS, PAGED_MAX_HEAD_DIM,
+    PagedCache, PagedTokens, ProductOut, QkvHeads, RULE_WORDS, SampleRule, TokenPlaces,
 };
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
@@ -101,10 +101,6 @@ const OWN_SPLIT_COLUMNS: usize = 64;
 
 /// Columns a block of miles' decode product takes in the LM head (`bench gemm`, round 38).
 const OWN_HEAD_COLUMNS: usize = 128;
-
-/// Columns of the gate/up weight a block of miles' decode product ending in SwiGLU takes: 64
-/// of gate and the same 64 of up.
-const OWN_SWIGLU_COLUMNS: usize = 128;
 
 /// Slices of a split product on miles' decode product of inner dimension `k` (whole tiles):
 /// the most, up to [`MAX_SPLIT`], that divide its tiles.
@@ -515,13 +511,19 @@ impl GpuModel {
             let post_attention = w(ParamKind::PostAttentionNorm)?;
             self.add_then_norm(s, (n, qd), att, w(ParamKind::OProj)?, post_attention)?; // x += o
             let gate_up_w = self.fused(&GATE_UP, l)?;
-            if own_product_fits(g, ln, gate_up_w, (n, 2 * f, h), OWN_SWIGLU_COLUMNS) {
+            if own_product_fits(
+                g,
+                ln,
+                gate_up_w,
+                (n, 2 * f, h),
+                DECODE_PRODUCT_SWIGLU_COLUMNS,
+            ) {
                 g.decode_product(
                     ProductOut::Swiglu(act),
                     ln,
                     gate_up_w,
                     h,
-                    OWN_SWIGLU_COLUMNS,
+                    DECODE_PRODUCT_SWIGLU_COLUMNS,
                 )?;
             } else {
                 g.gemm(linear(n, 2 * f, h), gate_up, ln, gate_up_w)?;

@@ -19,8 +19,8 @@ pub const DECODE_PRODUCT_MAX_ROWS: usize = 128;
 /// Bytes of a block's ring of stages (`PRODUCT_RING_BYTES` in the kernel).
 const RING_BYTES: u32 = 192 * 1024;
 
-/// Columns of `w` a swiglu block takes: 64 rows of gate and the same of up.
-const SWIGLU_BLOCK_COLUMNS: usize = 128;
+/// Rows of `w` a block of [`ProductOut::Swiglu`] takes: 64 of gate and the same 64 of up.
+pub const DECODE_PRODUCT_SWIGLU_COLUMNS: usize = 128;
 
 /// Threads of a block: a warpgroup fetching, two multiplying.
 const THREADS: u32 = 384;
@@ -80,11 +80,11 @@ impl Gpu {
             return Err(shape("decode product rows", DECODE_PRODUCT_MAX_ROWS, m));
         }
         let kernel = match (out, block_columns) {
-            (ProductOut::Swiglu(_), SWIGLU_BLOCK_COLUMNS) => "decode_product_swiglu",
+            (ProductOut::Swiglu(_), DECODE_PRODUCT_SWIGLU_COLUMNS) => "decode_product_swiglu",
             (ProductOut::Swiglu(_), other) => {
                 return Err(shape(
                     "decode product swiglu block columns",
-                    SWIGLU_BLOCK_COLUMNS,
+                    DECODE_PRODUCT_SWIGLU_COLUMNS,
                     other,
                 ));
             }

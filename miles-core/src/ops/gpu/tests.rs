@@ -647,11 +647,23 @@ fn gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit() 
         let what = format!("decode product swiglu {m} x {f} x {k}");
         let y = t.alloc::<bf16>(m * f);
         t.gpu
-            .decode_product(ProductOut::Swiglu(y), x, w, k, 128)
+            .decode_product(
+                ProductOut::Swiglu(y),
+                x,
+                w,
+                k,
+                DECODE_PRODUCT_SWIGLU_COLUMNS,
+            )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let (gate_up, apart) = (t.alloc::<bf16>(m * 2 * f), t.alloc::<bf16>(m * f));
         t.gpu
-            .decode_product(ProductOut::Bf16(gate_up), x, w, k, 128)
+            .decode_product(
+                ProductOut::Bf16(gate_up),
+                x,
+                w,
+                k,
+                DECODE_PRODUCT_SWIGLU_COLUMNS,
+            )
             .and_then(|()| t.gpu.swiglu_rows(apart, gate_up, f))
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let got = t.get_bf16(y);
@@ -730,7 +742,7 @@ fn gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit() {
         x,
         gate_up,
         192,
-        128
+        DECODE_PRODUCT_SWIGLU_COLUMNS
     )));
     // Tensor maps: rows not whole 16-byte words, a box of no rows or too many, an address off
     // 16 bytes.
