@@ -17,12 +17,12 @@
 //! tokens (a decode step of up to that many sequences, or a short prefill) the o and down
 //! products run as slices of their inner dimension whose fp32 partials the norm's kernel adds
 //! into the residual stream (`residual_rmsnorm`); in a wider one they add into it themselves
-//! (beta 1). Those split products and the LM head run on miles' own Hopper kernel
-//! (`Gpu::decode_product`, warpgroup MMA fed by the tensor memory accelerator) where the shapes
-//! fit it, and the attention and SwiGLU kernels ahead of them let them start early, so they
-//! fetch their first weights while those finish; the q/k/v and gate/up products, and every
-//! product of a wider pass, are cuBLAS's. A decode step then draws each sequence's next token on the
-//! device (the `sample_rows` kernel), so only token ids and log-probs come back; a prefill
+//! (beta 1). Those split products, the LM head and the gate/up product, which then ends in its
+//! SwiGLU, run on miles' own Hopper kernel (`Gpu::decode_product`, warpgroup MMA fed by the
+//! tensor memory accelerator) where the shapes fit it; the kernels ahead of them let them start
+//! early, so they fetch their first weights while those finish. The q/k/v product, and every
+//! product of a wider pass, are cuBLAS's. A decode step then draws each sequence's next token on
+//! the device (the `sample_rows` kernel), so only token ids and log-probs come back; a prefill
 //! brings its prompts' rows of logits back (once per prompt: its samples draw from them
 //! later). A fence on every buffer the pass used lets the memory manager pause the tags
 //! afterwards.
@@ -113,11 +113,11 @@ fn own_split_of(k: usize) -> usize {
 }
 
 /// Whether a product of `n` rows, `out` columns in blocks of `block` and inner dimension `k`
-/// runs through miles' decode product (`Gpu::decode_product`) rather than cuBLAS: on Hopper, at most
-/// [`DECODE_PRODUCT_MAX_ROWS`] rows, `k` whole tiles, `out` whole blocks, the operands 16-byte
-/// aligned (the tensor memory accelerator's rule). Where it runs after `paged_decode`,
-/// `swiglu_rows` or the gate/up product ending in SwiGLU, which let it start early, it fetches
-/// its first weights while they finish (bench/RESULTS.md rounds 38 and 39). The q/k/v product
+/// runs through miles' decode product (`Gpu::decode_product`) rather than cuBLAS: on Hopper,
+/// at most [`DECODE_PRODUCT_MAX_ROWS`] rows, `k` whole tiles, `out` whole blocks, the operands
+/// 16-byte aligned (the tensor memory accelerator's rule). Where it runs after `paged_decode`,
+/// `swiglu_rows`, `residual_rmsnorm` or the gate/up product ending in SwiGLU, which let it
+/// start early, it fetches its first weights while they finish (bench/RESULTS.md rounds 38 and 39). The q/k/v product
 /// stays cuBLAS's, faster there; the gate/up product alone is too (round 38), but ours ends in
 /// SwiGLU, which saves `swiglu_rows` and lets the down product start early (round 39).
 fn own_product_fits(
