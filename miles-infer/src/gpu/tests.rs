@@ -430,8 +430,9 @@ fn gpu_sampling_draws_what_the_host_sampler_draws_on_a_fixed_logit_set() {
         return;
     };
     // Rows of the tiny preset's 259 logits are read one value at a time by the kernel's passes
-    // over the whole row; rows of 260, 16 bytes at a time.
-    for vocab_size in [259, 260] {
+    // over the whole row; rows of 260, 16 bytes at a time; rows of 4100 give each lane of the
+    // walk a piece of 8 ids.
+    for vocab_size in [259, 260, 4100] {
         let mut model = config();
         model.vocab_size = vocab_size;
         let mut engine = t.engine_of(

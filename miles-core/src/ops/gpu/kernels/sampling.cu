@@ -10,7 +10,8 @@
 //     the row's mass is the walk's kept mass: one pass less).
 // The cuts are found by bisection over an order-preserving 32-bit key of the logits (32 block
 // reductions each), so nothing is sorted and nothing of the row is written. The draw's walk
-// goes by warps: each owns a run of ids, read 32 at a time.
+// goes by pieces: each lane sums the kept mass of its own run of consecutive ids, scans over
+// the lanes and the warps find the piece holding the target, and its lane walks it alone.
 //
 // The rule is read from device memory, not passed by value, so that a captured CUDA graph
 // replays with the rule and seed of each call: rule = [temperature bits, top_p bits, top_k,
@@ -33,6 +34,11 @@ __device__ __forceinline__ double sample_uniform(unsigned long long seed, const 
     unsigned long long h = sample_mix(seed + SAMPLE_GOLDEN);
     for (int i = 1; i < 4; ++i) h = sample_mix(h ^ ((unsigned long long)d[i] + SAMPLE_GOLDEN));
     return (double)(h >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// (x - m) / t as the host computes it; a temperature of 1 skips the division (the same bits).
+__device__ __forceinline__ float scaled(float x, float m, float t) {
+    return t == 1.0f ? x - m : (x - m) / t;
 }
 
 // Larger floats get larger keys (NaN aside).
@@ -110,7 +116,7 @@ __device__ double mass_from(const float* x, int vocab, float m, float t, unsigne
                             double* scratch) {
     double mass = 0.0;
     each_logit_of_row(x, vocab, [&](int, float v) {
-        if (order_key(v) >= key) mass += (double)expf((v - m) / t);
+        if (order_key(v) >= key) mass += (double)expf(scaled(v, m, t));
     });
     return block_sum_double(mass, scratch);
 }
@@ -162,7 +168,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     const bool cut_k = top_k > 0 && top_k < vocab, cut_p = top_p < 1.0f, cut = cut_k || cut_p;
     double sum = 0.0;
     if (temperature <= 0.0f || cut) {
-        each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf((v - m) / t); });
+        each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf(scaled(v, m, t)); });
         sum = block_sum_double(sum, dscratch);
     }
 
@@ -180,58 +186,71 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
             }
             key = lo;
         }
-        // Each warp owns a run of ids (a multiple of 128, so its lanes can read 16 bytes
-        // each); a scan of the runs' kept mass finds the run holding u * total, and its warp
-        // walks it 32 ids at a time.
-        const int run = (vocab + warps * 128 - 1) / (warps * 128) * 128;
+        // Each warp owns a run of ids (a multiple of 128) and each of its lanes a piece of
+        // run / 32 consecutive ids (a multiple of 4, read 16 bytes at a time), whose kept mass
+        // it sums in id order. Scans over the lanes, then over the runs, find the piece
+        // holding u * total, and its lane walks it.
+        const int run = (vocab + warps * 128 - 1) / (warps * 128) * 128, piece = run / 32;
         const int begin = min(vocab, warp * run), end = min(vocab, begin + run);
-        double own = 0.0;
+        const int lo = min(end, begin + lane * piece), hi = min(end, lo + piece);
+        double mine = 0.0;
         int last = -1;
-        each_logit(x, begin, end, lane, 32, [&](int i, float v) {
-            if (order_key(v) >= key) { own += (double)expf((v - m) / t); last = i; }
+        each_logit(x, lo, hi, 0, 1, [&](int i, float v) {
+            if (order_key(v) >= key) { mine += (double)expf(scaled(v, m, t)); last = i; }
         });
-        own = warp_sum_double(own);
-        for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-        if (lane == 0) { run_mass[warp] = own; run_last[warp] = last; }
-        __syncthreads();
-        // Every warp scans the runs' masses the same way, so all agree on the total.
-        double through = lane < warps ? run_mass[lane] : 0.0;
+        // The lanes' inclusive scan: lane l's piece spans [before + ahead, before + through)
+        // of the walk, before being the runs' ahead of this one.
+        double through = mine;
         for (int o = 1; o < 32; o <<= 1) {
             const double add = __shfl_up_sync(0xffffffffu, through, o);
             if (lane >= o) through += add;
         }
-        const double total = __shfl_sync(0xffffffffu, through, 31);
+        const double up = __shfl_up_sync(0xffffffffu, through, 1);
+        const double ahead = lane > 0 ? up : 0.0;
+        const unsigned kept_lanes = __ballot_sync(0xffffffffu, last >= 0);
+        const double own = __shfl_sync(0xffffffffu, through, 31);
+        int run_end = last;
+        for (int o = 16; o > 0; o >>= 1) {
+            run_end = max(run_end, __shfl_xor_sync(0xffffffffu, run_end, o));
+        }
+        if (lane == 0) { run_mass[warp] = own; run_last[warp] = run_end; }
+        __syncthreads();
+        // Every warp scans the runs' masses the same way, so all agree on the total.
+        double runs = lane < warps ? run_mass[lane] : 0.0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const double add = __shfl_up_sync(0xffffffffu, runs, o);
+            if (lane >= o) runs += add;
+        }
+        const double total = __shfl_sync(0xffffffffu, runs, 31);
         if (!cut) sum = total;
-        const double after = __shfl_sync(0xffffffffu, through, warp);
-        const double ahead = __shfl_sync(0xffffffffu, through, max(warp - 1, 0));
-        const double before = warp > 0 ? ahead : 0.0;
+        const double after = __shfl_sync(0xffffffffu, runs, warp);
+        const double prior = __shfl_sync(0xffffffffu, runs, max(warp - 1, 0));
+        const double before = warp > 0 ? prior : 0.0;
         const double target = sample_uniform(seed, d) * total;
         if (threadIdx.x == 0) {
             for (int w = 0; w < warps; ++w) fallback = max(fallback, run_last[w]);
         }
-        if (last >= 0 && before <= target && target < after) {
-            // The run's last kept id where the walk's rounding ends short of the target.
+        // The run holding the target; in it, the piece holding it, or the run's last piece
+        // with a kept id where the lanes' scan ends short of the runs' by a rounding.
+        const double from = before + ahead, to = before + through;
+        const bool last_piece = kept_lanes != 0 && lane == 31 - __clz(kept_lanes);
+        if (last >= 0 && before <= target && target < after && from <= target &&
+            (target < to || last_piece)) {
+            // The piece's last kept id where the walk's rounding ends short of the target.
             int found = last;
-            double acc = before;
-            for (int i0 = begin; i0 < end; i0 += 32) {
-                const int i = i0 + lane;
-                const float v = i < end ? x[i] : NEG_INF;
-                const double p = i < end && order_key(v) >= key ? (double)expf((v - m) / t) : 0.0;
-                double upto = p;
-                for (int o = 1; o < 32; o <<= 1) {
-                    const double add = __shfl_up_sync(0xffffffffu, upto, o);
-                    if (lane >= o) upto += add;
-                }
-                // A kept id (p > 0): the scan's rounding need not rise lane by lane.
-                const unsigned hit = __ballot_sync(0xffffffffu, p > 0.0 && target < acc + upto);
-                if (hit) {
-                    found = i0 + __ffs(hit) - 1;
+            double acc = from;
+            for (int i = lo; i < hi; i++) {
+                const float v = x[i];
+                if (order_key(v) < key) continue;
+                const double p = (double)expf(scaled(v, m, t));
+                if (p > 0.0 && target < acc + p) {
+                    found = i;
                     break;
                 }
-                acc += __shfl_sync(0xffffffffu, upto, 31);
+                acc += p;
             }
-            // The runs' intervals may overlap by a rounding: the lowest id wins, every time.
-            if (lane == 0) atomicMin(&chosen, found);
+            // Runs' and pieces' intervals may overlap by a rounding: the lowest id wins.
+            atomicMin(&chosen, found);
         }
         __syncthreads();
         pick = chosen != 0x7fffffff ? chosen : fallback;
