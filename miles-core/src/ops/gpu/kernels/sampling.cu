@@ -198,8 +198,8 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         each_logit(x, lo, hi, 0, 1, [&](int i, float v) {
             if (order_key(v) >= key) { mine += (double)expf(scaled(v, m, t)); last = i; }
         });
-        // The lanes' inclusive scan: lane l's piece spans [before + ahead, before + through)
-        // of the walk, before being the runs' ahead of this one.
+        // The lanes' inclusive scan: lane l's piece starts at before + ahead of the walk,
+        // before being the runs' ahead of this one.
         double through = mine;
         for (int o = 1; o < 32; o <<= 1) {
             const double add = __shfl_up_sync(0xffffffffu, through, o);
@@ -207,7 +207,6 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         }
         const double up = __shfl_up_sync(0xffffffffu, through, 1);
         const double ahead = lane > 0 ? up : 0.0;
-        const unsigned kept_lanes = __ballot_sync(0xffffffffu, last >= 0);
         const double own = __shfl_sync(0xffffffffu, through, 31);
         int run_end = last;
         for (int o = 16; o > 0; o >>= 1) {
@@ -215,7 +214,8 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         }
         if (lane == 0) { run_mass[warp] = own; run_last[warp] = run_end; }
         __syncthreads();
-        // Every warp scans the runs' masses the same way, so all agree on the total.
+        // Every warp scans the runs' masses the same way, so all agree on the total and on the
+        // run holding the target.
         double runs = lane < warps ? run_mass[lane] : 0.0;
         for (int o = 1; o < 32; o <<= 1) {
             const double add = __shfl_up_sync(0xffffffffu, runs, o);
@@ -223,22 +223,25 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         }
         const double total = __shfl_sync(0xffffffffu, runs, 31);
         if (!cut) sum = total;
-        const double after = __shfl_sync(0xffffffffu, runs, warp);
+        const double runs_up = __shfl_up_sync(0xffffffffu, runs, 1);
         const double prior = __shfl_sync(0xffffffffu, runs, max(warp - 1, 0));
         const double before = warp > 0 ? prior : 0.0;
         const double target = sample_uniform(seed, d) * total;
         if (threadIdx.x == 0) {
             for (int w = 0; w < warps; ++w) fallback = max(fallback, run_last[w]);
         }
-        // The run holding the target; in it, the piece holding it, or the run's last piece
-        // with a kept id where the lanes' scan ends short of the runs' by a rounding.
-        const double from = before + ahead, to = before + through;
-        const bool last_piece = kept_lanes != 0 && lane == 31 - __clz(kept_lanes);
-        if (last >= 0 && before <= target && target < after && from <= target &&
-            (target < to || last_piece)) {
-            // The piece's last kept id where the walk's rounding ends short of the target.
+        // The run holding the target is the last with a kept id that starts at or before it,
+        // and in it the piece: a rounding of the scans that leaves a sliver of mass to a run
+        // or piece with no kept id gives the target to the one before, whose walk then ends at
+        // its last kept id. None (no kept id, or a NaN mass): the row's last kept id.
+        const double run_start = lane > 0 ? runs_up : 0.0;
+        const unsigned runs_from = __ballot_sync(
+            0xffffffffu, lane < warps && run_last[lane] >= 0 && run_start <= target);
+        const unsigned pieces_from =
+            __ballot_sync(0xffffffffu, last >= 0 && before + ahead <= target);
+        if (runs_from != 0 && warp == 31 - __clz(runs_from) && lane == 31 - __clz(pieces_from)) {
             int found = last;
-            double acc = from;
+            double acc = before + ahead;
             for (int i = lo; i < hi; i++) {
                 const float v = x[i];
                 if (order_key(v) < key) continue;
@@ -249,8 +252,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
                 }
                 acc += p;
             }
-            // Runs' and pieces' intervals may overlap by a rounding: the lowest id wins.
-            atomicMin(&chosen, found);
+            chosen = found;
         }
         __syncthreads();
         pick = chosen != 0x7fffffff ? chosen : fallback;
