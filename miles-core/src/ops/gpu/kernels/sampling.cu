@@ -161,6 +161,8 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         const int oi = __shfl_xor_sync(0xffffffffu, index, o);
         if (ov > best || (ov == best && oi < index)) { best = ov; index = oi; }
     }
+    // No logit above -inf (all -inf or NaN): id 0, as the host's fold gives.
+    if (index == 0x7fffffff) index = 0;
     const float m = best;
 
     // The row's mass, for the log-prob. A draw without cuts keeps every token, so its walk's
