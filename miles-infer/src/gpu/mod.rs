@@ -117,9 +117,10 @@ fn own_split_of(k: usize) -> usize {
 /// at most [`DECODE_PRODUCT_MAX_ROWS`] rows, `k` whole tiles, `out` whole blocks, the operands
 /// 16-byte aligned (the tensor memory accelerator's rule). Where it runs after `paged_decode`,
 /// `swiglu_rows`, `residual_rmsnorm` or the gate/up product ending in SwiGLU, which let it
-/// start early, it fetches its first weights while they finish (bench/RESULTS.md rounds 38 and 39). The q/k/v product
-/// stays cuBLAS's, faster there; the gate/up product alone is too (round 38), but ours ends in
-/// SwiGLU, which saves `swiglu_rows` and lets the down product start early (round 39).
+/// start early, it fetches its first weights while they finish (bench/RESULTS.md rounds 38
+/// and 39). The q/k/v product stays cuBLAS's, faster there; the gate/up product alone is too
+/// (round 38), but ours ends in SwiGLU, which saves `swiglu_rows` and lets the down product
+/// start early (round 39).
 fn own_product_fits(
     gpu: &Gpu,
     inp: GpuSlice<bf16>,

@@ -569,10 +569,10 @@ fn gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices() {
     ) else {
         return;
     };
-    if !t.gpu.has_decode_product() {
-        eprintln!(
-            "skipped gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices: not a Hopper GPU"
-        );
+    if !runs_decode_product(
+        &t,
+        "gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices",
+    ) {
         return;
     }
     // (rows, columns, k, block columns, slices): past the ring's stages (6 of 128 columns, 8
@@ -625,6 +625,15 @@ fn gpu_decode_products_match_the_cpu_product_in_bf16_and_in_fp32_slices() {
     }
 }
 
+/// Whether the decode product runs on `t`'s GPU (Hopper); if not, says that `test` skipped.
+fn runs_decode_product(t: &TestGpu, test: &str) -> bool {
+    let runs = t.gpu.has_decode_product();
+    if !runs {
+        eprintln!("skipped {test}: not a Hopper GPU");
+    }
+    runs
+}
+
 #[test]
 fn gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit() {
     let Some(mut t) = TestGpu::open(
@@ -633,10 +642,10 @@ fn gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit() 
     ) else {
         return;
     };
-    if !t.gpu.has_decode_product() {
-        eprintln!(
-            "skipped gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit: not a Hopper GPU"
-        );
+    if !runs_decode_product(
+        &t,
+        "gpu_decode_product_swiglu_is_the_bf16_product_then_swiglu_rows_bit_for_bit",
+    ) {
         return;
     }
     // (rows, f, k): the engine's gate/up shape past the ring, rows short of a warpgroup, one
@@ -703,10 +712,10 @@ fn gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit() {
     ) else {
         return;
     };
-    if !t.gpu.has_decode_product() {
-        eprintln!(
-            "skipped gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit: not a Hopper GPU"
-        );
+    if !runs_decode_product(
+        &t,
+        "gpu_decode_products_and_tensor_maps_refuse_what_they_do_not_fit",
+    ) {
         return;
     }
     let refused = |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::ShapeMismatch { .. }));

@@ -36,9 +36,10 @@ __device__ __forceinline__ double sample_uniform(unsigned long long seed, const 
     return (double)(h >> 11) * (1.0 / 9007199254740992.0);
 }
 
-// (x - m) / t as the host computes it; a temperature of 1 skips the division (the same bits).
-__device__ __forceinline__ float scaled(float x, float m, float t) {
-    return t == 1.0f ? x - m : (x - m) / t;
+// exp((x - m) / t), the unnormalised probability of a logit x of a row of maximum m, (x - m) / t
+// as the host computes it; a temperature of 1 skips the division (the same bits).
+__device__ __forceinline__ double weight_of(float x, float m, float t) {
+    return (double)expf(t == 1.0f ? x - m : (x - m) / t);
 }
 
 // Larger floats get larger keys (NaN aside).
@@ -49,6 +50,16 @@ __device__ __forceinline__ unsigned int order_key(float x) {
 
 __device__ __forceinline__ double warp_sum_double(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Lane l gets the sum of lanes 0..=l's values.
+__device__ __forceinline__ double warp_scan_double(double v) {
+    const int lane = threadIdx.x & 31;
+    for (int o = 1; o < 32; o <<= 1) {
+        const double add = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += add;
+    }
     return v;
 }
 
@@ -116,7 +127,7 @@ __device__ double mass_from(const float* x, int vocab, float m, float t, unsigne
                             double* scratch) {
     double mass = 0.0;
     each_logit_of_row(x, vocab, [&](int, float v) {
-        if (order_key(v) >= key) mass += (double)expf(scaled(v, m, t));
+        if (order_key(v) >= key) mass += weight_of(v, m, t);
     });
     return block_sum_double(mass, scratch);
 }
@@ -170,7 +181,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
     const bool cut_k = top_k > 0 && top_k < vocab, cut_p = top_p < 1.0f, cut = cut_k || cut_p;
     double sum = 0.0;
     if (temperature <= 0.0f || cut) {
-        each_logit_of_row(x, vocab, [&](int, float v) { sum += (double)expf(scaled(v, m, t)); });
+        each_logit_of_row(x, vocab, [&](int, float v) { sum += weight_of(v, m, t); });
         sum = block_sum_double(sum, dscratch);
     }
 
@@ -198,15 +209,11 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         double mine = 0.0;
         int last = -1;
         each_logit(x, lo, hi, 0, 1, [&](int i, float v) {
-            if (order_key(v) >= key) { mine += (double)expf(scaled(v, m, t)); last = i; }
+            if (order_key(v) >= key) { mine += weight_of(v, m, t); last = i; }
         });
         // The lanes' inclusive scan: lane l's piece starts at before + ahead of the walk,
         // before being the runs' ahead of this one.
-        double through = mine;
-        for (int o = 1; o < 32; o <<= 1) {
-            const double add = __shfl_up_sync(0xffffffffu, through, o);
-            if (lane >= o) through += add;
-        }
+        const double through = warp_scan_double(mine);
         const double up = __shfl_up_sync(0xffffffffu, through, 1);
         const double ahead = lane > 0 ? up : 0.0;
         const double own = __shfl_sync(0xffffffffu, through, 31);
@@ -218,16 +225,13 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         __syncthreads();
         // Every warp scans the runs' masses the same way, so all agree on the total and on the
         // run holding the target.
-        double runs = lane < warps ? run_mass[lane] : 0.0;
-        for (int o = 1; o < 32; o <<= 1) {
-            const double add = __shfl_up_sync(0xffffffffu, runs, o);
-            if (lane >= o) runs += add;
-        }
+        const double runs = warp_scan_double(lane < warps ? run_mass[lane] : 0.0);
         const double total = __shfl_sync(0xffffffffu, runs, 31);
         if (!cut) sum = total;
+        // Lane w: where run w starts in the walk.
         const double runs_up = __shfl_up_sync(0xffffffffu, runs, 1);
-        const double prior = __shfl_sync(0xffffffffu, runs, max(warp - 1, 0));
-        const double before = warp > 0 ? prior : 0.0;
+        const double run_start = lane > 0 ? runs_up : 0.0;
+        const double before = __shfl_sync(0xffffffffu, run_start, warp);
         const double target = sample_uniform(seed, d) * total;
         if (threadIdx.x == 0) {
             for (int w = 0; w < warps; ++w) fallback = max(fallback, run_last[w]);
@@ -236,7 +240,6 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
         // and in it the piece: a rounding of the scans that leaves a sliver of mass to a run
         // or piece with no kept id gives the target to the one before, whose walk then ends at
         // its last kept id. None (no kept id, or a NaN mass): the row's last kept id.
-        const double run_start = lane > 0 ? runs_up : 0.0;
         const unsigned runs_from = __ballot_sync(
             0xffffffffu, lane < warps && run_last[lane] >= 0 && run_start <= target);
         const unsigned pieces_from =
@@ -247,7 +250,7 @@ extern "C" __global__ void sample_rows(unsigned int* tokens, float* logprobs, co
             for (int i = lo; i < hi; i++) {
                 const float v = x[i];
                 if (order_key(v) < key) continue;
-                const double p = (double)expf(scaled(v, m, t));
+                const double p = weight_of(v, m, t);
                 if (p > 0.0 && target < acc + p) {
                     found = i;
                     break;
