@@ -369,6 +369,27 @@ fn paged_attention_serves_a_group_of_more_query_heads_than_one_block_takes() {
 }
 
 #[test]
+fn paged_attention_reads_the_table_of_blocks_that_do_not_divide_a_tile() {
+    // A kernel reads a tile's table entries ahead of its rows: one entry a position (blocks of
+    // 1, 64 entries a tile), blocks of 5 (a tile starts and ends inside one) and blocks longer
+    // than a tile (two tiles share an entry). Block counts coprime to 7 and holding the lengths.
+    let what = "paged_attention_reads_the_table_of_blocks_that_do_not_divide_a_tile";
+    for (seed, (num_blocks, block_size)) in [(223, 1), (47, 5), (8, 128)].into_iter().enumerate() {
+        let shape = PagedCache {
+            num_blocks,
+            num_layers: 2,
+            block_size,
+            kv_heads: 2,
+            head_dim: 64,
+        };
+        let seed = 100 + 10 * seed as u64;
+        check_attention(what, shape, 4, false, seed);
+        check_attention(what, shape, 4, true, seed + 1);
+        check_decode(what, shape, 4, false, seed + 2);
+    }
+}
+
+#[test]
 fn paged_attention_refuses_a_head_dim_that_is_not_a_multiple_of_8() {
     let what = "paged_attention_refuses_a_head_dim_that_is_not_a_multiple_of_8";
     let Some(mut t) = TestGpu::open(what, 16 << 20) else {
