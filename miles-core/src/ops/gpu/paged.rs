@@ -440,6 +440,19 @@ fn extras(heads: &QkvHeads) -> (u64, u64, u64) {
     )
 }
 
+/// A launch grid's y or z side of `n` blocks: CUDA takes at most 65,535 there.
+fn grid_side(what: &'static str, n: usize) -> Result<u32, DeviceError> {
+    const MOST: usize = 65_535;
+    if n > MOST {
+        return Err(DeviceError::ShapeMismatch {
+            what,
+            expected: MOST,
+            actual: n,
+        });
+    }
+    Ok(n as u32)
+}
+
 /// Checks an attention launch over `tokens` (at least one) with `heads` query heads and picks
 /// its instance: the smallest padded head dim holding the model's, and its launch shape.
 fn attention_launch(
@@ -479,14 +492,20 @@ fn attention_launch(
             actual: tokens.tables.len(),
         });
     }
-    let blocks = n * shape.kv_heads * (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
+    // One block a token, kv head and chunk of its query heads (x, y, z: the kernel divides
+    // nothing to find its place).
+    let chunks = (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
     // The smallest instance that holds `d` (d is at most the largest, checked above).
     let instance = PADDED
         .iter()
         .position(|&p| d <= p)
         .unwrap_or(PADDED.len() - 1);
     let config = LaunchConfig {
-        grid_dim: (as_i32("attention blocks", blocks)? as u32, 1, 1),
+        grid_dim: (
+            as_i32("attention tokens", n)? as u32,
+            grid_side("attention kv heads", shape.kv_heads)?,
+            grid_side("attention query head chunks", chunks)?,
+        ),
         block_dim: (32 * WARPS as u32, 1, 1),
         shared_mem_bytes: attention_shared_bytes(PADDED[instance]),
     };

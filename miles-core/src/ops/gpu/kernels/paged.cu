@@ -137,33 +137,39 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     bf16* kv_new = qs + 14 * SD;            // [2][SD]
     float* rotary = (float*)(qs + 12 * SD);  // [2][DP / 2], within 2 rows of SD bf16
     float* merge = (float*)ks;  // [PAGED_WARPS][16][MD], over the tiles once they are done
-    const int warp = threadIdx.x >> 5;
+    // The grid is (tokens, kv heads, chunks of PAGED_HEADS query heads): no division finds a
+    // block's place. Index arithmetic is unsigned where it divides by a power of two.
+    const unsigned int warp = threadIdx.x >> 5;
+    const long long token = blockIdx.x;
+    const int pos = (int)positions[token];
+    const unsigned int* table = tables + (long long)seq_rows[token] * max_blocks;
+    const int kvh = (int)blockIdx.y, chunk = (int)blockIdx.z;
     const int group = heads / kv_heads;
-    const int chunks = (group + PAGED_HEADS - 1) / PAGED_HEADS;
-    const int chunk = (int)(blockIdx.x % chunks);
-    const int kvh = (int)((blockIdx.x / chunks) % kv_heads);
-    const long long token = (long long)blockIdx.x / chunks / kv_heads;
     const int h0 = kvh * group + chunk * PAGED_HEADS;
     const int hn = min(PAGED_HEADS, group - chunk * PAGED_HEADS);
     const int kv_dim = kv_heads * d;
     const long long half_stride = (long long)block_size * kv_dim;  // keys to values
-    const int pos = (int)positions[token];
-    const unsigned int* table = tables + (long long)seq_rows[token] * max_blocks;
     const int row_chunks = d / 8;  // 16-byte chunks of a key or value row holding data
+    constexpr unsigned int THREADS = 32 * PAGED_WARPS, CHUNKS = DP / 8;
 
     // Starts copying tile u0's key and value rows, DP columns each: zeros past d (which the
     // products must read as zeros, not stale bits) and past the sequence. In DECODE the token's
     // own position is left alone: its row comes from the prologue (`put_new`).
+    // A thread copies chunk c of rows r0, r0 + THREADS / CHUNKS, ... of every tile: the key's
+    // element (block, layer, 0, within) + kvh d + 8 c is `blocks * block + start + within kv_dim`.
+    const unsigned int c = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+    const long long blocks = (long long)layers * 2 * half_stride;
+    const long long start = (long long)layer * 2 * half_stride + (long long)kvh * d + c * 8;
     auto load = [&](int u0) {
         const int rows = min(PAGED_TILE, pos - u0 + 1);
-        for (int i = threadIdx.x; i < PAGED_TILE * (DP / 8); i += blockDim.x) {
-            const int r = i / (DP / 8), c = i % (DP / 8);
-            if (DECODE && u0 + r == pos) continue;
-            const bool inside = r < rows && c < row_chunks;
+#pragma unroll 1  // unrolled, the copies' table entries outgrow 64 registers at DP 64
+        for (unsigned int r = r0; r < PAGED_TILE; r += THREADS / CHUNKS) {
+            if (DECODE && u0 + (int)r == pos) continue;
+            const bool inside = (int)r < rows && (int)c < row_chunks;
+            const unsigned int p = u0 + r;
             const long long at =
-                inside ? paged_offset(table[(u0 + r) / block_size], layer, layers, 0,
-                                      (u0 + r) % block_size, block_size, kv_dim) +
-                             (long long)kvh * d + c * 8
+                inside ? blocks * table[p / block_size] + start +
+                             (long long)(p % block_size) * kv_dim
                        : 0;
             paged_copy16(ks + r * SD + c * 8, cache + at, inside);
             paged_copy16(vs + r * SD + c * 8, cache + at + half_stride, inside);
@@ -176,22 +182,23 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         // of the first tile, each row zero past d; once here they are made ready in place (as
         // qkv_rotary_cache makes them).
         const bf16* row = fresh.qkv + token * (long long)(heads + 2 * kv_heads) * d;
-        for (int i = threadIdx.x; i < 12 * (DP / 8); i += blockDim.x) {
-            const int r = i / (DP / 8), c = i % (DP / 8);
-            const bool inside = r < hn && c < row_chunks;
+#pragma unroll
+        for (unsigned int r = r0; r < 12; r += THREADS / CHUNKS) {
+            const bool inside = (int)r < hn && (int)c < row_chunks;
             paged_copy16(qs + r * SD + c * 8, row + (inside ? (h0 + r) * d + c * 8 : 0), inside);
         }
-        for (int i = threadIdx.x; i < 2 * (DP / 8); i += blockDim.x) {
-            const int r = i / (DP / 8), c = i % (DP / 8);  // r: 0 the key, 1 the value
-            const bool inside = c < row_chunks;
-            paged_copy16(kv_new + r * SD + c * 8,
-                         row + (inside ? (heads + r * kv_heads + kvh) * d + c * 8 : 0), inside);
+        for (unsigned int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {
+            const unsigned int r = i / CHUNKS, k = i % CHUNKS;  // r: 0 the key, 1 the value
+            const bool inside = (int)k < row_chunks;
+            paged_copy16(kv_new + r * SD + k * 8,
+                         row + (inside ? (heads + r * kv_heads + kvh) * d + k * 8 : 0), inside);
         }
-        for (int i = threadIdx.x; i < 2 * (d / 8); i += blockDim.x) {  // 4 floats a copy
-            const int which = i / (d / 8), c = i % (d / 8);  // 0 cos, 1 sin
-            paged_copy16(rotary + which * (DP / 2) + c * 4,
-                         (which ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) + c * 4,
-                         true);
+        for (unsigned int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {  // 4 floats a copy
+            const unsigned int which = i / CHUNKS, k = i % CHUNKS;  // 0 cos, 1 sin
+            if ((int)k < row_chunks)
+                paged_copy16(rotary + which * (DP / 2) + k * 4,
+                             (which ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) + k * 4,
+                             true);
         }
         commit_tiles();
         load(0);
@@ -208,9 +215,9 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         __syncthreads();
     } else {
         // The queries go with the first tile: zeros past the block's heads and past d.
-        for (int i = threadIdx.x; i < 16 * (DP / 8); i += blockDim.x) {
-            const int r = i / (DP / 8), c = i % (DP / 8);
-            const bool inside = r < hn && c < row_chunks;
+#pragma unroll
+        for (unsigned int r = r0; r < 16; r += THREADS / CHUNKS) {
+            const bool inside = (int)r < hn && (int)c < row_chunks;
             paged_copy16(qs + r * SD + c * 8,
                          q + (inside ? (token * heads + h0 + r) * d + c * 8 : 0), inside);
         }
@@ -225,9 +232,9 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
             load(u0);
         }
         if (DECODE && pos - u0 < PAGED_TILE) {  // put_new: the token's key and value
-            for (int c = threadIdx.x; c < DP; c += blockDim.x) {
-                ks[(pos - u0) * SD + c] = kv_new[c];
-                vs[(pos - u0) * SD + c] = kv_new[SD + c];
+            for (unsigned int k = threadIdx.x; k < DP; k += THREADS) {
+                ks[(pos - u0) * SD + k] = kv_new[k];
+                vs[(pos - u0) * SD + k] = kv_new[SD + k];
             }
         }
         wait_tiles(0);
@@ -279,6 +286,8 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     // elements of the block's heads.
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     float* mine = merge + warp * 16 * MD;
+    // DECODE: where the new key and value go, asked for now so that the trip overlaps the merge.
+    const unsigned int slot = DECODE ? fresh.slots[token] : 0;
     __syncthreads();  // every warp is done with the tiles
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -293,8 +302,9 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
 #pragma unroll
         for (int j = 0; j < 4; j++) mine[c_row(j) * MD + c_col(n, j)] = o[n][j];
     __syncthreads();
-    for (int i = threadIdx.x; i < hn * d; i += blockDim.x) {
-        const int r = i / d, c = i - r * d;
+    for (unsigned int i = threadIdx.x; i < hn * DP; i += THREADS) {
+        const unsigned int r = i / DP, k = i % DP;
+        if ((int)k >= d) continue;
         float top = NEG_INF;
 #pragma unroll
         for (int w = 0; w < PAGED_WARPS; w++) top = fmaxf(top, merge[(w * 16 + r) * MD + DP]);
@@ -305,20 +315,22 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
             if (row[DP] == NEG_INF) continue;
             const float f = exp2f(row[DP] - top);
             sum += row[DP + 1] * f;
-            acc += row[c] * f;
+            acc += row[k] * f;
         }
-        out[(token * heads + h0 + r) * d + c] = f2bf(acc / sum);
+        out[(token * heads + h0 + r) * d + k] = f2bf(acc / sum);
     }
     if constexpr (DECODE) {
         // Chunk 0 stores the new key and value (kv_new is untouched by the merge) off the
         // attention's path; no block of the pass reads them. A slot past the cache is skipped.
-        const long long slot = fresh.slots[token], block = slot / block_size;
+        const unsigned int block = slot / block_size;
         if (chunk == 0 && block < fresh.num_blocks) {
             const long long at =
                 paged_offset(block, layer, layers, 0, (int)(slot % block_size), block_size, kv_dim) +
                 (long long)kvh * d;
-            for (int i = threadIdx.x; i < 2 * d; i += blockDim.x)
-                fresh.cache[at + (i / d) * half_stride + i % d] = kv_new[(i / d) * SD + i % d];
+            for (unsigned int i = threadIdx.x; i < 2 * DP; i += THREADS) {
+                const unsigned int half = i / DP, k = i % DP;
+                if ((int)k < d) fresh.cache[at + half * half_stride + k] = kv_new[half * SD + k];
+            }
         }
     }
 }
