@@ -62,7 +62,8 @@ __device__ __forceinline__ long long paged_offset(long long block, int layer, in
 //
 // Dynamic shared memory (`attention_shared_bytes` in the wrapper): the queries (16 rows), a tile
 // of keys and one of values (PAGED_TILE rows each), bf16 rows of DP + 8; once the tiles are
-// done, their space holds each warp's 16 rows of outputs, maximum and sum (fp32 rows of DP + 2).
+// done, their space holds each warp's outputs, maximum and sum of the rows that hold a head (fp32
+// rows of DP + 8) and the merge's weights.
 #define PAGED_TILE 64
 
 // Starts copying 16 bytes from global `src` to shared `dst` (cp.async), or zeros where not
@@ -125,7 +126,7 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
                                      const unsigned int* positions, int heads, int kv_heads, int d,
                                      int layer, int layers, int block_size, int max_blocks,
                                      float scale_log2, PagedNew fresh) {
-    constexpr int SD = DP + 8, KD = DP / 16, MD = DP + 2;
+    constexpr int SD = DP + 8, KD = DP / 16, MD = DP + 8;
     extern __shared__ uint4 shared4[];
     bf16* qs = (bf16*)shared4;                      // [16][SD]
     bf16* ks = qs + 16 * SD;                        // [PAGED_TILE][SD]
@@ -136,7 +137,10 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     static_assert(PAGED_HEADS <= 12, "rows 12 to 15 of the queries hold the new key and value");
     bf16* kv_new = qs + 14 * SD;            // [2][SD]
     float* rotary = (float*)(qs + 12 * SD);  // [2][DP / 2], within 2 rows of SD bf16
-    float* merge = (float*)ks;  // [PAGED_WARPS][16][MD], over the tiles once they are done
+    // Over the tiles once they are done: each warp's outputs, maximum and sum of the rows that
+    // hold a head ([PAGED_WARPS][PAGED_HEADS][MD]), then each row's weights of the warps and
+    // total ([PAGED_HEADS][PAGED_WARPS + 1]).
+    float* merge = (float*)ks;
     // The grid is (tokens, kv heads, chunks of PAGED_HEADS query heads): no division finds a
     // block's place. Index arithmetic is unsigned where it divides by a power of two.
     const unsigned int warp = threadIdx.x >> 5;
@@ -281,43 +285,60 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         mma_x<DP / 8, 1>(o, pa, vs + warp * 16 * SD, SD);
     }
 
-    // Merge the warps: each writes its rows' outputs, maximum and sum (a warp that saw no
-    // position keeps a maximum of -inf and adds nothing); then each thread takes output
-    // elements of the block's heads.
+    // Merge the warps. Each writes the outputs of its rows that hold a head (of a thread's two
+    // rows g and g + 8, the first), their maximum and sum (a warp that saw no position keeps a
+    // maximum of -inf and adds nothing). One thread a head then finds the warps' weights
+    // exp2(maximum - the row's) and the row's total once, where every output element did;
+    // then each thread takes output elements. The same sums in the same order as element by
+    // element, so the same bits.
+    static_assert(PAGED_HEADS <= 8, "heads sit in the first row of each thread's pair");
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    float* mine = merge + warp * 16 * MD;
+    float* mine = merge + warp * PAGED_HEADS * MD;
+    float* weights = merge + PAGED_WARPS * PAGED_HEADS * MD;
     // DECODE: where the new key and value go, asked for now so that the trip overlaps the merge.
     const unsigned int slot = DECODE ? fresh.slots[token] : 0;
+    const float sum = quad_sum(l[0]);
     __syncthreads();  // every warp is done with the tiles
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const float sum = quad_sum(l[r]);
+    if (g < hn) {
         if (t == 0) {
-            mine[(g + 8 * r) * MD + DP] = m[r];
-            mine[(g + 8 * r) * MD + DP + 1] = sum;
+            mine[g * MD + DP] = m[0];
+            mine[g * MD + DP + 1] = sum;
         }
+#pragma unroll
+        for (int n = 0; n < DP / 8; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) mine[g * MD + c_col(n, j)] = o[n][j];
     }
+    __syncthreads();
+    if ((int)threadIdx.x < hn) {
+        const unsigned int r = threadIdx.x;
+        float top = NEG_INF;
 #pragma unroll
-    for (int n = 0; n < DP / 8; n++)
+        for (int w = 0; w < PAGED_WARPS; w++)
+            top = fmaxf(top, merge[(w * PAGED_HEADS + r) * MD + DP]);
+        float total = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 4; j++) mine[c_row(j) * MD + c_col(n, j)] = o[n][j];
+        for (int w = 0; w < PAGED_WARPS; w++) {
+            const float* row = merge + (w * PAGED_HEADS + r) * MD;
+            float f = -1.0f;  // no weight can be negative: the warp adds nothing
+            if (row[DP] != NEG_INF) {
+                f = exp2f(row[DP] - top);
+                total += row[DP + 1] * f;
+            }
+            weights[r * (PAGED_WARPS + 1) + w] = f;
+        }
+        weights[r * (PAGED_WARPS + 1) + PAGED_WARPS] = total;
+    }
     __syncthreads();
     for (unsigned int i = threadIdx.x; i < hn * DP; i += THREADS) {
         const unsigned int r = i / DP, k = i % DP;
         if ((int)k >= d) continue;
-        float top = NEG_INF;
+        const float* w_r = weights + r * (PAGED_WARPS + 1);
+        float acc = 0.0f;
 #pragma unroll
-        for (int w = 0; w < PAGED_WARPS; w++) top = fmaxf(top, merge[(w * 16 + r) * MD + DP]);
-        float sum = 0.0f, acc = 0.0f;
-#pragma unroll
-        for (int w = 0; w < PAGED_WARPS; w++) {
-            const float* row = merge + (w * 16 + r) * MD;
-            if (row[DP] == NEG_INF) continue;
-            const float f = exp2f(row[DP] - top);
-            sum += row[DP + 1] * f;
-            acc += row[k] * f;
-        }
-        out[(token * heads + h0 + r) * d + k] = f2bf(acc / sum);
+        for (int w = 0; w < PAGED_WARPS; w++)
+            if (w_r[w] >= 0.0f) acc += merge[(w * PAGED_HEADS + r) * MD + k] * w_r[w];
+        out[(token * heads + h0 + r) * d + k] = f2bf(acc / w_r[PAGED_WARPS]);
     }
     if constexpr (DECODE) {
         // Chunk 0 stores the new key and value (kv_new is untouched by the merge) off the
