@@ -187,7 +187,7 @@ static bool check_paged(const Inputs& in, const Reference& want, int P) {
     for (long long i = 0; i < n; i++) seq_rows[i] = (unsigned)(i / T), positions[i] = (unsigned)(i % T);
     std::vector<bf16> out(in.q.size(), 0xffff);
     auto attend = PICK(paged_attention);
-    launch({(unsigned)(n * KH * chunks), 1, 1}, 128, shared, [&] {
+    launch({(unsigned)n, (unsigned)KH, (unsigned)chunks}, 128, shared, [&] {
         attend(out.data(), in.q.data(), cache.data(), tables.data(), seq_rows.data(), positions.data(), n, H, KH, D,
                layer, layers, P, per_seq, scale_log2);
     });
@@ -209,7 +209,7 @@ static bool check_paged(const Inputs& in, const Reference& want, int P) {
     std::vector<float> cos_t((size_t)T * D / 2, 1.0f), sin_t((size_t)T * D / 2, 0.0f);
     std::vector<bf16> step(in.q.size() / T, 0xffff);
     auto decode = PICK(paged_decode);
-    launch({(unsigned)(B * KH * chunks), 1, 1}, 128, shared, [&] {
+    launch({(unsigned)B, (unsigned)KH, (unsigned)chunks}, 128, shared, [&] {
         decode(step.data(), cache.data(), qkv.data(), nullptr, nullptr, nullptr, cos_t.data(), sin_t.data(),
                slots.data(), tables.data(), rows.data(), last.data(), B, H, KH, D, 1e-5f, layer, layers, P, per_seq,
                num_blocks, scale_log2);
