@@ -228,8 +228,9 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         load(0);
     }
 
+    static_assert(PAGED_HEADS <= 8, "heads sit in the first row of each thread's pair");
     float o[DP / 8][4] = {};
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float m = NEG_INF, l = 0.0f;  // row g's running maximum and sum
     for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
         if (u0 > 0) {
             __syncthreads();  // every warp is done with the last tile
@@ -252,36 +253,34 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         for (int kk = 0; kk < KD; kk++) a_frag(qa[kk], qs, SD, 0, kk * 16);
         float s[2][4] = {};
         mma_xt<2, KD>(s, qa, ks + warp * 16 * SD, SD);
-        float mx[2] = {NEG_INF, NEG_INF};
+        // Only a thread's first row g holds a head (the block's at most PAGED_HEADS <= 8 are
+        // rows 0-7): its scores s[n][0..1] go through the softmax; row g + 8's are dropped and
+        // its probabilities multiplied as zeros, so o[n][2..3] stay zero, never read.
+        float mx = NEG_INF;
 #pragma unroll
         for (int n = 0; n < 2; n++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < 2; j++) {
                 s[n][j] = first + c_col(n, j) <= pos ? s[n][j] * scale_log2 : NEG_INF;
-                mx[j >> 1] = fmaxf(mx[j >> 1], s[n][j]);
+                mx = fmaxf(mx, s[n][j]);
             }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            // The warp's first position is scored, so the new maximum is finite.
-            const float next = fmaxf(m[r], quad_max(mx[r]));
-            alpha[r] = exp2f(m[r] - next);  // 0 on the warp's first tile
-            m[r] = next;
-            l[r] *= alpha[r];
-        }
+        // The warp's first position is scored, so the new maximum is finite.
+        const float next = fmaxf(m, quad_max(mx));
+        const float alpha = exp2f(m - next);  // 0 on the warp's first tile
+        m = next;
+        l *= alpha;
 #pragma unroll
         for (int n = 0; n < 2; n++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                s[n][j] = exp2f(s[n][j] - m[j >> 1]);
-                l[j >> 1] += s[n][j];
+            for (int j = 0; j < 2; j++) {
+                s[n][j] = exp2f(s[n][j] - m);
+                l += s[n][j];
             }
 #pragma unroll
         for (int n = 0; n < DP / 8; n++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) o[n][j] *= alpha[j >> 1];
-        unsigned pa[1][4];
-        a_from_c(pa[0], s[0], s[1]);
+            for (int j = 0; j < 2; j++) o[n][j] *= alpha;
+        unsigned pa[1][4] = {cvt_pack2(s[0][0], s[0][1]), 0u, cvt_pack2(s[1][0], s[1][1]), 0u};
         mma_x<DP / 8, 1>(o, pa, vs + warp * 16 * SD, SD);
     }
 
@@ -291,17 +290,16 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     // exp2(maximum - the row's) and the row's total once, where every output element did;
     // then each thread takes output elements. The same sums in the same order as element by
     // element, so the same bits.
-    static_assert(PAGED_HEADS <= 8, "heads sit in the first row of each thread's pair");
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     float* mine = merge + warp * PAGED_HEADS * MD;
     float* weights = merge + PAGED_WARPS * PAGED_HEADS * MD;
     // DECODE: where the new key and value go, asked for now so that the trip overlaps the merge.
     const unsigned int slot = DECODE ? fresh.slots[token] : 0;
-    const float sum = quad_sum(l[0]);
+    const float sum = quad_sum(l);
     __syncthreads();  // every warp is done with the tiles
     if (g < hn) {
         if (t == 0) {
-            mine[g * MD + DP] = m[0];
+            mine[g * MD + DP] = m;
             mine[g * MD + DP + 1] = sum;
         }
 #pragma unroll
