@@ -230,7 +230,7 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
 
     static_assert(PAGED_HEADS <= 8, "heads sit in the first row of each thread's pair");
     float o[DP / 8][4] = {};
-    float m = NEG_INF, l = 0.0f;  // row g's running maximum and sum
+    float m = NEG_INF, l = 0.0f;  // the running maximum and sum of the thread's row, lane / 4
     for (int u0 = 0; u0 <= pos; u0 += PAGED_TILE) {
         if (u0 > 0) {
             __syncthreads();  // every warp is done with the last tile
