@@ -444,7 +444,8 @@ fn gpu_sampling_draws_what_the_host_sampler_draws_on_a_fixed_logit_set() {
     }
 }
 
-/// `engine`'s draws against the host sampler's on a fixed logit row, under five rules.
+/// `engine`'s draws against the host sampler's on two fixed logit rows: five rules on a
+/// long-tailed one, and a top-k cut at a tie of +0 and -0, which both keep (`>=` the k-th).
 fn draws_match_the_host_sampler(engine: &mut Engine) {
     let v = engine.model_config().vocab_size;
     // A peaked, tied and long-tailed row: logits 8 sin(i^2) / (1 + i / 40), two ids tied.
@@ -462,7 +463,6 @@ fn draws_match_the_host_sampler(engine: &mut Engine) {
         seed: 21,
         ..greedy(1, 1)
     };
-    let draws = 4096u32;
     for p in [
         rule(0.0, 1.0, 0),
         rule(1.0, 1.0, 0),
@@ -470,52 +470,61 @@ fn draws_match_the_host_sampler(engine: &mut Engine) {
         rule(1.0, 1.0, 20),
         rule(1.3, 0.8, 50),
     ] {
-        let keys: Vec<crate::DrawKey> = (0..draws)
-            .map(|token| crate::DrawKey {
-                prompt: token % 5,
-                sample: token / 5,
-                token,
-            })
-            .collect();
-        let rows: Vec<(&[f32], crate::DrawKey)> =
-            keys.iter().map(|&key| (logits.as_slice(), key)).collect();
-        let got = engine
-            .with_step(|step: &mut dyn Step, _| step.draw(&rows, &p))
-            .unwrap();
-        let mut same = 0;
-        let (mut host_counts, mut gpu_counts) = (vec![0u32; v], vec![0u32; v]);
-        for (&key, &(token, logprob)) in keys.iter().zip(&got) {
-            let (want, want_lp) = crate::sample_token(&logits, &p, key);
-            same += u32::from(token == want);
-            host_counts[want as usize] += 1;
-            gpu_counts[token as usize] += 1;
-            if token == want {
-                // Tolerance: 1e-4 on log-probs, the fp32 exp against the host's f64.
-                assert!(
-                    (logprob - want_lp).abs() < 1e-4,
-                    "T {} top_p {} top_k {}: log-prob {logprob} vs {want_lp}",
-                    p.temperature,
-                    p.top_p,
-                    p.top_k
-                );
-            }
-        }
-        eprintln!(
-            "vocab {v}, T {} top_p {} top_k {}: {same} of {draws} draws equal to the host's",
-            p.temperature, p.top_p, p.top_k
-        );
-        // The same uniforms pick the same token but where fp32 and f64 masses straddle a
-        // boundary between two tokens: rare, at most 1 in 200 here.
-        assert!(same * 200 >= draws * 199, "{same} of {draws}");
-        // No token is drawn by one sampler and cut by the other's top-k / top-p.
-        let cut = |counts: &[u32], other: &[u32]| {
-            counts.iter().zip(other).any(|(&c, &o)| c > 3 && o == 0)
-        };
-        assert!(
-            !cut(&host_counts, &gpu_counts) && !cut(&gpu_counts, &host_counts),
-            "the kept sets differ"
-        );
+        draws_match_on(engine, &logits, &p);
     }
+    // The third largest logit is +0, tied with a -0: top-k 3 keeps four ids.
+    let mut zeros = vec![-30.0f32; v];
+    (zeros[5], zeros[40], zeros[90], zeros[200]) = (2.0, 1.0, 0.0, -0.0);
+    draws_match_on(engine, &zeros, &rule(1.0, 1.0, 3));
+}
+
+/// `engine`'s 4,096 draws from `logits` under `p` against the host sampler's.
+fn draws_match_on(engine: &mut Engine, logits: &[f32], p: &SamplingParams) {
+    let v = logits.len();
+    let draws = 4096u32;
+    let keys: Vec<crate::DrawKey> = (0..draws)
+        .map(|token| crate::DrawKey {
+            prompt: token % 5,
+            sample: token / 5,
+            token,
+        })
+        .collect();
+    let rows: Vec<(&[f32], crate::DrawKey)> = keys.iter().map(|&key| (logits, key)).collect();
+    let got = engine
+        .with_step(|step: &mut dyn Step, _| step.draw(&rows, p))
+        .unwrap();
+    let mut same = 0;
+    let (mut host_counts, mut gpu_counts) = (vec![0u32; v], vec![0u32; v]);
+    for (&key, &(token, logprob)) in keys.iter().zip(&got) {
+        let (want, want_lp) = crate::sample_token(logits, p, key);
+        same += u32::from(token == want);
+        host_counts[want as usize] += 1;
+        gpu_counts[token as usize] += 1;
+        if token == want {
+            // Tolerance: 1e-4 on log-probs, the fp32 exp against the host's f64.
+            assert!(
+                (logprob - want_lp).abs() < 1e-4,
+                "T {} top_p {} top_k {}: log-prob {logprob} vs {want_lp}",
+                p.temperature,
+                p.top_p,
+                p.top_k
+            );
+        }
+    }
+    eprintln!(
+        "vocab {v}, T {} top_p {} top_k {}: {same} of {draws} draws equal to the host's",
+        p.temperature, p.top_p, p.top_k
+    );
+    // The same uniforms pick the same token but where fp32 and f64 masses straddle a
+    // boundary between two tokens: rare, at most 1 in 200 here.
+    assert!(same * 200 >= draws * 199, "{same} of {draws}");
+    // No token is drawn by one sampler and cut by the other's top-k / top-p.
+    let cut =
+        |counts: &[u32], other: &[u32]| counts.iter().zip(other).any(|(&c, &o)| c > 3 && o == 0);
+    assert!(
+        !cut(&host_counts, &gpu_counts) && !cut(&gpu_counts, &host_counts),
+        "the kept sets differ"
+    );
 }
 
 #[test]

@@ -42,9 +42,10 @@ __device__ __forceinline__ double weight_of(float x, float m, float t) {
     return (double)expf(t == 1.0f ? x - m : (x - m) / t);
 }
 
-// Larger floats get larger keys (NaN aside).
+// Larger floats get larger keys (NaN aside), and equal floats equal keys: -0 takes +0's, as the
+// host's `>=` keeps both at a cut.
 __device__ __forceinline__ unsigned int order_key(float x) {
-    const unsigned int u = __float_as_uint(x);
+    const unsigned int u = x == 0.0f ? 0u : __float_as_uint(x);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
