@@ -441,7 +441,7 @@ fn extras(heads: &QkvHeads) -> (u64, u64, u64) {
 }
 
 /// A launch grid's y or z side of `n` blocks: CUDA takes at most 65,535 there.
-fn grid_side(what: &'static str, n: usize) -> Result<u32, DeviceError> {
+pub(super) fn grid_side(what: &'static str, n: usize) -> Result<u32, DeviceError> {
     const MOST: usize = 65_535;
     if n > MOST {
         return Err(DeviceError::ShapeMismatch {

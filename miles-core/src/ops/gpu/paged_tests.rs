@@ -7,6 +7,7 @@
 
 use half::bf16;
 
+use super::paged::grid_side;
 use super::testing::{TestGpu, assert_close};
 use super::{PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 use crate::device::GpuSlice;
@@ -387,6 +388,24 @@ fn paged_attention_reads_the_table_of_blocks_that_do_not_divide_a_tile() {
         check_attention(what, shape, 4, true, seed + 1);
         check_decode(what, shape, 4, false, seed + 2);
     }
+}
+
+#[test]
+fn an_attention_grid_side_past_cudas_65535_blocks_is_refused() {
+    // The kv heads and the query head chunks are the grid's y and z sides.
+    assert_eq!(grid_side("kv heads", 65_535).ok(), Some(65_535));
+    let refused = grid_side("kv heads", 65_536);
+    assert!(
+        matches!(
+            refused,
+            Err(crate::device::DeviceError::ShapeMismatch {
+                what: "kv heads",
+                expected: 65_535,
+                actual: 65_536
+            })
+        ),
+        "{refused:?}"
+    );
 }
 
 #[test]
