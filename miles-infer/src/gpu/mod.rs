@@ -812,16 +812,26 @@ impl Step for GpuModel {
         let rule = rule(params);
         let mut out = Vec::with_capacity(rows.len());
         for chunk in rows.chunks(self.limits.rows) {
+            // The samples of a prompt draw from its one row of logits: each distinct row goes
+            // up once.
+            let mut uploaded: Vec<&[f32]> = Vec::with_capacity(chunk.len());
             let mut logits = Vec::with_capacity(chunk.len() * v);
             let mut words = Vec::with_capacity(chunk.len() * DRAW_WORDS);
-            for (row, &(values, key)) in chunk.iter().enumerate() {
+            for &(values, key) in chunk {
                 if values.len() != v {
                     return Err(InferError::Internal(format!(
                         "a row of {} logits to draw from; the vocabulary has {v}",
                         values.len()
                     )));
                 }
-                logits.extend_from_slice(values);
+                let row = match uploaded.iter().position(|&u| std::ptr::eq(u, values)) {
+                    Some(row) => row,
+                    None => {
+                        uploaded.push(values);
+                        logits.extend_from_slice(values);
+                        uploaded.len() - 1
+                    }
+                };
                 words.extend(draw_words(row, key));
             }
             let dst = s.logits.sub(0, logits.len()).map_err(upload)?;

@@ -476,6 +476,39 @@ fn draws_match_the_host_sampler(engine: &mut Engine) {
     let mut zeros = vec![-30.0f32; v];
     (zeros[5], zeros[40], zeros[90], zeros[200]) = (2.0, 1.0, 0.0, -0.0);
     draws_match_on(engine, &zeros, &rule(1.0, 1.0, 3));
+    draws_from_shared_rows_read_their_own(engine, &logits, &zeros, &rule(1.3, 0.8, 50));
+}
+
+/// Draws whose rows are the same slice (a prompt's samples) interleaved with other slices, one
+/// of them equal in value but held apart: each draw is the host sampler's from its own row.
+fn draws_from_shared_rows_read_their_own(
+    engine: &mut Engine,
+    a: &[f32],
+    b: &[f32],
+    p: &SamplingParams,
+) {
+    let a_apart = a.to_vec();
+    let slices = [a, b, a, &a_apart, b, b, a];
+    let rows: Vec<(&[f32], crate::DrawKey)> = (0..70u32)
+        .map(|i| {
+            let key = crate::DrawKey {
+                prompt: i % 7,
+                sample: i / 7,
+                token: i,
+            };
+            (slices[i as usize % slices.len()], key)
+        })
+        .collect();
+    let got = engine
+        .with_step(|step: &mut dyn Step, _| step.draw(&rows, p))
+        .unwrap();
+    let same = rows
+        .iter()
+        .zip(&got)
+        .filter(|&(&(row, key), &(token, _))| crate::sample_token(row, p, key).0 == token)
+        .count();
+    // As in `draws_match_on`, the fp32 and f64 masses may straddle a boundary: at most once here.
+    assert!(same >= 69, "{same} of 70 draws equal to the host's");
 }
 
 /// `engine`'s 4,096 draws from `logits` under `p` against the host sampler's.
