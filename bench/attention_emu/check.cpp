@@ -187,7 +187,8 @@ static bool check_paged(const Inputs& in, const Reference& want, int P) {
     for (long long i = 0; i < n; i++) seq_rows[i] = (unsigned)(i / T), positions[i] = (unsigned)(i % T);
     std::vector<bf16> out(in.q.size(), 0xffff);
     auto attend = PICK(paged_attention);
-    launch({(unsigned)n, (unsigned)KH, (unsigned)chunks}, 128, shared, [&] {
+    const long long per_block = 16 / std::min(8, H / KH);  // tokens a block, as paged.rs
+    launch({(unsigned)((n + per_block - 1) / per_block), (unsigned)KH, (unsigned)chunks}, 128, shared, [&] {
         attend(out.data(), in.q.data(), cache.data(), tables.data(), seq_rows.data(), positions.data(), n, H, KH, D,
                layer, layers, P, per_seq, scale_log2);
     });

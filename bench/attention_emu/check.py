@@ -30,7 +30,9 @@ BUILD = ROOT / "target/attention-emu"
 
 # flash: B, T, H, KH, D: every padded head dim, T on and off tile edges, groups of 1 to 4 (dk and
 # dv in every number of pieces dividing the group). paged: and the cache's block size; a group of
-# 12 takes two blocks a kv head (8 query heads a block).
+# 12 takes two blocks a kv head (8 query heads a block); a prefill block takes 16 / min(8, group)
+# tokens, here across the end of a sequence, and three of one-token sequences; the 1B's group of
+# 4 over three tiles.
 SHAPES = [
     ("flash", 1, 70, 2, 1, 64),
     ("flash", 2, 130, 4, 2, 64),
@@ -47,6 +49,7 @@ SHAPES = [
     ("paged", 2, 40, 2, 1, 128, 8),
     ("paged", 1, 65, 2, 2, 16, 32),
     ("paged", 3, 1, 2, 1, 64, 16),
+    ("paged", 2, 150, 8, 2, 64, 16),
 ]
 
 # (pattern, replacement) over flash.cu and paged.cu: each form of inline assembly they hold.

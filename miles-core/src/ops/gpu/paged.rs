@@ -278,7 +278,11 @@ impl Gpu {
             });
         }
         aligned("paged attention queries (16-byte aligned)", q.address())?;
-        let (instance, config) = attention_launch(out, cache, shape, layer, tokens, heads)?;
+        // A block takes the consecutive tokens whose query heads of one kv head fill the 16
+        // rows of its products.
+        let per_block = 16 / (heads / shape.kv_heads).clamp(1, ATTENTION_HEADS);
+        let (instance, config) =
+            attention_launch(out, cache, shape, layer, tokens, (heads, per_block))?;
         let a = AttentionArgs::new(shape, layer, tokens, heads)?;
         self.launch(
             KERNELS[instance],
@@ -355,7 +359,8 @@ impl Gpu {
         ] {
             aligned(what, address)?;
         }
-        let (instance, config) = attention_launch(out, cache, shape, layer, tokens, heads.heads)?;
+        let (instance, config) =
+            attention_launch(out, cache, shape, layer, tokens, (heads.heads, 1))?;
         let a = AttentionArgs::new(shape, layer, tokens, heads.heads)?;
         let (bias, q_norm, k_norm) = extras(heads);
         self.launch(
@@ -453,15 +458,16 @@ pub(super) fn grid_side(what: &'static str, n: usize) -> Result<u32, DeviceError
     Ok(n as u32)
 }
 
-/// Checks an attention launch over `tokens` (at least one) with `heads` query heads and picks
-/// its instance: the smallest padded head dim holding the model's, and its launch shape.
+/// Checks an attention launch over `tokens` (at least one) with `heads` query heads, `per_block`
+/// tokens a block, and picks its instance: the smallest padded head dim holding the model's, and
+/// its launch shape.
 fn attention_launch(
     out: GpuSlice<bf16>,
     cache: GpuSlice<bf16>,
     shape: &PagedCache,
     layer: usize,
     tokens: &PagedTokens,
-    heads: usize,
+    (heads, per_block): (usize, usize),
 ) -> Result<(usize, LaunchConfig), DeviceError> {
     shape.check(&cache, layer)?;
     let (n, d) = (tokens.positions.len(), shape.head_dim);
@@ -492,8 +498,7 @@ fn attention_launch(
             actual: tokens.tables.len(),
         });
     }
-    // One block a token, kv head and chunk of its query heads (x, y, z: the kernel divides
-    // nothing to find its place).
+    // One block a run of `per_block` tokens, kv head and chunk of its query heads (x, y, z).
     let chunks = (heads / shape.kv_heads).div_ceil(ATTENTION_HEADS);
     // The smallest instance that holds `d` (d is at most the largest, checked above).
     let instance = PADDED
@@ -502,7 +507,7 @@ fn attention_launch(
         .unwrap_or(PADDED.len() - 1);
     let config = LaunchConfig {
         grid_dim: (
-            as_i32("attention tokens", n)? as u32,
+            as_i32("attention tokens", n.div_ceil(per_block))? as u32,
             grid_side("attention kv heads", shape.kv_heads)?,
             grid_side("attention query head chunks", chunks)?,
         ),
