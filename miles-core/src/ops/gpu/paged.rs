@@ -41,13 +41,16 @@ const WARPS: usize = 4;
 /// Query heads one attention block serves (`PAGED_HEADS` in the kernel).
 const ATTENTION_HEADS: usize = 8;
 
+/// Query rows of an attention block's products (an mma.sync tile's 16).
+const ATTENTION_ROWS: usize = 16;
+
 /// Positions of one attention tile (`PAGED_TILE` in the kernel).
 const ATTENTION_TILE: usize = 64;
 
 /// Dynamic shared memory of the attention kernels' instance for head dims up to `padded`: the
 /// queries (16 rows), a tile of keys and one of values, bf16 rows of `padded + 8`.
 fn attention_shared_bytes(padded: usize) -> u32 {
-    ((16 + 2 * ATTENTION_TILE) * (padded + 8) * 2) as u32
+    ((ATTENTION_ROWS + 2 * ATTENTION_TILE) * (padded + 8) * 2) as u32
 }
 
 /// The shape of a paged KV cache: `(blocks, L, 2, P, K*D)` bf16 elements.
@@ -280,7 +283,7 @@ impl Gpu {
         aligned("paged attention queries (16-byte aligned)", q.address())?;
         // A block takes the consecutive tokens whose query heads of one kv head fill the 16
         // rows of its products.
-        let per_block = 16 / (heads / shape.kv_heads).clamp(1, ATTENTION_HEADS);
+        let per_block = ATTENTION_ROWS / (heads / shape.kv_heads).clamp(1, ATTENTION_HEADS);
         let (instance, config) =
             attention_launch(out, cache, shape, layer, tokens, (heads, per_block))?;
         let a = AttentionArgs::new(shape, layer, tokens, heads)?;

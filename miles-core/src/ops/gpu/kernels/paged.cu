@@ -153,8 +153,9 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
     // use ([PAGED_WARPS][MERGED][MD]), then each row's weights of the warps and total
     // ([MERGED][PAGED_WARPS + 1]).
     float* merge = DECODE ? (float*)ks : (float*)qs;
-    // The grid is (tokens, kv heads, chunks of PAGED_HEADS query heads): no division finds a
-    // block's place. Index arithmetic is unsigned where it divides by a power of two.
+    // The grid is (runs of per_block tokens, kv heads, chunks of PAGED_HEADS query heads): a
+    // decode block finds its place without a division. Index arithmetic is unsigned where it
+    // divides by a power of two.
     const unsigned int warp = threadIdx.x >> 5;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const int kvh = (int)blockIdx.y, chunk = (int)blockIdx.z;
