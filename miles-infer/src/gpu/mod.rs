@@ -508,13 +508,13 @@ impl GpuModel {
                 k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
                 eps,
             };
-            let qkv_w = self.fused(&QKV, l)?;
-            if n == r {
-                // One token a sequence: the queries never leave the attention's kernel.
-                let heads = self.queue_qkv_decode(s, heads, (n, h), ln, qkv_w)?;
+            // One token a sequence, a decode pass: the queries never leave the attention's
+            // kernel.
+            let decode = n == r;
+            let heads = self.queue_qkv(s, heads, (n, h), ln, self.fused(&QKV, l)?, decode)?;
+            if decode {
                 g.paged_decode_attention(att, cache, &self.shape, l, &heads, (&places, &tokens))?;
             } else {
-                g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, qkv_w)?;
                 g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
                 g.paged_attention(att, q, cache, &self.shape, l, &tokens)?;
             }
@@ -565,23 +565,24 @@ impl GpuModel {
         }
     }
 
-    /// Queues a decode pass's q/k/v product of `ln (n, K)` and returns `heads` reading it. On
-    /// miles' decode product where it fits, split in [`QKV_SPLIT`] along `K` into fp32
-    /// partials that the decode attention sums, and letting that kernel start at once: its
-    /// first tile of cached positions travels while the product runs (bench/RESULTS.md round
-    /// 43). Else cuBLAS's bf16 rows.
-    fn queue_qkv_decode(
+    /// Queues the q/k/v product of `ln (n, K)` and returns `heads` reading it. In a `decode`
+    /// pass, on miles' decode product where it fits, split in [`QKV_SPLIT`] along `K` into
+    /// fp32 partials that the decode attention sums, and letting that kernel start at once:
+    /// its first tile of cached positions travels while the product runs (bench/RESULTS.md
+    /// round 43). Else cuBLAS's bf16 rows.
+    fn queue_qkv(
         &self,
         s: &Scratch,
         heads: QkvHeads,
         (n, k): (usize, usize),
         ln: GpuSlice<bf16>,
         weight: GpuSlice<bf16>,
+        decode: bool,
     ) -> Result<QkvHeads, DeviceError> {
         let g = &*self.gpu;
         let width = weight.len() / k;
-        let parts = QKV_SPLIT.min(own_split_of(k));
-        if own_product_fits(g, ln, weight, (n, width, k), OWN_SPLIT_COLUMNS) {
+        if decode && own_product_fits(g, ln, weight, (n, width, k), OWN_SPLIT_COLUMNS) {
+            let parts = QKV_SPLIT.min(own_split_of(k));
             let partials = s.partials.sub(0, parts * n * width)?;
             let out = ProductOut::Partials(partials);
             g.decode_product_overlapping_next(out, ln, weight, k, OWN_SPLIT_COLUMNS)?;
