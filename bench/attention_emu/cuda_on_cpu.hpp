@@ -28,8 +28,6 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-struct float4 { float x, y, z, w; };
-static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(unsigned u) { return __uint_as_float(u); }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
@@ -139,7 +137,6 @@ static inline float emu_ex2_ftz(float x) {
 }
 
 static inline void grid_begin() {}
-static inline void grid_begin_later() {}
 static inline void grid_release() {}
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }

@@ -20,11 +20,8 @@
 //! (beta 1). Those split products, the LM head and the gate/up product, which then ends in its
 //! SwiGLU, run on miles' own Hopper kernel (`Gpu::decode_product`, warpgroup MMA fed by the
 //! tensor memory accelerator) where the shapes fit it; the kernels ahead of them let them start
-//! early, so they fetch their first weights while those finish. A decode step's q/k/v product
-//! runs there too, split in two along its inner dimension: the decode attention sums its fp32
-//! partials, and the product lets that kernel start at once, so the attention's first tile of
-//! cached positions travels while the product runs. Every product of a wider pass is cuBLAS's,
-//! and so is every product where miles' kernel does not fit. A decode step then draws each sequence's next token on
+//! early, so they fetch their first weights while those finish. The q/k/v product, and every
+//! product of a wider pass, are cuBLAS's. A decode step then draws each sequence's next token on
 //! the device (the `sample_rows` kernel), so only token ids and log-probs come back; a prefill
 //! brings its prompts' rows of logits back (once per prompt: its samples draw from them
 //! later). A fence on every buffer the pass used lets the memory manager pause the tags
@@ -53,7 +50,7 @@ use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
     DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, DRAW_WORDS, PAGED_MAX_HEAD_DIM,
-    PagedCache, PagedTokens, ProductOut, QkvHeads, QkvRows, RULE_WORDS, SampleRule, TokenPlaces,
+    PagedCache, PagedTokens, ProductOut, QkvHeads, RULE_WORDS, SampleRule, TokenPlaces,
 };
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
@@ -102,10 +99,6 @@ fn split_of(k: usize) -> usize {
 /// that four slices of the 1B's fill 128 blocks (`bench gemm`, bench/RESULTS.md round 38).
 const OWN_SPLIT_COLUMNS: usize = 64;
 
-/// Slices of the decode step's q/k/v product on miles' decode product: two make 96 blocks of
-/// 64 columns at 1B, one a multiprocessor (bench/RESULTS.md round 43).
-const QKV_SPLIT: usize = 2;
-
 /// Columns a block of miles' decode product takes in the LM head (`bench gemm`, round 38).
 const OWN_HEAD_COLUMNS: usize = 128;
 
@@ -125,9 +118,9 @@ fn own_split_of(k: usize) -> usize {
 /// 16-byte aligned (the tensor memory accelerator's rule). Where it runs after `paged_decode`,
 /// `swiglu_rows`, `residual_rmsnorm` or the gate/up product ending in SwiGLU, which let it
 /// start early, it fetches its first weights while they finish (bench/RESULTS.md rounds 38
-/// and 39). Alone, cuBLAS's q/k/v and gate/up products are faster (round 38), but ours end
-/// in partials the decode attention sums, letting it start early (round 43), and in SwiGLU,
-/// which saves `swiglu_rows` and lets the down product start early (round 39).
+/// and 39). The q/k/v product stays cuBLAS's, faster there; the gate/up product alone is too
+/// (round 38), but ours ends in SwiGLU, which saves `swiglu_rows` and lets the down product
+/// start early (round 39).
 fn own_product_fits(
     gpu: &Gpu,
     inp: GpuSlice<bf16>,
@@ -501,18 +494,16 @@ impl GpuModel {
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
             let heads = QkvHeads {
-                qkv: QkvRows::Bf16(qkv),
+                qkv,
                 heads: c.num_heads,
                 bias: c.qkv_bias.then(|| self.fused(&QKV_BIASES, l)).transpose()?,
                 q_norm: c.qk_norm.then(|| w(ParamKind::QNorm)).transpose()?,
                 k_norm: c.qk_norm.then(|| w(ParamKind::KNorm)).transpose()?,
                 eps,
             };
-            // One token a sequence, a decode pass: the queries never leave the attention's
-            // kernel.
-            let decode = n == r;
-            let heads = self.queue_qkv(s, heads, (n, h), ln, self.fused(&QKV, l)?, decode)?;
-            if decode {
+            g.gemm(linear(n, qd + 2 * kvd, h), qkv, ln, self.fused(&QKV, l)?)?;
+            if n == r {
+                // One token a sequence: the queries never leave the attention's kernel.
                 g.paged_decode_attention(att, cache, &self.shape, l, &heads, (&places, &tokens))?;
             } else {
                 g.qkv_rotary_cache(q, cache, &self.shape, l, &heads, &places)?;
@@ -563,41 +554,6 @@ impl GpuModel {
         } else {
             g.gemm(linear(r, c.vocab_size, h), logits, rows_ln, head)
         }
-    }
-
-    /// Queues the q/k/v product of `ln (n, K)` and returns `heads` reading it. In a `decode`
-    /// pass, on miles' decode product where it fits, split in [`QKV_SPLIT`] along `K` into
-    /// fp32 partials that the decode attention sums, and letting that kernel start at once:
-    /// its first tile of cached positions travels while the product runs (bench/RESULTS.md
-    /// round 43). Else cuBLAS's bf16 rows.
-    fn queue_qkv(
-        &self,
-        s: &Scratch,
-        heads: QkvHeads,
-        (n, k): (usize, usize),
-        ln: GpuSlice<bf16>,
-        weight: GpuSlice<bf16>,
-        decode: bool,
-    ) -> Result<QkvHeads, DeviceError> {
-        let g = &*self.gpu;
-        let width = weight.len() / k;
-        if decode && own_product_fits(g, ln, weight, (n, width, k), OWN_SPLIT_COLUMNS) {
-            let parts = QKV_SPLIT.min(own_split_of(k));
-            let partials = s.partials.sub(0, parts * n * width)?;
-            let out = ProductOut::Partials(partials);
-            g.decode_product_overlapping_next(out, ln, weight, k, OWN_SPLIT_COLUMNS)?;
-            return Ok(QkvHeads {
-                qkv: QkvRows::Partials(partials),
-                ..heads
-            });
-        }
-        let rows = s.qkv.sub(0, n * width)?;
-        let product = Gemm::new(n, width, k, Transpose::No, Transpose::Yes);
-        g.gemm(product, rows, ln, weight)?;
-        Ok(QkvHeads {
-            qkv: QkvRows::Bf16(rows),
-            ..heads
-        })
     }
 
     /// Queues `x += inp W^T` for the product `weight (C, K)` of `inp (n, K)`, then `ln =

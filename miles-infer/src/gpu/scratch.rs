@@ -80,8 +80,7 @@ pub(super) struct Scratch {
     pub(super) att: GpuSlice<bf16>,     // (N, H*D)
     pub(super) gate_up: GpuSlice<bf16>, // (N, 2F) the fused gate and up product
     pub(super) act: GpuSlice<bf16>,     // (N, F) silu(gate) * up
-    // (MAX_SPLIT, min(N, SPLIT_ROWS), max(C, (H+2K)*D)) fp32 partials: o's, down's, q/k/v's
-    pub(super) partials: GpuSlice<f32>,
+    pub(super) partials: GpuSlice<f32>, // (MAX_SPLIT, min(N, SPLIT_ROWS), C) fp32 partials
     pub(super) rows_ln: GpuSlice<bf16>, // (R, C) the normed rows that need logits
     pub(super) logits: GpuSlice<f32>,   // (R, V)
     pub(super) cos: GpuSlice<f32>,      // (positions, D/2)
@@ -109,7 +108,7 @@ impl Scratch {
             att: at.take(n * qd)?,
             gate_up: at.take(n * 2 * f)?,
             act: at.take(n * f)?,
-            partials: at.take(MAX_SPLIT * n.min(SPLIT_ROWS) * h.max(qd + 2 * kvd))?,
+            partials: at.take(MAX_SPLIT * n.min(SPLIT_ROWS) * h)?,
             rows_ln: at.take(r * h)?,
             logits: at.take(r * c.vocab_size)?,
             cos: at.take(rope)?,

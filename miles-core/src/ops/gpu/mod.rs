@@ -35,7 +35,7 @@ mod train_tests;
 use std::sync::Arc;
 
 pub use flash::FLASH_MAX_HEAD_DIM;
-pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, QkvRows, TokenPlaces};
+pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 pub use product::{DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, ProductOut};
 pub use sampling::{DRAW_WORDS, RULE_WORDS, SampleRule};
 pub use train::{AdamWStep, COLUMN_SUM_CHUNKS, GpuMoments, GradWrite, SQUARE_PARTIALS};

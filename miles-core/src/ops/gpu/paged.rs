@@ -139,34 +139,11 @@ pub struct PagedTokens {
     pub max_blocks: usize,
 }
 
-/// A layer's fused q/k/v product as the kernels read it: rows of each token's query heads,
-/// then key heads, then value heads, `(H + 2K) * D` values each.
-#[derive(Clone, Copy, Debug)]
-pub enum QkvRows {
-    /// `(N, (H + 2K) * D)` bf16.
-    Bf16(GpuSlice<bf16>),
-    /// `(S, N, (H + 2K) * D)` fp32: the product split along its inner dimension into `S`
-    /// slices (a decode product's [`super::ProductOut::Partials`]), each value's partials
-    /// summed in slice order and rounded to bf16 once as they are read. Only
-    /// [`Gpu::paged_decode_attention`] reads these.
-    Partials(GpuSlice<f32>),
-}
-
-impl QkvRows {
-    /// The device address of the rows' first value.
-    fn address(&self) -> u64 {
-        match self {
-            Self::Bf16(rows) => rows.address(),
-            Self::Partials(slices) => slices.address(),
-        }
-    }
-}
-
 /// A layer's fused q/k/v product and what turns it into queries, keys and values.
 #[derive(Clone, Copy, Debug)]
 pub struct QkvHeads {
-    /// The product's rows.
-    pub qkv: QkvRows,
+    /// `(N, (H + 2K) * D)`: each token's query heads, then key heads, then value heads.
+    pub qkv: GpuSlice<bf16>,
     /// `H`: query heads.
     pub heads: usize,
     /// `((H + 2K) * D)`: the q, k and v biases, in the families that have them.
@@ -194,8 +171,8 @@ pub struct TokenPlaces {
 }
 
 impl Gpu {
-    /// Makes `layer`'s queries ready and stores its keys and values from the fused product's
-    /// bf16 rows `heads.qkv (N, (H + 2K) * D)`, which hold the `H` query heads, then the `K` key
+    /// Makes `layer`'s queries ready and stores its keys and values from the fused product
+    /// `heads.qkv (N, (H + 2K) * D)`, whose rows hold the `H` query heads, then the `K` key
     /// heads, then the `K` value heads: adds the biases, normalises each query and key head by
     /// its RMS times its norm weights (where the family has them), turns queries and keys by
     /// each token's position, writes the queries into `q (N, H*D)` and the keys and values at
@@ -204,8 +181,7 @@ impl Gpu {
     /// device.
     ///
     /// # Errors
-    /// [`DeviceError::ShapeMismatch`], also for rows given as [`QkvRows::Partials`]; the
-    /// launch's error.
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
     pub fn qkv_rotary_cache(
         &self,
         q: GpuSlice<bf16>,
@@ -218,13 +194,6 @@ impl Gpu {
         shape.check(&cache, layer)?;
         let (n, d, kv) = (at.slots.len(), shape.head_dim, shape.kv_heads);
         check_heads(heads, at, shape, n)?;
-        let QkvRows::Bf16(rows) = heads.qkv else {
-            return Err(DeviceError::ShapeMismatch {
-                what: "q/k/v rows of qkv_rotary_cache (bf16, not partials)",
-                expected: 1,
-                actual: 0,
-            });
-        };
         q.expect_len("prepared queries", n * heads.heads * d)?;
         if n == 0 {
             return Ok(());
@@ -253,7 +222,7 @@ impl Gpu {
             &[
                 &q.address(),
                 &cache.address(),
-                &rows.address(),
+                &heads.qkv.address(),
                 &bias,
                 &q_norm,
                 &k_norm,
@@ -352,13 +321,6 @@ impl Gpu {
     /// value it would have stored). `(at, tokens)` are the arguments of the two; the positions are
     /// `tokens.positions`, which `at.positions` must be.
     ///
-    /// The rows may also be a split product's fp32 partials ([`QkvRows::Partials`]). Then each
-    /// block copies the rotary row and its first tile of cached positions before it waits for
-    /// the kernel ahead, so that where that kernel lets it start early (the q/k/v product,
-    /// [`Gpu::decode_product_overlapping_next`]) they travel while the product runs: nothing
-    /// still running may write the cache's earlier positions, the rotary tables or the tables
-    /// and positions of `tokens`.
-    ///
     /// # Errors
     /// As the two kernels, and [`DeviceError::ShapeMismatch`] when `at` and `tokens` hold
     /// different positions.
@@ -404,22 +366,13 @@ impl Gpu {
             attention_launch(out, cache, shape, layer, tokens, (heads.heads, 1))?;
         let a = AttentionArgs::new(shape, layer, tokens, heads.heads)?;
         let (bias, q_norm, k_norm) = extras(heads);
-        let (rows, parts) = match heads.qkv {
-            QkvRows::Bf16(rows) => (rows.address(), 0),
-            QkvRows::Partials(p) => {
-                let width = (heads.heads + 2 * shape.kv_heads) * shape.head_dim;
-                let parts = p.len() / (n * width);
-                (p.address(), as_i32("q/k/v partials", parts)?)
-            }
-        };
         self.launch(
             KERNELS[PADDED.len() + instance],
             config,
             &[
                 &out.address(),
                 &cache.address(),
-                &rows,
-                &parts,
+                &heads.qkv.address(),
                 &bias,
                 &q_norm,
                 &k_norm,
@@ -454,18 +407,7 @@ fn check_heads(
 ) -> Result<(), DeviceError> {
     let (d, kv) = (shape.head_dim, shape.kv_heads);
     let width = (heads.heads + 2 * kv) * d;
-    match heads.qkv {
-        QkvRows::Bf16(rows) => rows.expect_len("fused q/k/v rows", n * width)?,
-        QkvRows::Partials(slices) => {
-            if n > 0 && (slices.is_empty() || !slices.len().is_multiple_of(n * width)) {
-                return Err(DeviceError::ShapeMismatch {
-                    what: "fused q/k/v partials (whole slices of the rows, at least one)",
-                    expected: n * width,
-                    actual: slices.len(),
-                });
-            }
-        }
-    }
+    heads.qkv.expect_len("fused q/k/v rows", n * width)?;
     at.positions.expect_len("token positions", n)?;
     at.slots.expect_len("token slots", n)?;
     if let Some(bias) = heads.bias {

@@ -9,7 +9,7 @@ use half::bf16;
 
 use super::paged::grid_side;
 use super::testing::{TestGpu, assert_close};
-use super::{PagedCache, PagedTokens, QkvHeads, QkvRows, TokenPlaces};
+use super::{PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 use crate::device::GpuSlice;
 use crate::ops::testing::seeded_vec as seeded;
 use crate::ops::{
@@ -131,7 +131,7 @@ fn qkv_heads(
     eps: f32,
 ) -> QkvHeads {
     QkvHeads {
-        qkv: QkvRows::Bf16(qkv),
+        qkv,
         heads,
         bias: extras.map(|[bias, _, _]| bias),
         q_norm: extras.map(|[_, q_norm, _]| q_norm),
@@ -557,48 +557,10 @@ fn check_decode(what: &str, shape: PagedCache, heads: usize, with_extras: bool, 
     let cache = t.get_bf16(f.cache);
     assert_ne!(
         bits(cache.clone()),
-        bits(before.clone()),
+        bits(before),
         "{what}: no key or value was stored"
     );
     assert_eq!(bits(cache), bits(t.get_bf16(cache_apart)), "{what}: caches");
-    // The rows as fp32 partials of three slices: the kernel sums each value's in order and
-    // rounds once, so it gives the bits of the rounded sums read as bf16 rows.
-    let parts = seeded(seed + 9, 3 * n * width);
-    let summed: Vec<f32> = (0..n * width)
-        .map(|i| parts[i] + parts[n * width + i] + parts[2 * n * width + i])
-        .collect();
-    let summed_heads = QkvHeads {
-        qkv: QkvRows::Bf16(t.put_bf16(&summed).0),
-        ..fused
-    };
-    let partial_heads = QkvHeads {
-        qkv: QkvRows::Partials(t.put(&parts)),
-        ..fused
-    };
-    let (cache_rows, cache_parts) = (t.put_bf16(&before).0, t.put_bf16(&before).0);
-    let (out_rows, out_parts) = (
-        t.alloc::<bf16>(n * heads * d),
-        t.alloc::<bf16>(n * heads * d),
-    );
-    let decode = |out, cache, heads: &QkvHeads| {
-        let at = (&places, &tokens);
-        t.gpu
-            .paged_decode_attention(out, cache, &shape, layer, heads, at)
-    };
-    run(decode(out_rows, cache_rows, &summed_heads));
-    run(decode(out_parts, cache_parts, &partial_heads));
-    let got = t.get_bf16(out_parts);
-    assert!(got.iter().any(|&x| x != 0.0), "{what}: partials: zeros");
-    assert_eq!(
-        bits(got),
-        bits(t.get_bf16(out_rows)),
-        "{what}: outputs of partials"
-    );
-    assert_eq!(
-        bits(t.get_bf16(cache_parts)),
-        bits(t.get_bf16(cache_rows)),
-        "{what}: caches of partials"
-    );
 }
 
 #[test]
@@ -623,9 +585,9 @@ fn paged_decode_attention_gives_the_bits_of_the_two_kernels_it_fuses() {
 }
 
 #[test]
-fn paged_decode_attention_refuses_unaligned_rows_or_tables_positions_of_another_pass_or_broken_partials()
- {
-    let what = "paged_decode_attention_refuses_unaligned_rows_or_tables_positions_of_another_pass_or_broken_partials";
+fn paged_decode_attention_refuses_unaligned_rows_or_tables_and_positions_of_another_pass() {
+    let what =
+        "paged_decode_attention_refuses_unaligned_rows_or_tables_and_positions_of_another_pass";
     let Some(mut t) = TestGpu::open(what, 16 << 20) else {
         return;
     };
@@ -692,31 +654,6 @@ fn paged_decode_attention_refuses_unaligned_rows_or_tables_positions_of_another_
     );
     assert!(
         matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("decode attention positions")),
-        "{refused:?}"
-    );
-    // Partials of no whole slices, and partials given to the kernel that reads bf16 rows only.
-    let at = places(cos, tokens.positions);
-    for len in [0, width + 4] {
-        let heads = QkvHeads {
-            qkv: QkvRows::Partials(t.alloc::<f32>(len.max(1)).sub(0, len).unwrap()),
-            ..qkv_heads(qkv, 1, None, 1e-6)
-        };
-        let refused = t
-            .gpu
-            .paged_decode_attention(out, cache, &shape, 0, &heads, (&at, &tokens));
-        assert!(
-            matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("partials (whole slices")),
-            "{refused:?}"
-        );
-    }
-    let heads = QkvHeads {
-        qkv: QkvRows::Partials(t.alloc::<f32>(width)),
-        ..qkv_heads(qkv, 1, None, 1e-6)
-    };
-    let q = t.alloc::<bf16>(d);
-    let refused = t.gpu.qkv_rotary_cache(q, cache, &shape, 0, &heads, &at);
-    assert!(
-        matches!(refused, Err(crate::device::DeviceError::ShapeMismatch { what, .. }) if what.contains("bf16, not partials")),
         "{refused:?}"
     );
 }

@@ -62,35 +62,6 @@ impl Gpu {
         k: usize,
         block_columns: usize,
     ) -> Result<(), DeviceError> {
-        self.product(out, x, w, (k, block_columns), false)
-    }
-
-    /// [`Gpu::decode_product`], letting the kernel behind it start at once, its blocks beside
-    /// the product's: for the decode attention behind the q/k/v product, which copies what
-    /// none of the kernels still running writes before it waits for the product
-    /// ([`Gpu::paged_decode_attention`]).
-    ///
-    /// # Errors
-    /// As [`Gpu::decode_product`].
-    pub fn decode_product_overlapping_next(
-        &self,
-        out: ProductOut,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        k: usize,
-        block_columns: usize,
-    ) -> Result<(), DeviceError> {
-        self.product(out, x, w, (k, block_columns), true)
-    }
-
-    fn product(
-        &self,
-        out: ProductOut,
-        x: GpuSlice<bf16>,
-        w: GpuSlice<bf16>,
-        (k, block_columns): (usize, usize),
-        release: bool,
-    ) -> Result<(), DeviceError> {
         let shape = |what, expected, actual| DeviceError::ShapeMismatch {
             what,
             expected,
@@ -182,16 +153,7 @@ impl Gpu {
                 // The ring, aligned to 1024 bytes in the kernel, and its barriers.
                 shared_mem_bytes: RING_BYTES + 1024 + 1024,
             },
-            &[
-                &w_map,
-                &x_map,
-                &address,
-                &out_f32,
-                &m32,
-                &n32,
-                &k_tiles,
-                &i32::from(release),
-            ],
+            &[&w_map, &x_map, &address, &out_f32, &m32, &n32, &k_tiles],
         )
     }
 }

@@ -640,8 +640,7 @@ impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
 /// What every kernel's body starts with: the prelude's [`GRID_PRELUDE`] function.
 const GRID_BEGIN: &str = "grid_begin();";
 
-/// Or this, in a kernel that reads only what no kernel still running writes before it calls
-/// `grid_begin()`.
+/// Or this, in a kernel that reads only what no kernel writes before it calls `grid_begin()`.
 const GRID_BEGIN_LATER: &str = "grid_begin_later();";
 
 /// Put ahead of every program. Kernels are launched with programmatic dependent launch
@@ -661,9 +660,7 @@ __device__ __forceinline__ void grid_release() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 // Opens a kernel that reads nothing before it calls grid_begin() itself but what no kernel
-// still running writes: a decode product's weights, which no kernel writes; the decode
-// attention's cached positions behind the q/k/v product, which starts once the kernels before
-// it are done.
+// writes (a decode product's weights).
 __device__ __forceinline__ void grid_begin_later() {}
 "#;
 

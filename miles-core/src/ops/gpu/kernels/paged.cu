@@ -117,8 +117,7 @@ __device__ void ready_head(bf16* dst, const bf16* src, const bf16* bias, const b
 // and where the key and value go.
 struct PagedNew {
     bf16* cache;
-    const void* qkv;  // bf16 rows, or `parts` slices of fp32 partial rows
-    int parts;
+    const bf16* qkv;
     const bf16* bias;
     const bf16* q_norm;
     const bf16* k_norm;
@@ -221,63 +220,31 @@ __device__ void paged_attention_tile(bf16* out, const bf16* q, const bf16* cache
         commit_tiles();
     };
     if constexpr (DECODE) {
-        // The prologue: the position's rotary row, the block's query heads (zero rows past
-        // them up to 12) and the kv head's key and value (each row zero past d) arrive ahead
-        // of the first tile, and are made ready in place (as qkv_rotary_cache makes them).
-        auto copy_rotary = [&]() {
-            for (unsigned int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {  // 4 floats a copy
-                const unsigned int which = i / CHUNKS, k = i % CHUNKS;           // 0 cos, 1 sin
-                if ((int)k < row_chunks)
-                    paged_copy16(rotary + which * (DP / 2) + k * 4,
-                                 (which ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) +
-                                     k * 4,
-                                 true);
-            }
-        };
-        const long long width = (long long)(heads + 2 * kv_heads) * d;
-        // Row r of the 14 the prologue fills: query head h0 + r below 12 (zeros past hn), 12
-        // the key, 13 the value.
-        auto column = [&](unsigned int r) {
-            return r < 12 ? (h0 + (int)r) * d : (heads + (r == 13 ? kv_heads : 0) + kvh) * d;
-        };
-        auto place = [&](unsigned int r) { return r < 12 ? qs + r * SD : kv_new + (r - 12) * SD; };
-        if (fresh.parts == 0) {
-            // bf16 rows: copied with the rotary row.
-            grid_begin();
-            copy_rotary();
-            const bf16* row = (const bf16*)fresh.qkv + token * width;
-            for (unsigned int r = r0; r < 14; r += THREADS / CHUNKS) {
-                const bool inside = (r >= 12 || (int)r < hn) && (int)c < row_chunks;
-                paged_copy16(place(r) + c * 8, row + (inside ? column(r) + c * 8 : 0), inside);
-            }
-            commit_tiles();
-            load(0);
-        } else {
-            // fp32 partials, from a product that lets this kernel start early: before waiting
-            // for it, what no running kernel writes (the product starts once the kernels
-            // before it are done; the tables and positions are the host's): the rotary row and
-            // the first tile of cached positions. Then each value's partials, summed in slice
-            // order and rounded to bf16 once.
-            copy_rotary();
-            commit_tiles();
-            load(0);
-            grid_begin();
-            const float* row = (const float*)fresh.qkv + token * width;
-            const long long slice = n * width;
-            for (unsigned int i = threadIdx.x; i < 14 * (DP / 4); i += THREADS) {
-                const unsigned int r = i / (DP / 4), k = i % (DP / 4) * 4;
-                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if ((r >= 12 || (int)r < hn) && (int)k < d) {
-                    const float4* at = (const float4*)(row + column(r) + k);
-                    sum = at[0];
-                    for (int p = 1; p < fresh.parts; p++) {
-                        const float4 v = at[p * slice / 4];
-                        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-                    }
-                }
-                *(uint2*)(place(r) + k) = make_uint2(pack2(sum.x, sum.y), pack2(sum.z, sum.w));
-            }
+        // The prologue: the block's query heads (zero rows past them up to kv_new), the kv
+        // head's key and value and the position's rotary row start travelling at once, ahead
+        // of the first tile, each row zero past d; once here they are made ready in place (as
+        // qkv_rotary_cache makes them).
+        const bf16* row = fresh.qkv + token * (long long)(heads + 2 * kv_heads) * d;
+#pragma unroll
+        for (unsigned int r = r0; r < 12; r += THREADS / CHUNKS) {
+            const bool inside = (int)r < hn && (int)c < row_chunks;
+            paged_copy16(qs + r * SD + c * 8, row + (inside ? (h0 + r) * d + c * 8 : 0), inside);
         }
+        for (unsigned int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {
+            const unsigned int r = i / CHUNKS, k = i % CHUNKS;  // r: 0 the key, 1 the value
+            const bool inside = (int)k < row_chunks;
+            paged_copy16(kv_new + r * SD + k * 8,
+                         row + (inside ? (heads + r * kv_heads + kvh) * d + k * 8 : 0), inside);
+        }
+        for (unsigned int i = threadIdx.x; i < 2 * CHUNKS; i += THREADS) {  // 4 floats a copy
+            const unsigned int which = i / CHUNKS, k = i % CHUNKS;  // 0 cos, 1 sin
+            if ((int)k < row_chunks)
+                paged_copy16(rotary + which * (DP / 2) + k * 4,
+                             (which ? fresh.sin_t : fresh.cos_t) + (long long)pos * (d / 2) + k * 4,
+                             true);
+        }
+        commit_tiles();
+        load(0);
         wait_tiles(1);  // all but the first tile
         __syncthreads();
         for (int r = warp; r < hn + 2; r += PAGED_WARPS) {
@@ -484,16 +451,16 @@ PAGED_ATTENTION(128)
 // kernels where each token's slot is its table's place for its position, inside the cache.
 #define PAGED_DECODE(DP)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * PAGED_WARPS, PAGED_BLOCKS_PER_SM(DP))       \
-        paged_decode_##DP(bf16* out, bf16* cache, const void* qkv, int parts, const bf16* bias,   \
+        paged_decode_##DP(bf16* out, bf16* cache, const bf16* qkv, const bf16* bias,              \
                           const bf16* q_norm, const bf16* k_norm, const float* cos_t,             \
                           const float* sin_t, const unsigned int* slots,                          \
                           const unsigned int* tables, const unsigned int* seq_rows,               \
                           const unsigned int* positions, long long n, int heads, int kv_heads,    \
                           int d, float eps, int layer, int layers, int block_size,                \
                           int max_blocks, long long num_blocks, float scale_log2) {               \
-        grid_begin_later();                                                                       \
+        grid_begin();                                                                             \
         grid_release();                                                                           \
-        const PagedNew fresh{cache, qkv, parts, bias, q_norm, k_norm, cos_t, sin_t, slots, eps,   \
+        const PagedNew fresh{cache, qkv, bias, q_norm, k_norm, cos_t, sin_t, slots, eps,          \
                              num_blocks};                                                         \
         paged_attention_tile<DP, true>(out, nullptr, cache, tables, seq_rows, positions, n,       \
                                        heads, kv_heads, d, layer, layers, block_size, max_blocks, \

@@ -250,29 +250,23 @@ __device__ __forceinline__ void product_body(const TensorMap* wmap, const Tensor
 extern "C" __global__ void __launch_bounds__(384, 1)
     decode_product_64(const __grid_constant__ TensorMap wmap,
                       const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
-                      int n, int k_tiles, int release) {
+                      int n, int k_tiles) {
     grid_begin_later();
-    // The kernel behind it may start now (the q/k/v product: the decode attention reads the
-    // cache's earlier positions meanwhile).
-    if (release) grid_release();
     product_body<64, false>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1)
     decode_product_128(const __grid_constant__ TensorMap wmap,
                        const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
-                       int n, int k_tiles, int release) {
+                       int n, int k_tiles) {
     grid_begin_later();
-    // The kernel behind it may start now (the q/k/v product: the decode attention reads the
-    // cache's earlier positions meanwhile).
-    if (release) grid_release();
     product_body<128, false>(&wmap, &xmap, out, out_f32, m, n, k_tiles);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1)
     decode_product_swiglu(const __grid_constant__ TensorMap wmap,
                           const __grid_constant__ TensorMap xmap, void* out, int out_f32, int m,
-                          int n, int k_tiles, int /* release: always */) {
+                          int n, int k_tiles) {
     grid_begin_later();
     // The down product behind it fetches its first weights on the SMs this one leaves.
     grid_release();
