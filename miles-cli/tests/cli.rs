@@ -685,6 +685,43 @@ fn bench_train_phases_on_the_cpu_exit_2_naming_the_device() {
 }
 
 #[test]
+fn bench_sizes_of_zero_exit_2_naming_the_flag_before_any_work() {
+    for (args, flag) in [
+        (
+            &["bench", "train", "--preset", "tiny", "--batch", "0"][..],
+            "--batch",
+        ),
+        (
+            &["bench", "train", "--preset", "tiny", "--steps", "0"],
+            "--steps",
+        ),
+        (
+            &["bench", "rollout", "--preset", "tiny", "--prompts", "0"],
+            "--prompts",
+        ),
+        (
+            &["bench", "rollout", "--preset", "tiny", "--prompt-len", "0"],
+            "--prompt-len",
+        ),
+        (
+            &[
+                "bench",
+                "rollout",
+                "--preset",
+                "tiny",
+                "--max-new-tokens",
+                "0",
+            ],
+            "--max-new-tokens",
+        ),
+    ] {
+        let (out, err) = expect(args, 2);
+        assert!(err.contains(flag), "miles {args:?}: {err}");
+        assert!(out.is_empty(), "miles {args:?} ran before refusing: {out}");
+    }
+}
+
+#[test]
 fn the_readme_settings_table_is_the_one_the_settings_table_prints() {
     let (table, _) = expect(&["check-config", "--table"], 0);
     let readme =

@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 
 use crate::bench::baseline::python_json;
 use crate::generate::build_engine;
-use crate::settings_args::SettingsArgs;
+use crate::settings_args::{BadSettings, SettingsArgs};
 
 /// `miles bench rollout`.
 #[derive(Args, Debug)]
@@ -93,11 +93,29 @@ impl Step {
     }
 }
 
+/// Refuses sizes that leave nothing to time, naming the flag.
+///
+/// # Errors
+/// [`BadSettings`] for `--prompts`, `--prompt-len` or `--max-new-tokens` of 0.
+fn check(args: &BenchRolloutArgs) -> anyhow::Result<()> {
+    for (flag, value) in [
+        ("--prompts", args.prompts),
+        ("--prompt-len", args.prompt_len),
+        ("--max-new-tokens", args.max_new_tokens),
+    ] {
+        if value == 0 {
+            return Err(BadSettings(format!("{flag} must be at least 1")).into());
+        }
+    }
+    Ok(())
+}
+
 /// Runs `miles bench rollout`.
 ///
 /// # Errors
 /// Bad settings, or any failure of the engine, with its context.
 pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
+    check(args)?;
     let settings = args.settings.load()?;
     let config = LlamaConfig::preset(&settings.preset)?;
     let model = Transformer::new(config.clone());
@@ -110,7 +128,7 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     let seed_seconds = started.elapsed().as_secs_f64();
     // The engine is sized for the bench's sequences, as `miles train` sizes it for its data.
     let engine_config = EngineConfig {
-        max_positions: Some(args.prompt_len.max(1) + args.max_new_tokens),
+        max_positions: Some(args.prompt_len + args.max_new_tokens),
         ..EngineConfig::from_settings(&settings)
     };
     let engine = build_engine(&settings, &config, engine_config)?;
@@ -131,7 +149,7 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     let prompts: Vec<Vec<u32>> = (0..args.prompts)
         .map(|_| {
             let mut p = vec![bos];
-            p.extend((1..args.prompt_len.max(1)).map(|_| rng.random_range(32..127u32)));
+            p.extend((1..args.prompt_len).map(|_| rng.random_range(32..127u32)));
             p
         })
         .collect();
@@ -432,7 +450,7 @@ fn torch_baseline(
         "--batch".into(),
         sequences.to_string(),
         "--prompt-len".into(),
-        args.prompt_len.max(1).to_string(),
+        args.prompt_len.to_string(),
         "--new-tokens".into(),
         args.max_new_tokens.to_string(),
         "--cache".into(),

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::{Args, ValueEnum};
 use miles_core::Batch;
 use miles_core::model::{ByteTokenizer, LlamaConfig, Trainer, Transformer, init_params};
@@ -135,8 +135,14 @@ pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> Batch {
 /// # Errors
 /// Bad sizes or rank counts.
 pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
-    if args.batch == 0 || args.seq == 0 || args.steps == 0 {
-        bail!("--batch, --seq and --steps must be positive");
+    for (flag, value) in [
+        ("--batch", args.batch),
+        ("--seq", args.seq),
+        ("--steps", args.steps),
+    ] {
+        if value == 0 {
+            return Err(BadSettings(format!("{flag} must be at least 1")).into());
+        }
     }
     if args.nproc_per_node == 0 {
         return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
