@@ -773,6 +773,11 @@ fn values_outside_their_ranges_exit_2_naming_the_flag() {
         let (_, err) = expect(&["check-config", flag, value], 2);
         assert!(err.contains(flag), "{flag} {value}: {err}");
     }
+    // Said once, not once by the range and again by a rule of its own.
+    for flag in ["--rollout-max-prompt-len", "--rollout-max-response-len"] {
+        let (_, err) = expect(&["check-config", flag, "0"], 2);
+        assert_eq!(err.matches(flag).count(), 1, "{flag} 0: {err}");
+    }
 }
 
 #[test]

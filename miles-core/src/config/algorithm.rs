@@ -12,14 +12,6 @@ pub(crate) fn check(s: &Settings) -> Vec<SettingsError> {
             "--sft-warmup-steps with --prompt-data trains on the rows' labels; add --label-key KEY or drop --sft-warmup-steps".into(),
         );
     }
-    for (flag, value) in [
-        ("rollout-max-prompt-len", s.rollout_max_prompt_len),
-        ("rollout-max-response-len", s.rollout_max_response_len),
-    ] {
-        if value == Some(0) {
-            refuse(format!("--{flag} must be at least 1 (got 0)"));
-        }
-    }
     if s.prompt_data.is_some() && s.rm_type.is_none() && s.custom_rm_command.is_none() {
         refuse(
             "--prompt-data needs a reward: add --rm-type math|exact|task or --custom-rm-command CMD".into(),
@@ -174,19 +166,5 @@ mod tests {
             ..command
         };
         assert!(messages(&bad_timeout)[0].contains("--custom-rm-timeout"));
-    }
-
-    #[test]
-    fn zero_lengths_are_refused_naming_the_flag() {
-        let s = Settings {
-            rollout_max_prompt_len: Some(0),
-            rollout_max_response_len: Some(0),
-            ..Settings::default()
-        };
-        let m = messages(&s).join("\n");
-        assert!(
-            m.contains("--rollout-max-prompt-len") && m.contains("--rollout-max-response-len"),
-            "{m}"
-        );
     }
 }
