@@ -602,6 +602,8 @@ impl Engine {
                         self.model.config(),
                         self.config.block_size,
                     ),
+                    queued: Default::default(),
+                    last: None,
                 };
                 f(&mut step, &mut self.tables)
             }

@@ -1,13 +1,15 @@
 //! The engine's CPU path: the model computes from host views of the fp32 weights and the fp32
 //! paged cache ([`PagedKv`]), one prompt at a time in prefill and batch-invariantly in decode.
 
+use std::collections::VecDeque;
+
 use miles_core::model::{DecodeScratch, Transformer};
 
 use rayon::prelude::*;
 
 use crate::paged::{BlockTables, PagedKv, copy_host_block};
 use crate::sampling::{DrawKey, sample_token};
-use crate::schedule::Step;
+use crate::schedule::{Feed, Step};
 use crate::{InferError, SamplingParams};
 
 /// The model, its weights and the cache storage, borrowed for one generate call.
@@ -18,6 +20,32 @@ pub(crate) struct HostStep<'a> {
     pub scratch: &'a mut DecodeScratch,
     /// Floats of one cache block ([`BlockTables::block_floats`]).
     pub block_floats: usize,
+    /// The draws of the decode steps queued and not collected, oldest first (each ran when
+    /// queued).
+    pub queued: VecDeque<Draws>,
+    /// The draws of the decode step queued last, which a [`Feed::Drawn`] names.
+    pub last: Option<Draws>,
+}
+
+/// A decode step's draws by row.
+pub(crate) type Draws = Vec<Option<(u32, f32)>>;
+
+/// The tokens of `feeds`, those drawn taken from `last`.
+pub(crate) fn fed_tokens(feeds: &[Feed], last: Option<&Draws>) -> Result<Vec<u32>, InferError> {
+    feeds
+        .iter()
+        .map(|&feed| match feed {
+            Feed::Token(token) => Ok(token),
+            Feed::Drawn(row) => last
+                .and_then(|draws| draws.get(row).copied().flatten())
+                .map(|(token, _)| token)
+                .ok_or_else(|| {
+                    InferError::Internal(format!(
+                        "a decode step fed from row {row} of a step before it that drew none there"
+                    ))
+                }),
+        })
+        .collect()
 }
 
 impl Step for HostStep<'_> {
@@ -64,21 +92,31 @@ impl Step for HostStep<'_> {
         Ok(logits)
     }
 
-    fn decode(
+    fn queue_decode(
         &mut self,
         tables: &mut BlockTables,
         seqs: &[usize],
-        tokens: &[u32],
+        feeds: &[Feed],
         draws: &[Option<DrawKey>],
         params: &SamplingParams,
-    ) -> Result<Vec<Option<(u32, f32)>>, InferError> {
+    ) -> Result<(), InferError> {
         let v = self.model.config().vocab_size;
-        let logits = self.decode_logits(tables, seqs, tokens)?;
-        Ok(logits
+        let tokens = fed_tokens(feeds, self.last.as_ref())?;
+        let logits = self.decode_logits(tables, seqs, &tokens)?;
+        let drawn: Draws = logits
             .par_chunks_exact(v)
             .zip(draws)
             .map(|(row, draw)| draw.map(|key| sample_token(row, params, key)))
-            .collect())
+            .collect();
+        self.queued.push_back(drawn.clone());
+        self.last = Some(drawn);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Draws, InferError> {
+        self.queued
+            .pop_front()
+            .ok_or_else(|| InferError::Internal("collected a decode step never queued".into()))
     }
 
     fn draw(
@@ -86,6 +124,7 @@ impl Step for HostStep<'_> {
         rows: &[(&[f32], DrawKey)],
         params: &SamplingParams,
     ) -> Result<Vec<(u32, f32)>, InferError> {
+        self.last = None;
         Ok(rows
             .par_iter()
             .map(|&(row, key)| sample_token(row, params, key))

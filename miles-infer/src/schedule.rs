@@ -10,8 +10,17 @@
 //! for other batch sizes). Every draw is keyed by its sample and token index
 //! ([`DrawKey`]), so a replayed sample draws what it would have drawn without the preemption.
 //!
-//! The step draws the tokens itself ([`Step::decode`], [`Step::draw`]): on the GPU only the
-//! ids and log-probs come back, never a row of logits per step.
+//! The step draws the tokens itself ([`Step::queue_decode`], [`Step::draw`]): on the GPU only
+//! the ids and log-probs come back, never a row of logits per step.
+//!
+//! One step runs ahead. While a step is on the device, the loop queues the next behind it and
+//! only then collects the first: the samples drawing in the first are fed its draws on the
+//! device ([`Feed::Drawn`]), so the device never waits for the host between steps. It does so
+//! where nothing needs the first step's draws on the host: no sample waits to be admitted and
+//! every sample going on has its next slot without evicting or preempting; a sample whose draw
+//! surely ends it (its last new token, the engine's last position) is left out. One that draws
+//! a stop token runs the step behind for nothing, and its draw there is dropped. Otherwise the
+//! loop collects first and schedules as before.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -59,6 +68,9 @@ pub struct GenerationStats {
     pub generated_tokens: usize,
     /// Tokens decoded again to rebuild preempted samples.
     pub replayed_tokens: usize,
+    /// Decode steps queued while the step before them was still running (fed its draws on the
+    /// device).
+    pub overlapped_steps: usize,
     /// Samples preempted because the cache was full.
     pub preemptions: usize,
     /// Prompt prefixes dropped to make room.
@@ -96,17 +108,23 @@ pub(crate) trait Step {
         tokens: &[u32],
     ) -> Result<Vec<f32>, InferError>;
 
-    /// As [`decode_logits`](Self::decode_logits), but for each `b`
-    /// with a key in `draws`, draws sequence `b`'s next token under `params`: its id and
-    /// log-prob, `None` where no draw was asked.
-    fn decode(
+    /// Queues a decode step: appends the token of `feeds[b]` to `seqs[b]` (each one's next
+    /// slot prepared) and, for each `b` with a key in `draws`, draws sequence `b`'s next token
+    /// under `params`. Returns once the step is queued; [`collect`](Self::collect) returns its
+    /// draws. At most two steps are queued at once, and a [`Feed::Drawn`] names a row of the
+    /// step queued just before, still uncollected or collected last.
+    fn queue_decode(
         &mut self,
         tables: &mut BlockTables,
         seqs: &[usize],
-        tokens: &[u32],
+        feeds: &[Feed],
         draws: &[Option<DrawKey>],
         params: &SamplingParams,
-    ) -> Result<Vec<Option<(u32, f32)>>, InferError>;
+    ) -> Result<(), InferError>;
+
+    /// The draws of the oldest queued decode step, once it is done: each row's id and
+    /// log-prob, `None` where no draw was asked.
+    fn collect(&mut self) -> Result<Vec<Option<(u32, f32)>>, InferError>;
 
     /// Draws a token from each of `rows` (logits `(V)` held on the host, a prompt's, with the
     /// draw's key) under `params`.
@@ -118,6 +136,16 @@ pub(crate) trait Step {
 
     /// Copies cache block `from` over block `to` (copy-on-write of a shared block).
     fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError>;
+}
+
+/// Where a decode step's input token comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Feed {
+    /// A token the host holds (a replayed one, or one collected already).
+    Token(u32),
+    /// The token the step queued just before draws in its row `row`: on the GPU it goes from
+    /// that step's draws to this step's input on the device, never read back in between.
+    Drawn(usize),
 }
 
 /// What the loop computes with, borrowed from the engine for one call.
@@ -179,6 +207,39 @@ struct Sample {
     finish: Option<FinishReason>,
 }
 
+/// A decode step queued and not yet collected: its samples in row order, and which of them
+/// draw (the others replay a token they had).
+struct Flight {
+    batch: Vec<usize>,
+    draws: Vec<bool>,
+}
+
+/// A decode step being planned: its samples, their sequences, inputs and draw keys by row.
+struct StepPlan {
+    batch: Vec<usize>,
+    seqs: Vec<usize>,
+    feeds: Vec<Feed>,
+    keys: Vec<Option<DrawKey>>,
+}
+
+impl StepPlan {
+    fn with_capacity(n: usize) -> StepPlan {
+        StepPlan {
+            batch: Vec::with_capacity(n),
+            seqs: Vec::with_capacity(n),
+            feeds: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
+        }
+    }
+
+    fn push(&mut self, sample: usize, seq: usize, feed: Feed, key: Option<DrawKey>) {
+        self.batch.push(sample);
+        self.seqs.push(seq);
+        self.feeds.push(feed);
+        self.keys.push(key);
+    }
+}
+
 struct Loop<'a, 'p> {
     c: Compute<'a>,
     params: &'p SamplingParams,
@@ -236,7 +297,17 @@ pub(crate) fn run(
         running: Vec::new(),
         stats: GenerationStats::default(),
     };
-    while !l.waiting.is_empty() || !l.running.is_empty() {
+    let mut ahead: Option<Flight> = None;
+    loop {
+        if let Some(flight) = ahead.take() {
+            let behind = l.queue_behind(&flight)?;
+            l.collect(flight)?;
+            ahead = behind;
+            continue;
+        }
+        if l.waiting.is_empty() && l.running.is_empty() {
+            break;
+        }
         l.admit()?;
         if l.running.is_empty() && !l.waiting.is_empty() {
             return Err(InferError::Internal(format!(
@@ -247,7 +318,7 @@ pub(crate) fn run(
         }
         if !l.running.is_empty() {
             l.reserve_slots()?;
-            l.decode()?;
+            ahead = Some(l.queue_step()?);
         }
     }
     l.stats.seconds = start.elapsed().as_secs_f64();
@@ -551,46 +622,119 @@ impl Loop<'_, '_> {
         Ok(())
     }
 
-    /// One decode step over the running samples: feeds each its next known token; a sample that
-    /// has caught up with its tokens draws a new one from its logits.
-    fn decode(&mut self) -> Result<(), InferError> {
-        let t0 = Instant::now();
+    /// Queues a decode step over the running samples, each fed its next known token; a sample
+    /// that has caught up with its tokens draws a new one from its logits.
+    fn queue_step(&mut self) -> Result<Flight, InferError> {
         let batch = self.running.clone();
-        let mut seqs = Vec::with_capacity(batch.len());
-        let mut tokens = Vec::with_capacity(batch.len());
-        let mut fresh = Vec::with_capacity(batch.len());
+        let mut step = StepPlan::with_capacity(batch.len());
         for &s in &batch {
             let sample = &self.samples[s];
             let seq = sample
                 .seq
                 .ok_or_else(|| InferError::Internal("running sample without a sequence".into()))?;
-            let cached = self.c.tables.seq_len(seq)?;
-            let fed = cached - self.groups[sample.group].prompt.len();
-            tokens.push(sample.tokens[fed]);
-            seqs.push(seq);
-            fresh.push(fed + 1 == sample.tokens.len());
+            let fed = self.c.tables.seq_len(seq)? - self.groups[sample.group].prompt.len();
+            let draws = fed + 1 == sample.tokens.len();
+            step.push(
+                s,
+                seq,
+                Feed::Token(sample.tokens[fed]),
+                draws.then(|| key(sample)),
+            );
         }
-        let draws: Vec<Option<DrawKey>> = batch
-            .iter()
-            .zip(&fresh)
-            .map(|(&s, &fresh)| fresh.then(|| key(&self.samples[s])))
-            .collect();
-        let drawn = self
-            .c
-            .step
-            .decode(self.c.tables, &seqs, &tokens, &draws, self.params)?;
-        if drawn.len() != batch.len() {
+        self.queue(step)
+    }
+
+    /// Queues the step after `flight` before collecting it (the module's "one step runs
+    /// ahead"), or returns `None` where it needs the flight's draws on the host.
+    fn queue_behind(&mut self, flight: &Flight) -> Result<Option<Flight>, InferError> {
+        if !self.waiting.is_empty() {
+            return Ok(None);
+        }
+        let mut step = StepPlan::with_capacity(flight.batch.len());
+        for (row, (&s, &drawing)) in flight.batch.iter().zip(&flight.draws).enumerate() {
+            let sample = &self.samples[s];
+            // Ended on a stop token the step before the flight drew.
+            let Some(seq) = sample.seq else {
+                continue;
+            };
+            let prompt = self.groups[sample.group].prompt.len();
+            let fed = self.c.tables.seq_len(seq)? - prompt;
+            let known = sample.tokens.len();
+            let (feed, draws) = if drawing {
+                // Its tokens once the flight's draw is in: the draw surely ends it here.
+                let total = known + 1;
+                if total >= self.params.max_new_tokens || prompt + total >= self.c.max_positions {
+                    continue;
+                }
+                if fed != known {
+                    return Err(InferError::Internal(format!(
+                        "a sample drawing its token {known} had {fed} tokens cached"
+                    )));
+                }
+                (Feed::Drawn(row), true)
+            } else {
+                (Feed::Token(sample.tokens[fed]), fed + 1 == known)
+            };
+            let key = DrawKey {
+                prompt: sample.group as u32,
+                sample: sample.index as u32,
+                token: (fed + 1) as u32,
+            };
+            let steps = &mut *self.c.step;
+            if !self
+                .c
+                .tables
+                .prepare_append_with(seq, |from, to| steps.copy_block(from, to))?
+            {
+                return Ok(None);
+            }
+            step.push(s, seq, feed, draws.then_some(key));
+        }
+        if step.batch.is_empty() {
+            return Ok(None);
+        }
+        self.note_blocks();
+        self.stats.overlapped_steps += 1;
+        self.queue(step).map(Some)
+    }
+
+    fn queue(&mut self, step: StepPlan) -> Result<Flight, InferError> {
+        let t0 = Instant::now();
+        self.c.step.queue_decode(
+            self.c.tables,
+            &step.seqs,
+            &step.feeds,
+            &step.keys,
+            self.params,
+        )?;
+        self.stats.decode_seconds += t0.elapsed().as_secs_f64();
+        Ok(Flight {
+            draws: step.keys.iter().map(Option::is_some).collect(),
+            batch: step.batch,
+        })
+    }
+
+    /// Collects the draws of `flight` and records them. A sample that ended meanwhile (on a
+    /// stop token of the step before) drops its draw.
+    fn collect(&mut self, flight: Flight) -> Result<(), InferError> {
+        let t0 = Instant::now();
+        let drawn = self.c.step.collect()?;
+        self.stats.decode_seconds += t0.elapsed().as_secs_f64();
+        if drawn.len() != flight.batch.len() {
             return Err(InferError::Internal(format!(
                 "decode of {} sequences returned {} draws",
-                batch.len(),
+                flight.batch.len(),
                 drawn.len()
             )));
         }
         self.stats.decode_steps += 1;
-        self.stats.decode_seconds += t0.elapsed().as_secs_f64();
-        for ((&s, &fresh), drawn) in batch.iter().zip(&fresh).zip(drawn) {
-            match (fresh, drawn) {
-                (true, Some((token, logprob))) => self.record(s, token, logprob)?,
+        for ((&s, &draws), drawn) in flight.batch.iter().zip(&flight.draws).zip(drawn) {
+            match (draws, drawn) {
+                (true, Some((token, logprob))) => {
+                    if self.samples[s].finish.is_none() {
+                        self.record(s, token, logprob)?;
+                    }
+                }
                 (false, None) => self.stats.replayed_tokens += 1,
                 _ => {
                     return Err(InferError::Internal(

@@ -469,6 +469,57 @@ fn stop_tokens_and_lengths_end_samples_and_log_probs_are_log_probabilities() {
 }
 
 #[test]
+fn steps_queued_one_ahead_give_the_tokens_of_steps_run_one_at_a_time() {
+    // The roomy engine queues each step behind the one before (no sample waits); one sample at
+    // a time, steps run one by one until the last sample. Stop tokens end samples while the
+    // step behind is queued (its draw dropped), and a prompt that nearly fills the context ends
+    // on its position, left out of the step behind.
+    let mut ahead = setup(BackupPolicy::Host, &[]);
+    let mut alone_cfg = engine_config(BackupPolicy::Host, KvCapacity::Blocks(256));
+    alone_cfg.max_batch = 1;
+    let mut alone = setup_with(alone_cfg, &[], 64 * MIB);
+    let max = config().max_position_embeddings;
+    let mut long = vec![256];
+    long.extend((0..max - 6).map(|i| 97 + (i % 26) as u32));
+    let mut prompts = prompts();
+    prompts.push(long);
+    let params = SamplingParams {
+        n: 6,
+        temperature: 0.8,
+        max_new_tokens: 30,
+        stop_tokens: (97..110).collect(),
+        ..sampling()
+    };
+    let got = ahead.controller.generate(&prompts, &params).unwrap();
+    let want = alone.controller.generate(&prompts, &params).unwrap();
+    assert_eq!(got.completions, want.completions);
+    let finishes = |reason| {
+        got.completions
+            .iter()
+            .filter(|c| c.finish == reason)
+            .count()
+    };
+    assert!(
+        finishes(miles_infer::FinishReason::Stop) > 0
+            && finishes(miles_infer::FinishReason::Length) > 0
+            && finishes(miles_infer::FinishReason::ContextLimit) > 0,
+        "{:?}",
+        got.completions
+    );
+    assert!(
+        got.stats.overlapped_steps * 2 > got.stats.decode_steps,
+        "{:?}",
+        got.stats
+    );
+    assert!(
+        want.stats.overlapped_steps * 4 < want.stats.decode_steps,
+        "{:?}",
+        want.stats
+    );
+    assert_eq!(ahead.controller.engine().used_blocks(), 0);
+}
+
+#[test]
 fn a_sample_that_fills_the_context_ends_with_context_limit() {
     let mut s = setup(BackupPolicy::Host, &[]);
     let max = config().max_position_embeddings;

@@ -25,7 +25,7 @@ pub use cpu::CpuDevice;
 pub use cpu_gemm::{GemmShapeError, MatrixView, sgemm};
 pub use cuda::compute::{
     Collectives, Gemm, GemmAlgo, GemmOutput, Gpu, GpuElement, GpuGraph, GpuSlice, ID_BYTES,
-    KernelProgram, LaunchConfig, NcclComm, TILE_COLUMNS, TensorMap, Transpose, compile,
+    KernelProgram, LaunchConfig, Mailbox, NcclComm, TILE_COLUMNS, TensorMap, Transpose, compile,
 };
 pub use cuda::{CudaDevice, CudaOptions};
 pub use error::DeviceError;

@@ -35,6 +35,12 @@
 //! replay. Offloading `cuda_graph` releases that scratch; it comes back at the same addresses
 //! and the graphs replay without recapture.
 //!
+//! A decode step is queued without a wait: its index arrays go up and its draws come down
+//! through pinned mailboxes (two of each, used in turn, so the host fills one while the
+//! device may still read the other), and its draws are read when the loop collects it. The
+//! step queued behind it can take some of its input tokens from its draws on the device (the
+//! embedding's feed), so the loop keeps one step ahead of the device.
+//!
 //! A prefill pass holds at most `max(positions, max_batch, 4096)` tokens, `positions` being the
 //! longest sequence the engine serves (so any prompt fits whole), and `max_batch` sequences; a
 //! prefill of more is split into several passes.
@@ -42,14 +48,17 @@
 mod pass;
 mod scratch;
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use half::bf16;
-use miles_core::device::{DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, TILE_COLUMNS, Transpose};
+use miles_core::device::{
+    DeviceError, Gemm, Gpu, GpuGraph, GpuSlice, Mailbox, TILE_COLUMNS, Transpose,
+};
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
-    DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, DRAW_WORDS, PAGED_MAX_HEAD_DIM,
+    DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, DRAW_WORDS, FedIds, PAGED_MAX_HEAD_DIM,
     PagedCache, PagedTokens, ProductOut, QkvHeads, RULE_WORDS, SampleRule, TokenPlaces,
 };
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
@@ -60,7 +69,7 @@ use self::scratch::{Index, Scratch};
 pub(crate) use self::scratch::{Limits, scratch_bytes};
 use crate::paged::BlockTables;
 use crate::sampling::DrawKey;
-use crate::schedule::Step;
+use crate::schedule::{Feed, Step};
 use crate::{InferError, SamplingParams};
 
 /// The q, k and v weights, one product.
@@ -208,6 +217,25 @@ pub(crate) struct GpuModel {
     graphs: Vec<Option<GpuGraph>>,
     /// Graphs captured in the model's life.
     captures: usize,
+    /// The mailboxes of the decode steps' index arrays, and of their draws, used in turn.
+    inboxes: [Mailbox; 2],
+    outboxes: [Mailbox; 2],
+    /// The mailboxes the next decode step takes.
+    turn: usize,
+    /// Decode steps queued and not collected, oldest first.
+    flights: VecDeque<Flight>,
+    /// Where each row of the decode step queued last finds its draw among the step scratch's
+    /// drawn tokens, for a step fed from it; `None` once anything else has drawn there.
+    fed_from: Option<Vec<Option<u32>>>,
+}
+
+/// A decode step queued and not collected: its mailboxes, its draws, and where each of its
+/// rows finds its draw among them.
+#[derive(Debug)]
+struct Flight {
+    turn: usize,
+    draws: usize,
+    rows: Vec<Option<u32>>,
 }
 
 impl GpuModel {
@@ -261,6 +289,17 @@ impl GpuModel {
         } else {
             0
         };
+        let step_limits = limits.step();
+        let index_bytes = Index::new(step_limits.tokens, limits.rows, limits.rows, limits.blocks)
+            .len
+            * std::mem::size_of::<u32>();
+        let mailbox = |bytes| {
+            gpu.mailbox(bytes)
+                .map_err(InferError::device("make a mailbox"))
+        };
+        let inboxes = [mailbox(index_bytes)?, mailbox(index_bytes)?];
+        let draw_bytes = 2 * limits.rows * std::mem::size_of::<u32>();
+        let outboxes = [mailbox(draw_bytes)?, mailbox(draw_bytes)?];
         Ok(GpuModel {
             rope: config.rope_table_for(limits.positions),
             gpu,
@@ -274,6 +313,11 @@ impl GpuModel {
             step,
             graphs: std::iter::repeat_with(|| None).take(buckets).collect(),
             captures: 0,
+            inboxes,
+            outboxes,
+            turn: 0,
+            flights: VecDeque::new(),
+            fed_from: None,
         })
     }
 
@@ -349,11 +393,14 @@ impl GpuModel {
     }
 
     /// Uploads what a generate call needs besides the weights: the rotary tables of both
-    /// scratches, whose regions drop their contents when offloaded.
+    /// scratches, whose regions drop their contents when offloaded. Forgets the decode steps a
+    /// failed call left queued.
     ///
     /// # Errors
     /// [`InferError::Device`] when the upload fails.
-    pub(crate) fn begin(&self) -> Result<(), InferError> {
+    pub(crate) fn begin(&mut self) -> Result<(), InferError> {
+        self.flights.clear();
+        self.fed_from = None;
         let upload = InferError::device("upload the rotary tables");
         for s in [&self.prefill, &self.step] {
             for (table, values) in [(s.cos, self.rope.cos()), (s.sin, self.rope.sin())] {
@@ -403,15 +450,14 @@ impl GpuModel {
         fence.map(drop).map_err(step)
     }
 
-    /// Uploads the index arrays of `pass`, its `draws` (`(D, 4)`: row, then key) and `rule`
-    /// into `s`, and returns their layout.
-    fn upload(
+    /// The index arrays of `pass`, its `draws` (`(D, 4)`: row, then key) and `rule` in one
+    /// array, and their layout.
+    fn index_words(
         &self,
-        s: &Scratch,
         pass: &Pass,
         draws: &[u32],
         rule: &SampleRule,
-    ) -> Result<Index, DeviceError> {
+    ) -> Result<(Index, Vec<u32>), DeviceError> {
         let at = Index::new(
             pass.ids.len(),
             pass.logit_rows.len(),
@@ -424,6 +470,7 @@ impl GpuModel {
             &pass.positions,
             &pass.seq_rows,
             &pass.slots,
+            &pass.feeds,
             &pass.logit_rows,
             &pass.tables,
         ] {
@@ -431,6 +478,19 @@ impl GpuModel {
         }
         index.extend_from_slice(draws);
         index.extend_from_slice(&rule.words()?);
+        Ok((at, index))
+    }
+
+    /// Uploads the index arrays of `pass`, its `draws` and `rule` into `s`, and returns their
+    /// layout.
+    fn upload(
+        &self,
+        s: &Scratch,
+        pass: &Pass,
+        draws: &[u32],
+        rule: &SampleRule,
+    ) -> Result<Index, DeviceError> {
+        let (at, index) = self.index_words(pass, draws, rule)?;
         self.gpu.upload(s.index.sub(0, index.len())?, &index)?;
         Ok(at)
     }
@@ -465,7 +525,11 @@ impl GpuModel {
         let ids = s.index.sub(0, n)?;
         let positions = s.index.sub(n, n)?;
         let slots = s.index.sub(3 * n, n)?;
-        let logit_rows = s.index.sub(4 * n, r)?;
+        let fed = FedIds {
+            feed: s.index.sub(4 * n, n)?,
+            picked: s.picked,
+        };
+        let logit_rows = s.index.sub(5 * n, r)?;
         let tokens = PagedTokens {
             positions,
             seq_rows: s.index.sub(2 * n, n)?,
@@ -489,7 +553,7 @@ impl GpuModel {
         let eps = c.rms_norm_eps;
         // y = x W^T for an HF weight W (out, in).
         let linear = |rows, out, inp| Gemm::new(rows, out, inp, Transpose::No, Transpose::Yes);
-        g.embedding_forward(x, ids, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
+        g.embedding_forward_fed(x, ids, fed, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
         g.rmsnorm_forward(ln, None, x, self.weight(ParamKind::InputNorm, 0)?, eps)?;
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
@@ -637,20 +701,13 @@ impl GpuModel {
             .collect())
     }
 
-    /// Runs the decode `pass` (one token per sequence, `draws` for all of them) as the graph
-    /// of its bucket, capturing the graph the first time; falls back to queued kernels for
-    /// good, with a warning, when the driver refuses the capture.
-    fn replay(
-        &mut self,
-        pass: &Pass,
-        draws: &[u32],
-        rule: &SampleRule,
-    ) -> Result<Index, InferError> {
+    /// Runs the decode step laid out as `at` in the step scratch (one token per sequence,
+    /// draws for all of them) as the graph of its bucket, capturing the graph the first time;
+    /// falls back to queued kernels for good, with a warning, when the driver refuses the
+    /// capture.
+    fn replay(&mut self, at: Index) -> Result<(), InferError> {
         let s = self.step;
-        let bucket = pass.logit_rows.len().next_power_of_two().trailing_zeros() as usize;
-        let at = self
-            .upload(&s, pass, draws, rule)
-            .map_err(InferError::device("upload a step's index arrays"))?;
+        let bucket = at.r.next_power_of_two().trailing_zeros() as usize;
         let graph = match self.graphs[bucket].take() {
             Some(graph) => graph,
             None => match self.gpu.capture(|| self.queue(&s, at)) {
@@ -669,15 +726,13 @@ impl GpuModel {
                         "the driver refused to capture the decode step; it runs as queued kernels from now on"
                     );
                     self.graphs.clear();
-                    self.fence(self.queue(&s, at))?;
-                    return Ok(at);
+                    return self.fence(self.queue(&s, at));
                 }
             },
         };
         let queued = self.gpu.replay(&graph);
         self.graphs[bucket] = Some(graph);
-        self.fence(queued)?;
-        Ok(at)
+        self.fence(queued)
     }
 }
 
@@ -747,57 +802,132 @@ impl Step for GpuModel {
         Ok(self.run_for_logits(&pass)?.concat())
     }
 
-    fn decode(
+    fn queue_decode(
         &mut self,
         tables: &mut BlockTables,
         seqs: &[usize],
-        tokens: &[u32],
+        feeds: &[Feed],
         draws: &[Option<DrawKey>],
         params: &SamplingParams,
-    ) -> Result<Vec<Option<(u32, f32)>>, InferError> {
-        if seqs.len() != draws.len() {
+    ) -> Result<(), InferError> {
+        if seqs.len() != draws.len() || seqs.len() != feeds.len() {
             return Err(InferError::Internal(format!(
-                "decode of {} sequences with {} draws",
+                "decode of {} sequences with {} feeds and {} draws",
                 seqs.len(),
+                feeds.len(),
                 draws.len()
             )));
         }
-        let mut pass = self.decode_pass(tables, seqs, tokens)?;
-        let rule = rule(params);
-        if self.graphs.is_empty() {
-            let words: Vec<u32> = draws
-                .iter()
-                .enumerate()
-                .filter_map(|(b, key)| key.map(|key| draw_words(b, key)))
-                .flatten()
-                .collect();
-            let s = self.step;
-            let at = self.execute(&s, &pass, &words, &rule)?;
-            let mut picked = self.picked(&s, at.d)?.into_iter();
-            return Ok(draws
-                .iter()
-                .map(|key| key.and_then(|_| picked.next()))
-                .collect());
+        if self.flights.len() == 2 {
+            return Err(InferError::Internal(
+                "a third decode step queued before the first was collected".into(),
+            ));
         }
-        // A graph draws for every row of its bucket; rows that asked for none are dropped.
-        self.pad(
-            &mut pass,
-            seqs.len().next_power_of_two().min(self.limits.rows),
-        )?;
-        let idle = DrawKey {
-            prompt: 0,
-            sample: 0,
-            token: 0,
-        };
-        let words: Vec<u32> = (0..pass.logit_rows.len())
-            .flat_map(|b| draw_words(b, draws.get(b).copied().flatten().unwrap_or(idle)))
-            .collect();
-        let at = self.replay(&pass, &words, &rule)?;
-        let picked = self.picked(&self.step, at.d)?;
-        Ok(draws
+        let tokens: Vec<u32> = feeds
             .iter()
-            .zip(picked)
-            .map(|(key, picked)| key.map(|_| picked))
+            .map(|&feed| match feed {
+                Feed::Token(token) => token,
+                Feed::Drawn(_) => 0,
+            })
+            .collect();
+        let mut pass = self.decode_pass(tables, seqs, &tokens)?;
+        for (b, &feed) in feeds.iter().enumerate() {
+            if let Feed::Drawn(row) = feed {
+                pass.feeds[b] = self
+                    .fed_from
+                    .as_ref()
+                    .and_then(|rows| rows.get(row).copied().flatten())
+                    .ok_or_else(|| {
+                        InferError::Internal(format!(
+                            "a decode step fed from row {row} of a step before it that drew none there"
+                        ))
+                    })?;
+            }
+        }
+        // Where each row's draw lands among the step's draws: in a graph every row of the
+        // bucket draws (rows that asked for none are dropped); queued kernels draw the asked
+        // rows alone.
+        let graphs = !self.graphs.is_empty();
+        let mut rows = Vec::with_capacity(draws.len());
+        let mut words = Vec::with_capacity(draws.len() * DRAW_WORDS);
+        if graphs {
+            self.pad(
+                &mut pass,
+                seqs.len().next_power_of_two().min(self.limits.rows),
+            )?;
+            let idle = DrawKey {
+                prompt: 0,
+                sample: 0,
+                token: 0,
+            };
+            for b in 0..pass.logit_rows.len() {
+                words.extend(draw_words(
+                    b,
+                    draws.get(b).copied().flatten().unwrap_or(idle),
+                ));
+            }
+            rows.extend(
+                (0..draws.len() as u32)
+                    .zip(draws)
+                    .map(|(b, key)| key.map(|_| b)),
+            );
+        } else {
+            for (b, key) in draws.iter().enumerate() {
+                rows.push(key.map(|key| {
+                    words.extend(draw_words(b, key));
+                    (words.len() / DRAW_WORDS - 1) as u32
+                }));
+            }
+        }
+        let s = self.step;
+        let turn = self.turn;
+        let upload = InferError::device("upload a step's index arrays");
+        let (at, index) = self
+            .index_words(&pass, &words, &rule(params))
+            .map_err(upload)?;
+        let dst = s.index.sub(0, index.len()).map_err(upload)?;
+        self.gpu
+            .upload_queued(&mut self.inboxes[turn], dst, &index)
+            .map_err(upload)?;
+        if graphs {
+            self.replay(at)?;
+        } else {
+            self.fence(self.queue(&s, at))?;
+        }
+        if at.d > 0 {
+            let read = InferError::device("read the drawn tokens");
+            let picked = s.picked.sub(0, 2 * at.d).map_err(read)?;
+            self.gpu
+                .download_queued(&mut self.outboxes[turn], picked)
+                .map_err(read)?;
+        }
+        self.turn ^= 1;
+        self.fed_from = Some(rows.clone());
+        self.flights.push_back(Flight {
+            turn,
+            draws: at.d,
+            rows,
+        });
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<Option<(u32, f32)>>, InferError> {
+        let flight = self
+            .flights
+            .pop_front()
+            .ok_or_else(|| InferError::Internal("collected a decode step never queued".into()))?;
+        let d = flight.draws;
+        let mut words = vec![0u32; 2 * d];
+        if d > 0 {
+            self.outboxes[flight.turn]
+                .read(&mut words)
+                .map_err(InferError::device("read the drawn tokens"))?;
+        }
+        let (tokens, logprobs) = words.split_at(d);
+        Ok(flight
+            .rows
+            .iter()
+            .map(|row| row.map(|i| (tokens[i as usize], f32::from_bits(logprobs[i as usize]))))
             .collect())
     }
 
@@ -806,6 +936,8 @@ impl Step for GpuModel {
         rows: &[(&[f32], DrawKey)],
         params: &SamplingParams,
     ) -> Result<Vec<(u32, f32)>, InferError> {
+        // The draws land where a decode step's did: none can be fed from them any more.
+        self.fed_from = None;
         let upload = InferError::device("upload logits to draw from");
         let v = self.config.vocab_size;
         let s = self.step;

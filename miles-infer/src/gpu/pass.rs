@@ -1,6 +1,8 @@
 //! A pass's index arrays, built on the host: each sequence's tokens, positions, cache slots
 //! and block table, and the rows that need logits.
 
+use miles_core::ops::gpu::FEED_HOST;
+
 use super::GpuModel;
 use crate::InferError;
 use crate::paged::BlockTables;
@@ -12,6 +14,7 @@ pub(super) struct Pass {
     pub positions: Vec<u32>,  // (N)
     pub seq_rows: Vec<u32>,   // (N) row of `tables`
     pub slots: Vec<u32>,      // (N) block * P + position % P
+    pub feeds: Vec<u32>,      // (N) the drawn token taken instead of the id, or FEED_HOST
     pub logit_rows: Vec<u32>, // (R) token index of each sequence's last token
     pub tables: Vec<u32>,     // (R, blocks)
 }
@@ -57,6 +60,7 @@ impl GpuModel {
             pass.positions.push(pos as u32);
             pass.seq_rows.push(row);
             pass.slots.push(slot);
+            pass.feeds.push(FEED_HOST);
         }
         pass.logit_rows.push((pass.ids.len() - 1) as u32);
         let start = pass.tables.len();
@@ -80,6 +84,7 @@ impl GpuModel {
             pass.positions.push(0);
             pass.seq_rows.push(row);
             pass.slots.push(slot);
+            pass.feeds.push(FEED_HOST);
             pass.logit_rows.push(row);
             let start = pass.tables.len();
             pass.tables.resize(start + self.limits.blocks, 0);

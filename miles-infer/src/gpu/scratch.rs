@@ -121,8 +121,9 @@ impl Scratch {
 }
 
 /// Where each array of a pass lies in the index scratch, in words: `n` token ids, positions,
-/// sequence rows and slots; `r` logit rows; `r` block tables of `blocks`; `d` draws of
-/// [`DRAW_WORDS`]; the [`RULE_WORDS`] of the sampling rule.
+/// sequence rows, slots and feeds (where a token drawn by the step before is taken instead of
+/// its id, [`FedIds`](miles_core::ops::gpu::FedIds)); `r` logit rows; `r` block tables of
+/// `blocks`; `d` draws of [`DRAW_WORDS`]; the [`RULE_WORDS`] of the sampling rule.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Index {
     pub(super) n: usize,
@@ -136,7 +137,7 @@ pub(super) struct Index {
 
 impl Index {
     pub(super) fn new(n: usize, r: usize, d: usize, blocks: usize) -> Index {
-        let tables = 4 * n + r;
+        let tables = 5 * n + r;
         let draws = tables + r * blocks;
         let rule = draws + DRAW_WORDS * d;
         Index {

@@ -6,6 +6,20 @@ use super::{eight_wide, elementwise, elementwise_words, per_row, rows_of};
 use crate::device::DeviceError;
 use crate::device::{Gpu, GpuSlice, LaunchConfig};
 
+/// The [`FedIds::feed`] entry of a row that keeps its id (`FEED_HOST` in the kernel).
+pub const FEED_HOST: u32 = u32::MAX;
+
+/// Where an embedding's ids may come from besides its `ids`: row `i` takes `picked[feed[i]]`
+/// unless `feed[i]` is [`FEED_HOST`] (a decode step's tokens drawn on the device by the step
+/// before it, which the host never read).
+#[derive(Clone, Copy, Debug)]
+pub struct FedIds {
+    /// One entry a row: an index into `picked`, or [`FEED_HOST`].
+    pub feed: GpuSlice<u32>,
+    /// The tokens drawn before.
+    pub picked: GpuSlice<u32>,
+}
+
 /// Threads per block of the per-row kernels (norms).
 const ROW_THREADS: u32 = 256;
 
@@ -79,6 +93,35 @@ impl Gpu {
         table: GpuSlice<bf16>,
         c: usize,
     ) -> Result<(), DeviceError> {
+        self.embedding_rows(out, ids, None, table, c)
+    }
+
+    /// [`embedding_forward`](Self::embedding_forward) where some ids were drawn on the device
+    /// by the pass before ([`FedIds`]). Feed entries are trusted to lie within `picked`, and the
+    /// tokens there below `V` (the engine builds the one, the sampler draws the other).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`]; the launch's error.
+    pub fn embedding_forward_fed(
+        &self,
+        out: GpuSlice<bf16>,
+        ids: GpuSlice<u32>,
+        fed: FedIds,
+        table: GpuSlice<bf16>,
+        c: usize,
+    ) -> Result<(), DeviceError> {
+        fed.feed.expect_len("embedding feed", ids.len())?;
+        self.embedding_rows(out, ids, Some(fed), table, c)
+    }
+
+    fn embedding_rows(
+        &self,
+        out: GpuSlice<bf16>,
+        ids: GpuSlice<u32>,
+        fed: Option<FedIds>,
+        table: GpuSlice<bf16>,
+        c: usize,
+    ) -> Result<(), DeviceError> {
         out.expect_len("embedding output", ids.len() * c)?;
         if c == 0 || !table.len().is_multiple_of(c) {
             return Err(DeviceError::ShapeMismatch {
@@ -91,10 +134,18 @@ impl Gpu {
             return Ok(());
         }
         let c32 = as_i32("embedding width", c)?;
+        let (feed, picked) = fed.map_or((0, 0), |f| (f.feed.address(), f.picked.address()));
         self.launch(
             "embedding_forward",
             per_row(ids.len(), ROW_THREADS),
-            &[&out.address(), &ids.address(), &table.address(), &c32],
+            &[
+                &out.address(),
+                &ids.address(),
+                &feed,
+                &picked,
+                &table.address(),
+                &c32,
+            ],
         )
     }
 

@@ -34,6 +34,7 @@ mod train_tests;
 
 use std::sync::Arc;
 
+pub use elementwise::{FEED_HOST, FedIds};
 pub use flash::FLASH_MAX_HEAD_DIM;
 pub use paged::{PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, QkvHeads, TokenPlaces};
 pub use product::{DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, ProductOut};

@@ -387,6 +387,46 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
         .flat_map(|&id| emb_host[id as usize * c..(id as usize + 1) * c].to_vec())
         .collect();
     assert_close("embedding", &t.get_bf16(rows), &want, 0.0);
+
+    // Rows fed from tokens drawn on the device take them in place of their ids.
+    let picked = t.put(&[7u32, 44, 3]);
+    let mut feed = vec![FEED_HOST; ids.len()];
+    feed[2] = 1;
+    feed[16] = 0;
+    let fed = FedIds {
+        feed: t.put(&feed),
+        picked,
+    };
+    let fed_rows = t.alloc::<bf16>(ids.len() * c);
+    t.gpu
+        .embedding_forward_fed(fed_rows, ids_dev, fed, emb, c)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let fed_ids: Vec<u32> = ids
+        .iter()
+        .zip(&feed)
+        .map(|(&id, &f)| {
+            if f == FEED_HOST {
+                id
+            } else {
+                [7, 44, 3][f as usize]
+            }
+        })
+        .collect();
+    let want: Vec<f32> = fed_ids
+        .iter()
+        .flat_map(|&id| emb_host[id as usize * c..(id as usize + 1) * c].to_vec())
+        .collect();
+    assert_close("fed embedding", &t.get_bf16(fed_rows), &want, 0.0);
+    let short = FedIds {
+        feed: t.put(&feed[1..]),
+        picked,
+    };
+    assert!(
+        t.gpu
+            .embedding_forward_fed(fed_rows, ids_dev, short, emb, c)
+            .is_err(),
+        "a feed shorter than the ids was taken"
+    );
 }
 
 #[test]
@@ -500,6 +540,55 @@ fn gpu_uploads_downloads_and_device_copies_are_bit_exact_at_every_size_and_align
     let words: Vec<u32> = seeded(9, 1000).iter().map(|v| v.to_bits()).collect();
     let small = t.put(&words);
     assert_eq!(t.get(small), words, "a small transfer after a large one");
+}
+
+#[test]
+fn gpu_queued_transfers_through_a_mailbox_are_bit_exact_in_stream_order_and_refuse_misuse() {
+    let test = "gpu_queued_transfers_through_a_mailbox_are_bit_exact_in_stream_order";
+    let Some(mut t) = TestGpu::open(test, 64 << 20) else {
+        return;
+    };
+    let mut inbox = t.gpu.mailbox(4096 * 4).unwrap_or_else(|e| panic!("{e}"));
+    let mut outbox = t.gpu.mailbox(4096 * 4).unwrap_or_else(|e| panic!("{e}"));
+    // Rounds queued back to back without a wait between them: each upload lands before the
+    // kernel behind it reads, each download holds what the kernel before it wrote, and the
+    // host's next bytes wait for the mailbox's last copy, not for the stream.
+    for (round, len) in [1usize, 7, 4096, 33].into_iter().enumerate() {
+        let values: Vec<f32> = seeded(20 + round as u64, len);
+        let (a, b) = (t.alloc::<f32>(len + 1), t.alloc::<f32>(len + 1));
+        let (a, b) = (a.sub(round % 2, len).unwrap(), b.sub(1, len).unwrap());
+        t.gpu
+            .upload_queued(&mut inbox, a, &values)
+            .unwrap_or_else(|e| panic!("{e}"));
+        t.gpu.zero(b).unwrap_or_else(|e| panic!("{e}"));
+        t.gpu.add_f32(b, a).unwrap_or_else(|e| panic!("{e}"));
+        t.gpu.add_f32(b, a).unwrap_or_else(|e| panic!("{e}"));
+        t.gpu
+            .download_queued(&mut outbox, b)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut got = vec![0.0f32; len];
+        outbox.read(&mut got).unwrap_or_else(|e| panic!("{e}"));
+        let want: Vec<f32> = values.iter().map(|v| v + v).collect();
+        assert_eq!(got, want, "round {round} of {len} values");
+    }
+    let big = t.alloc::<f32>(4097);
+    assert!(
+        t.gpu.upload_queued(&mut inbox, big, &[0.0; 4097]).is_err(),
+        "an upload past the mailbox's capacity was taken"
+    );
+    let mut none = [0.0f32; 3];
+    assert!(
+        outbox.read(&mut none).is_err(),
+        "a read with no download queued was taken"
+    );
+    let small = t.alloc::<f32>(4);
+    t.gpu
+        .download_queued(&mut outbox, small)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        outbox.read(&mut none).is_err(),
+        "a read of another length than the download was taken"
+    );
 }
 
 #[test]

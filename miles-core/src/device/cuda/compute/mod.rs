@@ -33,7 +33,8 @@ pub use lt::GemmAlgo;
 pub use nccl::{Collectives, ID_BYTES, NcclComm};
 pub use tma::{TILE_COLUMNS, TensorMap};
 
-use self::staging::{COPY_KERNEL, COPY_SOURCE, STAGED_MAX_BYTES, StagingSlot};
+pub use self::staging::Mailbox;
+use self::staging::{COPY_KERNEL, COPY_SOURCE, STAGED_MAX_BYTES, Staging, StagingSlot};
 use super::CudaDevice;
 use crate::device::{AddressRange, DeviceError, Fence};
 
@@ -437,6 +438,81 @@ impl Gpu {
         Ok(())
     }
 
+    /// A [`Mailbox`] for queued transfers of up to `bytes` (at most [`STAGED_MAX_BYTES`]).
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] past the limit; the driver's error.
+    pub fn mailbox(&self, bytes: usize) -> Result<Mailbox, DeviceError> {
+        if bytes > STAGED_MAX_BYTES {
+            return Err(DeviceError::ShapeMismatch {
+                what: "mailbox bytes (at most the staged limit)",
+                expected: STAGED_MAX_BYTES,
+                actual: bytes,
+            });
+        }
+        self.bind()?;
+        Ok(Mailbox {
+            staging: Staging::new(
+                bytes.max(1) + staging::ALIGN,
+                Arc::clone(self.stream.context()),
+            )?,
+            fence: None,
+            held: None,
+        })
+    }
+
+    /// Copies `src` into `dst` (same length) after the queued work, through `mailbox`, and
+    /// returns without waiting for the copy: only for the mailbox's last copy, so that its
+    /// bytes are rewritten once the device has read them.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] for lengths that differ or past the mailbox's capacity;
+    /// the driver's error, or the error of the work the last copy followed.
+    pub fn upload_queued<T: GpuElement>(
+        &self,
+        mailbox: &mut Mailbox,
+        dst: GpuSlice<T>,
+        src: &[T],
+    ) -> Result<(), DeviceError> {
+        dst.expect_len("queued upload destination", src.len())?;
+        let bytes = dst.bytes();
+        check_capacity(mailbox, bytes)?;
+        self.bind()?;
+        mailbox.settle()?;
+        mailbox.held = None;
+        // SAFETY: `src` is plain data of `bytes` bytes (a `GpuElement`).
+        let src = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), bytes) };
+        let offset = staging::staged_offset(dst.addr);
+        // SAFETY: the mailbox's last copy is done (settled), `&mut` keeps any other transfer
+        // away, and the capacity holds `bytes` from any offset below `ALIGN`.
+        unsafe { mailbox.staging.fill(offset, src) };
+        self.copy_bytes(dst.addr, mailbox.staging.device_at(offset), bytes)?;
+        mailbox.fence = Some(self.record_fence()?);
+        Ok(())
+    }
+
+    /// Queues a copy of `src` into `mailbox` after the queued work and returns; the bytes are
+    /// [`Mailbox::read`] once the copy is done.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] past the mailbox's capacity; the driver's error, or the
+    /// error of the work the mailbox's last copy followed.
+    pub fn download_queued<T: GpuElement>(
+        &self,
+        mailbox: &mut Mailbox,
+        src: GpuSlice<T>,
+    ) -> Result<(), DeviceError> {
+        let bytes = src.bytes();
+        check_capacity(mailbox, bytes)?;
+        self.bind()?;
+        mailbox.settle()?;
+        let offset = staging::staged_offset(src.addr);
+        self.copy_bytes(mailbox.staging.device_at(offset), src.addr, bytes)?;
+        mailbox.fence = Some(self.record_fence()?);
+        mailbox.held = Some((offset, bytes));
+        Ok(())
+    }
+
     /// Makes the stream's context current on this thread.
     fn bind(&self) -> Result<(), DeviceError> {
         self.stream
@@ -635,6 +711,18 @@ impl<T: cudarc::driver::DeviceRepr> KernelArg for T {
     fn param(&self) -> *mut c_void {
         std::ptr::from_ref(self).cast_mut().cast()
     }
+}
+
+/// [`DeviceError::ShapeMismatch`] where `bytes` exceed what a transfer through `mailbox` moves.
+fn check_capacity(mailbox: &Mailbox, bytes: usize) -> Result<(), DeviceError> {
+    if bytes > mailbox.capacity() {
+        return Err(DeviceError::ShapeMismatch {
+            what: "queued transfer bytes (the mailbox's capacity)",
+            expected: mailbox.capacity(),
+            actual: bytes,
+        });
+    }
+    Ok(())
 }
 
 /// What every kernel's body starts with: the prelude's [`GRID_PRELUDE`] function.

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, LaunchConfig};
 
 use super::super::driver;
-use crate::device::DeviceError;
+use crate::device::{DeviceError, Fence};
 
 /// The largest upload or download staged through mapped host memory; larger ones are copies on
 /// a copy engine (the trainer's start-up uploads of whole parameter tables, say).
@@ -49,7 +49,7 @@ extern "C" __global__ void miles_copy_bytes(
 
 /// The alignment the copy kernel moves whole words at: a staged transfer's bytes start at the
 /// device address's offset within it, and a buffer holds that much more than its transfers.
-const ALIGN: usize = 16;
+pub(super) const ALIGN: usize = 16;
 
 /// Where a transfer to or from device address `address` starts in the staging buffer: at the
 /// same offset within [`ALIGN`] bytes, so the kernel copies whole words.
@@ -94,6 +94,69 @@ impl StagingSlot {
     }
 }
 
+/// Pinned host memory mapped into the device's address space for transfers that return before
+/// their copy runs ([`Gpu::upload_queued`](super::Gpu::upload_queued),
+/// [`Gpu::download_queued`](super::Gpu::download_queued)): one transfer at a time, each waiting
+/// for the copy of the one before it.
+#[derive(Debug)]
+pub struct Mailbox {
+    pub(super) staging: Staging,
+    /// After the last copy into or out of it.
+    pub(super) fence: Option<Fence>,
+    /// Where the bytes of a queued download start, and how many there are.
+    pub(super) held: Option<(usize, usize)>,
+}
+
+impl Mailbox {
+    /// Bytes one transfer through it may move.
+    pub fn capacity(&self) -> usize {
+        self.staging.len - ALIGN
+    }
+
+    /// Waits for the last copy into or out of the mailbox.
+    pub(super) fn settle(&mut self) -> Result<(), DeviceError> {
+        match self.fence.take() {
+            Some(fence) => fence.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// The bytes of the download queued last, once its copy is done, into `dst`.
+    ///
+    /// # Errors
+    /// [`DeviceError::ShapeMismatch`] where no download is held or `dst` is not its length;
+    /// the device's error, or the first error of the work queued before the copy.
+    pub fn read<T: crate::device::GpuElement>(&mut self, dst: &mut [T]) -> Result<(), DeviceError> {
+        let bytes = std::mem::size_of_val(dst);
+        let (offset, held) = self.held.take().unwrap_or((0, 0));
+        if held != bytes || bytes == 0 {
+            return Err(DeviceError::ShapeMismatch {
+                what: "mailbox read (bytes of the queued download)",
+                expected: held,
+                actual: bytes,
+            });
+        }
+        self.settle()?;
+        // SAFETY: `dst` is `bytes` bytes of plain data (a `GpuElement`), every bit pattern of
+        // which the copied bytes of the same type are.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
+        // SAFETY: the copy that filled these bytes is done (settled) and no other is queued: a
+        // transfer through the mailbox needs `&mut self`; `offset + bytes` is within the buffer
+        // (checked when the download was queued).
+        unsafe { self.staging.drain(offset, dst) };
+        Ok(())
+    }
+}
+
+impl Drop for Mailbox {
+    fn drop(&mut self) {
+        // The buffer is freed after this: no copy may still write or read it.
+        if let Err(error) = self.settle() {
+            tracing::error!(%error, "a queued transfer failed before its mailbox was dropped");
+        }
+    }
+}
+
 /// Pinned host memory mapped into the device's address space, reused by one transfer at a time.
 #[derive(Debug)]
 pub(super) struct Staging {
@@ -105,13 +168,14 @@ pub(super) struct Staging {
 }
 
 // SAFETY: the buffer is plain pinned host memory owned by this value; `Gpu` lends it to one
-// transfer at a time under a mutex, and every transfer waits for its kernel before it returns.
+// transfer at a time (under a mutex, or a `Mailbox`'s `&mut`), and its copy is waited for before
+// the buffer is filled, drained, reused or freed.
 // The raw pointer is what keeps the type from being `Send` by itself.
 unsafe impl Send for Staging {}
 
 impl Staging {
     /// `len` bytes in `context` (current on this thread).
-    fn new(len: usize, context: Arc<CudaContext>) -> Result<Staging, DeviceError> {
+    pub(super) fn new(len: usize, context: Arc<CudaContext>) -> Result<Staging, DeviceError> {
         let (host, device) = driver::mem_host_alloc_mapped(len)?;
         Ok(Staging {
             host,

@@ -28,12 +28,18 @@ extern "C" __global__ void add_f32(float* out, const float* x, long long n) {
     }
 }
 
-// out (n, c) = table[ids[row]] (rows of c); one block a row.
-extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids, const bf16* table,
-                                             int c) {
+// out (n, c) = table[id of row] (rows of c); one block a row. A row's id is ids[row], or where
+// feed is given and feed[row] is not FEED_HOST, picked[feed[row]]: a token drawn on the device
+// by the pass before, never read back by the host first.
+#define FEED_HOST 0xffffffffu
+extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids,
+                                             const unsigned int* feed, const unsigned int* picked,
+                                             const bf16* table, int c) {
     grid_begin();
     const long long row = blockIdx.x;
-    const bf16* src = table + (long long)ids[row] * c;
+    const unsigned int from = feed ? feed[row] : FEED_HOST;
+    const unsigned int id = from == FEED_HOST ? ids[row] : picked[from];
+    const bf16* src = table + (long long)id * c;
     bf16* dst = out + row * c;
     for (int j = threadIdx.x; j < c; j += blockDim.x) dst[j] = src[j];
 }
