@@ -81,7 +81,8 @@ pub struct GenerationStats {
     pub graph_captures: usize,
     /// Seconds in prefill.
     pub prefill_seconds: f64,
-    /// Seconds in decode steps.
+    /// Seconds in decode steps: the loop's wall time outside admission (planning, queueing,
+    /// waiting for and recording the steps).
     pub decode_seconds: f64,
     /// Seconds of the whole call.
     pub seconds: f64,
@@ -299,10 +300,14 @@ pub(crate) fn run(
     };
     let mut ahead: Option<Flight> = None;
     loop {
+        // Decode time is the loop's wall time outside admission: planning, queueing, waiting
+        // and recording.
         if let Some(flight) = ahead.take() {
+            let t0 = Instant::now();
             let behind = l.queue_behind(&flight)?;
             l.collect(flight)?;
             ahead = behind;
+            l.stats.decode_seconds += t0.elapsed().as_secs_f64();
             continue;
         }
         if l.waiting.is_empty() && l.running.is_empty() {
@@ -317,8 +322,10 @@ pub(crate) fn run(
             )));
         }
         if !l.running.is_empty() {
+            let t0 = Instant::now();
             l.reserve_slots()?;
             ahead = Some(l.queue_step()?);
+            l.stats.decode_seconds += t0.elapsed().as_secs_f64();
         }
     }
     l.stats.seconds = start.elapsed().as_secs_f64();
@@ -699,7 +706,6 @@ impl Loop<'_, '_> {
     }
 
     fn queue(&mut self, step: StepPlan) -> Result<Flight, InferError> {
-        let t0 = Instant::now();
         self.c.step.queue_decode(
             self.c.tables,
             &step.seqs,
@@ -707,7 +713,6 @@ impl Loop<'_, '_> {
             &step.keys,
             self.params,
         )?;
-        self.stats.decode_seconds += t0.elapsed().as_secs_f64();
         Ok(Flight {
             draws: step.keys.iter().map(Option::is_some).collect(),
             batch: step.batch,
@@ -717,9 +722,7 @@ impl Loop<'_, '_> {
     /// Collects the draws of `flight` and records them. A sample that ended meanwhile (on a
     /// stop token of the step before) drops its draw.
     fn collect(&mut self, flight: Flight) -> Result<(), InferError> {
-        let t0 = Instant::now();
         let drawn = self.c.step.collect()?;
-        self.stats.decode_seconds += t0.elapsed().as_secs_f64();
         if drawn.len() != flight.batch.len() {
             return Err(InferError::Internal(format!(
                 "decode of {} sequences returned {} draws",

@@ -318,11 +318,12 @@ pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
     };
     writeln!(
         out,
-        "decode: engine {engine_tps:.0} tokens/s, {baseline}; end to end {end_to_end_tps:.0} tokens/s in {:.3} s (prefill {:.3} s, {} decode steps in {:.3} s; first call {:.3} s, {} cuda graphs captured then, {} in the timed call)",
+        "decode: engine {engine_tps:.0} tokens/s, {baseline}; end to end {end_to_end_tps:.0} tokens/s in {:.3} s (prefill {:.3} s, {} decode steps in {:.3} s, {} of them queued behind the step before; first call {:.3} s, {} cuda graphs captured then, {} in the timed call)",
         timed.stats.seconds,
         timed.stats.prefill_seconds,
         timed.stats.decode_steps,
         timed.stats.decode_seconds,
+        timed.stats.overlapped_steps,
         first.stats.seconds,
         first.stats.graph_captures,
         timed.stats.graph_captures,
