@@ -701,11 +701,11 @@ impl GpuModel {
             .collect())
     }
 
-    /// Runs the decode step laid out as `at` in the step scratch (one token per sequence,
+    /// Queues the decode step laid out as `at` in the step scratch (one token per sequence,
     /// draws for all of them) as the graph of its bucket, capturing the graph the first time;
     /// falls back to queued kernels for good, with a warning, when the driver refuses the
     /// capture.
-    fn replay(&mut self, at: Index) -> Result<(), InferError> {
+    fn replay(&mut self, at: Index) -> Result<(), DeviceError> {
         let s = self.step;
         let bucket = at.r.next_power_of_two().trailing_zeros() as usize;
         let graph = match self.graphs[bucket].take() {
@@ -726,13 +726,13 @@ impl GpuModel {
                         "the driver refused to capture the decode step; it runs as queued kernels from now on"
                     );
                     self.graphs.clear();
-                    return self.fence(self.queue(&s, at));
+                    return self.queue(&s, at);
                 }
             },
         };
         let queued = self.gpu.replay(&graph);
         self.graphs[bucket] = Some(graph);
-        self.fence(queued)
+        queued
     }
 }
 
@@ -889,18 +889,19 @@ impl Step for GpuModel {
         self.gpu
             .upload_queued(&mut self.inboxes[turn], dst, &index)
             .map_err(upload)?;
-        if graphs {
-            self.replay(at)?;
+        let queued = if graphs {
+            self.replay(at)
         } else {
-            self.fence(self.queue(&s, at))?;
-        }
-        if at.d > 0 {
-            let read = InferError::device("read the drawn tokens");
-            let picked = s.picked.sub(0, 2 * at.d).map_err(read)?;
-            self.gpu
-                .download_queued(&mut self.outboxes[turn], picked)
-                .map_err(read)?;
-        }
+            self.queue(&s, at)
+        };
+        // The fence follows the draws' download too, which reads the step scratch.
+        let queued = queued.and_then(|()| match at.d {
+            0 => Ok(()),
+            d => self
+                .gpu
+                .download_queued(&mut self.outboxes[turn], s.picked.sub(0, 2 * d)?),
+        });
+        self.fence(queued)?;
         self.turn ^= 1;
         self.fed_from = Some(rows.clone());
         self.flights.push_back(Flight {
