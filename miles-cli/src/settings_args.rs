@@ -271,6 +271,19 @@ impl fmt::Display for BadSettings {
 
 impl std::error::Error for BadSettings {}
 
+impl BadSettings {
+    /// The first of `counts` (a flag and its value) that is 0, as "FLAG must be at least 1".
+    ///
+    /// # Errors
+    /// That refusal.
+    pub fn refuse_zero(counts: &[(&str, usize)]) -> Result<(), BadSettings> {
+        match counts.iter().find(|(_, value)| *value == 0) {
+            Some((flag, _)) => Err(BadSettings(format!("{flag} must be at least 1"))),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Whether an error means bad settings (exit status 2) rather than a failure (exit status 1);
 /// an offload directory refused as not ours or in use counts, wherever it shows in the chain.
 pub fn is_bad_settings(error: &anyhow::Error) -> bool {

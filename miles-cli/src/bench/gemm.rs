@@ -239,15 +239,11 @@ pub fn run(args: &GemmBenchArgs) -> anyhow::Result<()> {
             BadSettings("--rows takes positive row counts, e.g. --rows 128,4096".into()).into(),
         );
     }
-    for (flag, value) in [
+    BadSettings::refuse_zero(&[
         ("--candidates", args.candidates),
         ("--reps", args.reps),
         ("--replays", args.replays),
-    ] {
-        if value == 0 {
-            return Err(BadSettings(format!("{flag} must be at least 1")).into());
-        }
-    }
+    ])?;
     let Some(gpu) = crate::gpu::gpu_for(DeviceChoice::Cuda)? else {
         bail!("bench gemm runs on cuda and found no gpu");
     };

@@ -93,29 +93,17 @@ impl Step {
     }
 }
 
-/// Refuses sizes that leave nothing to time, naming the flag.
-///
-/// # Errors
-/// [`BadSettings`] for `--prompts`, `--prompt-len` or `--max-new-tokens` of 0.
-fn check(args: &BenchRolloutArgs) -> anyhow::Result<()> {
-    for (flag, value) in [
-        ("--prompts", args.prompts),
-        ("--prompt-len", args.prompt_len),
-        ("--max-new-tokens", args.max_new_tokens),
-    ] {
-        if value == 0 {
-            return Err(BadSettings(format!("{flag} must be at least 1")).into());
-        }
-    }
-    Ok(())
-}
-
 /// Runs `miles bench rollout`.
 ///
 /// # Errors
 /// Bad settings, or any failure of the engine, with its context.
 pub fn run(args: &BenchRolloutArgs) -> anyhow::Result<()> {
-    check(args)?;
+    // Sizes of 0 leave nothing to time.
+    BadSettings::refuse_zero(&[
+        ("--prompts", args.prompts),
+        ("--prompt-len", args.prompt_len),
+        ("--max-new-tokens", args.max_new_tokens),
+    ])?;
     let settings = args.settings.load()?;
     let config = LlamaConfig::preset(&settings.preset)?;
     let model = Transformer::new(config.clone());

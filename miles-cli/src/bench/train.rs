@@ -135,15 +135,11 @@ pub fn text_batch(tokenizer: &ByteTokenizer, b: usize, t: usize) -> Batch {
 /// # Errors
 /// Bad sizes or rank counts.
 pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
-    for (flag, value) in [
+    BadSettings::refuse_zero(&[
         ("--batch", args.batch),
         ("--seq", args.seq),
         ("--steps", args.steps),
-    ] {
-        if value == 0 {
-            return Err(BadSettings(format!("{flag} must be at least 1")).into());
-        }
-    }
+    ])?;
     if args.nproc_per_node == 0 {
         return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
     }
