@@ -16,8 +16,9 @@
 //! One step runs ahead. While a step is on the device, the loop queues the next behind it and
 //! only then collects the first: the samples drawing in the first are fed its draws on the
 //! device ([`Feed::Drawn`]), so the device never waits for the host between steps. It does so
-//! where nothing needs the first step's draws on the host: no sample waits to be admitted and
-//! every sample going on has its next slot without evicting or preempting; a sample whose draw
+//! where nothing needs the first step's draws on the host: no sample can be admitted (none
+//! waits, or the batch is full) and every sample going on has its next slot without evicting
+//! or preempting; a sample whose draw
 //! surely ends it (its last new token, the engine's last position) is left out. One that draws
 //! a stop token runs the step behind for nothing, and its draw there is dropped. Otherwise the
 //! loop collects first and schedules as before.
@@ -654,7 +655,9 @@ impl Loop<'_, '_> {
     /// Queues the step after `flight` before collecting it (the module's "one step runs
     /// ahead"), or returns `None` where it needs the flight's draws on the host.
     fn queue_behind(&mut self, flight: &Flight) -> Result<Option<Flight>, InferError> {
-        if !self.waiting.is_empty() {
+        // A sample waiting for a place in the batch is admitted first (the draws it needs
+        // would overwrite the ones a step behind is fed).
+        if !self.waiting.is_empty() && self.running.len() < self.c.max_batch {
             return Ok(None);
         }
         let mut step = StepPlan::with_capacity(flight.batch.len());

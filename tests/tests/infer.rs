@@ -469,11 +469,12 @@ fn stop_tokens_and_lengths_end_samples_and_log_probs_are_log_probabilities() {
 }
 
 #[test]
-fn steps_queued_one_ahead_give_the_tokens_of_steps_run_one_at_a_time() {
-    // The roomy engine queues each step behind the one before (no sample waits); one sample at
-    // a time, steps run one by one until the last sample. Stop tokens end samples while the
-    // step behind is queued (its draw dropped), and a prompt that nearly fills the context ends
-    // on its position, left out of the step behind.
+fn steps_queued_one_ahead_give_each_sample_its_tokens_whatever_the_batch() {
+    // Both engines queue each step behind the one before it: the roomy one over every sample
+    // at once, the other one sample at a time (its batch full while the others wait), draining
+    // at each admission. Stop tokens end samples while the step behind is queued (its draw
+    // dropped), at other rows in the two; a prompt that nearly fills the context ends on its
+    // position, left out of the step behind.
     let mut ahead = setup(BackupPolicy::Host, &[]);
     let mut alone_cfg = engine_config(BackupPolicy::Host, KvCapacity::Blocks(256));
     alone_cfg.max_batch = 1;
@@ -512,7 +513,7 @@ fn steps_queued_one_ahead_give_the_tokens_of_steps_run_one_at_a_time() {
         got.stats
     );
     assert!(
-        want.stats.overlapped_steps * 4 < want.stats.decode_steps,
+        want.stats.overlapped_steps * 2 > want.stats.decode_steps,
         "{:?}",
         want.stats
     );
