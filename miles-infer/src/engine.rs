@@ -603,7 +603,6 @@ impl Engine {
                         self.config.block_size,
                     ),
                     queued: Default::default(),
-                    last: None,
                 };
                 f(&mut step, &mut self.tables)
             }

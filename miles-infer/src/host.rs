@@ -21,17 +21,15 @@ pub(crate) struct HostStep<'a> {
     /// Floats of one cache block ([`BlockTables::block_floats`]).
     pub block_floats: usize,
     /// The draws of the decode steps queued and not collected, oldest first (each ran when
-    /// queued).
+    /// queued); a [`Feed::Drawn`] names a row of the last.
     pub queued: VecDeque<Draws>,
-    /// The draws of the decode step queued last, which a [`Feed::Drawn`] names.
-    pub last: Option<Draws>,
 }
 
 /// A decode step's draws by row.
 pub(crate) type Draws = Vec<Option<(u32, f32)>>;
 
 /// The tokens of `feeds`, those drawn taken from `last`.
-pub(crate) fn fed_tokens(feeds: &[Feed], last: Option<&Draws>) -> Result<Vec<u32>, InferError> {
+fn fed_tokens(feeds: &[Feed], last: Option<&Draws>) -> Result<Vec<u32>, InferError> {
     feeds
         .iter()
         .map(|&feed| match feed {
@@ -39,11 +37,7 @@ pub(crate) fn fed_tokens(feeds: &[Feed], last: Option<&Draws>) -> Result<Vec<u32
             Feed::Drawn(row) => last
                 .and_then(|draws| draws.get(row).copied().flatten())
                 .map(|(token, _)| token)
-                .ok_or_else(|| {
-                    InferError::Internal(format!(
-                        "a decode step fed from row {row} of a step before it that drew none there"
-                    ))
-                }),
+                .ok_or_else(|| Feed::undrawn(row)),
         })
         .collect()
 }
@@ -101,15 +95,14 @@ impl Step for HostStep<'_> {
         params: &SamplingParams,
     ) -> Result<(), InferError> {
         let v = self.model.config().vocab_size;
-        let tokens = fed_tokens(feeds, self.last.as_ref())?;
+        let tokens = fed_tokens(feeds, self.queued.back())?;
         let logits = self.decode_logits(tables, seqs, &tokens)?;
         let drawn: Draws = logits
             .par_chunks_exact(v)
             .zip(draws)
             .map(|(row, draw)| draw.map(|key| sample_token(row, params, key)))
             .collect();
-        self.queued.push_back(drawn.clone());
-        self.last = Some(drawn);
+        self.queued.push_back(drawn);
         Ok(())
     }
 
@@ -124,7 +117,6 @@ impl Step for HostStep<'_> {
         rows: &[(&[f32], DrawKey)],
         params: &SamplingParams,
     ) -> Result<Vec<(u32, f32)>, InferError> {
-        self.last = None;
         Ok(rows
             .par_iter()
             .map(|&(row, key)| sample_token(row, params, key))
@@ -134,5 +126,43 @@ impl Step for HostStep<'_> {
     fn copy_block(&mut self, from: usize, to: usize) -> Result<(), InferError> {
         copy_host_block(self.storage, self.block_floats, from, to);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drawn_feeds_take_the_last_steps_draws_and_refuse_a_row_without_one() {
+        let last: Draws = vec![Some((7, -0.5)), None];
+        let feeds = [Feed::Token(3), Feed::Drawn(0)];
+        assert_eq!(fed_tokens(&feeds, Some(&last)).unwrap(), vec![3, 7]);
+        for (feeds, last) in [
+            (&[Feed::Drawn(1)][..], Some(&last)),
+            (&[Feed::Drawn(2)], Some(&last)),
+            (&[Feed::Drawn(0)], None),
+        ] {
+            assert!(
+                matches!(fed_tokens(feeds, last), Err(InferError::Internal(_))),
+                "{feeds:?} from {last:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_collect_with_no_step_queued_is_refused() {
+        let config = miles_core::model::LlamaConfig::preset("tiny").unwrap();
+        let model = Transformer::new(config.clone());
+        let mut scratch = DecodeScratch::new(&config, 1, 8);
+        let mut step = HostStep {
+            model: &model,
+            params: &[],
+            storage: &mut [],
+            scratch: &mut scratch,
+            block_floats: 0,
+            queued: VecDeque::new(),
+        };
+        assert!(matches!(step.collect(), Err(InferError::Internal(_))));
     }
 }

@@ -18,10 +18,9 @@
 //! device ([`Feed::Drawn`]), so the device never waits for the host between steps. It does so
 //! where nothing needs the first step's draws on the host: no sample can be admitted (none
 //! waits, or the batch is full) and every sample going on has its next slot without evicting
-//! or preempting; a sample whose draw
-//! surely ends it (its last new token, the engine's last position) is left out. One that draws
-//! a stop token runs the step behind for nothing, and its draw there is dropped. Otherwise the
-//! loop collects first and schedules as before.
+//! or preempting; a sample whose draw surely ends it (its last new token, the engine's last
+//! position) is left out. One that draws a stop token runs the step behind for nothing, and its
+//! draw there is dropped. Otherwise the loop collects first and schedules as before.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -114,7 +113,7 @@ pub(crate) trait Step {
     /// slot prepared) and, for each `b` with a key in `draws`, draws sequence `b`'s next token
     /// under `params`. Returns once the step is queued; [`collect`](Self::collect) returns its
     /// draws. At most two steps are queued at once, and a [`Feed::Drawn`] names a row of the
-    /// step queued just before, still uncollected or collected last.
+    /// step queued just before, still uncollected.
     fn queue_decode(
         &mut self,
         tables: &mut BlockTables,
@@ -148,6 +147,15 @@ pub(crate) enum Feed {
     /// The token the step queued just before draws in its row `row`: on the GPU it goes from
     /// that step's draws to this step's input on the device, never read back in between.
     Drawn(usize),
+}
+
+impl Feed {
+    /// The refusal of a [`Feed::Drawn`] naming a row where the step before drew nothing.
+    pub(crate) fn undrawn(row: usize) -> InferError {
+        InferError::Internal(format!(
+            "a decode step fed from row {row} of a step before it that drew none there"
+        ))
+    }
 }
 
 /// What the loop computes with, borrowed from the engine for one call.

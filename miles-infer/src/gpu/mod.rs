@@ -58,8 +58,9 @@ use miles_core::device::{
 use miles_core::model::{LlamaConfig, ParamKind, ParamLayout};
 use miles_core::ops::RopeTable;
 use miles_core::ops::gpu::{
-    DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, DRAW_WORDS, FedIds, PAGED_MAX_HEAD_DIM,
-    PagedCache, PagedTokens, ProductOut, QkvHeads, RULE_WORDS, SampleRule, TokenPlaces,
+    DECODE_PRODUCT_MAX_ROWS, DECODE_PRODUCT_SWIGLU_COLUMNS, DRAW_WORDS, FEED_HOST, FedIds,
+    PAGED_MAX_HEAD_DIM, PagedCache, PagedTokens, ProductOut, QkvHeads, RULE_WORDS, SampleRule,
+    TokenPlaces,
 };
 use miles_core::{Buffer, Device, DeviceKind, Fence, MemoryManager};
 use rayon::prelude::*;
@@ -222,11 +223,9 @@ pub(crate) struct GpuModel {
     outboxes: [Mailbox; 2],
     /// The mailboxes the next decode step takes.
     turn: usize,
-    /// Decode steps queued and not collected, oldest first.
+    /// Decode steps queued and not collected, oldest first; a step fed from the last finds
+    /// each row's draw among the step scratch's drawn tokens by its `rows`.
     flights: VecDeque<Flight>,
-    /// Where each row of the decode step queued last finds its draw among the step scratch's
-    /// drawn tokens, for a step fed from it; `None` once anything else has drawn there.
-    fed_from: Option<Vec<Option<u32>>>,
 }
 
 /// A decode step queued and not collected: its mailboxes, its draws, and where each of its
@@ -317,7 +316,6 @@ impl GpuModel {
             outboxes,
             turn: 0,
             flights: VecDeque::new(),
-            fed_from: None,
         })
     }
 
@@ -400,7 +398,6 @@ impl GpuModel {
     /// [`InferError::Device`] when the upload fails.
     pub(crate) fn begin(&mut self) -> Result<(), InferError> {
         self.flights.clear();
-        self.fed_from = None;
         let upload = InferError::device("upload the rotary tables");
         for s in [&self.prefill, &self.step] {
             for (table, values) in [(s.cos, self.rope.cos()), (s.sin, self.rope.sin())] {
@@ -823,27 +820,25 @@ impl Step for GpuModel {
                 "a third decode step queued before the first was collected".into(),
             ));
         }
-        let tokens: Vec<u32> = feeds
-            .iter()
-            .map(|&feed| match feed {
-                Feed::Token(token) => token,
-                Feed::Drawn(_) => 0,
-            })
-            .collect();
-        let mut pass = self.decode_pass(tables, seqs, &tokens)?;
-        for (b, &feed) in feeds.iter().enumerate() {
-            if let Feed::Drawn(row) = feed {
-                pass.feeds[b] = self
-                    .fed_from
-                    .as_ref()
-                    .and_then(|rows| rows.get(row).copied().flatten())
-                    .ok_or_else(|| {
-                        InferError::Internal(format!(
-                            "a decode step fed from row {row} of a step before it that drew none there"
-                        ))
-                    })?;
-            }
+        // A drawn feed reads the step queued last at its row's place among the drawn tokens;
+        // checked before the pass takes its positions.
+        let last = self.flights.back().map(|last| last.rows.as_slice());
+        let mut tokens = Vec::with_capacity(feeds.len());
+        let mut fed = Vec::with_capacity(feeds.len());
+        for &feed in feeds {
+            let (token, from) = match feed {
+                Feed::Token(token) => (token, FEED_HOST),
+                Feed::Drawn(row) => {
+                    let from = last.and_then(|rows| rows.get(row).copied().flatten());
+                    let from = from.ok_or_else(|| Feed::undrawn(row))?;
+                    (0, from)
+                }
+            };
+            tokens.push(token);
+            fed.push(from);
         }
+        let mut pass = self.decode_pass(tables, seqs, &tokens)?;
+        pass.feeds.copy_from_slice(&fed);
         // Where each row's draw lands among the step's draws: in a graph every row of the
         // bucket draws (rows that asked for none are dropped); queued kernels draw the asked
         // rows alone.
@@ -903,7 +898,6 @@ impl Step for GpuModel {
         });
         self.fence(queued)?;
         self.turn ^= 1;
-        self.fed_from = Some(rows.clone());
         self.flights.push_back(Flight {
             turn,
             draws: at.d,
@@ -937,8 +931,12 @@ impl Step for GpuModel {
         rows: &[(&[f32], DrawKey)],
         params: &SamplingParams,
     ) -> Result<Vec<(u32, f32)>, InferError> {
-        // The draws land where a decode step's did: none can be fed from them any more.
-        self.fed_from = None;
+        // The draws land where a decode step's do, which a step fed from it would read.
+        if !self.flights.is_empty() {
+            return Err(InferError::Internal(
+                "a draw from host logits while decode steps are queued".into(),
+            ));
+        }
         let upload = InferError::device("upload logits to draw from");
         let v = self.config.vocab_size;
         let s = self.step;

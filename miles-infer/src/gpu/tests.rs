@@ -14,7 +14,7 @@ use miles_core::{
 };
 
 use crate::paged::BlockTables;
-use crate::schedule::Step;
+use crate::schedule::{Feed, Step};
 use crate::{
     Engine, EngineConfig, InferError, InferenceController, KvCapacity, NamedTensor, SamplingParams,
 };
@@ -593,6 +593,59 @@ fn gpu_decode_graphs_give_the_tokens_of_queued_kernels() {
     let again = engine.generate(&prompts()[..3], &greedy(1, 12)).unwrap();
     assert_eq!(three.completions, again.completions);
     assert_eq!(again.stats.graph_captures, 0, "{:?}", again.stats);
+}
+
+#[test]
+fn gpu_steps_queued_ahead_refuse_a_feed_of_no_draw_a_third_step_and_a_host_draw_between() {
+    let test = "gpu_steps_queued_ahead_refuse_a_feed_of_no_draw_a_third_step_and_a_host_draw";
+    let Some(t) = TestGpu::open(test) else {
+        return;
+    };
+    let params = params(&config());
+    let mut engine = t.engine(engine_config(128, BackupPolicy::Host), &params);
+    let sampling = greedy(1, 8);
+    let key = |token| crate::sampling::DrawKey {
+        prompt: 0,
+        sample: 0,
+        token,
+    };
+    let refused = |got: Result<(), InferError>, what: &str| {
+        assert!(
+            matches!(got, Err(InferError::Internal(_))),
+            "{what}: {got:?}"
+        );
+    };
+    engine
+        .with_step(|step: &mut dyn Step, tables: &mut BlockTables| {
+            let prompt = &prompts()[0];
+            let seq = tables.add_seq();
+            assert!(tables.reserve(seq, prompt.len())?);
+            let logits = step.prefill(tables, &[seq], &[prompt.as_slice()])?;
+            let mut queue = |tables: &mut BlockTables, feed, draw| {
+                assert!(tables.prepare_append_with(seq, |a, b| step.copy_block(a, b))?);
+                step.queue_decode(tables, &[seq], &[feed], &[draw], &sampling)
+            };
+            // Nothing queued: no draw to be fed from.
+            refused(
+                queue(tables, Feed::Drawn(0), Some(key(1))),
+                "a feed with no step before",
+            );
+            queue(tables, Feed::Token(97), Some(key(1)))?;
+            queue(tables, Feed::Drawn(0), None)?;
+            // The step before drew nothing in row 0.
+            refused(
+                queue(tables, Feed::Drawn(0), Some(key(2))),
+                "a feed of no draw",
+            );
+            refused(queue(tables, Feed::Token(98), Some(key(2))), "a third step");
+            let drawn = step.draw(&[(logits[0].as_slice(), key(0))], &sampling);
+            assert!(matches!(drawn, Err(InferError::Internal(_))), "{drawn:?}");
+            assert!(step.collect()?[0].is_some());
+            assert!(step.collect()?[0].is_none());
+            refused(step.collect().map(drop), "a collect of no step");
+            Ok::<_, InferError>(())
+        })
+        .unwrap();
 }
 
 /// The tiny preset as a model of `model_type`: `qwen2` (q/k/v biases, tied head) or `qwen3`
