@@ -526,7 +526,6 @@ impl GpuModel {
             feed: s.index.sub(4 * n, n)?,
             picked: s.picked,
         };
-        let logit_rows = s.index.sub(5 * n, r)?;
         let tokens = PagedTokens {
             positions,
             seq_rows: s.index.sub(2 * n, n)?,
@@ -550,8 +549,11 @@ impl GpuModel {
         let eps = c.rms_norm_eps;
         // y = x W^T for an HF weight W (out, in).
         let linear = |rows, out, inp| Gemm::new(rows, out, inp, Transpose::No, Transpose::Yes);
-        g.embedding_forward_fed(x, ids, fed, self.weight(ParamKind::Embedding, 0)?, h)?; // (N, C)
-        g.rmsnorm_forward(ln, None, x, self.weight(ParamKind::InputNorm, 0)?, eps)?;
+        let (table, norm) = (
+            self.weight(ParamKind::Embedding, 0)?,
+            self.weight(ParamKind::InputNorm, 0)?,
+        );
+        g.embedding_norm_fed((x, ln), ids, fed, table, (norm, eps))?; // (N, C) each
         for l in 0..c.num_layers {
             let w = |kind| self.weight(kind, l);
             let heads = QkvHeads {
@@ -599,9 +601,15 @@ impl GpuModel {
             self.add_then_norm(s, (n, f), act, w(ParamKind::DownProj)?, next)?; // x += down
         }
         // `ln` holds every row through the final norm; only the rows that need logits go
-        // through the head: gather them (an embedding lookup whose table is `ln`).
-        let rows_ln = s.rows_ln.sub(0, r * h)?;
-        g.embedding_forward(rows_ln, logit_rows, ln, h)?; // (R, C)
+        // through the head: gather them (an embedding lookup whose table is `ln`). A pass of
+        // one token a sequence (a decode step) needs every row's, in order: `ln` itself.
+        let rows_ln = if n == r {
+            ln
+        } else {
+            let rows_ln = s.rows_ln.sub(0, r * h)?;
+            g.embedding_forward(rows_ln, s.index.sub(5 * n, r)?, ln, h)?; // (R, C)
+            rows_ln
+        };
         let logits = s.logits.sub(0, r * c.vocab_size)?; // (R, V) fp32
         let head = self.weight(ParamKind::LmHead, 0)?;
         if own_product_fits(g, rows_ln, head, (r, c.vocab_size, h), OWN_HEAD_COLUMNS) {

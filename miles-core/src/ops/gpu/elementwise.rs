@@ -93,25 +93,28 @@ impl Gpu {
         table: GpuSlice<bf16>,
         c: usize,
     ) -> Result<(), DeviceError> {
-        self.embedding_rows(out, ids, None, table, c)
+        self.embedding_rows(out, ids, None, table, c, None)
     }
 
     /// [`embedding_forward`](Self::embedding_forward) where some ids were drawn on the device
-    /// by the pass before ([`FedIds`]). Feed entries are trusted to lie within `picked`, and the
-    /// tokens there below `V` (the engine builds the one, the sampler draws the other).
+    /// by the pass before ([`FedIds`]), fused with the model's first norm: `normed (N, C)` gets
+    /// [`rmsnorm_forward`](Self::rmsnorm_forward) of the rows with weight `w (C)`, the same
+    /// bits. Feed entries are trusted to lie within `picked`, and the tokens there below `V`
+    /// (the engine builds the one, the sampler draws the other).
     ///
     /// # Errors
     /// [`DeviceError::ShapeMismatch`]; the launch's error.
-    pub fn embedding_forward_fed(
+    pub fn embedding_norm_fed(
         &self,
-        out: GpuSlice<bf16>,
+        (out, normed): (GpuSlice<bf16>, GpuSlice<bf16>),
         ids: GpuSlice<u32>,
         fed: FedIds,
         table: GpuSlice<bf16>,
-        c: usize,
+        (w, eps): (GpuSlice<bf16>, f32),
     ) -> Result<(), DeviceError> {
         fed.feed.expect_len("embedding feed", ids.len())?;
-        self.embedding_rows(out, ids, Some(fed), table, c)
+        normed.expect_len("embedding's norm output", out.len())?;
+        self.embedding_rows(out, ids, Some(fed), table, w.len(), Some((normed, w, eps)))
     }
 
     fn embedding_rows(
@@ -121,6 +124,7 @@ impl Gpu {
         fed: Option<FedIds>,
         table: GpuSlice<bf16>,
         c: usize,
+        norm: Option<(GpuSlice<bf16>, GpuSlice<bf16>, f32)>,
     ) -> Result<(), DeviceError> {
         out.expect_len("embedding output", ids.len() * c)?;
         if c == 0 || !table.len().is_multiple_of(c) {
@@ -135,6 +139,9 @@ impl Gpu {
         }
         let c32 = as_i32("embedding width", c)?;
         let (feed, picked) = fed.map_or((0, 0), |f| (f.feed.address(), f.picked.address()));
+        let (normed, w, eps) = norm.map_or((0, 0, 0.0f32), |(o, w, eps)| {
+            (o.address(), w.address(), eps)
+        });
         self.launch(
             "embedding_forward",
             per_row(ids.len(), ROW_THREADS),
@@ -145,6 +152,9 @@ impl Gpu {
                 &picked,
                 &table.address(),
                 &c32,
+                &normed,
+                &w,
+                &eps,
             ],
         )
     }

@@ -397,9 +397,13 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
         feed: t.put(&feed),
         picked,
     };
-    let fed_rows = t.alloc::<bf16>(ids.len() * c);
+    let (fed_rows, fed_normed) = (
+        t.alloc::<bf16>(ids.len() * c),
+        t.alloc::<bf16>(ids.len() * c),
+    );
+    let (norm, _) = t.put_bf16(&seeded(13, c));
     t.gpu
-        .embedding_forward_fed(fed_rows, ids_dev, fed, emb, c)
+        .embedding_norm_fed((fed_rows, fed_normed), ids_dev, fed, emb, (norm, 1e-5))
         .unwrap_or_else(|e| panic!("{e}"));
     let fed_ids: Vec<u32> = ids
         .iter()
@@ -417,13 +421,24 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
         .flat_map(|&id| emb_host[id as usize * c..(id as usize + 1) * c].to_vec())
         .collect();
     assert_close("fed embedding", &t.get_bf16(fed_rows), &want, 0.0);
+    // The fused norm gives the bits of the norm's own kernel over the rows.
+    let normed = t.alloc::<bf16>(ids.len() * c);
+    t.gpu
+        .rmsnorm_forward(normed, None, fed_rows, norm, 1e-5)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_close(
+        "fed embedding's norm",
+        &t.get_bf16(fed_normed),
+        &t.get_bf16(normed),
+        0.0,
+    );
     let short = FedIds {
         feed: t.put(&feed[1..]),
         picked,
     };
     assert!(
         t.gpu
-            .embedding_forward_fed(fed_rows, ids_dev, short, emb, c)
+            .embedding_norm_fed((fed_rows, fed_normed), ids_dev, short, emb, (norm, 1e-5))
             .is_err(),
         "a feed shorter than the ids was taken"
     );

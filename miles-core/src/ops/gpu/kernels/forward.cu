@@ -28,22 +28,6 @@ extern "C" __global__ void add_f32(float* out, const float* x, long long n) {
     }
 }
 
-// out (n, c) = table[id of row] (rows of c); one block a row. A row's id is ids[row], or where
-// feed is given and feed[row] is not FEED_HOST, picked[feed[row]]: a token drawn on the device
-// by the pass before, never read back by the host first.
-#define FEED_HOST 0xffffffffu
-extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids,
-                                             const unsigned int* feed, const unsigned int* picked,
-                                             const bf16* table, int c) {
-    grid_begin();
-    const long long row = blockIdx.x;
-    const unsigned int from = feed ? feed[row] : FEED_HOST;
-    const unsigned int id = from == FEED_HOST ? ids[row] : picked[from];
-    const bf16* src = table + (long long)id * c;
-    bf16* dst = out + row * c;
-    for (int j = threadIdx.x; j < c; j += blockDim.x) dst[j] = src[j];
-}
-
 // out = x * r * w over one row of c (a row's norm once its reciprocal RMS r is known), 8 values a
 // read where `wide`; each thread writes the values it alone reads.
 __device__ __forceinline__ void rmsnorm_scale_row(bf16* o, const bf16* xr, const bf16* w, float r,
@@ -62,15 +46,11 @@ __device__ __forceinline__ void rmsnorm_scale_row(bf16* o, const bf16* xr, const
     }
 }
 
-// out = x / rms(x) * w per row, rstd[row] = 1 / rms(x); one block a row, 32 floats of shared.
-// out may be x (each thread writes only the values it alone reads after the block's sum).
-extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w,
-                                           int c, float eps) {
-    grid_begin();
-    __shared__ float scratch[32];
-    const long long row = blockIdx.x;
-    const bf16* xr = x + row * c;
-    bf16* o = out + row * c;
+// o = xr / rms(xr) * w over one row of c by the block's threads, *rstd = 1 / rms(xr) where
+// given; `scratch` is 32 floats of shared. o may be xr (each thread writes only the values it
+// alone reads after the block's sum).
+__device__ void rmsnorm_row(bf16* o, float* rstd, const bf16* xr, const bf16* w, int c, float eps,
+                            float* scratch) {
     // 8 values a read where the rows allow it (the common case), one at a time otherwise.
     const bool wide = (c & 7) == 0 && aligned16(xr) && aligned16(o) && aligned16(w);
     float ss = 0.0f, f[8];
@@ -88,8 +68,39 @@ extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x
     }
     ss = block_sum(ss, scratch);
     const float r = rsqrtf(ss / (float)c + eps);
-    if (threadIdx.x == 0 && rstd) rstd[row] = r;
+    if (threadIdx.x == 0 && rstd) *rstd = r;
     rmsnorm_scale_row(o, xr, w, r, c, wide);
+}
+
+// out = x / rms(x) * w per row, rstd[row] = 1 / rms(x); one block a row.
+extern "C" __global__ void rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* w,
+                                           int c, float eps) {
+    grid_begin();
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    rmsnorm_row(out + row * c, rstd ? rstd + row : nullptr, x + row * c, w, c, eps, scratch);
+}
+
+// out (n, c) = table[id of row] (rows of c); one block a row. A row's id is ids[row], or where
+// feed is given and feed[row] is not FEED_HOST, picked[feed[row]]: a token drawn on the device
+// by the pass before, never read back by the host first. Where `normed` is given, it gets the
+// row's rmsnorm_forward with weight w (c), the first norm of a model fused with its lookup.
+#define FEED_HOST 0xffffffffu
+extern "C" __global__ void embedding_forward(bf16* out, const unsigned int* ids,
+                                             const unsigned int* feed, const unsigned int* picked,
+                                             const bf16* table, int c, bf16* normed,
+                                             const bf16* w, float eps) {
+    grid_begin();
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const unsigned int from = feed ? feed[row] : FEED_HOST;
+    const unsigned int id = from == FEED_HOST ? ids[row] : picked[from];
+    const bf16* src = table + (long long)id * c;
+    bf16* dst = out + row * c;
+    for (int j = threadIdx.x; j < c; j += blockDim.x) dst[j] = src[j];
+    if (!normed) return;
+    __syncthreads();  // the row's values, stored by every thread of the block
+    rmsnorm_row(normed + row * c, nullptr, dst, w, c, eps, scratch);
 }
 
 // The sum, in order, of word v (8 values) of a row's `parts` fp32 partials, `part_stride` apart:
