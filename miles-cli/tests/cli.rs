@@ -696,6 +696,17 @@ fn bench_sizes_of_zero_exit_2_naming_the_flag_before_any_work() {
             "--steps",
         ),
         (
+            &[
+                "bench",
+                "train",
+                "--preset",
+                "tiny",
+                "--nproc-per-node",
+                "0",
+            ],
+            "--nproc-per-node",
+        ),
+        (
             &["bench", "rollout", "--preset", "tiny", "--prompts", "0"],
             "--prompts",
         ),

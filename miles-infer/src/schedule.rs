@@ -693,10 +693,10 @@ impl Loop<'_, '_> {
             } else {
                 (Feed::Token(sample.tokens[fed]), fed + 1 == known)
             };
+            // The token it draws is its (fed + 1)th, whether or not the flight's is in yet.
             let key = DrawKey {
-                prompt: sample.group as u32,
-                sample: sample.index as u32,
                 token: (fed + 1) as u32,
+                ..key(sample)
             };
             let steps = &mut *self.c.step;
             if !self

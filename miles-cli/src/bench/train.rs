@@ -139,10 +139,8 @@ pub fn check(args: &BenchTrainArgs) -> anyhow::Result<()> {
         ("--batch", args.batch),
         ("--seq", args.seq),
         ("--steps", args.steps),
+        ("--nproc-per-node", args.nproc_per_node),
     ])?;
-    if args.nproc_per_node == 0 {
-        return Err(BadSettings("--nproc-per-node must be at least 1".into()).into());
-    }
     if args.device != BenchDevice::Cuda && (args.nproc_per_node > 1 || args.tensor_parallel) {
         return Err(BadSettings(
             "--nproc-per-node and --tensor-parallel train over gpus; add --device cuda".into(),
