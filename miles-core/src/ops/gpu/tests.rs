@@ -442,6 +442,17 @@ fn gpu_rope_swiglu_residual_and_embedding_match_the_cpu() {
             .is_err(),
         "a feed shorter than the ids was taken"
     );
+    let whole = FedIds {
+        feed: t.put(&feed),
+        picked,
+    };
+    let short_normed = fed_normed.sub(0, fed_normed.len() - 1).unwrap();
+    assert!(
+        t.gpu
+            .embedding_norm_fed((fed_rows, short_normed), ids_dev, whole, emb, (norm, 1e-5))
+            .is_err(),
+        "a norm output shorter than the rows was taken"
+    );
 }
 
 #[test]
