@@ -281,8 +281,22 @@ impl Gpu {
         heads: usize,
         head_dim: usize,
     ) -> Result<(), DeviceError> {
+        self.rope("rope_forward", x, positions, [cos, sin], heads, head_dim)
+    }
+
+    /// Launches `kernel` (`rope_forward` or `rope_backward`) over `x (N, heads, D)` in place,
+    /// a row a block.
+    pub(super) fn rope(
+        &self,
+        kernel: &'static str,
+        x: GpuSlice<bf16>,
+        positions: GpuSlice<u32>,
+        [cos, sin]: [GpuSlice<f32>; 2],
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<(), DeviceError> {
         let n = positions.len();
-        x.expect_len("rope input", n * heads * head_dim)?;
+        x.expect_len(kernel, n * heads * head_dim)?;
         sin.expect_len("rope sin table", cos.len())?;
         let (n64, h32, d32) = (
             as_i64(n),
@@ -290,7 +304,7 @@ impl Gpu {
             as_i32("rope head dim", head_dim)?,
         );
         self.launch(
-            "rope_forward",
+            kernel,
             per_row(n, ROW_THREADS),
             &[
                 &x.address(),

@@ -300,27 +300,7 @@ impl Gpu {
         heads: usize,
         head_dim: usize,
     ) -> Result<(), DeviceError> {
-        let n = positions.len();
-        dx.expect_len("rope dx", n * heads * head_dim)?;
-        sin.expect_len("rope sin table", cos.len())?;
-        let (n64, h32, d32) = (
-            n as i64,
-            as_i32("rope heads", heads)?,
-            as_i32("rope head dim", head_dim)?,
-        );
-        self.launch(
-            "rope_backward",
-            per_row(n, ROW_THREADS),
-            &[
-                &dx.address(),
-                &positions.address(),
-                &cos.address(),
-                &sin.address(),
-                &n64,
-                &h32,
-                &d32,
-            ],
-        )
+        self.rope("rope_backward", dx, positions, [cos, sin], heads, head_dim)
     }
 
     /// Backward of [`Gpu::swiglu_forward`], in place: `gate` and `up` are overwritten with
