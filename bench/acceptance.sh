@@ -4,9 +4,9 @@
 # binaries in $BIN (default .gpu), built here with
 #   cargo build -p miles-cli
 #   cargo test --no-run -p miles-core -p miles-infer --lib
-# and copied (stripped) to $BIN/miles, $BIN/core_tests, $BIN/infer_tests. Logs go to $OUT/acceptance.log
-# (or ./out). Each figure has a time limit, so a call that is cut short still reports the ones
-# before it.
+# and copied (stripped) to $BIN/miles, $BIN/core_tests, $BIN/infer_tests. The whole output goes
+# to $OUT/acceptance.log (or ./out). Each figure has a time limit, so a call that is cut short
+# still reports the ones before it.
 set -o pipefail
 bin=${BIN:-.gpu}
 out=${OUT:-out}; mkdir -p "$out"
@@ -16,13 +16,13 @@ SECONDS=0
 train() {
     echo "== issue 24: batch $1, seq $2"
     timeout 120 "$bin/miles" bench train --device cuda --preset 1b --batch "$1" --seq "$2" \
-        --steps 10 --warmup 3 --baselines compiled 2>&1 | tail -12
+        --steps 10 --warmup 3 --baselines compiled
     echo "at $SECONDS s"
 }
 train 8 512
 echo "== issue 22"
 timeout 120 "$bin/miles" bench rollout --device cuda --preset 1b --prompts 32 \
-    --max-new-tokens 128 --cycles 1 2>&1 | tail -25
+    --max-new-tokens 128 --cycles 1
 echo "at $SECONDS s"
 train 2 2048
 train 1 4096
