@@ -14,7 +14,9 @@ use super::group::{SplitGrads, SplitWeights};
 use super::layout::gate_up_home_ranges;
 use super::sizing::{BLOCK_SLACK, SCALAR_BYTES, activation_arena_bytes, micro_batches};
 use super::stream::{MomentStream, StreamedMoments};
-use super::update::{AdamWBuffers, SquaredGrads, Update, UpdatingWeights, backward_units};
+use super::update::{
+    AdamWBuffers, SPARE_FOR_UPDATE, SquaredGrads, Update, UpdatingWeights, backward_units,
+};
 use super::weights::{GradUnits, WeightUnits, WholeGrads, WholeWeights, edge_units};
 use super::{
     ForwardMode, GpuActivationLayout, GpuActivations, GpuTransformer, OptimizerShard, TrainerGroup,
@@ -1129,8 +1131,17 @@ impl GpuTrainer {
             let (weights, grads) = (self.weight_units(behind)?, self.grad_units(write, last)?);
             let group = self.group.as_deref();
             let train = ForwardMode::Train;
-            self.model
-                .forward(&self.gpu, &*weights, &acts, micro, train, group)?;
+            let spare = behind.map_or(0, |_| SPARE_FOR_UPDATE);
+            if spare > 0 {
+                self.gpu.spare_multiprocessors(spare)?;
+            }
+            let forward = self
+                .model
+                .forward(&self.gpu, &*weights, &acts, micro, train, group);
+            if spare > 0 {
+                self.gpu.spare_multiprocessors(0)?;
+            }
+            forward?;
             if let Some(update) = behind.take() {
                 update.wait_all(&self.gpu)?;
             }

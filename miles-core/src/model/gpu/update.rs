@@ -8,7 +8,9 @@
 //! layers run while the last layers are still updated. The update is memory-bound and the forward pass mostly
 //! compute-bound, so the two share the GPU; the update's stream has the least priority
 //! (`Gpu::with_background_stream`), so its blocks fill what the pass's leave rather than hold
-//! the pass's products back.
+//! the pass's products back. cuBLAS's products fill every multiprocessor for their whole run,
+//! so while an update is queued the forward pass's products leave [`SPARE_FOR_UPDATE`] of
+//! them to it.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -19,6 +21,12 @@ use super::weights::{GradUnits, WeightUnits, edge_units};
 use crate::device::{DeviceError, Fence, Gpu, GpuSlice};
 use crate::model::{ModelError, ParamLayout};
 use crate::ops::gpu::{AdamWStep, GpuMoments, GradWrite};
+
+/// Multiprocessors the forward pass's products leave to the update queued behind them
+/// (cuBLAS's SM count target, [`Gpu::spare_multiprocessors`]). On an H100 (132 of them,
+/// `bench/RESULTS.md` round 50) 16 made a step 0.9-1.4% faster at 8 x 512, 2 x 2048 and
+/// 1 x 4096; 8 made no difference, 24 gained less or lost, 32 and 48 made it slower.
+pub(super) const SPARE_FOR_UPDATE: usize = 16;
 
 /// What an AdamW step reads and writes, each laid out as the whole model.
 pub(super) struct AdamWBuffers {

@@ -260,6 +260,30 @@ pub(super) fn op(t: Transpose) -> sys::cublasOperation_t {
 }
 
 impl Gpu {
+    /// Makes the cuBLAS products queued on this stream from now on leave `spare` of the GPU's
+    /// multiprocessors to other streams (cuBLAS's SM count target); 0 gives them all back.
+    /// Products of all the multiprocessors fill every one of them for their whole run, so a
+    /// memory-bound kernel of another stream gets none while they run; with some spare, it
+    /// runs beside them.
+    ///
+    /// # Errors
+    /// cuBLAS's error.
+    pub fn spare_multiprocessors(&self, spare: usize) -> Result<(), DeviceError> {
+        let target = match spare {
+            0 => 0,
+            n => self.multiprocessors.saturating_sub(n).max(1) as i32,
+        };
+        // SAFETY: a live handle; the target is an int cuBLAS reads at the call.
+        let status = unsafe { sys::cublasSetSmCountTarget(self.blas.handle, target) };
+        match status {
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+            other => Err(DeviceError::Cuda {
+                call: "cublasSetSmCountTarget",
+                message: format!("{other:?}"),
+            }),
+        }
+    }
+
     /// Queues the row-major product `g` of bf16 `a` and `b` into `c` (fp32 or bf16), accumulating
     /// in fp32, with cuBLAS's own pick of algorithm.
     ///
