@@ -1138,10 +1138,13 @@ impl GpuTrainer {
             let forward = self
                 .model
                 .forward(&self.gpu, &*weights, &acts, micro, train, group);
-            if spare > 0 {
-                self.gpu.spare_multiprocessors(0)?;
-            }
+            // The pass's own error first, where both fail.
+            let given_back = match spare {
+                0 => Ok(()),
+                _ => self.gpu.spare_multiprocessors(0),
+            };
             forward?;
+            given_back?;
             if let Some(update) = behind.take() {
                 update.wait_all(&self.gpu)?;
             }

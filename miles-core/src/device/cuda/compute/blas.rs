@@ -274,14 +274,9 @@ impl Gpu {
             n => self.multiprocessors.saturating_sub(n).max(1) as i32,
         };
         // SAFETY: a live handle; the target is an int cuBLAS reads at the call.
-        let status = unsafe { sys::cublasSetSmCountTarget(self.blas.handle, target) };
-        match status {
-            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
-            other => Err(DeviceError::Cuda {
-                call: "cublasSetSmCountTarget",
-                message: format!("{other:?}"),
-            }),
-        }
+        unsafe { sys::cublasSetSmCountTarget(self.blas.handle, target) }
+            .result()
+            .map_err(blas_error("cublasSetSmCountTarget"))
     }
 
     /// Queues the row-major product `g` of bf16 `a` and `b` into `c` (fp32 or bf16), accumulating
